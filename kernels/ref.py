@@ -1,0 +1,82 @@
+"""PyTorch references for every kernel in pdserve_kernels.
+
+These are the CPU implementation the engine runs (through `pdserve.model.ops`) and the
+oracle the Triton kernels are tested against (upcast to float64 in the tests). Plain torch,
+no Triton import, so they work everywhere.
+
+Legend: B batch (sequences or flattened tokens), S query tokens per sequence, H heads,
+D record / head dim, K top-k, N KV slots, T tokens, E experts, I expert intermediate size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def sparse_mla_decode_ref(
+    q: torch.Tensor,  # [B, S, H, D]
+    kv: torch.Tensor,  # [N, D], any row stride; V = kv[:, :d_v]
+    indices: torch.Tensor,  # [B, S, K] int32 slot ids, -1 = padding
+    sm_scale: float,
+    d_v: int,
+    sink: torch.Tensor | None = None,  # [H] attention-sink logits (DeepSeek-V4)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of every query over its own K gathered KV rows. Returns (out [B,S,H,d_v] in
+    q's dtype, lse [B,S,H] float32, natural log). All-padding queries get zeros and lse=-inf.
+    The sink adds exp(sink[h]) to the softmax denominator only (it has no value row)."""
+    valid = indices >= 0  # [B, S, K]
+    rows = kv[indices.clamp(min=0).long()].float()  # [B, S, K, D]
+    scores = torch.einsum("bshd,bskd->bshk", q.float(), rows) * sm_scale
+    scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [B, S, H]
+    if sink is not None:
+        lse_all = torch.logaddexp(lse, sink.float()[None, None, :])
+    else:
+        lse_all = lse
+    probs = torch.exp(scores - lse_all[..., None])
+    probs = torch.nan_to_num(probs, nan=0.0)  # all -inf rows
+    out = torch.einsum("bshk,bskd->bshd", probs, rows[..., :d_v])
+    return out.to(q.dtype), lse_all
+
+
+def fused_moe_ref(
+    x: torch.Tensor,  # [T, hidden]
+    w13: torch.Tensor,  # [E, 2I, hidden], gate rows then up rows
+    w2: torch.Tensor,  # [E, hidden, I]
+    topk_weights: torch.Tensor,  # [T, k] float
+    topk_ids: torch.Tensor,  # [T, k] int
+) -> torch.Tensor:
+    """y[t] = sum_j topk_weights[t,j] * w2[e] @ (silu(gate_e x) * up_e x), e = topk_ids[t,j]."""
+    T, hidden = x.shape
+    y = torch.zeros(T, hidden, dtype=torch.float32, device=x.device)
+    inter = w2.shape[2]
+    flat_ids = topk_ids.reshape(-1)
+    for e in torch.unique(flat_ids).tolist():
+        tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+        h = x[tok].float() @ w13[e].float().t()  # [n, 2I]
+        act = F.silu(h[:, :inter]) * h[:, inter:]
+        out = act @ w2[e].float().t()  # [n, hidden]
+        y.index_add_(0, tok, out * topk_weights[tok, slot, None].float())
+    return y.to(x.dtype)
+
+
+def indexer_topk_ref(
+    q: torch.Tensor,  # [T, H, D] index queries (rope already applied)
+    k_cache: torch.Tensor,  # [N, D] index keys, any row stride
+    weights: torch.Tensor,  # [T, H] per-head weights (softmax scale and H^-0.5 folded in)
+    candidates: torch.Tensor,  # [T, C] int32 slot ids a query may attend to (causal), -1 = padding
+    topk: int,
+) -> torch.Tensor:
+    """DSA lightning indexer: score[t,c] = sum_h weights[t,h] * relu(q[t,h] . k[c]) over the
+    candidate slots; returns the top-k candidate slot ids [T, min(topk, C)] int32 by descending
+    score, -1 where a query has fewer candidates."""
+    valid = candidates >= 0
+    keys = k_cache[candidates.clamp(min=0).long()].float()  # [T, C, D]
+    logits = torch.relu(torch.einsum("thd,tcd->thc", q.float(), keys))
+    scores = torch.einsum("th,thc->tc", weights.float(), logits)
+    scores = scores.masked_fill(~valid, float("-inf"))
+    k = min(topk, candidates.shape[1])
+    top = scores.topk(k, dim=-1)
+    picked = torch.gather(candidates, 1, top.indices)
+    return torch.where(torch.isinf(top.values), torch.full_like(picked, -1), picked).to(torch.int32)

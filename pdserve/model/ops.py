@@ -1,0 +1,51 @@
+"""One switch between the Triton kernels (CUDA) and their PyTorch references (everywhere else).
+
+Model code calls only these three functions; which implementation runs is decided by the device of
+the inputs, unless `set_backend("torch"|"triton")` forces one (tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve_kernels import ref
+
+_forced: str | None = None
+
+
+def set_backend(name: str | None) -> None:
+    """Force "torch" or "triton" for every call; None restores per-device choice."""
+    global _forced
+    if name not in (None, "torch", "triton"):
+        raise ValueError(f"unknown kernel backend {name!r}; expected 'torch' or 'triton'")
+    _forced = name
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    if _forced is not None:
+        return _forced == "triton"
+    return t.is_cuda
+
+
+def sparse_mla_decode(q, kv, indices, sm_scale: float, d_v: int, sink=None):
+    if _use_triton(q):
+        from pdserve_kernels import sparse_mla_decode as kernel
+
+        return kernel(q, kv, indices, sm_scale, d_v, sink=sink)
+    return ref.sparse_mla_decode_ref(q, kv, indices, sm_scale, d_v, sink=sink)
+
+
+def fused_moe(x, w13, w2, topk_weights, topk_ids):
+    if _use_triton(x):
+        from pdserve_kernels import fused_moe as kernel
+
+        return kernel(x, w13, w2, topk_weights, topk_ids)
+    return ref.fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+
+
+def indexer_topk(q, k_cache, weights, candidates, topk: int):
+    if _use_triton(q):
+        from pdserve_kernels import indexer_topk as kernel
+
+        return kernel(q, k_cache, weights, candidates, topk)
+    return ref.indexer_topk_ref(q, k_cache, weights, candidates, topk)
