@@ -1,9 +1,29 @@
 """pdserve_kernels: Triton decode kernels for sparse MLA and fused MoE, with PyTorch references.
 
 Every kernel has a reference in `ref.py` with the same signature; the engine picks one through
-`pdserve.model.ops`.
+`pdserve.model.ops`. The Triton kernels are imported on first use, so `import pdserve_kernels`
+(and the references) work where Triton is not installed.
 """
+
+from __future__ import annotations
+
+import importlib
 
 from pdserve_kernels.ref import fused_moe_ref, indexer_topk_ref, sparse_mla_decode_ref
 
-__all__ = ["fused_moe_ref", "indexer_topk_ref", "sparse_mla_decode_ref"]
+_LAZY = {
+    "sparse_mla_decode": "pdserve_kernels.sparse_mla",
+    "sparse_mla_decode_fp8": "pdserve_kernels.sparse_mla",
+    "fused_moe": "pdserve_kernels.fused_moe",
+    "indexer_topk": "pdserve_kernels.indexer",
+}
+
+__all__ = ["fused_moe_ref", "indexer_topk_ref", "sparse_mla_decode_ref", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'pdserve_kernels' has no attribute {name!r}")

@@ -14,6 +14,11 @@ import torch
 import torch.nn.functional as F
 
 
+def _up(t: torch.Tensor) -> torch.Tensor:
+    """float32 math, or float64 when given float64 (the tests' oracle)."""
+    return t.double() if t.dtype == torch.float64 else t.float()
+
+
 def sparse_mla_decode_ref(
     q: torch.Tensor,  # [B, S, H, D]
     kv: torch.Tensor,  # [N, D], any row stride; V = kv[:, :d_v]
@@ -26,12 +31,12 @@ def sparse_mla_decode_ref(
     q's dtype, lse [B,S,H] float32, natural log). All-padding queries get zeros and lse=-inf.
     The sink adds exp(sink[h]) to the softmax denominator only (it has no value row)."""
     valid = indices >= 0  # [B, S, K]
-    rows = kv[indices.clamp(min=0).long()].float()  # [B, S, K, D]
-    scores = torch.einsum("bshd,bskd->bshk", q.float(), rows) * sm_scale
+    rows = _up(kv[indices.clamp(min=0).long()])  # [B, S, K, D]
+    scores = torch.einsum("bshd,bskd->bshk", _up(q), rows) * sm_scale
     scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [B, S, H]
     if sink is not None:
-        lse_all = torch.logaddexp(lse, sink.float()[None, None, :])
+        lse_all = torch.logaddexp(lse, _up(sink)[None, None, :])
     else:
         lse_all = lse
     probs = torch.exp(scores - lse_all[..., None])
@@ -49,15 +54,15 @@ def fused_moe_ref(
 ) -> torch.Tensor:
     """y[t] = sum_j topk_weights[t,j] * w2[e] @ (silu(gate_e x) * up_e x), e = topk_ids[t,j]."""
     T, hidden = x.shape
-    y = torch.zeros(T, hidden, dtype=torch.float32, device=x.device)
+    y = torch.zeros(T, hidden, dtype=_up(x).dtype, device=x.device)
     inter = w2.shape[2]
     flat_ids = topk_ids.reshape(-1)
     for e in torch.unique(flat_ids).tolist():
         tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
-        h = x[tok].float() @ w13[e].float().t()  # [n, 2I]
+        h = _up(x[tok]) @ _up(w13[e]).t()  # [n, 2I]
         act = F.silu(h[:, :inter]) * h[:, inter:]
-        out = act @ w2[e].float().t()  # [n, hidden]
-        y.index_add_(0, tok, out * topk_weights[tok, slot, None].float())
+        out = act @ _up(w2[e]).t()  # [n, hidden]
+        y.index_add_(0, tok, out * _up(topk_weights[tok, slot, None]).to(y.dtype))
     return y.to(x.dtype)
 
 
@@ -72,9 +77,9 @@ def indexer_topk_ref(
     candidate slots; returns the top-k candidate slot ids [T, min(topk, C)] int32 by descending
     score, -1 where a query has fewer candidates."""
     valid = candidates >= 0
-    keys = k_cache[candidates.clamp(min=0).long()].float()  # [T, C, D]
-    logits = torch.relu(torch.einsum("thd,tcd->thc", q.float(), keys))
-    scores = torch.einsum("th,thc->tc", weights.float(), logits)
+    keys = _up(k_cache[candidates.clamp(min=0).long()])  # [T, C, D]
+    logits = torch.relu(torch.einsum("thd,tcd->thc", _up(q), keys))
+    scores = torch.einsum("th,thc->tc", _up(weights).to(logits.dtype), logits)
     scores = scores.masked_fill(~valid, float("-inf"))
     k = min(topk, candidates.shape[1])
     top = scores.topk(k, dim=-1)

@@ -1,0 +1,93 @@
+"""DSA lightning indexer: index scores over candidate slots (Triton) and their top-k (torch).
+
+score[t, c] = sum_h weights[t, h] * relu(q[t, h] . k[cand[t, c]]), -inf where cand = -1.
+Grid (C / BC, T): a program gathers BC candidate keys once and scores them against all H index
+heads of its query in one `tl.dot` ([BH, D] x [D, BC]); the ReLU and the weighted head sum stay in
+registers, so only the [T, C] float32 scores reach memory. The top-k selection is `torch.topk`.
+
+Legend: T query tokens, H index heads, D index head dim, N key slots, C candidates, BC tile.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve_kernels import configs
+from pdserve_kernels._launch import capability, next_pow2
+
+
+@triton.jit
+def _index_scores_kernel(
+    q_ptr, k_ptr, w_ptr, cand_ptr, score_ptr, H, D, C,
+    s_qt, s_qh, s_qd, s_kn, s_kd, s_wt, s_wh, s_ct, s_cc,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    pid_c = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    h_ok = offs_h < H
+    d_ok = offs_d < D
+    q = tl.load(q_ptr + t * s_qt + offs_h[:, None] * s_qh + offs_d[None, :] * s_qd,
+                mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+    w = tl.load(w_ptr + t * s_wt + offs_h * s_wh, mask=h_ok, other=0.0).to(tl.float32)
+    cand = tl.load(cand_ptr + t * s_ct + offs_c * s_cc, mask=offs_c < C, other=-1)
+    valid = cand >= 0
+    keys = tl.load(k_ptr + cand.to(tl.int64)[:, None] * s_kn + offs_d[None, :] * s_kd,
+                   mask=valid[:, None] & d_ok[None, :], other=0.0)
+    if FP32_DOT:
+        logits = tl.dot(q, tl.trans(keys), input_precision="ieee")  # [BH, BC]
+    else:
+        logits = tl.dot(q, tl.trans(keys))
+    score = tl.sum(tl.maximum(logits, 0.0) * w[:, None], 0)  # [BC]
+    score = tl.where(valid, score, float("-inf"))
+    tl.store(score_ptr + t * C + offs_c, score, mask=offs_c < C)
+
+
+def index_scores(q: torch.Tensor, k_cache: torch.Tensor, weights: torch.Tensor,
+                 candidates: torch.Tensor) -> torch.Tensor:
+    """scores [T, C] float32 (-inf at padding); shapes as in `indexer_topk`."""
+    T, H, D = q.shape
+    C = candidates.shape[1]
+    scores = torch.empty(T, C, dtype=torch.float32, device=q.device)
+    if T == 0 or C == 0:
+        return scores
+    cfg = configs.indexer_config(capability(q.device))
+    _index_scores_kernel[(triton.cdiv(C, cfg.block_c), T)](
+        q, k_cache, weights, candidates, scores, H, D, C,
+        *q.stride(), *k_cache.stride(), *weights.stride(), *candidates.stride(),
+        BLOCK_H=max(16, next_pow2(H)), BLOCK_D=max(16, next_pow2(D)), BLOCK_C=cfg.block_c,
+        FP32_DOT=q.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return scores
+
+
+def indexer_topk(
+    q: torch.Tensor,  # [T, H, D] index queries (rope applied), bf16/fp16/fp32
+    k_cache: torch.Tensor,  # [N, D] index keys, q's dtype, any strides
+    weights: torch.Tensor,  # [T, H] per-head weights (softmax scale and H^-0.5 folded in)
+    candidates: torch.Tensor,  # [T, C] int32 slot ids a query may attend to, -1 = padding
+    topk: int,
+) -> torch.Tensor:
+    """Top-k candidate slot ids [T, min(topk, C)] int32 by descending index score, -1 where a
+    query has fewer valid candidates. Same contract as `ref.indexer_topk_ref`."""
+    if q.dim() != 3 or k_cache.dim() != 2 or k_cache.shape[1] != q.shape[2]:
+        raise ValueError(f"q must be [T, H, D] and k_cache [N, D]; got {tuple(q.shape)}, "
+                         f"{tuple(k_cache.shape)}")
+    if tuple(weights.shape) != tuple(q.shape[:2]):
+        raise ValueError(f"weights must be [T, H] = {tuple(q.shape[:2])}, got {tuple(weights.shape)}")
+    if candidates.dim() != 2 or candidates.shape[0] != q.shape[0] or candidates.dtype != torch.int32:
+        raise ValueError(f"candidates must be int32 [T={q.shape[0]}, C], got {candidates.dtype} "
+                         f"{tuple(candidates.shape)}")
+    if k_cache.dtype != q.dtype:
+        raise ValueError(f"k_cache dtype {k_cache.dtype} must match q dtype {q.dtype}")
+    if topk < 1:
+        raise ValueError(f"topk must be >= 1, got {topk}")
+    scores = index_scores(q, k_cache, weights, candidates)
+    k = min(topk, candidates.shape[1])
+    top = scores.topk(k, dim=-1)
+    picked = torch.gather(candidates, 1, top.indices)
+    return torch.where(torch.isinf(top.values), torch.full_like(picked, -1), picked)

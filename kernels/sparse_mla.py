@@ -1,0 +1,298 @@
+"""Sparse MLA decode attention: split-K over the top-k KV rows, all heads of a query per tile.
+
+Legend: B batch, S query tokens per sequence, H heads, D record dim (d_v value dims + D - d_v
+rope dims), K top-k, N KV slots, P splits, BH heads per program, BN rows per tile.
+
+Pass 1 (`_mla_split_kernel`), grid (H / BH, P, B * S): a program gathers BN KV rows of its query
+once and uses the tile for all BH heads (heads are the M dimension of `tl.dot`, on tensor cores):
+scores = q[BH, D] @ kv[BN, D]^T, online softmax in base 2, acc[BH, d_v] += p @ kv[BN, :d_v].
+With one split it writes the final output; otherwise each split writes its normalized partial
+output and its log-sum-exp, and pass 2 (`_mla_merge_kernel`, grid (H, B * S)) merges the splits
+by LSE and adds the attention sink. The split count comes from the SM count and the work
+(`num_splits`), so small batches still fill the GPU.
+
+KV formats:
+- bf16/fp16 (`sparse_mla_decode`): kv [N, D] in q's dtype, any row stride.
+- fp8 (`sparse_mla_decode_fp8`): uint8 records, layout in `kv_fp8.py` (V3.2: 656 bytes =
+  512 e4m3 + 4 fp32 scales, one per 128 values + 64 bf16 rope), dequantized in the kernel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve_kernels import configs, kv_fp8
+from pdserve_kernels._launch import capability, interpreting, next_pow2, sm_count
+
+LOG2E = 1.4426950408889634
+LAST_COMPILED: dict = {}  # kernel name -> last compiled kernel, for bench.py's resource report
+
+
+@triton.jit
+def _mla_split_kernel(
+    q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+    scale_log2, H, K, tiles_per_split,
+    s_qb, s_qh, s_qd, s_kvn, s_kvd, s_ib, s_ik, s_ob, s_oh, s_pb, s_ps, s_ph,
+    D_V: tl.constexpr, D_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr, HAS_SINK: tl.constexpr, DIRECT: tl.constexpr,
+    KV_FP8: tl.constexpr, GROUP: tl.constexpr, FP32_DOT: tl.constexpr,
+    INTERPRET: tl.constexpr, TILES_C: tl.constexpr,
+):
+    pid_h = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_b = tl.program_id(2).to(tl.int64)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_v = tl.arange(0, BLOCK_V)
+    offs_t = tl.arange(0, BLOCK_T)
+    h_ok = offs_h < H
+    v_ok = offs_v < D_V
+    t_ok = offs_t < D_T
+
+    q_rows = q_ptr + pid_b * s_qb + offs_h[:, None] * s_qh
+    q_v = tl.load(q_rows + offs_v[None, :] * s_qd, mask=h_ok[:, None] & v_ok[None, :], other=0.0)
+    if D_T > 0:
+        q_t = tl.load(q_rows + (D_V + offs_t)[None, :] * s_qd, mask=h_ok[:, None] & t_ok[None, :],
+                      other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
+
+    start = pid_s * tiles_per_split * BLOCK_N
+    for i in range(0, TILES_C if INTERPRET else tiles_per_split):  # see _launch.interpreting
+        offs_n = start + i * BLOCK_N + tl.arange(0, BLOCK_N)
+        idx = tl.load(idx_ptr + pid_b * s_ib + offs_n * s_ik, mask=offs_n < K, other=-1)
+        valid = idx >= 0
+        rows = kv_ptr + idx.to(tl.int64)[:, None] * s_kvn
+        if KV_FP8:
+            # record: D_V e4m3 bytes | D_V / GROUP fp32 scales | D_T bf16 tail
+            NG: tl.constexpr = BLOCK_V // GROUP
+            raw = tl.load(rows + offs_v[None, :], mask=valid[:, None], other=0)
+            vals = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            offs_g = tl.arange(0, NG)
+            scales = tl.load((rows + D_V).to(tl.pointer_type(tl.float32)) + offs_g[None, :],
+                             mask=valid[:, None], other=0.0)
+            vals = tl.reshape(vals, [BLOCK_N, NG, GROUP]) * scales[:, :, None]
+            kv_v = tl.reshape(vals, [BLOCK_N, BLOCK_V]).to(q_v.dtype)
+            if D_T > 0:
+                tail = (rows + D_V + 4 * NG).to(tl.pointer_type(tl.bfloat16))
+                kv_t = tl.load(tail + offs_t[None, :], mask=valid[:, None] & t_ok[None, :],
+                               other=0.0).to(q_v.dtype)
+        else:
+            kv_v = tl.load(rows + offs_v[None, :] * s_kvd, mask=valid[:, None] & v_ok[None, :],
+                           other=0.0)
+            if D_T > 0:
+                kv_t = tl.load(rows + (D_V + offs_t)[None, :] * s_kvd,
+                               mask=valid[:, None] & t_ok[None, :], other=0.0)
+        if FP32_DOT:
+            s = tl.dot(q_v, tl.trans(kv_v), input_precision="ieee")
+            if D_T > 0:
+                s += tl.dot(q_t, tl.trans(kv_t), input_precision="ieee")
+        else:
+            s = tl.dot(q_v, tl.trans(kv_v))
+            if D_T > 0:
+                s += tl.dot(q_t, tl.trans(kv_t))
+        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))  # [BH, BN], base-2 logits
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid row yet: keep exp2 finite
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if FP32_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p, kv_v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(kv_v.dtype), kv_v)
+        m_i = m_new
+
+    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+    lse2 = m_safe + tl.log2(l_i)  # -inf when the split saw no valid row
+    out_mask = h_ok[:, None] & v_ok[None, :]
+    if DIRECT:
+        if HAS_SINK:
+            sink2 = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+            top = tl.maximum(lse2, sink2)
+            lse2 = top + tl.log2(tl.exp2(lse2 - top) + tl.exp2(sink2 - top))
+        denom = tl.where(lse2 == float("-inf"), 0.0, lse2)
+        o = acc * tl.exp2(m_safe - denom)[:, None]
+        o_ptrs = out_ptr + pid_b * s_ob + offs_h[:, None] * s_oh + offs_v[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(lse_ptr + pid_b * H + offs_h, lse2 * 0.6931471805599453, mask=h_ok)
+    else:
+        denom = tl.where(lse2 == float("-inf"), 0.0, lse2)
+        o = acc * tl.exp2(m_safe - denom)[:, None]
+        base = pid_b * s_pb + pid_s * s_ps
+        tl.store(part_out_ptr + base + offs_h[:, None] * s_ph + offs_v[None, :], o, mask=out_mask)
+        tl.store(part_lse_ptr + (pid_b * tl.num_programs(1) + pid_s) * H + offs_h, lse2, mask=h_ok)
+
+
+@triton.jit
+def _mla_merge_kernel(
+    part_out_ptr, part_lse_ptr, sink_ptr, out_ptr, lse_ptr, H, num_splits,
+    s_pb, s_ps, s_ph, s_ob, s_oh,
+    D_V: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_P: tl.constexpr, HAS_SINK: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    h = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    offs_p = tl.arange(0, BLOCK_P)
+    lses = tl.load(part_lse_ptr + (b * num_splits + offs_p) * H + h, mask=offs_p < num_splits,
+                   other=float("-inf"))
+    top = tl.max(lses, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    lse2 = top + tl.log2(tl.sum(tl.exp2(lses - top), 0))
+    if HAS_SINK:
+        sink2 = tl.load(sink_ptr + h).to(tl.float32) * 1.4426950408889634
+        t2 = tl.maximum(lse2, sink2)
+        lse2 = t2 + tl.log2(tl.exp2(lse2 - t2) + tl.exp2(sink2 - t2))
+    denom = tl.where(lse2 == float("-inf"), 0.0, lse2)
+    offs_v = tl.arange(0, BLOCK_V)
+    v_ok = offs_v < D_V
+    acc = tl.zeros([BLOCK_V], tl.float32)
+    for c in range(0, BLOCK_P // CHUNK):  # CHUNK splits' rows loaded at once, not one by one
+        offs_c = c * CHUNK + tl.arange(0, CHUNK)
+        c_ok = offs_c < num_splits
+        w = tl.exp2(tl.load(part_lse_ptr + (b * num_splits + offs_c) * H + h, mask=c_ok,
+                            other=float("-inf")) - denom)
+        rows = tl.load(part_out_ptr + b * s_pb + offs_c[:, None] * s_ps + h * s_ph + offs_v[None, :],
+                       mask=c_ok[:, None] & v_ok[None, :], other=0.0)
+        acc += tl.sum(w[:, None] * rows, 0)
+    tl.store(out_ptr + b * s_ob + h * s_oh + offs_v, acc.to(out_ptr.dtype.element_ty), mask=v_ok)
+    tl.store(lse_ptr + b * H + h, lse2 * 0.6931471805599453)
+
+
+def num_splits(bs: int, head_blocks: int, tiles: int, sms: int, cfg: configs.MLAConfig) -> int:
+    """Splits of the top-k per query: enough programs for `cfg.waves` per SM, at least
+    `cfg.min_tiles` tiles each; recomputed so that no split is empty."""
+    base = bs * head_blocks
+    want = max(1, (cfg.waves * sms) // base)
+    splits = max(1, min(want, tiles // max(cfg.min_tiles, 1)))
+    per = triton.cdiv(tiles, splits)
+    return triton.cdiv(tiles, per)
+
+
+def _check(q, indices, sm_scale, d_v, sink) -> None:
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, S, H, D], got shape {tuple(q.shape)}")
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"q must be bf16, fp16 or fp32, got {q.dtype}")
+    B, S, H, D = q.shape
+    if indices.dim() != 3 or tuple(indices.shape[:2]) != (B, S):
+        raise ValueError(f"indices must be [B, S, K] = [{B}, {S}, K], got {tuple(indices.shape)}")
+    if indices.dtype != torch.int32:
+        raise ValueError(f"indices must be int32, got {indices.dtype}")
+    if not 0 < d_v <= D:
+        raise ValueError(f"d_v must be in (0, D={D}], got {d_v}")
+    if sink is not None and tuple(sink.shape) != (H,):
+        raise ValueError(f"sink must be [H] = [{H}], got {tuple(sink.shape)}")
+    if not math.isfinite(sm_scale):
+        raise ValueError(f"sm_scale must be finite, got {sm_scale}")
+    for name, t in (("kv/indices", indices), ("sink", sink)):
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+
+
+def _run(q, kv, s_kvn, s_kvd, indices, sm_scale, d_v, sink, kv_format, cfg):
+    B, S, H, D = q.shape
+    K = indices.shape[2]
+    BS = B * S
+    out = torch.empty(B, S, H, d_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, S, H, dtype=torch.float32, device=q.device)
+    if BS == 0 or H == 0:
+        return out, lse
+    if K == 0:
+        out.zero_()
+        lse.copy_(torch.full_like(lse, float("-inf")) if sink is None
+                  else sink.float().expand(B, S, H))
+        return out, lse
+    cc = capability(q.device)
+    cfg = cfg or configs.mla_config(cc, kv_format, H, BS, has_tail=D > d_v)
+    q3 = q.reshape(BS, H, D)
+    idx2 = indices.reshape(BS, K)
+    block_v, d_t = next_pow2(d_v), D - d_v
+    block_t = max(16, next_pow2(d_t)) if d_t > 0 else 16
+    block_v = max(16, block_v)
+    head_blocks = triton.cdiv(H, cfg.block_h)
+    tiles = triton.cdiv(K, cfg.block_n)
+    splits = num_splits(BS, head_blocks, tiles, sm_count(q.device), cfg)
+    per = triton.cdiv(tiles, splits)
+    direct = splits == 1
+    interp = interpreting()
+    if direct:
+        part_out, part_lse = out, lse  # unused
+        s_p = (0, 0, 0)
+    else:
+        part_out = torch.empty(BS, splits, H, d_v, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(BS, splits, H, dtype=torch.float32, device=q.device)
+        s_p = part_out.stride()[:3]
+    sink_arg = sink if sink is not None else lse
+    LAST_COMPILED["split"] = _mla_split_kernel[(head_blocks, splits, BS)](
+        q3, kv, idx2, sink_arg, out, lse, part_out, part_lse,
+        sm_scale * LOG2E, H, K, per,
+        q3.stride(0), q3.stride(1), q3.stride(2), s_kvn, s_kvd, idx2.stride(0), idx2.stride(1),
+        H * d_v, d_v, *s_p,
+        D_V=d_v, D_T=d_t, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_V=block_v,
+        BLOCK_T=block_t, HAS_SINK=sink is not None, DIRECT=direct, KV_FP8=kv_format == "fp8",
+        GROUP=kv_fp8.GROUP, FP32_DOT=q.dtype == torch.float32,
+        INTERPRET=interp, TILES_C=per if interp else 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if not direct:
+        LAST_COMPILED["merge"] = _mla_merge_kernel[(H, BS)](
+            part_out, part_lse, sink_arg, out, lse, H, splits, *s_p, H * d_v, d_v,
+            D_V=d_v, BLOCK_V=block_v, BLOCK_P=next_pow2(splits), HAS_SINK=sink is not None,
+            CHUNK=min(8, next_pow2(splits)), num_warps=4,
+        )
+    return out, lse
+
+
+def sparse_mla_decode(
+    q: torch.Tensor,  # [B, S, H, D] bf16/fp16 (fp32 for tests)
+    kv: torch.Tensor,  # [N, D] same dtype as q, any row stride; V = kv[:, :d_v]
+    indices: torch.Tensor,  # [B, S, K] int32 slot ids, -1 = padding (anywhere in the row)
+    sm_scale: float,
+    d_v: int,
+    sink: torch.Tensor | None = None,  # [H] attention-sink logits (DeepSeek-V4)
+    config: configs.MLAConfig | None = None,  # tile override (benchmark sweeps)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA decode. Returns out [B, S, H, d_v] in q's dtype and lse [B, S, H] float32
+    (natural log, including the sink). A query whose indices are all -1 gets zeros and
+    lse = -inf (= the sink when one is given). Same contract as `ref.sparse_mla_decode_ref`."""
+    _check(q, indices, sm_scale, d_v, sink)
+    if kv.dim() != 2 or kv.shape[1] != q.shape[3]:
+        raise ValueError(f"kv must be [N, D={q.shape[3]}], got {tuple(kv.shape)}")
+    if kv.dtype != q.dtype:
+        raise ValueError(f"kv dtype {kv.dtype} must match q dtype {q.dtype}")
+    if kv.device != q.device:
+        raise ValueError(f"kv is on {kv.device}, q on {q.device}")
+    return _run(q, kv, kv.stride(0), kv.stride(1), indices, sm_scale, d_v, sink, "bf16", config)
+
+
+def sparse_mla_decode_fp8(
+    q: torch.Tensor,  # [B, S, H, D] bf16/fp16
+    kv: torch.Tensor,  # [N, R] uint8 records (layout in kv_fp8.py), any row stride (16-aligned)
+    indices: torch.Tensor,  # [B, S, K] int32, -1 = padding
+    sm_scale: float,
+    d_v: int,
+    sink: torch.Tensor | None = None,  # [H]
+    config: configs.MLAConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA decode over FP8 KV records, dequantized in the kernel (values x their group's
+    fp32 scale, rounded to q's dtype before the dots). Same outputs as `sparse_mla_decode`;
+    reference: `kv_fp8.sparse_mla_decode_fp8_ref`."""
+    _check(q, indices, sm_scale, d_v, sink)
+    if q.dtype == torch.float32:
+        raise ValueError("sparse_mla_decode_fp8 takes bf16 or fp16 q")
+    D = q.shape[3]
+    need = kv_fp8.record_bytes(d_v, D - d_v)
+    if kv.dtype != torch.uint8 or kv.dim() != 2 or kv.shape[1] != need or kv.stride(1) != 1:
+        raise ValueError(f"kv must be uint8 [N, {need}] records with contiguous bytes, got "
+                         f"{kv.dtype} {tuple(kv.shape)} strides {kv.stride()}")
+    if d_v != next_pow2(d_v) or d_v % kv_fp8.GROUP:
+        raise ValueError(f"fp8 records need d_v a power of two and a multiple of {kv_fp8.GROUP}")
+    if kv.stride(0) % 16 or kv.data_ptr() % 16:
+        raise ValueError("fp8 records must start on 16-byte boundaries (row stride and base)")
+    return _run(q, kv, kv.stride(0), 1, indices, sm_scale, d_v, sink, "fp8", config)

@@ -1,0 +1,82 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3/V3.2) in the absorbed form.
+
+Legend: T tokens, H heads, C kv_lora_rank, R qk_rope_head_dim, Dn qk_nope_head_dim,
+Dv v_head_dim, K keys attended per query, N KV slots.
+
+The cache holds one record per token: [normalized latent (C) | roped key (R)]. kv_b_proj
+[H*(Dn+Dv), C] splits per head into W_UK [H, Dn, C] and W_UV [H, Dv, C]; absorbing W_UK into
+the query (q_lat = q_nope @ W_UK) makes q_lat . latent == q_nope . k_nope, so attention runs in
+the latent space over the records themselves (V = the latent), and W_UV lifts the result back.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pdserve.engine.kv_cache import KVCache
+from pdserve.model import ops
+from pdserve.model.batch import ForwardBatch
+from pdserve.model.config import ModelConfig
+from pdserve.model.indexer import Indexer
+from pdserve.model.layers import RMSNorm
+from pdserve.model.rope import apply_rope, softmax_scale
+
+
+class MLA(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.n_heads, self.kv_lora_rank, self.rope_dim = c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
+        self.nope_dim, self.v_dim = c.qk_nope_head_dim, c.v_head_dim
+        self.interleave = c.rope_interleave
+        self.scale = softmax_scale(c.rope, c.qk_head_dim)
+        H, bias = c.num_attention_heads, c.attention_bias
+        self.q_lora = c.q_lora_rank is not None
+        if not self.q_lora:
+            self.q_proj = nn.Linear(c.hidden_size, H * c.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank)
+            self.q_b_proj = nn.Linear(c.q_lora_rank, H * c.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank)
+        self.kv_b_proj = nn.Linear(c.kv_lora_rank, H * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(H * c.v_head_dim, c.hidden_size, bias=bias)
+        self.indexer = Indexer(c) if c.has_indexer else None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, R/2]
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:
+        T, H, C, R, Dn = x.shape[0], self.n_heads, self.kv_lora_rank, self.rope_dim, self.nope_dim
+        if not self.q_lora:
+            q_resid, q = None, self.q_proj(x)
+        else:
+            q_resid = self.q_a_layernorm(self.q_a_proj(x))  # [T, q_lora_rank]
+            q = self.q_b_proj(q_resid)
+        q_nope, q_pe = q.view(T, H, Dn + R).split([Dn, R], dim=-1)  # [T, H, Dn], [T, H, R]
+        q_pe = apply_rope(q_pe, cos, sin, self.interleave)
+
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([C, R], dim=-1)  # [T, C], [T, R]
+        record = torch.cat([self.kv_a_layernorm(latent), apply_rope(k_pe, cos, sin, self.interleave)], dim=-1)
+        kv = kv_cache.layer("latent", self.layer_idx)  # [N, C+R]
+        kv[batch.slot_mapping] = record.to(kv.dtype)
+
+        w_kv = self.kv_b_proj.weight.view(H, Dn + self.v_dim, C)
+        q_lat = torch.einsum("thd,hdc->thc", q_nope, w_kv[:, :Dn])  # [T, H, C]
+        q_full = torch.cat([q_lat, q_pe], dim=-1)  # [T, H, C+R]
+
+        if self.indexer is not None:
+            k_idx = kv_cache.layer("index_k", self.layer_idx)
+            indices = self.indexer(x, q_resid, cos, sin, batch, k_idx)  # [T, K]
+        else:
+            indices = batch.context_slots  # [T, C_ctx]
+        out, _ = ops.sparse_mla_decode(q_full[:, None], kv, indices[:, None], self.scale, d_v=C)  # [T, 1, H, C]
+        v = torch.einsum("thc,hvc->thv", out[:, 0], w_kv[:, Dn:])  # [T, H, Dv]
+        return self.o_proj(v.reshape(T, H * self.v_dim))

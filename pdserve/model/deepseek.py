@@ -1,0 +1,85 @@
+"""DeepSeek-V3 / V3.2 causal LM over a flat token batch and a paged latent KV cache.
+
+Legend: T tokens in the batch, N rows to compute logits for, V vocab.
+
+Module and parameter names are the checkpoint's (model.layers.N.self_attn.kv_b_proj.weight,
+...), so the loader maps names one to one except for the stacked experts (see loader.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pdserve.engine.kv_cache import KVCache, KVRegionSpec
+from pdserve.model.attention import MLA
+from pdserve.model.batch import ForwardBatch
+from pdserve.model.config import ModelConfig
+from pdserve.model.layers import MLP, RMSNorm
+from pdserve.model.moe import MoE
+from pdserve.model.rope import RotaryEmbedding
+
+# Parameters kept in float32 whatever the model dtype (router and indexer weights), as transformers does.
+FP32_PARAM_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = MLA(config, layer_idx)
+        if config.is_moe_layer(layer_idx):
+            self.mlp: nn.Module = MoE(config)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, cos, sin, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, kv_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DeepseekModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.rope, config.qk_rope_head_dim)
+
+
+class DeepseekForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.num_layers = config.num_hidden_layers
+        self.model = DeepseekModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head when the config says so (call again after
+        replacing parameters, e.g. when materializing from the meta device)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def kv_cache_specs(self) -> list[KVRegionSpec]:
+        c = self.config
+        specs = [KVRegionSpec("latent", c.kv_lora_rank + c.qk_rope_head_dim)]
+        if c.has_indexer:
+            specs.append(KVRegionSpec("index_k", c.index_head_dim))
+        return specs
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        """Runs every token of the batch; writes their KV records; returns final-normed hidden [T, hidden]."""
+        h = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
+        cos, sin = self.model.rotary_emb(batch.positions)  # [T, R/2]
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, batch, kv_cache)
+        return self.model.norm(h)
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, V] float32."""
+        return self.lm_head(hidden).float()

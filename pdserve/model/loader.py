@@ -1,0 +1,195 @@
+"""Load a Hugging Face-format DeepSeek-V3 / V3.2 checkpoint folder into DeepseekForCausalLM.
+
+Accepted layouts: model.safetensors, sharded with model.safetensors.index.json, or several
+*.safetensors without an index. Accepted names: those transformers 5.24's save_pretrained writes
+and DeepSeek's released checkpoints use (the same scheme: per-expert
+`mlp.experts.{e}.{gate,up,down}_proj.weight`), plus transformers' in-memory fused expert names
+(`mlp.experts.gate_up_proj` [E, 2I, hidden], `mlp.experts.down_proj` [E, hidden, I]). MTP layers
+(layer index >= num_hidden_layers) are skipped. FP8 e4m3 weights with `weight_scale_inv` are
+dequantized at load.
+
+The model is built on the meta device and each parameter is allocated once, directly in its
+final dtype and device, then filled from the files.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+from pdserve.model.config import ModelConfig
+from pdserve.model.deepseek import FP32_PARAM_SUFFIXES, DeepseekForCausalLM
+from pdserve.model.fp8 import dequantize_block_fp8, is_fp8
+
+
+class CheckpointError(ValueError):
+    """The weight files do not fit the model their config.json describes."""
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_FUSED_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_SCALE_SUFFIX = "_scale_inv"
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+    progress: bool = True,
+) -> DeepseekForCausalLM:
+    model_dir = Path(model_dir)
+    config = ModelConfig.from_model_dir(model_dir)
+    files = weight_files(model_dir)
+    with torch.device("meta"):
+        model = DeepseekForCausalLM(config)
+    _materialize(model, dtype, torch.device(device))
+    sink = _WeightSink(model)
+    names = [n for n in files if not n.endswith(_SCALE_SUFFIX) and not _skipped(n, config)]
+    _check_scales(files, config)
+    with ExitStack() as stack:
+        handles = {f: stack.enter_context(safe_open(str(f), framework="pt")) for f in sorted(set(files.values()))}
+
+        def read(name: str) -> torch.Tensor:
+            try:
+                return handles[files[name]].get_tensor(name)
+            except Exception as e:  # safetensors raises its own error types
+                raise CheckpointError(f"cannot read tensor {name} from {files[name]}: {e}") from e
+
+        for name in tqdm(names, desc=f"Loading {model_dir.name}", unit="tensor", disable=not progress):
+            tensor = read(name)
+            if is_fp8(tensor):
+                tensor = _dequantize(name, tensor, files, read, config)
+            sink.put(name, tensor, files[name])
+    sink.check_complete(model_dir)
+    return model.eval()
+
+
+def weight_files(model_dir: Path) -> dict[str, Path]:
+    """Checkpoint tensor name -> the safetensors file holding it."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index (needs a 'weight_map'): {e}") from e
+        files = {name: model_dir / f for name, f in weight_map.items()}
+        for f in sorted(set(files.values())):
+            if not f.is_file():
+                raise FileNotFoundError(f"weight file {f.name} listed in {index.name} is missing from {model_dir}")
+        return files
+    single = model_dir / "model.safetensors"
+    shards = [single] if single.is_file() else sorted(model_dir.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+    files: dict[str, Path] = {}
+    for f in shards:
+        with safe_open(str(f), framework="pt") as h:
+            files.update({name: f for name in h.keys()})
+    return files
+
+
+def _skipped(name: str, config: ModelConfig) -> bool:
+    m = _LAYER.match(name)
+    if m and int(m.group(1)) >= config.num_hidden_layers:
+        return True  # multi-token-prediction layers: not part of the base model
+    if name == "lm_head.weight" and config.tie_word_embeddings:
+        return True
+    return name.endswith(_IGNORED_SUFFIXES)
+
+
+def _check_scales(files: dict[str, Path], config: ModelConfig) -> None:
+    scales = [n for n in files if n.endswith(_SCALE_SUFFIX) and not _skipped(n, config)]
+    if scales and config.quant is None:
+        raise CheckpointError(
+            f"{scales[0]} in {files[scales[0]]}: scaled (quantized) weights but config.json has no quantization_config"
+        )
+    for s in scales:
+        if s[: -len(_SCALE_SUFFIX)] not in files:
+            raise CheckpointError(f"{s} in {files[s]} has no weight {s[: -len(_SCALE_SUFFIX)]}")
+
+
+def _dequantize(name, tensor, files, read, config: ModelConfig) -> torch.Tensor:
+    if config.quant is None:
+        raise CheckpointError(f"{name} in {files[name]} is {tensor.dtype} but config.json has no quantization_config")
+    scale_name = name + _SCALE_SUFFIX
+    if scale_name not in files:
+        raise CheckpointError(f"{name} in {files[name]} is {tensor.dtype} but {scale_name} is missing")
+    try:
+        return dequantize_block_fp8(tensor, read(scale_name), config.quant.weight_block_size)
+    except ValueError as e:
+        raise CheckpointError(f"{name} in {files[name]}: {e}") from e
+
+
+def _materialize(model: DeepseekForCausalLM, dtype: torch.dtype, device: torch.device) -> None:
+    """Replace every meta parameter by an uninitialized one in its final dtype and device."""
+    for mod_name, mod in model.named_modules():
+        for pname, p in list(mod._parameters.items()):
+            full = f"{mod_name}.{pname}" if mod_name else pname
+            if p is None or (full == "lm_head.weight" and model.config.tie_word_embeddings):
+                continue
+            dt = torch.float32 if full.endswith(FP32_PARAM_SUFFIXES) else dtype
+            mod._parameters[pname] = nn.Parameter(torch.empty(p.shape, dtype=dt, device=device), requires_grad=False)
+    model.tie_weights()
+
+
+class _WeightSink:
+    """Copies checkpoint tensors into the model's parameters and tracks which are still missing.
+    Stacked expert parameters are filled per expert (gate rows, then up rows) or whole."""
+
+    def __init__(self, model: DeepseekForCausalLM) -> None:
+        self.params = dict(model.named_parameters())
+        self.pending: set[str] = set()
+        self.num_experts = model.config.n_routed_experts
+        self.inter = model.config.moe_intermediate_size
+        for name in self.params:
+            fused = _FUSED_EXPERT.match(name)
+            if fused is None:
+                self.pending.add(name)
+            else:
+                self.pending.update(self._per_expert_names(fused.group(1), fused.group(2)))
+
+    def _per_expert_names(self, prefix: str, fused: str) -> list[str]:
+        projs = ("gate_proj", "up_proj") if fused == "gate_up_proj" else ("down_proj",)
+        return [f"{prefix}.{e}.{p}.weight" for e in range(self.num_experts) for p in projs]
+
+    def _target(self, name: str, file: Path) -> tuple[torch.Tensor, list[str]]:
+        """The destination view for checkpoint tensor `name` and the names it fulfils."""
+        m = _EXPERT.match(name)
+        if m:
+            prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
+            if e >= self.num_experts:
+                raise CheckpointError(
+                    f"unexpected tensor {name} in {file}: expert {e} >= n_routed_experts {self.num_experts}"
+                )
+            if proj == "down_proj":
+                return self.params[f"{prefix}.down_proj"][e], [name]
+            rows = slice(0, self.inter) if proj == "gate_proj" else slice(self.inter, 2 * self.inter)
+            return self.params[f"{prefix}.gate_up_proj"][e, rows], [name]
+        if name not in self.params:
+            raise CheckpointError(f"unexpected tensor {name} in {file}: no such parameter in this model")
+        fused = _FUSED_EXPERT.match(name)
+        return self.params[name], self._per_expert_names(fused.group(1), fused.group(2)) if fused else [name]
+
+    def put(self, name: str, tensor: torch.Tensor, file: Path) -> None:
+        dst, fulfils = self._target(name, file)
+        if tuple(dst.shape) != tuple(tensor.shape):
+            raise CheckpointError(
+                f"shape mismatch for {name} in {file}: expected {tuple(dst.shape)}, got {tuple(tensor.shape)}"
+            )
+        dst.copy_(tensor)
+        self.pending.difference_update(fulfils)
+
+    def check_complete(self, model_dir: Path) -> None:
+        if self.pending:
+            missing = sorted(self.pending)
+            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise CheckpointError(f"missing tensor(s) in {model_dir}: {', '.join(missing[:5])}{more}")

@@ -1,0 +1,72 @@
+"""DeepSeek MoE: sigmoid router with group-limited top-k, stacked routed experts, shared experts.
+
+Legend: T tokens, E routed experts, G groups (n_group), k experts per token, I
+moe_intermediate_size.
+
+Routing (as transformers / DeepSeek-V3): scores = sigmoid(x W_g^T) in float32; selection uses
+scores + e_score_correction_bias, first keeping the topk_group groups with the best sum of their
+top-2 biased scores, then the top-k experts inside them; the weights are the unbiased scores of
+the chosen experts, renormalized if norm_topk_prob, times routed_scaling_factor.
+Experts are stacked in vLLM's layout: gate_up_proj [E, 2I, hidden] (gate rows, then up rows),
+down_proj [E, hidden, I] - the same layout as transformers' fused expert parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.model import ops
+from pdserve.model.config import ModelConfig
+from pdserve.model.layers import MLP
+
+
+class Gate(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        E = config.n_routed_experts
+        self.top_k, self.n_group, self.topk_group = config.num_experts_per_tok, config.n_group, config.topk_group
+        self.norm_topk_prob, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(E, config.hidden_size))  # kept float32
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(E))  # kept float32
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (topk_weights [T, k] float32, topk_ids [T, k] int32)."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
+        choice = scores + self.e_score_correction_bias.float()
+        if self.n_group > 1:
+            T, E, G = scores.shape[0], scores.shape[1], self.n_group
+            group_scores = choice.view(T, G, E // G).topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+            keep = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
+            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+            choice = choice.masked_fill(~group_mask.repeat_interleave(E // G, dim=1), float("-inf"))
+        ids = choice.topk(self.top_k, dim=-1, sorted=False).indices  # [T, k]
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, ids.to(torch.int32)
+
+
+class Experts(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        E, I, hidden = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, hidden))
+        self.down_proj = nn.Parameter(torch.empty(E, hidden, I))
+
+
+class MoE(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate = Gate(config)
+        self.experts = Experts(config)
+        n_shared = config.n_shared_experts
+        self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * n_shared) if n_shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        y = ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)  # [T, hidden]
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y

@@ -1,0 +1,275 @@
+"""`make_tiny_model`: a small random DeepSeek-V3 / V3.2 checkpoint folder.
+
+No weights can be downloaded where pdserve is tested, so this writes a checkpoint that
+both pdserve and transformers 5.24 load: config.json, model.safetensors (float32, named as
+transformers' save_pretrained names them, per-expert weights), tokenizer.json (byte-level
+BPE, so any UTF-8 text round-trips), tokenizer_config.json (special tokens and a
+DeepSeek-style chat template), special_tokens_map.json and generation_config.json.
+
+Everything is deterministic: the same (arch, seed) gives byte-identical files. The seed
+only changes the weights; the tokenizer is trained on the embedded text below.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+ARCHS = ("deepseek_v3", "deepseek_v32")
+
+BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
+SPECIAL_TOKENS = [BOS, EOS, USER, ASSISTANT]  # ids 0, 1, 2, 3
+
+# Upper bound on the BPE size (4 special + 256 byte tokens + merges). Training on _CORPUS
+# stops earlier, at 857 tokens, once every corpus word is a single token.
+TOKENIZER_TARGET_SIZE = 1000
+VOCAB_MULTIPLE = 128  # config vocab_size is padded past the tokenizer, as DeepSeek's is
+
+# DeepSeek-V3's layout: system prompts first, then <｜User｜>/<｜Assistant｜> turns, assistant
+# turns closed by EOS. Content may be a string or a list of {"type": "text"} parts.
+CHAT_TEMPLATE = (
+    "{% macro text(content) %}"
+    "{% if content is string %}{{ content }}"
+    "{% elif content is iterable %}"
+    "{% for part in content %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}"
+    "{% endif %}"
+    "{% endmacro %}"
+    "{% set ns = namespace(system_prompt='') %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}"
+    "{% if ns.system_prompt %}{% set ns.system_prompt = ns.system_prompt + '\n\n' %}{% endif %}"
+    "{% set ns.system_prompt = ns.system_prompt + text(message['content']) %}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{{ bos_token }}{{ ns.system_prompt }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}"
+    "{{ '<｜User｜>' + text(message['content']) }}"
+    "{% elif message['role'] == 'assistant' %}"
+    "{{ '<｜Assistant｜>' + text(message['content']) + eos_token }}"
+    "{% elif message['role'] != 'system' %}"
+    "{{ raise_exception('Unsupported message role: ' + message['role']) }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"
+)
+
+# Training text for the BPE merges: plain English, so common words become single tokens.
+_CORPUS = """\
+Hello! How can I help you today? I am a small assistant and I will do my best to answer.
+The quick brown fox jumps over the lazy dog. The dog does not move, and the fox runs away.
+A language model reads a sequence of tokens and predicts the next token, one at a time.
+When the model serves many users at once, it keeps the keys and values of every request
+in a cache, so that it does not have to compute the whole prompt again for each new token.
+The first part of a request is the prompt. The prompt is processed in one large step, which
+is called prefill. After that, the model writes the answer token by token, which is called
+decode. Prefill is limited by how fast the machine can compute, and decode is limited by how
+fast it can read memory. This is why some systems run the two parts on different machines.
+What is the capital of France? The capital of France is Paris. What is the weather like
+today? It is warm and sunny in the morning, and it may rain in the afternoon or the evening.
+Please write a short story about a cat who wants to learn to read. Once upon a time there
+was a small cat who lived in a large house with many books. Every day she looked at the
+pages and wondered what the words could mean. One night she found an old teacher who lived
+in the library, and he showed her the letters one by one. She learned quickly, and soon
+she could read all the stories in the house. She told them to the other animals, and they
+listened to her every evening until the sun went down and the stars came out in the sky.
+Thank you for your question. Here is a simple answer with three points. First, you should
+check that the input is correct. Second, you should run the tests before you change the
+code. Third, you should write down what you learned, so that other people can use it too.
+Numbers and dates: one, two, three, four, five, six, seven, eight, nine, ten; 2024, 2025,
+100, 1000, 3.14, 42. Monday, Tuesday, Wednesday, Thursday, Friday, Saturday and Sunday.
+People often ask the same questions: who, what, where, when, why and how. They want to know
+the time, the place, the reason and the way. A good answer is short, clear and true.
+The system has a router, a prefill worker and a decode worker. The router receives each
+request, chooses a worker and sends the result back to the user as a stream of text.
+If something goes wrong, the user should get a clear error message, never a wrong answer.
+"""
+
+
+def make_tiny_model(out_dir: str | Path, arch: str = "deepseek_v3", seed: int = 0) -> Path:
+    """Write a tiny random `arch` checkpoint into `out_dir` (created if missing); return its path."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}: expected one of {', '.join(ARCHS)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    vocab_size = math.ceil(tokenizer.get_vocab_size() / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    config = tiny_config(arch, vocab_size)
+    save_file(tiny_weights(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n", encoding="utf-8")
+    _write_json(out / "config.json", config)
+    _write_json(out / "tokenizer_config.json", _tokenizer_config())
+    _write_json(out / "special_tokens_map.json", {"bos_token": BOS, "eos_token": EOS, "pad_token": EOS})
+    _write_json(out / "generation_config.json", {"bos_token_id": 0, "eos_token_id": 1})
+    return out
+
+
+def build_tokenizer() -> Tokenizer:
+    """Byte-level BPE trained on `_CORPUS`; BOS is prepended by the post-processor."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_TARGET_SIZE,
+        min_frequency=1,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer)
+    bos_id = tokenizer.token_to_id(BOS)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS}:0 $A:0", pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1", special_tokens=[(BOS, bos_id)]
+    )
+    return tokenizer
+
+
+def tiny_config(arch: str, vocab_size: int) -> dict:
+    """config.json for a 4-layer model: layer 0 dense, layers 1-3 MoE (8 experts, top-2)."""
+    config = {
+        "architectures": ["DeepseekV3ForCausalLM" if arch == "deepseek_v3" else "DeepseekV32ForCausalLM"],
+        "model_type": arch,
+        "vocab_size": vocab_size,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "first_k_dense_replace": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 64,
+        "kv_lora_rank": 64,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 32,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "n_group": 2,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096,
+        # YaRN as DeepSeek ships it (factor 4 over a 1024-token original context).
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 1024,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": None,
+        "use_cache": True,
+        "dtype": "float32",
+    }
+    if arch == "deepseek_v3":
+        config.update(rope_interleave=True, num_nextn_predict_layers=0)
+    else:
+        # index_topk < typical test prompts, so the sparse path differs from dense attention.
+        # 16 index heads: with few heads every ReLU'd head score is 0 for a noticeable share of
+        # keys, and those exact ties make top-k (hence tokens) differ between CPU and CUDA.
+        config.update(index_n_heads=16, index_head_dim=32, index_topk=16)
+    return config
+
+
+def tiny_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Random float32 weights for `config`, named as transformers 5.24 saves them."""
+    gen = torch.Generator().manual_seed(seed)
+    std = config["initializer_range"]
+
+    def normal(*shape: int, scale: float = std) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float32) * scale
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=torch.float32)
+
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    w = {"model.embed_tokens.weight": normal(vocab, hidden)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = ones(hidden)
+        w[p + "post_attention_layernorm.weight"] = ones(hidden)
+        w.update({p + "self_attn." + k: v for k, v in _attention(config, normal, ones).items()})
+        if i < config["first_k_dense_replace"]:
+            w.update({p + "mlp." + k: v for k, v in _mlp(hidden, config["intermediate_size"], normal).items()})
+        else:
+            w.update({p + "mlp." + k: v for k, v in _moe(config, normal).items()})
+    w["model.norm.weight"] = ones(hidden)
+    w["lm_head.weight"] = normal(vocab, hidden)
+    return w
+
+
+def _attention(config: dict, normal, ones) -> dict[str, torch.Tensor]:
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    q_rank, kv_rank = config["q_lora_rank"], config["kv_lora_rank"]
+    nope, rope, v = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
+    w = {
+        "q_a_proj.weight": normal(q_rank, hidden),
+        "q_a_layernorm.weight": ones(q_rank),
+        "q_b_proj.weight": normal(heads * (nope + rope), q_rank),
+        "kv_a_proj_with_mqa.weight": normal(kv_rank + rope, hidden),
+        "kv_a_layernorm.weight": ones(kv_rank),
+        "kv_b_proj.weight": normal(heads * (nope + v), kv_rank),
+        "o_proj.weight": normal(hidden, heads * v),
+    }
+    if config["model_type"] == "deepseek_v32":
+        index_heads, index_dim = config["index_n_heads"], config["index_head_dim"]
+        w["indexer.wq_b.weight"] = normal(index_heads * index_dim, q_rank)
+        w["indexer.wk.weight"] = normal(index_dim, hidden)
+        w["indexer.k_norm.weight"] = ones(index_dim)
+        w["indexer.k_norm.bias"] = torch.zeros(index_dim, dtype=torch.float32)
+        w["indexer.weights_proj.weight"] = normal(index_heads, hidden)
+    return w
+
+
+def _mlp(hidden: int, inter: int, normal) -> dict[str, torch.Tensor]:
+    return {
+        "gate_proj.weight": normal(inter, hidden),
+        "up_proj.weight": normal(inter, hidden),
+        "down_proj.weight": normal(hidden, inter),
+    }
+
+
+def _moe(config: dict, normal) -> dict[str, torch.Tensor]:
+    hidden, inter, experts = config["hidden_size"], config["moe_intermediate_size"], config["n_routed_experts"]
+    # A non-zero correction bias, so that routing by biased scores is exercised.
+    w = {"gate.weight": normal(experts, hidden), "gate.e_score_correction_bias": normal(experts)}
+    for e in range(experts):
+        w.update({f"experts.{e}.{k}": v for k, v in _mlp(hidden, inter, normal).items()})
+    shared = _mlp(hidden, inter * config["n_shared_experts"], normal)
+    w.update({f"shared_experts.{k}": v for k, v in shared.items()})
+    return w
+
+
+def _tokenizer_config() -> dict:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": EOS,
+        "unk_token": None,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 4096,
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

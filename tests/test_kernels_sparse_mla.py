@@ -1,0 +1,175 @@
+"""Sparse MLA decode kernel (split-K, heads on the dot's M dimension) against a float64 reference.
+
+Triton mode: without CUDA these run under the Triton interpreter. TRITON_INTERPRET is read by
+triton when it is first imported (its own jit helpers such as tl.zeros are made then), so it is
+set here before the first triton import; pytest imports every test module before running any
+test and nothing in pdserve imports triton at import time, so the whole CPU run is interpreted,
+the only mode Triton has without a GPU. With CUDA the same tests run compiled on the GPU, plus
+bf16 (the interpreter's bf16 tl.dot is wrong, triton issue 11584).
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+from pdserve_kernels import configs, kv_fp8  # noqa: E402
+from pdserve_kernels.baseline import sparse_mla_decode_per_head  # noqa: E402
+from pdserve_kernels.ref import sparse_mla_decode_ref  # noqa: E402
+from pdserve_kernels.sparse_mla import num_splits, sparse_mla_decode, sparse_mla_decode_fp8  # noqa: E402
+from tests.kernel_util import DEVICE, DTYPES, assert_close, poisoned_empty, require_interpreter  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+require_interpreter()
+
+
+def make(B, S, H, D, N, K, dtype, gen, row_pad=0, pad_every=0):
+    q = torch.randn(B, S, H, D, generator=gen).to(DEVICE, dtype)
+    kv = torch.randn(N, D + row_pad, generator=gen).to(DEVICE, dtype)[:, :D]
+    idx = torch.randint(0, N, (B, S, K), generator=gen, dtype=torch.int32)
+    if pad_every:
+        idx[:, :, ::pad_every] = -1
+    return q, kv, idx.to(DEVICE)
+
+
+def run_both(q, kv, idx, d_v, sink=None, fn=sparse_mla_decode):
+    scale = q.shape[-1] ** -0.5
+    with poisoned_empty():
+        out, lse = fn(q, kv, idx, scale, d_v, sink=sink)
+    want, want_lse = sparse_mla_decode_ref(q.double(), kv.double(), idx, scale, d_v,
+                                           sink=None if sink is None else sink.double())
+    assert out.dtype == q.dtype and lse.dtype == torch.float32
+    assert out.shape == want.shape and lse.shape == want_lse.shape
+    return out, lse, want, want_lse
+
+
+def check_lse(lse, want_lse):
+    fin = torch.isfinite(want_lse)
+    assert torch.equal(fin, torch.isfinite(lse))
+    assert torch.equal(lse[~fin], want_lse[~fin].float())  # -inf where nothing was attended
+    torch.testing.assert_close(lse[fin].double(), want_lse[fin].double(), atol=2e-3, rtol=0)
+
+
+# (B, S, H, D, d_v, N, K): K not a multiple of the 16-row tile, H below and above a head block,
+# non-power-of-two D and d_v (tiny model), the V3.2 split 512 + 64, no rope tail (V4: D = d_v).
+SHAPES = [
+    (2, 1, 4, 80, 64, 300, 37),
+    (1, 3, 20, 48, 32, 100, 70),
+    (3, 2, 16, 576, 512, 400, 50),
+    (2, 1, 8, 128, 128, 200, 33),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_matches_reference(shape, dtype):
+    B, S, H, D, d_v, N, K = shape
+    gen = torch.Generator().manual_seed(hash((shape, str(dtype))) % 2**31)
+    q, kv, idx = make(B, S, H, D, N, K, dtype, gen, row_pad=8, pad_every=5)
+    out, lse, want, want_lse = run_both(q, kv, idx, d_v)
+    assert_close(out, want, dtype)
+    check_lse(lse, want_lse)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sinks_padding_and_empty_queries(dtype):
+    gen = torch.Generator().manual_seed(7)
+    q, kv, idx = make(3, 2, 6, 80, 150, 45, dtype, gen, row_pad=24)
+    idx[0, 1] = -1  # a query with nothing to attend to
+    idx[1, 0, 10:] = -1  # trailing padding
+    idx[2, :, ::2] = -1  # interleaved padding
+    sink = torch.randn(6, generator=gen).to(DEVICE)
+    out, lse, want, want_lse = run_both(q, kv, idx, 64, sink=sink)
+    assert_close(out, want, dtype)
+    assert torch.equal(out[0, 1], torch.zeros_like(out[0, 1]))
+    check_lse(lse, want_lse)
+    out, lse, want, want_lse = run_both(q, kv, idx, 64)
+    assert torch.equal(out[0, 1], torch.zeros_like(out[0, 1]))
+    assert torch.isneginf(lse[0, 1]).all()
+    check_lse(lse, want_lse)
+
+
+def test_split_count_and_many_splits():
+    cfg = configs.MLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, waves=8,
+                            min_tiles=1)
+    assert num_splits(bs=1, head_blocks=1, tiles=128, sms=132, cfg=cfg) == 128
+    assert num_splits(bs=1000, head_blocks=2, tiles=128, sms=132, cfg=cfg) == 1
+    for bs, tiles in ((1, 7), (3, 40), (64, 9)):
+        splits = num_splits(bs, 1, tiles, 4, cfg)
+        per = -(-tiles // splits)
+        assert (splits - 1) * per < tiles <= splits * per  # no empty split
+    gen = torch.Generator().manual_seed(3)
+    q, kv, idx = make(1, 1, 16, 80, 500, 200, torch.float32, gen, pad_every=3)
+    scale = 80**-0.5
+    with poisoned_empty():
+        out, lse = sparse_mla_decode(q, kv, idx, scale, 64, config=cfg)  # 13 splits of 1 tile
+    want, want_lse = sparse_mla_decode_ref(q.double(), kv.double(), idx, scale, 64)
+    assert_close(out, want, torch.float32)
+    check_lse(lse, want_lse)
+
+
+def test_fp8_records_match_their_reference():
+    gen = torch.Generator().manual_seed(11)
+    dtype = torch.float16 if DEVICE == "cpu" else torch.bfloat16
+    q = torch.randn(2, 2, 16, 576, generator=gen).to(DEVICE, dtype)
+    records = kv_fp8.pack_kv_fp8(torch.randn(120, 576, generator=gen), 512).to(DEVICE)
+    assert records.shape == (120, 656)
+    pool = torch.zeros(120, 672, dtype=torch.uint8, device=DEVICE)  # row stride 672 > 656
+    pool[:, :656] = records
+    idx = torch.randint(0, 120, (2, 2, 40), generator=gen, dtype=torch.int32).to(DEVICE)
+    idx[1, 1] = -1
+    idx[0, 0, ::3] = -1
+    scale = 576**-0.5
+    with poisoned_empty():
+        out, lse = sparse_mla_decode_fp8(q, pool[:, :656], idx, scale, 512)
+    want, want_lse = kv_fp8.sparse_mla_decode_fp8_ref(q.double(), records, idx, scale, 512)
+    assert_close(out, want, dtype)
+    check_lse(lse, want_lse)
+
+
+def test_fp8_pack_roundtrip_is_close():
+    kv = torch.randn(64, 576)
+    back = kv_fp8.unpack_kv_fp8(kv_fp8.pack_kv_fp8(kv, 512), 512, 576)
+    assert ((back - kv).norm() / kv.norm()).item() < 0.04  # e4m3 has a 3-bit mantissa
+    torch.testing.assert_close(back[:, 512:], kv[:, 512:].bfloat16().float())
+
+
+def test_per_head_baseline_matches_reference():
+    gen = torch.Generator().manual_seed(5)
+    q, kv, idx = make(2, 1, 3, 80, 90, 29, torch.float32, gen, pad_every=4)
+    idx[1] = -1
+    sink = torch.randn(3, generator=gen).to(DEVICE)
+    out, lse, want, want_lse = run_both(q, kv, idx, 64, sink=sink, fn=sparse_mla_decode_per_head)
+    assert_close(out, want, torch.float32)
+    check_lse(lse, want_lse)
+
+
+def test_rejects_bad_inputs():
+    q = torch.randn(1, 1, 4, 80, device=DEVICE)
+    kv = torch.randn(10, 80, device=DEVICE)
+    idx = torch.zeros(1, 1, 5, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="int32"):
+        sparse_mla_decode(q, kv, idx.long(), 0.1, 64)
+    with pytest.raises(ValueError, match="d_v"):
+        sparse_mla_decode(q, kv, idx, 0.1, 96)
+    with pytest.raises(ValueError, match="kv must be"):
+        sparse_mla_decode(q, kv[:, :64], idx, 0.1, 64)
+    with pytest.raises(ValueError, match="sink"):
+        sparse_mla_decode(q, kv, idx, 0.1, 64, sink=torch.zeros(3, device=DEVICE))
+
+
+def test_sm120_configs_fit_shared_memory():
+    # every sm_120 entry, at V3.2 (512 + 64) and V4-Flash (512 + 0, padded tail tile of 16) dims
+    for fmt in ("bf16", "fp8"):
+        for heads, rows in ((16, 1), (64, 1), (64, 64), (128, 64)):
+            for has_tail, block_t in ((True, 64), (False, 16)):
+                cfg = configs.mla_config(120, fmt, heads, rows, has_tail)
+                need = configs.mla_smem_bytes(cfg, 512, block_t, fmt)
+                assert need <= configs.SMEM_LIMIT[120], (fmt, heads, rows, cfg, need)
+    # the estimate is on the high side: the sm_90 "large" tile estimates 240 KB, compiles to 221 KB
+    big = configs.mla_config(90, "bf16", 64, 64)
+    assert configs.mla_smem_bytes(big, 512, 64, "bf16") < 1.15 * 221440
