@@ -1,0 +1,74 @@
+"""Engine configuration: validated data, resolved against the checkpoint when the engine starts."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+DType = Literal["float32", "bfloat16", "float16", "auto"]
+
+# KV memory when neither num_kv_blocks nor kv_cache_memory_gb is given (CPU; CUDA uses
+# gpu_memory_utilization of what is free after loading). Capped by what max_num_seqs sequences of
+# max_model_len tokens could ever use.
+DEFAULT_CPU_KV_GB = 1.0
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str  # checkpoint folder
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
+    dtype: DType = "auto"  # auto: the checkpoint's torch_dtype on CUDA, float32 on CPU
+    kv_block_size: int = Field(64, ge=1)
+    num_kv_blocks: int | None = Field(None, ge=1)
+    kv_cache_memory_gb: float | None = Field(None, gt=0)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int = Field(8192, ge=1)  # token budget per step; longer prompts are chunked
+    max_model_len: int | None = Field(None, ge=2)  # None: min(max_position_embeddings, KV capacity)
+    seed: int = 0
+    skip_tokenizer_init: bool = False
+    # torch intra-op threads on CPU (process-wide; None: torch's default). Small models on a busy
+    # machine run far faster with 1: spinning threads of several processes fight for the cores.
+    cpu_threads: int | None = Field(None, ge=1)
+    # "raw_logprobs": log_softmax of the model's logits before penalties/temperature/filters
+    # (vLLM V1's default); "processed_logprobs": of the logits the token was sampled from.
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, d: str) -> str:
+        if d != "cpu" and d != "cuda" and not (d.startswith("cuda:") and d[5:].isdigit()):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {d!r}")
+        return d
+
+    @field_validator("model")
+    @classmethod
+    def _model_dir(cls, m: str) -> str:
+        if not os.path.isfile(os.path.join(m, "config.json")):
+            raise ValueError(f"model folder {m!r} has no config.json")
+        return m
+
+    def checkpoint_dtype(self) -> str | None:
+        """The checkpoint's declared dtype (transformers 5 writes `dtype`, older ones `torch_dtype`)."""
+        with open(os.path.join(self.model, "config.json")) as f:
+            cfg = json.load(f)
+        return cfg.get("dtype") or cfg.get("torch_dtype")
+
+    def generation_config(self) -> dict:
+        path = os.path.join(self.model, "generation_config.json")
+        if not os.path.isfile(path):
+            return {}
+        with open(path) as f:
+            return json.load(f)
+
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        if self.device == "cpu":
+            return "float32"
+        ckpt = self.checkpoint_dtype()
+        return ckpt if ckpt in ("float32", "bfloat16", "float16") else "bfloat16"

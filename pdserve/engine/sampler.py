@@ -1,0 +1,162 @@
+"""Next-token sampling for one batch of sequences, with vLLM's semantics.
+
+Order, per row: min_tokens (EOS and stop_token_ids masked until min_tokens outputs exist) ->
+repetition penalty (prompt + output tokens: positive logits divided by it, negative multiplied) ->
+frequency and presence penalties (output tokens: logit -= frequency * count + presence * (count > 0))
+-> temperature -> min_p -> top_k -> top_p -> sample. Greedy rows (temperature 0) take the argmax
+of the penalized logits; temperature and filters do not touch them.
+
+Random rows sample by the exponential race: argmax(probs / q) with q ~ Exp(1), which draws from
+probs. A seeded request draws its q from a generator seeded by (seed, output index), so its tokens
+depend neither on the rest of the batch nor on where the request ran before (prefill vs decode
+worker). Unseeded rows share the engine's generator.
+
+Logprobs: `raw_logprobs` (default, as vLLM V1) = log_softmax of the model's logits before any
+processing; `processed_logprobs` = log_softmax of the logits the token was drawn from (after
+penalties, temperature and filtering; filtered tokens get -inf).
+
+Legend: N rows (sequences that sample this step), V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.sequence import Sequence
+
+_MASK64 = (1 << 64) - 1
+
+
+def _row_seed(seed: int, index: int) -> int:
+    """splitmix64 of (seed, index): distinct, well-mixed generator seeds per output position."""
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    # (token id, logprob, 1-based rank): the sampled token first, then the top-N; None if not asked
+    logprobs: list[tuple[int, float, int]] | None = None
+
+
+class Sampler:
+    def __init__(
+        self,
+        device: torch.device | str,
+        seed: int,
+        eos_token_ids: list[int],
+        logprobs_mode: str = "raw_logprobs",
+    ) -> None:
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.eos_token_ids = list(eos_token_ids)
+        self.logprobs_mode = logprobs_mode
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
+        # logits: [N, V] float32
+        x = logits.float().clone()
+        self._min_tokens(x, seqs)
+        self._penalties(x, seqs)
+        if all(s.params.greedy for s in seqs):  # greedy rows are never filtered or scaled
+            tokens = x.argmax(dim=-1)  # [N]
+        else:
+            greedy = torch.tensor([s.params.greedy for s in seqs], device=x.device)
+            temps = torch.tensor([1.0 if s.params.greedy else s.params.temperature for s in seqs], device=x.device)
+            x = x / temps[:, None]
+            x = self._min_p(x, seqs)
+            x = self._top_k_top_p(x, seqs)
+            tokens = torch.where(greedy, x.argmax(dim=-1), self._random(x, seqs))  # [N]
+        lp_source = logits if self.logprobs_mode == "raw_logprobs" else x
+        return self._outputs(tokens, lp_source, seqs)
+
+    # -- logits processing (in place on x: [N, V]) --
+    def _min_tokens(self, x: torch.Tensor, seqs: list[Sequence]) -> None:
+        for i, s in enumerate(seqs):
+            if s.num_output_tokens < s.params.min_tokens:
+                stop_ids = list(s.params.stop_token_ids)
+                if not s.params.ignore_eos:
+                    stop_ids += self.eos_token_ids
+                if stop_ids:
+                    x[i, stop_ids] = float("-inf")
+
+    def _penalties(self, x: torch.Tensor, seqs: list[Sequence]) -> None:
+        V = x.shape[1]
+        for i, s in enumerate(seqs):
+            p = s.params
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(s.token_ids(), dtype=torch.long, device=x.device).unique()
+                row = x[i, seen]
+                x[i, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and s.output_token_ids:
+                out = torch.tensor(s.output_token_ids, dtype=torch.long, device=x.device)
+                counts = torch.bincount(out, minlength=V)[:V].to(x.dtype)  # [V]
+                x[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
+
+    def _min_p(self, x: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        if not any(s.params.min_p > 0 and not s.params.greedy for s in seqs):
+            return x
+        min_p = torch.tensor([0.0 if s.params.greedy else s.params.min_p for s in seqs], device=x.device)  # [N]
+        probs = x.softmax(dim=-1)
+        keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        return x.masked_fill(~keep, float("-inf"))
+
+    def _top_k_top_p(self, x: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        # greedy rows are left unfiltered, so their processed logprobs do not depend on the batch
+        use_k = any(s.params.top_k_active and not s.params.greedy for s in seqs)
+        use_p = any(s.params.top_p < 1.0 and not s.params.greedy for s in seqs)
+        if not (use_k or use_p):
+            return x
+        V = x.shape[1]
+        sorted_x, order = x.sort(dim=-1, descending=True)  # [N, V]
+        remove = torch.zeros_like(sorted_x, dtype=torch.bool)
+        if use_k:
+            ks = [min(s.params.top_k, V) if s.params.top_k_active and not s.params.greedy else V for s in seqs]
+            ks = torch.tensor(ks, device=x.device)
+            remove |= torch.arange(V, device=x.device)[None, :] >= ks[:, None]
+        sorted_x = sorted_x.masked_fill(remove, float("-inf"))
+        if use_p:
+            # keep the smallest prefix whose mass reaches top_p; rows with top_p = 1 keep all
+            top_p = [s.params.top_p if s.params.top_p < 1.0 and not s.params.greedy else 2.0 for s in seqs]
+            top_p = torch.tensor(top_p, device=x.device)
+            probs = sorted_x.softmax(dim=-1)
+            before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
+            remove |= before >= top_p[:, None]  # the first token always stays (before = 0)
+        return x.scatter(1, order, sorted_x.masked_fill(remove, float("-inf")))
+
+    # -- drawing --
+    def _random(self, x: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        probs = x.softmax(dim=-1)  # [N, V]
+        q = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, s in enumerate(seqs):
+            if s.params.seed is not None and not s.params.greedy:
+                g = torch.Generator(device=x.device).manual_seed(_row_seed(s.params.seed, s.num_output_tokens))
+                q[i] = torch.empty_like(probs[i]).exponential_(generator=g)
+        # q = 0 would turn a filtered token's 0 / 0 into NaN, which argmax would pick
+        q.clamp_(min=torch.finfo(q.dtype).tiny)
+        return (probs / q).argmax(dim=-1)
+
+    def _outputs(self, tokens: torch.Tensor, lp_source: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
+        token_list = tokens.tolist()
+        rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        out = [SampledToken(t) for t in token_list]
+        if not rows:
+            return out
+        lp = torch.log_softmax(lp_source[rows].float(), dim=-1)  # [R, V]
+        chosen = tokens[rows]
+        chosen_lp = lp.gather(1, chosen[:, None])  # [R, 1]
+        ranks = (lp > chosen_lp).sum(dim=-1) + 1  # [R]
+        n_top = max(seqs[i].params.logprobs for i in rows)
+        top = lp.topk(min(n_top, lp.shape[1]), dim=-1) if n_top > 0 else None
+        for j, i in enumerate(rows):
+            entries = [(token_list[i], chosen_lp[j, 0].item(), int(ranks[j]))]
+            k = seqs[i].params.logprobs
+            if top is not None and k > 0:
+                ids, vals = top.indices[j, :k].tolist(), top.values[j, :k].tolist()
+                entries += [(t, v, r + 1) for r, (t, v) in enumerate(zip(ids, vals))]
+            out[i].logprobs = entries
+        return out

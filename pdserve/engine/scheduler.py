@@ -1,0 +1,191 @@
+r"""Continuous batching: which sequences run this step and how many tokens each. No torch.
+
+Queues (a request is in exactly one):
+
+    add() ----------> waiting ---- admit (blocks for all its tokens) ----> running ---> finish()
+    add_remote() ---> remote_pending -- blocks --> loading -- loaded -----^     |  preempt: free blocks,
+                                                     \-- failed -> finish()     |  back to the front of
+                                                                                v  waiting (recompute)
+                                    finish(FINISHED_REMOTE_DECODE) -> held (blocks pinned) -> release_held()
+
+Each step: running sequences first, decodes before chunked prefills, oldest first; then waiting
+ones are admitted while the token budget, max_num_seqs and free blocks allow. When a running
+sequence needs a block and none is free, the youngest running sequence is preempted.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # seq.num_computed_tokens when scheduled: this step computes tokens [start, start + num_tokens)
+    num_tokens: int
+    samples: bool = False  # the chunk reaches the sequence's last token: its logits give the next token
+
+    @classmethod
+    def of(cls, seq: Sequence, num_tokens: int) -> "ScheduledSeq":
+        start = seq.num_computed_tokens
+        return cls(seq, start, num_tokens, start + num_tokens == seq.num_tokens)
+
+    @property
+    def is_prefill(self) -> bool:
+        return not (self.num_tokens == 1 and self.start > 0 and self.samples)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # sorted by arrival (oldest first)
+        self.remote_pending: deque[Sequence] = deque()
+        self.loading: dict[str, Sequence] = {}
+        self.held: dict[str, Sequence] = {}
+        self.num_preemptions = 0
+
+    # -- intake --
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_remote(self, seq: Sequence) -> None:
+        """A decode-role sequence whose prompt KV comes from a prefill worker."""
+        seq.status = SequenceStatus.WAITING_FOR_REMOTE_KV
+        self.remote_pending.append(seq)
+
+    def admit_remote(self) -> list[Sequence]:
+        """Give pending remote sequences blocks for their prompt KV, oldest first, while blocks last.
+        Returns those whose load may now start."""
+        started = []
+        while self.remote_pending:
+            seq = self.remote_pending[0]
+            num_remote = seq.kv_handle.num_tokens
+            if not self.block_manager.can_allocate(seq, num_remote):
+                break
+            self.block_manager.allocate(seq, num_remote)
+            self.remote_pending.popleft()
+            self.loading[seq.request_id] = seq
+            started.append(seq)
+        return started
+
+    def on_loaded(self, request_id: str) -> Sequence | None:
+        """Remote KV arrived: the sequence joins the front of waiting (it already holds its blocks)."""
+        seq = self.loading.pop(request_id, None)
+        if seq is not None:
+            seq.num_computed_tokens = seq.kv_handle.num_tokens
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+        return seq
+
+    # -- the step --
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        for seq in decodes + prefills:
+            budget = self.max_num_batched_tokens - out.num_batched_tokens  # a preemption may refund
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
+                continue
+            n = min(seq.num_uncomputed_tokens, budget)
+            if self._make_room(seq, seq.num_computed_tokens + n, out):
+                self.block_manager.allocate(seq, seq.num_computed_tokens + n)
+                out.scheduled.append(ScheduledSeq.of(seq, n))
+        budget = self.max_num_batched_tokens - out.num_batched_tokens
+        if not out.preempted:  # after a preemption blocks are short: let running ones catch up first
+            self._admit_waiting(out, budget)
+        return out
+
+    def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Preempt younger sequences until seq's table can cover num_tokens; False if seq itself
+        had to be preempted (it is the youngest)."""
+        while not self.block_manager.can_allocate(seq, num_tokens):
+            victim = self.running[-1]
+            if victim is seq or victim.arrival < seq.arrival:
+                self._preempt(seq, out)
+                return False
+            self._preempt(victim, out)
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        for i, s in enumerate(out.scheduled):
+            if s.seq is seq:
+                del out.scheduled[i]
+                break
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        self.num_preemptions += 1
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            # blocks for all its tokens up front, so a long prompt is not preempted between chunks
+            if not self.block_manager.can_allocate(seq, seq.num_tokens):
+                break
+            self.block_manager.allocate(seq, seq.num_tokens)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.arrival)
+            n = min(seq.num_uncomputed_tokens, budget)
+            out.scheduled.append(ScheduledSeq.of(seq, n))
+            budget -= n
+
+    # -- endings --
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Take seq out of its queue; free its blocks unless it hands its KV to a decode worker."""
+        self._remove(seq)
+        seq.status = status
+        if status is SequenceStatus.FINISHED_REMOTE_DECODE:
+            self.held[seq.request_id] = seq
+        else:
+            self.block_manager.free(seq)
+
+    def release_held(self, request_id: str) -> bool:
+        seq = self.held.pop(request_id, None)
+        if seq is None:
+            return False
+        self.block_manager.free(seq)
+        return True
+
+    def _remove(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.remote_pending:
+            self.remote_pending.remove(seq)
+        else:
+            self.loading.pop(seq.request_id, None)
+
+    # -- stats --
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.remote_pending) + len(self.loading)

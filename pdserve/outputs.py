@@ -1,0 +1,49 @@
+"""What the engine returns per request, in vLLM's shapes. Pydantic: workers send them as JSON.
+
+Outputs are cumulative (each carries all tokens and text so far), as vLLM's LLMEngine returns them.
+
+finish_reason: "stop" (EOS, a stop token id or a stop string), "length" (max_tokens or
+max_model_len), "abort", "error" (see `RequestOutput.error`), or None while running. A prefill-role
+request (hold_kv) that did not stop on its first token finishes with finish_reason None and a
+`kv_handle`: it continues on a decode worker.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+from pdserve.disagg.base import KVHandle
+
+
+class Logprob(BaseModel):
+    logprob: float
+    rank: int  # 1-based rank of this token in the distribution
+    decoded_token: str | None = None
+
+
+# one dict per generated token: the sampled token and its top-N alternatives
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+class CompletionOutput(BaseModel):
+    index: int = 0
+    text: str = ""
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class RequestOutput(BaseModel):
+    request_id: str
+    prompt: str | None = None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    kv_handle: KVHandle | None = None  # prefill role: where this request's KV waits for decode
+    error: str | None = None  # finish_reason "error": what went wrong (e.g. the TransferError text)

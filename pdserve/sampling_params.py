@@ -1,0 +1,92 @@
+"""How one request is sampled and when it stops. Names and meanings follow vLLM's SamplingParams.
+
+A pydantic model: it crosses processes as JSON (router -> worker), `to_dict`/`from_dict` round-trip.
+Out-of-range values raise ValueError (pydantic's ValidationError is one) naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_GREEDY_EPS = 1e-5  # temperatures below this sample greedily, as vLLM does
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    n: int = 1
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = -1  # -1 or 0: off
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: int | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    max_tokens: int | None = Field(16, ge=1)  # None: until max_model_len
+    min_tokens: int = Field(0, ge=0)
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = Field(None, ge=0)  # top-N alternatives besides the sampled token
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    detokenize: bool = True
+
+    @field_validator("n")
+    @classmethod
+    def _only_one(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError(f"n={n} is not supported: pdserve returns exactly one completion per request (n=1)")
+        return n
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, k: int) -> int:
+        if k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (off) or a positive integer, got {k}")
+        return k
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, v: Any) -> Any:
+        if v is None:
+            return []
+        if isinstance(v, str):
+            return [v]
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_nonempty(cls, v: list[str]) -> list[str]:
+        if any(s == "" for s in v):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _stop_ids_list(cls, v: Any) -> Any:
+        return [] if v is None else v
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> "SamplingParams":
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def top_k_active(self) -> bool:
+        return self.top_k > 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump()
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
+        return cls.model_validate(d)
