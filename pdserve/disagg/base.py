@@ -23,10 +23,14 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict
 
 from pdserve.engine.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from pdserve.disagg.lease import TransferStats
 
 KV_HANDLE_VERSION = 1
 
@@ -69,6 +73,8 @@ class TransferError(Exception):
 
 class KVConnector(ABC):
     """Worker-side transfer duties. One instance per worker, owned by the engine."""
+
+    stats: TransferStats  # counters the worker exports as metrics, updated from the step loop
 
     @abstractmethod
     def register_kv_cache(self, kv_cache: KVCache) -> None:

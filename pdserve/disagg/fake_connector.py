@@ -1,0 +1,215 @@
+"""An in-process KV connector for unit tests: connectors in one process find each other by engine id
+in a FakeFabric and copy blocks with torch. Same contract as the NIXL connector (hash check, leases,
+release notifications, timeouts, typed failures), plus knobs to inject failures:
+
+    fail_next(stage, reason)   the next load fails at that stage (HANDSHAKE/PENDING at start_load,
+                               READING at the next poll_loads)
+    hold_loads = True          loads stay in flight (until released or the transfer timeout)
+    fabric.disconnect(id)      the prefill engine vanishes, as if killed
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import NoReturn
+
+from pdserve import __version__
+from pdserve.disagg.base import KVConnector, KVHandle, TransferError, TransferStage
+from pdserve.disagg.layout import KVLayout, block_runs, check_block_ids, compat_hash
+from pdserve.disagg.lease import DEFAULT_LEASE_S, LeaseTable, TransferStats, parse_release, release_message
+from pdserve.engine.kv_cache import KVCache
+
+
+class FakeFabric:
+    """The 'network': registered connectors by engine id."""
+
+    def __init__(self) -> None:
+        self.engines: dict[str, FakeConnector] = {}
+
+    def attach(self, conn: FakeConnector) -> None:
+        if conn.engine_id in self.engines:
+            raise ValueError(f"engine id {conn.engine_id!r} is already on this fabric")
+        self.engines[conn.engine_id] = conn
+
+    def disconnect(self, engine_id: str) -> None:
+        self.engines.pop(engine_id, None)
+
+
+# connectors made without an explicit fabric meet here (the factory builds them that way)
+DEFAULT_FABRIC = FakeFabric()
+
+
+@dataclass
+class _Load:
+    handle: KVHandle
+    local_block_ids: list[int]
+    num_descs: int  # what the NIXL connector would post: one per (region, layer, run)
+    started: float  # monotonic
+    deadline: float  # monotonic
+
+
+class FakeConnector(KVConnector):
+    def __init__(
+        self,
+        engine_id: str,
+        *,
+        model_id: str,
+        metadata_url: str = "",
+        lease_s: float = DEFAULT_LEASE_S,
+        transfer_timeout_s: float = 30.0,
+        lease_margin_s: float = 1.0,
+        version: str | None = None,
+        fabric: FakeFabric | None = None,
+    ) -> None:
+        self.engine_id = engine_id
+        self.model_id = model_id
+        self.metadata_url = metadata_url
+        self.transfer_timeout_s = transfer_timeout_s
+        self.lease_margin_s = lease_margin_s
+        self.version = version or __version__
+        self.fabric = DEFAULT_FABRIC if fabric is None else fabric
+        self.leases = LeaseTable(lease_s)
+        self.stats = TransferStats()
+        self.kv: KVCache | None = None
+        self.compat_hash = ""
+        self.hold_loads = False
+        self._inject: tuple[TransferStage, str] | None = None
+        self._inbox: list[bytes] = []  # notifications sent to this engine
+        self._loads: dict[str, _Load] = {}
+        self._failed: list[TransferError] = []
+
+    def fail_next(self, stage: TransferStage, reason: str) -> None:
+        self._inject = (stage, reason)
+
+    def register_kv_cache(self, kv_cache: KVCache) -> None:
+        if self.kv is not None:
+            raise RuntimeError("register_kv_cache called twice; the pool is registered once")
+        self.kv = kv_cache
+        self.layout = KVLayout.from_kv_cache(kv_cache)
+        self.compat_hash = compat_hash(self.model_id, kv_cache.dtype, self.layout, kv_cache.block_size, self.version)
+        self.fabric.attach(self)
+
+    def agent_metadata(self) -> bytes:
+        doc = {"engine_id": self.engine_id, "compat_hash": self.compat_hash, "layout": self.layout.model_dump()}
+        return json.dumps(doc).encode()
+
+    # -- prefill side --
+    def on_prefill_finished(self, request_id: str, block_ids: list[int], num_tokens: int) -> KVHandle:
+        lease_s = self.leases.add(request_id, block_ids)
+        return KVHandle(
+            request_id=request_id,
+            engine_id=self.engine_id,
+            metadata_url=self.metadata_url,
+            block_ids=list(block_ids),
+            num_tokens=num_tokens,
+            compat_hash=self.compat_hash,
+            lease_expires_at=time.time() + lease_s,
+        )
+
+    def poll_releases(self) -> list[str]:
+        released = []
+        inbox, self._inbox = self._inbox, []
+        for msg in inbox:
+            rid = parse_release(msg)
+            if rid is not None and self.leases.release(rid) is not None:
+                self.stats.leases_released += 1
+                released.append(rid)
+        expired = self.leases.expired()
+        self.stats.lease_expirations += len(expired)
+        return released + expired
+
+    def release(self, request_id: str) -> None:
+        if self.leases.release(request_id) is not None:
+            self.stats.leases_released += 1
+
+    # -- decode side --
+    def start_load(self, handle: KVHandle, local_block_ids: list[int]) -> None:
+        rid = handle.request_id
+        if self.kv is None:
+            raise RuntimeError("start_load() before register_kv_cache()")
+        if rid in self._loads:
+            raise TransferError(rid, TransferStage.PENDING, "a load for this request is already in flight")
+        if self._inject is not None and self._inject[0] < TransferStage.READING:
+            (stage, reason), self._inject = self._inject, None
+            self._fail_now(rid, stage, reason)
+        if handle.compat_hash != self.compat_hash:
+            self._fail_now(
+                rid,
+                TransferStage.HANDSHAKE,
+                f"refused: KV compatibility hash mismatch: prefill engine {handle.engine_id} has "
+                f"{handle.compat_hash}, this engine {self.engine_id} has {self.compat_hash}",
+            )
+        left = handle.lease_expires_at - time.time()
+        if left < self.lease_margin_s:
+            self._fail_now(rid, TransferStage.PENDING, f"the prefill lease ends in {left:.1f} s (< margin)")
+        peer = self.fabric.engines.get(handle.engine_id)
+        if peer is None:
+            self._fail_now(rid, TransferStage.HANDSHAKE, f"engine {handle.engine_id} is not reachable")
+        try:
+            check_block_ids(handle.block_ids, peer.layout.num_blocks, "prefill")
+            check_block_ids(local_block_ids, self.layout.num_blocks, "decode")
+            runs = block_runs(handle.block_ids, local_block_ids)
+        except ValueError as e:
+            self._fail_now(rid, TransferStage.PENDING, str(e))
+        now = time.monotonic()
+        num_descs = len(runs) * sum(r.num_layers for r in self.layout.regions)
+        self._loads[rid] = _Load(handle, list(local_block_ids), num_descs, now, now + self.transfer_timeout_s)
+
+    def poll_loads(self) -> tuple[list[str], list[TransferError]]:
+        done = []
+        for rid, load in list(self._loads.items()):
+            if self._inject is not None:
+                (stage, reason), self._inject = self._inject, None
+                self._fail_load(rid, stage, reason)
+                continue
+            peer = self.fabric.engines.get(load.handle.engine_id)
+            if peer is None:
+                self._fail_load(rid, TransferStage.READING, f"remote {load.handle.engine_id} disconnected")
+                continue
+            if self.hold_loads:
+                if time.monotonic() > load.deadline:
+                    self._fail_load(rid, TransferStage.READING, f"no completion within {self.transfer_timeout_s} s")
+                continue
+            nbytes = self._copy(peer, load)
+            del self._loads[rid]
+            peer._inbox.append(release_message(rid))
+            self.stats.record_done(nbytes, time.monotonic() - load.started, load.num_descs)
+            done.append(rid)
+        failed, self._failed = self._failed, []
+        return done, failed
+
+    def cancel_load(self, request_id: str) -> None:
+        load = self._loads.pop(request_id, None)
+        if load is not None:
+            self._notify(load.handle.engine_id, request_id)
+
+    def shutdown(self) -> None:
+        for rid in list(self._loads):
+            self.cancel_load(rid)
+        if self.fabric.engines.get(self.engine_id) is self:
+            self.fabric.disconnect(self.engine_id)
+
+    # -- helpers --
+    def _copy(self, peer: FakeConnector, load: _Load) -> int:
+        # src/dst: [L, N, bs, dim] per region; index the block axis on both sides
+        src_ids, dst_ids = load.handle.block_ids, load.local_block_ids
+        for name, dst in self.kv.regions.items():
+            dst[:, dst_ids] = peer.kv.regions[name][:, src_ids].to(dst.device)
+        return len(dst_ids) * sum(r.block_bytes * r.num_layers for r in self.layout.regions)
+
+    def _notify(self, engine_id: str, rid: str) -> None:
+        peer = self.fabric.engines.get(engine_id)
+        if peer is not None:
+            peer._inbox.append(release_message(rid))
+
+    def _fail_now(self, rid: str, stage: TransferStage, reason: str) -> NoReturn:
+        self.stats.record_failed(stage.name)
+        raise TransferError(rid, stage, reason)
+
+    def _fail_load(self, rid: str, stage: TransferStage, reason: str) -> None:
+        load = self._loads.pop(rid)
+        self._notify(load.handle.engine_id, rid)
+        self.stats.record_failed(stage.name)
+        self._failed.append(TransferError(rid, stage, reason))

@@ -1,0 +1,149 @@
+"""What a worker's KV pool looks like from outside, and the byte ranges a request's blocks occupy.
+
+The pool (pdserve.engine.kv_cache.KVCache) is a few layer-major regions, each one tensor
+`[L, N, bs, dim]`. Block b of layer l of a region is the contiguous byte range
+
+    base + (l * N + b) * block_bytes,   block_bytes = bs * dim * itemsize
+
+so a request's transfer is one descriptor per (region, layer, run of consecutive block ids).
+Runs are merged only where both sides are consecutive: prefill blocks [4, 5, 6] read into decode
+blocks [9, 10, 11] are one descriptor per layer, into [9, 11, 12] they are two.
+
+Legend: L layers, N blocks in the pool, bs tokens per block, R regions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from pdserve.engine.kv_cache import KVCache
+
+KV_LAYOUT_VERSION = 1
+
+# (address, length in bytes, device id): NIXL's transfer descriptor
+Descriptor = tuple[int, int, int]
+
+
+class KVRegionLayout(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    num_layers: int
+    num_blocks: int
+    block_size: int  # tokens per block
+    dim: int  # values per token per layer
+    dtype: str  # torch dtype name, e.g. "bfloat16"
+    bytes: int  # whole region: L * N * bs * dim * itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block in one layer (the unit a descriptor covers a whole number of)."""
+        return self.bytes // (self.num_layers * self.num_blocks)
+
+
+class KVLayout(BaseModel):
+    """The pool's regions in registration order. Crosses processes inside the peer info."""
+
+    model_config = ConfigDict(frozen=True)
+
+    version: int = KV_LAYOUT_VERSION
+    regions: list[KVRegionLayout]
+
+    @classmethod
+    def from_kv_cache(cls, kv: KVCache) -> "KVLayout":
+        regions = []
+        for name, t in kv.regions.items():
+            num_layers, num_blocks, block_size, dim = t.shape
+            regions.append(
+                KVRegionLayout(
+                    name=name,
+                    num_layers=num_layers,
+                    num_blocks=num_blocks,
+                    block_size=block_size,
+                    dim=dim,
+                    dtype=str(t.dtype).removeprefix("torch."),
+                    bytes=t.numel() * t.element_size(),
+                )
+            )
+        return cls(regions=regions)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.regions[0].num_blocks if self.regions else 0
+
+    def record_signature(self) -> list[dict]:
+        """What two workers must share to exchange blocks: everything but the pool size."""
+        return [r.model_dump(exclude={"num_blocks", "bytes"}) for r in self.regions]
+
+
+def compat_hash(model_id: str, dtype: torch.dtype | str, layout: KVLayout, block_size: int, version: str) -> str:
+    """sha256 hex over what makes one worker's KV blocks readable by another.
+
+    The pool size (num_blocks) is left out: prefill and decode pools may differ in size."""
+    doc = {
+        "model_id": model_id,
+        "dtype": str(dtype).removeprefix("torch."),
+        "layout_version": layout.version,
+        "layout": layout.record_signature(),
+        "block_size": block_size,
+        "pdserve_version": version,
+    }
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
+def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
+    """Pair src_ids[i] -> dst_ids[i] and merge runs consecutive on both sides.
+
+    Returns (src_start, dst_start, count) triples, in order."""
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_ids, dst_ids):
+        if runs:
+            s0, d0, n = runs[-1]
+            if s == s0 + n and d == d0 + n:
+                runs[-1] = (s0, d0, n + 1)
+                continue
+        runs.append((s, d, 1))
+    return runs
+
+
+def check_block_ids(block_ids: list[int], num_blocks: int, side: str) -> None:
+    bad = [b for b in block_ids if not 0 <= b < num_blocks]
+    if bad:
+        raise ValueError(f"{side} block ids {bad[:8]} out of range for a pool of {num_blocks} blocks")
+
+
+def build_descriptors(
+    layout: KVLayout, base_addrs: dict[str, int], dev_id: int, runs: list[tuple[int, int, int]], side: int
+) -> list[Descriptor]:
+    """One descriptor per (region, layer, run), in that order, for one side of a transfer.
+
+    side: 0 for the run's source block ids (the prefill pool), 1 for its destination (decode).
+    Both sides built from the same runs have equal lengths entry by entry."""
+    descs: list[Descriptor] = []
+    for r in layout.regions:
+        base, bb = base_addrs[r.name], r.block_bytes
+        for layer in range(r.num_layers):
+            layer_base = base + layer * r.num_blocks * bb
+            for run in runs:
+                descs.append((layer_base + run[side] * bb, run[2] * bb, dev_id))
+    return descs
+
+
+def region_addrs(kv: KVCache) -> dict[str, int]:
+    """Base address of each region's tensor (they are contiguous: KVCache allocates them whole)."""
+    for name, t in kv.regions.items():
+        if not t.is_contiguous():
+            raise ValueError(f"KV region {name!r} is not contiguous; it cannot be registered as one range")
+    return {name: t.data_ptr() for name, t in kv.regions.items()}
+
+
+def device_id(kv: KVCache) -> int:
+    """NIXL's device id: the CUDA index for VRAM, 0 for host memory."""
+    t = next(iter(kv.regions.values()))
+    return max(t.get_device(), 0)

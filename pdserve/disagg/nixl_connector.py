@@ -1,0 +1,418 @@
+"""KV transfer over NIXL (UCX backend): the decode worker READs the prefill worker's blocks.
+
+    prefill NixlConnector                               decode NixlConnector
+    register_kv_cache: register regions once            register_kv_cache: register regions once
+    agent_metadata() -> NixlPeerInfo JSON  --HTTP-->    start_load: fetch_metadata (cached per engine id)
+                                                          check hashes, add_remote_agent
+    on_prefill_finished: lease(blocks)                    descriptors per (region, layer, run)
+                                                          initialize_xfer(READ, notif "release:<id>")
+    poll_releases: get_new_notifs  <--UCX notif--       poll_loads: check_xfer_state until DONE,
+                   + expired leases                       ERR, or the transfer timeout
+
+Every NIXL failure becomes a TransferError naming the request, the stage and the reason. On CPU,
+UCX picks cma for data and tcp for messages; no UCX variables are needed. Over cma a large READ
+completes inside transfer() (seen from ~1 MiB up), so start_load then costs the copy itself.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from dataclasses import dataclass
+from typing import NoReturn
+from urllib.parse import urlsplit
+
+import httpx
+from pydantic import BaseModel, ValidationError
+
+from pdserve import __version__
+from pdserve.disagg.base import KVConnector, KVHandle, TransferError, TransferStage
+from pdserve.disagg.layout import (
+    KVLayout,
+    block_runs,
+    build_descriptors,
+    check_block_ids,
+    compat_hash,
+    device_id,
+    region_addrs,
+)
+from pdserve.disagg.lease import DEFAULT_LEASE_S, LeaseTable, TransferStats, parse_release, release_message
+from pdserve.engine.kv_cache import KVCache
+
+PEER_INFO_VERSION = 1
+MAX_METADATA_BYTES = 16 << 20
+
+
+class NixlPeerInfo(BaseModel):
+    """What a prefill worker serves at its metadata URL (JSON)."""
+
+    version: int = PEER_INFO_VERSION
+    engine_id: str  # also the NIXL agent name
+    compat_hash: str
+    layout: KVLayout
+    region_addrs: dict[str, int]  # region name -> base address in the peer's address space
+    mem_type: str  # "DRAM" | "VRAM"
+    dev_id: int
+    agent_metadata: str  # base64 of nixl_agent.get_agent_metadata()
+
+
+def origin(url: str) -> str:
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}".lower()
+
+
+def fetch_metadata(
+    url: str, timeout_s: float, allowed_peers: list[str] | None = None, headers: dict[str, str] | None = None
+) -> bytes:
+    """GET a peer's metadata. Raises ValueError (refused) or httpx.HTTPError (unreachable, bad status).
+
+    allowed_peers: origins ("http://10.0.0.2:30000") metadata may come from; None allows any."""
+    if allowed_peers is not None and origin(url) not in {origin(p) for p in allowed_peers}:
+        raise ValueError(f"metadata URL {url} is not from a configured peer ({', '.join(allowed_peers)})")
+    with httpx.Client(timeout=timeout_s) as client, client.stream("GET", url, headers=headers) as resp:
+        resp.raise_for_status()
+        body = bytearray()
+        for chunk in resp.iter_bytes():
+            body += chunk
+            if len(body) > MAX_METADATA_BYTES:
+                raise ValueError(f"metadata from {url} is larger than {MAX_METADATA_BYTES} bytes")
+    return bytes(body)
+
+
+def _nixl_reason(e: Exception) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def _is_disconnect(e: Exception) -> bool:
+    return type(e).__name__ == "nixlRemoteDisconnectError"
+
+
+@dataclass
+class _Peer:
+    info: NixlPeerInfo
+    agent_name: str  # str, although add_remote_agent returns bytes (notification dicts are keyed by str)
+
+
+@dataclass
+class _Load:
+    handle: KVHandle
+    agent_name: str
+    xfer: object  # nixl_xfer_handle
+    started: float  # monotonic
+    deadline: float  # monotonic
+    nbytes: int
+    num_descs: int
+    finished_at: float | None = None  # wall clock when the READ was seen complete
+    seconds: float = 0.0  # post to completion
+
+    def finish(self) -> None:
+        self.finished_at = time.time()
+        self.seconds = time.monotonic() - self.started
+
+
+class NixlConnector(KVConnector):
+    def __init__(
+        self,
+        engine_id: str,
+        *,
+        model_id: str,
+        metadata_url: str = "",
+        lease_s: float = DEFAULT_LEASE_S,
+        transfer_timeout_s: float = 30.0,
+        metadata_timeout_s: float = 5.0,
+        lease_margin_s: float = 1.0,
+        allowed_peers: list[str] | None = None,
+        metadata_headers: dict[str, str] | None = None,
+        version: str | None = None,
+        progress_thread: bool = True,
+    ) -> None:
+        """metadata_url: where this worker's HTTP server serves agent_metadata() (goes into handles).
+        lease_margin_s: a handle whose lease ends sooner than this is refused (clock skew, read time).
+        progress_thread: NIXL's own UCX progress thread; without it transfers advance only inside
+        poll_loads / poll_releases calls."""
+        try:
+            from nixl._api import nixl_agent, nixl_agent_config
+        except ImportError as e:
+            raise RuntimeError(f"transfer backend 'nixl' needs the nixl package (pip install nixl==1.5.1): {e}") from e
+        self.engine_id = engine_id
+        self.model_id = model_id
+        self.metadata_url = metadata_url
+        self.transfer_timeout_s = transfer_timeout_s
+        self.metadata_timeout_s = metadata_timeout_s
+        self.lease_margin_s = lease_margin_s
+        self.allowed_peers = allowed_peers
+        self.metadata_headers = metadata_headers
+        self.version = version or __version__
+        self.leases = LeaseTable(lease_s)
+        self.stats = TransferStats()
+        # one agent per worker; UCX needs tcp for its messages, so no transport is narrowed here
+        self.agent = nixl_agent(engine_id, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
+        if "UCX" not in self.agent.backends:
+            raise RuntimeError("NIXL's UCX backend plugin is missing from this nixl install")
+        self.kv: KVCache | None = None
+        self.compat_hash = ""
+        self._reg = None
+        self._metadata = b""
+        self._peers: dict[str, _Peer] = {}
+        self._loads: dict[str, _Load] = {}
+        self._failed: list[TransferError] = []
+        self._zombies: list[object] = []  # xfer handles NIXL could not cancel yet
+
+    # -- registration --
+    def register_kv_cache(self, kv_cache: KVCache) -> None:
+        if self.kv is not None:
+            raise RuntimeError("register_kv_cache called twice; the pool is registered once")
+        self.kv = kv_cache
+        self.layout = KVLayout.from_kv_cache(kv_cache)
+        self.compat_hash = compat_hash(self.model_id, kv_cache.dtype, self.layout, kv_cache.block_size, self.version)
+        self._addrs = region_addrs(kv_cache)
+        self._dev_id = device_id(kv_cache)
+        first = next(iter(kv_cache.regions.values()))
+        self.mem_type = "DRAM" if first.device.type == "cpu" else "VRAM"
+        self._reg = self.agent.register_memory(list(kv_cache.regions.values()))
+        info = NixlPeerInfo(
+            engine_id=self.engine_id,
+            compat_hash=self.compat_hash,
+            layout=self.layout,
+            region_addrs=self._addrs,
+            mem_type=self.mem_type,
+            dev_id=self._dev_id,
+            agent_metadata=base64.b64encode(self.agent.get_agent_metadata()).decode(),
+        )
+        # built once: the HTTP server thread serves these bytes without touching the agent
+        self._metadata = info.model_dump_json().encode()
+
+    def agent_metadata(self) -> bytes:
+        """This worker's NixlPeerInfo as JSON bytes, for its HTTP server to serve at metadata_url."""
+        if not self._metadata:
+            raise RuntimeError("agent_metadata() before register_kv_cache()")
+        return self._metadata
+
+    # -- prefill side --
+    def on_prefill_finished(self, request_id: str, block_ids: list[int], num_tokens: int) -> KVHandle:
+        lease_s = self.leases.add(request_id, block_ids)
+        return KVHandle(
+            request_id=request_id,
+            engine_id=self.engine_id,
+            metadata_url=self.metadata_url,
+            block_ids=list(block_ids),
+            num_tokens=num_tokens,
+            compat_hash=self.compat_hash,
+            lease_expires_at=time.time() + lease_s,
+        )
+
+    def poll_releases(self) -> list[str]:
+        released = []
+        for msgs in self.agent.get_new_notifs().values():
+            for msg in msgs:
+                rid = parse_release(msg)
+                if rid is not None and self.leases.release(rid) is not None:
+                    self.stats.leases_released += 1
+                    released.append(rid)
+        expired = self.leases.expired()
+        self.stats.lease_expirations += len(expired)
+        return released + expired
+
+    def release(self, request_id: str) -> None:
+        if self.leases.release(request_id) is not None:
+            self.stats.leases_released += 1
+
+    # -- decode side --
+    def add_peer(self, metadata: bytes, engine_id: str | None = None) -> NixlPeerInfo:
+        """Load a peer's metadata (from fetch_metadata) into the agent; cached by its engine id.
+        Raises ValueError for metadata this worker refuses (wrong engine_id when given, hash mismatch),
+        NIXL errors when the agent it names is unreachable."""
+        try:
+            info = NixlPeerInfo.model_validate_json(metadata)
+        except ValidationError as e:
+            raise ValueError(f"peer metadata is not a NixlPeerInfo: {e.errors()[:2]}") from e
+        if info.version != PEER_INFO_VERSION:
+            raise ValueError(f"peer metadata version {info.version}, this worker reads {PEER_INFO_VERSION}")
+        if engine_id is not None and info.engine_id != engine_id:
+            raise ValueError(f"it describes engine {info.engine_id!r}, not {engine_id!r}")
+        if info.compat_hash != self.compat_hash:
+            raise ValueError(self._mismatch(info.engine_id, info.compat_hash))
+        self._drop_peer(info.engine_id)  # known already: it restarted, the new metadata wins
+        name = self.agent.add_remote_agent(base64.b64decode(info.agent_metadata))
+        name = name.decode() if isinstance(name, bytes) else name
+        if name != info.engine_id:
+            self.agent.remove_remote_agent(name)
+            raise ValueError(f"peer metadata names engine {info.engine_id!r} but its NIXL agent is {name!r}")
+        self._peers[info.engine_id] = _Peer(info, name)
+        return info
+
+    def start_load(self, handle: KVHandle, local_block_ids: list[int]) -> None:
+        rid = handle.request_id
+        if self.kv is None:
+            raise RuntimeError("start_load() before register_kv_cache()")
+        if rid in self._loads:
+            raise TransferError(rid, TransferStage.PENDING, "a load for this request is already in flight")
+        if handle.compat_hash != self.compat_hash:
+            self._fail_now(rid, TransferStage.HANDSHAKE, self._mismatch(handle.engine_id, handle.compat_hash))
+        left = handle.lease_expires_at - time.time()
+        if left < self.lease_margin_s:
+            self._fail_now(rid, TransferStage.PENDING, f"the prefill lease ends in {left:.1f} s (< margin)")
+        peer = self._peer(handle)
+        try:
+            check_block_ids(handle.block_ids, peer.info.layout.num_blocks, "prefill")
+            check_block_ids(local_block_ids, self.layout.num_blocks, "decode")
+            runs = block_runs(handle.block_ids, local_block_ids)
+        except ValueError as e:
+            self._fail_now(rid, TransferStage.PENDING, str(e))
+        if not runs:
+            self._notify(peer.agent_name, rid)
+            self._loads[rid] = load = _Load(handle, peer.agent_name, None, time.monotonic(), 0.0, 0, 0)
+            load.finish()
+            return
+        self._loads[rid] = self._post(handle, peer, runs)
+
+    def _post(self, handle: KVHandle, peer: _Peer, runs: list[tuple[int, int, int]]) -> _Load:
+        """Build both descriptor lists and post the READ; NIXL sends the release notif when it is done."""
+        rid, info = handle.request_id, peer.info
+        remote = build_descriptors(info.layout, info.region_addrs, info.dev_id, runs, 0)
+        local = build_descriptors(self.layout, self._addrs, self._dev_id, runs, 1)
+        started = time.monotonic()
+        try:
+            xfer = self.agent.initialize_xfer(
+                "READ",
+                self.agent.get_xfer_descs(local, self.mem_type),
+                self.agent.get_xfer_descs(remote, info.mem_type),
+                peer.agent_name,
+                release_message(rid),
+            )
+            state = self.agent.transfer(xfer)
+        except Exception as e:  # NIXL raises one unrelated class per status code
+            self._drop_peer_if_gone(peer, e)
+            self._fail_now(rid, TransferStage.READING, f"posting the READ from {info.engine_id}: {_nixl_reason(e)}")
+        if state == "ERR":
+            self._release_xfer(xfer)
+            self._fail_now(rid, TransferStage.READING, f"NIXL refused the READ from {info.engine_id} (state ERR)")
+        nbytes = sum(d[1] for d in local)
+        load = _Load(handle, peer.agent_name, xfer, started, started + self.transfer_timeout_s, nbytes, len(local))
+        if state == "DONE":  # large reads over cma complete inside transfer()
+            load.finish()
+        return load
+
+    def poll_loads(self) -> tuple[list[str], list[TransferError]]:
+        self._retry_zombies()
+        done: list[str] = []
+        for rid, load in list(self._loads.items()):
+            if load.finished_at is None:
+                reason = self._check(load)
+                if reason is not None:
+                    self._fail_load(rid, TransferStage.READING, reason)
+                if load.finished_at is None:
+                    continue
+            if load.finished_at > load.handle.lease_expires_at:
+                reason = "the prefill lease expired before the READ completed; its blocks may be reused"
+                self._fail_load(rid, TransferStage.READING, reason)
+                continue
+            del self._loads[rid]
+            self._release_xfer(load.xfer)
+            self.stats.record_done(load.nbytes, load.seconds, load.num_descs)
+            done.append(rid)
+        failed, self._failed = self._failed, []
+        return done, failed
+
+    def _check(self, load: _Load) -> str | None:
+        """Advance one in-flight READ: marks it finished, or returns why it failed."""
+        engine_id = load.handle.engine_id
+        try:
+            state = self.agent.check_xfer_state(load.xfer)
+        except Exception as e:
+            peer = self._peers.get(engine_id)
+            if peer is not None:
+                self._drop_peer_if_gone(peer, e)
+            return f"reading from {engine_id}: {_nixl_reason(e)}"
+        if state == "ERR":
+            self._drop_peer(engine_id)
+            return f"remote {engine_id} failed the READ (state ERR; disconnected?)"
+        if state == "DONE":
+            load.finish()
+        elif time.monotonic() > load.deadline:
+            return f"no completion within {self.transfer_timeout_s} s"
+        return None
+
+    def cancel_load(self, request_id: str) -> None:
+        load = self._loads.pop(request_id, None)
+        if load is not None:
+            self._release_xfer(load.xfer)
+            self._notify(load.agent_name, request_id)
+
+    def shutdown(self) -> None:
+        for rid in list(self._loads):
+            self.cancel_load(rid)
+        self._retry_zombies()
+        for engine_id in list(self._peers):
+            self._drop_peer(engine_id)
+        if self._reg is not None:
+            self.agent.deregister_memory(self._reg)
+            self._reg = None
+
+    # -- helpers --
+    def _mismatch(self, engine_id: str, theirs: str) -> str:
+        return (
+            f"refused: KV compatibility hash mismatch: prefill engine {engine_id} has {theirs}, "
+            f"this engine {self.engine_id} has {self.compat_hash} "
+            "(model, dtype, KV layout, block size or pdserve version differ)"
+        )
+
+    def _peer(self, handle: KVHandle) -> _Peer:
+        peer = self._peers.get(handle.engine_id)
+        if peer is not None:
+            return peer
+        rid, url = handle.request_id, handle.metadata_url
+        try:
+            metadata = fetch_metadata(url, self.metadata_timeout_s, self.allowed_peers, self.metadata_headers)
+            self.add_peer(metadata, handle.engine_id)
+        except httpx.HTTPError as e:
+            self._fail_now(rid, TransferStage.HANDSHAKE, f"fetching metadata of {handle.engine_id} from {url}: {e!r}")
+        except ValueError as e:
+            self._fail_now(rid, TransferStage.HANDSHAKE, f"metadata of {handle.engine_id} from {url}: {e}")
+        except Exception as e:  # NIXL: the agent in the metadata cannot be reached
+            self._fail_now(rid, TransferStage.HANDSHAKE, f"adding NIXL agent {handle.engine_id}: {_nixl_reason(e)}")
+        return self._peers[handle.engine_id]
+
+    def _fail_now(self, rid: str, stage: TransferStage, reason: str) -> NoReturn:
+        self.stats.record_failed(stage.name)
+        raise TransferError(rid, stage, reason)
+
+    def _fail_load(self, rid: str, stage: TransferStage, reason: str) -> None:
+        load = self._loads.pop(rid)
+        self._release_xfer(load.xfer)
+        if load.handle.engine_id in self._peers:
+            self._notify(load.agent_name, rid)  # let prefill free its blocks now, not at lease expiry
+        self.stats.record_failed(stage.name)
+        self._failed.append(TransferError(rid, stage, reason))
+
+    def _notify(self, agent_name: str, rid: str) -> None:
+        try:
+            self.agent.send_notif(agent_name, release_message(rid))
+        except Exception:
+            pass  # the peer is gone; its lease expires on its own
+
+    def _release_xfer(self, xfer: object) -> None:
+        if xfer is None:
+            return
+        try:
+            xfer.release()  # cancels the transfer if it is still active
+        except Exception:
+            self._zombies.append(xfer)
+
+    def _retry_zombies(self) -> None:
+        zombies, self._zombies = self._zombies, []
+        for xfer in zombies:
+            self._release_xfer(xfer)
+
+    def _drop_peer_if_gone(self, peer: _Peer, e: Exception) -> None:
+        if _is_disconnect(e):
+            self._drop_peer(peer.info.engine_id)
+
+    def _drop_peer(self, engine_id: str) -> None:
+        """Forget a peer, so the next handle from it fetches fresh metadata (it may have restarted)."""
+        peer = self._peers.pop(engine_id, None)
+        if peer is not None:
+            try:
+                self.agent.remove_remote_agent(peer.agent_name)
+            except Exception:
+                pass  # already disconnected

@@ -1,0 +1,414 @@
+"""KV transfer: layout and hash, leases, the fake backend, and real NIXL between two processes.
+
+The NIXL tests start tests/transfer_peer.py as the prefill worker (its own process, its own agent,
+metadata over HTTP) and play the decode worker in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+import torch
+
+from pdserve.disagg import KVHandle, LeaseTable, TransferError, TransferStage, compat_hash, make_connector
+from pdserve.disagg.fake_connector import FakeFabric
+from pdserve.disagg.layout import KVLayout, block_runs, build_descriptors, region_addrs
+from pdserve.engine.kv_cache import KVCache, KVRegionSpec
+from tests.transfer_peer import make_kv
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PEER_LEASE_S = 3.0
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def assert_blocks_equal(dst: KVCache, dst_ids: list[int], src: KVCache, src_ids: list[int]) -> None:
+    for name in src.regions:
+        assert torch.equal(as_bytes(dst.regions[name][:, dst_ids]), as_bytes(src.regions[name][:, src_ids])), name
+
+
+def run_load(conn, handle: KVHandle, local_ids: list[int], limit_s: float = 10.0) -> TransferError | None:
+    """start_load then poll until the load is done (None) or failed (its error)."""
+    try:
+        conn.start_load(handle, local_ids)
+    except TransferError as e:
+        return e
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        done, failed = conn.poll_loads()
+        if handle.request_id in done:
+            return None
+        for e in failed:
+            if e.request_id == handle.request_id:
+                return e
+        time.sleep(0.002)
+    raise AssertionError(f"load of {handle.request_id} neither finished nor failed in {limit_s} s")
+
+
+# ---------------------------------------------------------------- layout, hash, leases
+
+
+def test_compat_hash_covers_what_makes_blocks_readable():
+    def h(model="m", dtype=torch.bfloat16, dim=40, block_size=4, num_blocks=8, version="0.1.0"):
+        kv = KVCache([KVRegionSpec("latent", dim)], 2, num_blocks, block_size, dtype, "cpu")
+        return compat_hash(model, dtype, KVLayout.from_kv_cache(kv), block_size, version)
+
+    base = h()
+    assert len(base) == 64 and base == h()
+    assert h(num_blocks=100) == base  # pool sizes may differ between prefill and decode
+    for changed in (h(model="other"), h(dtype=torch.float32), h(dim=41), h(block_size=8), h(version="0.2.0")):
+        assert changed != base
+
+
+def test_block_runs_merge_only_where_both_sides_are_consecutive():
+    assert block_runs([4, 5, 6], [9, 10, 11]) == [(4, 9, 3)]
+    assert block_runs([4, 5, 6], [9, 11, 12]) == [(4, 9, 1), (5, 11, 2)]
+    assert block_runs([7, 3, 4], [0, 1, 2]) == [(7, 0, 1), (3, 1, 2)]
+    assert block_runs([], []) == []
+    with pytest.raises(ValueError, match="2 source blocks but 1 destination"):
+        block_runs([1, 2], [3])
+
+
+def test_descriptors_point_at_the_blocks_of_every_layer():
+    kv = make_kv(torch.bfloat16, 0, 10)
+    layout = KVLayout.from_kv_cache(kv)
+    runs = block_runs([2, 3, 7], [5, 6, 0])  # -> (2, 5, 2), (7, 0, 1)
+    src = build_descriptors(layout, region_addrs(kv), 0, runs, 0)
+    dst = build_descriptors(layout, region_addrs(kv), 0, runs, 1)
+    num_layers = sum(r.num_layers for r in layout.regions)
+    assert len(src) == len(dst) == 2 * num_layers
+    expected = []
+    for t in kv.regions.values():
+        block_bytes = t[0, 0].numel() * t.element_size()
+        for layer in range(t.shape[0]):
+            expected.append((t[layer, 2].data_ptr(), 2 * block_bytes, 0))
+            expected.append((t[layer, 7].data_ptr(), block_bytes, 0))
+    assert src == expected
+    assert [d[1] for d in dst] == [d[1] for d in src]
+    assert dst[0][0] == kv.regions["latent"][0, 5].data_ptr()
+
+
+def test_lease_table_release_and_expiry():
+    now = [100.0]
+    table = LeaseTable(lease_s=10.0, clock=lambda: now[0])
+    table.add("a", [1, 2])
+    table.add("b", [3])
+    with pytest.raises(ValueError, match="already holds"):
+        table.add("a", [4])
+    assert table.release("a") == [1, 2] and table.release("a") is None
+    now[0] = 109.9
+    assert table.expired() == []
+    now[0] = 110.0
+    assert table.expired() == ["b"] and len(table) == 0
+    with pytest.raises(ValueError, match="lease_s must be > 0"):
+        LeaseTable(lease_s=0)
+
+
+# ---------------------------------------------------------------- fake backend
+
+
+def fake_pair(lease_s: float = 60.0, timeout_s: float = 30.0, model_id: str = "tiny"):
+    fabric = FakeFabric()
+    pre = make_connector("fake", "pre-0", model_id="tiny", lease_s=lease_s, fabric=fabric, lease_margin_s=0.0)
+    dec = make_connector("fake", "dec-0", model_id=model_id, transfer_timeout_s=timeout_s, fabric=fabric)
+    pre.register_kv_cache(make_kv(torch.float32, 0, 16))
+    dec.register_kv_cache(make_kv(torch.float32, 1, 20))
+    return fabric, pre, dec
+
+
+def test_fake_read_is_exact_and_releases_prefill_blocks():
+    _, pre, dec = fake_pair()
+    handle = pre.on_prefill_finished("r1", [3, 4, 9], num_tokens=11)
+    before = {n: t.clone() for n, t in dec.kv.regions.items()}
+    assert run_load(dec, handle, [0, 1, 2]) is None
+    assert_blocks_equal(dec.kv, [0, 1, 2], pre.kv, [3, 4, 9])
+    for name, t in dec.kv.regions.items():
+        assert torch.equal(t[:, 3:], before[name][:, 3:])  # nothing else written
+    assert pre.poll_releases() == ["r1"] and len(pre.leases) == 0
+    assert dec.stats.transfers_done == 1 and dec.stats.bytes_transferred == 3 * 3 * 4 * (40 + 16) * 4
+    assert dec.stats.descriptors_sum == 2 * 6  # runs (3,4)->(0,1) and 9->2, over 2 regions x 3 layers
+
+
+def test_fake_lease_expiry_and_explicit_release():
+    _, pre, dec = fake_pair(lease_s=0.05)
+    pre.on_prefill_finished("r1", [1], 4)
+    pre.on_prefill_finished("r2", [2], 4)
+    pre.release("r2")
+    time.sleep(0.06)
+    assert pre.poll_releases() == ["r1"]
+    assert pre.stats.lease_expirations == 1 and pre.stats.leases_released == 1
+
+
+def test_fake_refuses_hash_mismatch_and_unknown_peer():
+    _, pre, dec = fake_pair(model_id="other-model")
+    handle = pre.on_prefill_finished("r1", [1], 4)
+    with pytest.raises(TransferError) as err:
+        dec.start_load(handle, [0])
+    assert err.value.stage is TransferStage.HANDSHAKE
+    assert pre.compat_hash in str(err.value) and dec.compat_hash in str(err.value)
+    fabric, pre2, dec2 = fake_pair()
+    handle = pre2.on_prefill_finished("r2", [1], 4)
+    fabric.disconnect("pre-0")
+    err2 = run_load(dec2, handle, [0])
+    assert err2 is not None and err2.stage is TransferStage.HANDSHAKE and "not reachable" in err2.reason
+
+
+def test_fake_timeout_disconnect_and_injected_failures():
+    fabric, pre, dec = fake_pair(timeout_s=0.1)
+    dec.hold_loads = True
+    handle = pre.on_prefill_finished("slow", [1], 4)
+    started = time.monotonic()
+    err = run_load(dec, handle, [0])
+    assert err.stage is TransferStage.READING and "within 0.1 s" in err.reason
+    assert time.monotonic() - started < 2.0
+    assert pre.poll_releases() == ["slow"]  # the failed load told prefill to free its blocks
+    dec.hold_loads = False
+
+    dec.fail_next(TransferStage.HANDSHAKE, "injected")
+    err = run_load(dec, pre.on_prefill_finished("h", [1], 4), [0])
+    assert err.stage is TransferStage.HANDSHAKE and err.reason == "injected"
+    dec.fail_next(TransferStage.READING, "wire cut")
+    err = run_load(dec, pre.on_prefill_finished("w", [2], 4), [0])
+    assert err.stage is TransferStage.READING and err.reason == "wire cut"
+
+    handle = pre.on_prefill_finished("gone", [3], 4)
+    dec.start_load(handle, [0])
+    fabric.disconnect("pre-0")
+    done, failed = dec.poll_loads()
+    assert done == [] and failed[0].stage is TransferStage.READING and "disconnected" in failed[0].reason
+    assert dec.stats.transfers_failed == 4 and dec.stats.failures_by_stage == {"READING": 3, "HANDSHAKE": 1}
+
+
+def test_fake_cancel_releases_prefill_and_bad_block_ids_are_refused():
+    _, pre, dec = fake_pair()
+    dec.hold_loads = True
+    dec.start_load(pre.on_prefill_finished("c", [1, 2], 8), [0, 1])
+    dec.cancel_load("c")
+    assert dec.poll_loads() == ([], []) and pre.poll_releases() == ["c"]
+    err = run_load(dec, pre.on_prefill_finished("bad", [99], 4), [0])
+    assert err.stage is TransferStage.PENDING and "out of range" in err.reason
+    err = run_load(dec, pre.on_prefill_finished("short", [1, 2], 8), [0])
+    assert err.stage is TransferStage.PENDING and "2 source blocks but 1" in err.reason
+
+
+def test_make_connector_rejects_unknown_backend():
+    with pytest.raises(ValueError, match="unknown transfer backend 'rdma'"):
+        make_connector("rdma", "e", model_id="m")
+
+
+# ---------------------------------------------------------------- real NIXL, two processes
+
+
+class Peer:
+    """tests/transfer_peer.py as a prefill worker process."""
+
+    def __init__(self, dtype: str, seed: int = 0, lease_s: float = 60.0) -> None:
+        self.engine_id = f"prefill-{uuid.uuid4().hex[:8]}"
+        self.seed, self.dtype = seed, dtype
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        args = ["--engine-id", self.engine_id, "--dtype", dtype, "--seed", str(seed), "--lease-s", str(lease_s)]
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "tests", "transfer_peer.py"), *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            cwd=ROOT,
+            env=env,
+        )
+        self.metadata_url = self._read(60.0)["metadata_url"]
+
+    def _read(self, timeout_s: float) -> dict:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            raise AssertionError(f"transfer peer gave no reply in {timeout_s} s (exit code {self.proc.poll()})")
+        return json.loads(line)
+
+    def cmd(self, **doc) -> dict:
+        self.proc.stdin.write(json.dumps(doc) + "\n")
+        self.proc.stdin.flush()
+        return self._read(10.0)
+
+    def prefill(self, request_id: str, block_ids: list[int]) -> KVHandle:
+        reply = self.cmd(op="prefill", request_id=request_id, block_ids=block_ids, num_tokens=4 * len(block_ids))
+        return KVHandle(**reply["handle"])
+
+    def wait_released(self, request_id: str, limit_s: float = 5.0) -> dict:
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            state = self.cmd(op="poll")
+            if request_id in state["released"]:
+                return state
+            time.sleep(0.02)
+        raise AssertionError(f"prefill never released {request_id}")
+
+    def kv(self) -> KVCache:
+        return make_kv(getattr(torch, self.dtype), self.seed, 32)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.cmd(op="exit")
+                self.proc.wait(timeout=10)
+            except (AssertionError, OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def peer(request):
+    p = Peer(request.param, lease_s=PEER_LEASE_S)
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+def nixl_decode(dtype: str, model_id: str = "tiny", **kwargs):
+    conn = make_connector(
+        "nixl",
+        f"decode-{uuid.uuid4().hex[:8]}",
+        model_id=model_id,
+        lease_margin_s=0.5,
+        transfer_timeout_s=5.0,
+        metadata_timeout_s=2.0,
+        **kwargs,
+    )
+    conn.register_kv_cache(make_kv(getattr(torch, dtype), 1, 40))
+    return conn
+
+
+@pytest.fixture
+def decode(peer):
+    conn = nixl_decode(peer.dtype)
+    try:
+        yield conn
+    finally:
+        conn.shutdown()
+
+
+def test_nixl_read_is_byte_exact_and_notification_releases_the_lease(peer, decode):
+    src_ids, dst_ids = [3, 4, 5, 9, 20, 21], [7, 8, 9, 0, 30, 31]
+    handle = peer.prefill("r1", src_ids)
+    before = {n: t.clone() for n, t in decode.kv.regions.items()}
+    assert run_load(decode, handle, dst_ids) is None
+    assert_blocks_equal(decode.kv, dst_ids, peer.kv(), src_ids)
+    untouched = [b for b in range(40) if b not in dst_ids]
+    for name, t in decode.kv.regions.items():
+        assert torch.equal(as_bytes(t[:, untouched]), as_bytes(before[name][:, untouched]))
+    # runs (3..5 -> 7..9), (9 -> 0), (20..21 -> 30..31): 3 descriptors per layer, 2 regions x 3 layers
+    assert decode.stats.descriptors_sum == 18
+    assert decode.stats.bytes_transferred == 6 * 3 * 4 * (40 + 16) * decode.kv.regions["latent"].element_size()
+    state = peer.wait_released("r1")
+    assert state["leases"] == 0 and state["lease_expirations"] == 0
+    # the second request reuses the cached peer (no new metadata fetch needed)
+    assert run_load(decode, peer.prefill("r2", [0]), [1]) is None
+    assert_blocks_equal(decode.kv, [1], peer.kv(), [0])
+    peer.wait_released("r2")
+
+
+def test_nixl_lease_expiry_releases_without_notification(peer):
+    peer.prefill("never-read", [1, 2])
+    time.sleep(PEER_LEASE_S + 0.1)
+    state = peer.wait_released("never-read")
+    assert state["leases"] == 0 and state["lease_expirations"] >= 1
+
+
+def test_nixl_hash_mismatch_is_refused_with_both_hashes(peer):
+    other = nixl_decode(peer.dtype, model_id="another-model")
+    try:
+        handle = peer.prefill("mismatch", [1])
+        with pytest.raises(TransferError) as err:
+            other.start_load(handle, [0])
+        assert err.value.stage is TransferStage.HANDSHAKE and "refused" in err.value.reason
+        assert handle.compat_hash in err.value.reason and other.compat_hash in err.value.reason
+        # a handle that matches but whose peer serves other metadata is refused at the handshake too
+        forged = handle.model_copy(update={"compat_hash": other.compat_hash})
+        err2 = run_load(other, forged, [0])
+        assert err2.stage is TransferStage.HANDSHAKE and handle.compat_hash in err2.reason
+    finally:
+        other.shutdown()
+    peer.cmd(op="poll")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_bytes(body: bytes) -> ThreadingHTTPServer:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_nixl_unreachable_peer_fails_fast_at_the_handshake(peer, decode):
+    handle = peer.prefill("unreachable", [1])
+    dead_url = f"http://127.0.0.1:{free_port()}/metadata"
+    started = time.monotonic()
+    err = run_load(decode, handle.model_copy(update={"metadata_url": dead_url}), [0])
+    assert err.stage is TransferStage.HANDSHAKE and dead_url in err.reason
+    assert time.monotonic() - started < decode.metadata_timeout_s + 1.0
+    allow = nixl_decode(peer.dtype, allowed_peers=["http://127.0.0.1:1"])
+    try:
+        err = run_load(allow, handle, [0])
+        assert err.stage is TransferStage.HANDSHAKE and "not from a configured peer" in err.reason
+    finally:
+        allow.shutdown()
+
+
+def test_nixl_killed_prefill_fails_within_the_timeout_and_is_forgotten():
+    peer = Peer("float32")
+    decode = nixl_decode("float32")
+    stale = None
+    try:
+        assert run_load(decode, peer.prefill("ok", [1, 2]), [3, 4]) is None
+        handle = peer.prefill("after-kill", [5])
+        stale = serve_bytes(httpx.get(peer.metadata_url, timeout=2.0).content)
+        peer.proc.send_signal(signal.SIGKILL)
+        peer.proc.wait(timeout=10)
+        started = time.monotonic()
+        err = run_load(decode, handle, [6])
+        assert err is not None and err.stage is TransferStage.READING, err
+        assert time.monotonic() - started < decode.transfer_timeout_s + 1.0
+        # the dead peer was dropped: the next handle fetches metadata again, and that fails cleanly
+        err = run_load(decode, handle.model_copy(update={"request_id": "again"}), [6])
+        assert err.stage is TransferStage.HANDSHAKE and "fetching metadata" in err.reason
+        # metadata that still reaches us but names a dead NIXL agent: unreachable agent, refused
+        stale_url = f"http://127.0.0.1:{stale.server_address[1]}/metadata"
+        err = run_load(decode, handle.model_copy(update={"request_id": "stale", "metadata_url": stale_url}), [6])
+        assert err.stage is TransferStage.HANDSHAKE and "adding NIXL agent" in err.reason, err
+        assert decode.stats.transfers_done == 1 and decode.stats.transfers_failed == 3
+    finally:
+        if stale is not None:
+            stale.shutdown()
+        decode.shutdown()
+        peer.stop()

@@ -1,0 +1,109 @@
+"""A prefill-side NIXL peer for tests/test_transfer.py, run as its own process.
+
+It fills a KVCache with seeded random data, registers it with a NixlConnector, serves the connector's
+metadata at http://127.0.0.1:<free port>/metadata, prints one JSON line {"metadata_url": ...} and
+then answers JSON-line commands on stdin, one JSON line each on stdout:
+
+    {"op": "prefill", "request_id": str, "block_ids": [int], "num_tokens": int} -> {"handle": KVHandle}
+    {"op": "poll"}  -> {"released": [str], "leases": int, "leases_released": int, "lease_expirations": int}
+    {"op": "exit"}  -> {"bye": true}, after shutdown()
+
+All connector calls happen on the main thread; the HTTP thread serves bytes built at registration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import torch
+
+from pdserve.engine.kv_cache import KVCache, KVRegionSpec
+
+SPECS = [KVRegionSpec("latent", 40), KVRegionSpec("index_k", 16)]
+NUM_LAYERS, BLOCK_SIZE = 3, 4
+
+
+def make_kv(dtype: torch.dtype, seed: int, num_blocks: int) -> KVCache:
+    """A pool of random records, the same for the same (dtype, seed, num_blocks) in every process."""
+    kv = KVCache(SPECS, NUM_LAYERS, num_blocks, BLOCK_SIZE, dtype, "cpu")
+    gen = torch.Generator().manual_seed(seed)
+    for t in kv.regions.values():
+        t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32).to(dtype))
+    return kv
+
+
+def serve_metadata(body: bytes) -> ThreadingHTTPServer:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path != "/metadata":
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def main() -> None:
+    # nixl's Python logger writes to sys.stdout; keep stdout for the replies only
+    replies, sys.stdout = sys.stdout, sys.stderr
+    from pdserve.disagg.nixl_connector import NixlConnector
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--engine-id", required=True)
+    p.add_argument("--model-id", default="tiny")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-blocks", type=int, default=32)
+    p.add_argument("--lease-s", type=float, default=60.0)
+    args = p.parse_args()
+
+    conn = NixlConnector(args.engine_id, model_id=args.model_id, lease_s=args.lease_s)
+    conn.register_kv_cache(make_kv(getattr(torch, args.dtype), args.seed, args.num_blocks))
+    server = serve_metadata(conn.agent_metadata())
+    conn.metadata_url = f"http://127.0.0.1:{server.server_address[1]}/metadata"
+
+    def reply(doc: dict) -> None:
+        replies.write(json.dumps(doc) + "\n")
+        replies.flush()
+
+    reply({"metadata_url": conn.metadata_url})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "prefill":
+            handle = conn.on_prefill_finished(cmd["request_id"], cmd["block_ids"], cmd["num_tokens"])
+            reply({"handle": handle.model_dump()})
+        elif cmd["op"] == "poll":
+            released = conn.poll_releases()
+            s = conn.stats
+            reply(
+                {
+                    "released": released,
+                    "leases": len(conn.leases),
+                    "leases_released": s.leases_released,
+                    "lease_expirations": s.lease_expirations,
+                }
+            )
+        elif cmd["op"] == "exit":
+            break
+        else:
+            reply({"error": f"unknown op {cmd['op']!r}"})
+    conn.shutdown()
+    server.shutdown()
+    reply({"bye": True})
+
+
+if __name__ == "__main__":
+    main()
