@@ -1,0 +1,202 @@
+"""Runs an LLMEngine's step loop on its own thread and hands each request's outputs to asyncio.
+
+    HTTP handler --add()--> engine inbox        engine thread: step() -> RequestOutputs
+    HTTP handler <--RequestStream (latest cumulative output, an asyncio.Event)--+
+
+Outputs are cumulative, so a stream keeps only the latest one: a slow reader never makes a queue
+grow, it just reads a bigger delta. The thread sleeps while there is nothing to do, polls often
+while KV loads are in flight, and now and then while prefill holds KV (to see releases and lease
+expiries). If step() raises, the engine is dead: every open stream gets an error output, `alive`
+turns False, and /health reports it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import AsyncIterator
+
+from pdserve.disagg.base import KVHandle
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.outputs import CompletionOutput, Logprob, RequestOutput
+from pdserve.sampling_params import SamplingParams
+from pdserve.server.metrics import WorkerMetrics
+
+log = logging.getLogger("pdserve.server")
+
+IDLE_WAIT_S = 0.5  # nothing to do: wake at least this often (liveness)
+HELD_POLL_S = 0.02  # prefill holds KV: look for release notifications this often
+LOAD_POLL_S = 0.001  # decode waits for KV reads only: poll the transfers this often
+
+
+class RequestStream:
+    """One request's outputs, readable from the event loop the request was added on."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self._loop = loop
+        self._latest: RequestOutput | None = None
+        self._event = asyncio.Event()
+        self.finished = False
+
+    def put(self, out: RequestOutput) -> None:
+        """Engine thread."""
+        self._latest = out
+        self._loop.call_soon_threadsafe(self._event.set)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while not self.finished:
+            await self._event.wait()
+            self._event.clear()
+            out = self._latest
+            if out is None:
+                continue
+            self.finished = out.finished
+            yield out
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, metrics: WorkerMetrics | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self._streams: dict[str, RequestStream] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
+        self.error: str | None = None
+        self.last_beat = time.monotonic()
+
+    # -- lifecycle --
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None and not self._stop.is_set()
+
+    @property
+    def num_open(self) -> int:
+        """Requests this worker is serving (admitted, not finished)."""
+        return len(self._streams)
+
+    # -- requests --
+    def add(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        hold_kv: bool = False,
+        kv_handle: KVHandle | None = None,
+        first_token: int | None = None,
+        first_token_logprobs: dict[int, Logprob] | None = None,
+    ) -> RequestStream:
+        """Admit a request (call on the event loop). Bad input raises ValueError, nothing is kept."""
+        if not self.alive:
+            raise RuntimeError(f"the engine is not running: {self.error or 'stopped'}")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use on this worker")
+        stream = RequestStream(request_id, asyncio.get_running_loop())
+        self._streams[request_id] = stream
+        try:
+            self.engine.add_request(
+                request_id,
+                prompt_token_ids,
+                params,
+                hold_kv=hold_kv,
+                kv_handle=kv_handle,
+                first_token=first_token,
+                first_token_logprobs=first_token_logprobs,
+            )
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)
+        self._wake.set()
+
+    def release(self, request_id: str) -> None:
+        self.engine.release_kv(request_id)
+        self._wake.set()
+
+    # -- the engine thread --
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self.last_beat = time.monotonic()
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                    self._pause_if_only_loading()
+                elif self.engine.has_held_kv():
+                    self._wait(HELD_POLL_S)
+                    self._step()
+                else:
+                    self._wait(IDLE_WAIT_S)
+        except Exception as e:  # the engine is broken: fail every request, report unhealthy
+            log.exception("engine loop died")
+            self.error = f"engine loop died: {type(e).__name__}: {e}"
+            self._fail_all(self.error)
+
+    def _wait(self, seconds: float) -> None:
+        self._wake.wait(seconds)
+        self._wake.clear()
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        outputs = self.engine.step()
+        dt = time.perf_counter() - t0
+        sched = self.engine.last_schedule
+        if self.metrics is not None:
+            if sched is not None and not sched.is_empty:
+                is_prefill = any(s.is_prefill for s in sched.scheduled)
+                self.metrics.observe_step(dt, is_prefill, len(sched.scheduled))
+            self._sync_metrics()
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+                if self.metrics is not None:  # None: a prefill handing its KV to a decode worker
+                    self.metrics.finished.labels(out.outputs[0].finish_reason or "kv_handoff").inc()
+            stream.put(out)
+
+    def _pause_if_only_loading(self) -> None:
+        stats = self.engine.get_stats()
+        if stats.num_running == 0 and stats.num_waiting == stats.num_waiting_for_remote_kv:
+            self._wait(LOAD_POLL_S)
+
+    def _sync_metrics(self) -> None:
+        stats = self.engine.get_stats()
+        m = self.metrics
+        m.running.set(stats.num_running)
+        m.waiting.set(stats.num_waiting)
+        m.held.set(stats.num_held)
+        m.blocks_used.set(stats.kv_blocks_used)
+        m.blocks_total.set(stats.kv_blocks_total)
+        if self.engine.connector is not None:
+            m.sync_transfer(self.engine.connector.stats)
+
+    def _fail_all(self, reason: str) -> None:
+        for rid, stream in list(self._streams.items()):
+            stream.put(
+                RequestOutput(
+                    request_id=rid,
+                    prompt_token_ids=[],
+                    outputs=[CompletionOutput(token_ids=[], finish_reason="error")],
+                    finished=True,
+                    error=reason,
+                )
+            )
+        self._streams.clear()

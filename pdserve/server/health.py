@@ -1,0 +1,163 @@
+"""The router's view of its workers: who is healthy, what each one is, how loaded it is.
+
+A prober GETs every worker's /health each `interval` seconds, and /internal/info when a worker is
+new or restarted (its engine id changed). A worker is routable only after a successful probe.
+A request that cannot reach a worker marks it down at once (the next good probe takes it back),
+so a dead worker stops receiving traffic within one request, not one probe interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import httpx
+from pydantic import ValidationError
+
+from pdserve.server.metrics import RouterMetrics
+from pdserve.server.protocol import WorkerHealth, WorkerInfo
+
+log = logging.getLogger("pdserve.router")
+
+PoolRole = Literal["prefill", "decode", "both"]
+PROBE_TIMEOUT_S = 5.0
+
+
+@dataclass
+class Worker:
+    url: str
+    role: PoolRole
+    healthy: bool = False
+    reason: str | None = "not probed yet"
+    info: WorkerInfo | None = None
+    last_health: WorkerHealth | None = None
+    in_flight: int = 0
+    failures: int = 0  # consecutive failed probes or calls
+    last_probe: float | None = None  # monotonic
+
+    @property
+    def name(self) -> str:
+        return self.url.split("://", 1)[-1]
+
+    def snapshot(self) -> dict[str, Any]:
+        h = self.last_health
+        return {
+            "url": self.url,
+            "role": self.role,
+            "healthy": self.healthy,
+            "reason": self.reason,
+            "in_flight": self.in_flight,
+            "consecutive_failures": self.failures,
+            "seconds_since_probe": None if self.last_probe is None else round(time.monotonic() - self.last_probe, 3),
+            "engine_id": self.info.engine_id if self.info else None,
+            "max_model_len": self.info.max_model_len if self.info else None,
+            "num_requests_running": h.num_requests_running if h else None,
+            "num_requests_waiting": h.num_requests_waiting if h else None,
+            "kv_blocks_used": h.kv_blocks_used if h else None,
+            "kv_blocks_total": h.kv_blocks_total if h else None,
+        }
+
+
+class WorkerPool:
+    def __init__(self, prefill: list[str], decode: list[str], colocated: list[str], metrics: RouterMetrics) -> None:
+        self.workers = (
+            [Worker(_clean(u), "prefill") for u in prefill]
+            + [Worker(_clean(u), "decode") for u in decode]
+            + [Worker(_clean(u), "both") for u in colocated]
+        )
+        self.metrics = metrics
+        for w in self.workers:
+            self._export(w)
+
+    def healthy(self, role: PoolRole) -> list[Worker]:
+        return [w for w in self.workers if w.role == role and w.healthy]
+
+    def can_pd(self) -> bool:
+        return bool(self.healthy("prefill")) and bool(self.healthy("decode"))
+
+    def can_serve(self) -> bool:
+        return self.can_pd() or bool(self.healthy("both"))
+
+    def max_model_len(self) -> int | None:
+        """The smallest context any known worker allows (a request must fit wherever it lands)."""
+        lens = [w.info.max_model_len for w in self.workers if w.info is not None]
+        return min(lens) if lens else None
+
+    def mark_down(self, w: Worker, reason: str) -> None:
+        if w.healthy:
+            log.warning("worker %s (%s) marked down: %s", w.url, w.role, reason)
+        w.healthy, w.reason = False, reason
+        w.failures += 1
+        self._export(w)
+
+    def acquire(self, w: Worker) -> None:
+        w.in_flight += 1
+        self.metrics.worker_in_flight.labels(w.name, w.role).set(w.in_flight)
+
+    def release(self, w: Worker) -> None:
+        w.in_flight -= 1
+        self.metrics.worker_in_flight.labels(w.name, w.role).set(w.in_flight)
+
+    # -- probing --
+    async def run(self, client: httpx.AsyncClient, interval: float, headers: dict[str, str]) -> None:
+        while True:
+            await self.probe_all(client, headers)
+            await asyncio.sleep(interval)
+
+    async def probe_all(self, client: httpx.AsyncClient, headers: dict[str, str]) -> None:
+        await asyncio.gather(*(self.probe(client, w, headers) for w in self.workers))
+
+    async def probe(self, client: httpx.AsyncClient, w: Worker, headers: dict[str, str]) -> None:
+        try:
+            resp = await client.get(f"{w.url}/health", timeout=PROBE_TIMEOUT_S)
+            health = WorkerHealth.model_validate_json(resp.content)
+            if resp.status_code != 200:
+                raise _Unhealthy(f"/health answered {resp.status_code}: {health.reason}")
+            if w.info is None or w.info.engine_id != health.engine_id:
+                w.info = await self._info(client, w, headers)
+            if w.info.role != w.role:
+                raise _Unhealthy(f"configured as {w.role} but the worker's role is {w.info.role}")
+        except (httpx.HTTPError, ValidationError, _Unhealthy) as e:
+            w.last_probe = time.monotonic()
+            if isinstance(e, httpx.TimeoutException) and w.healthy and w.failures == 0:
+                w.failures = 1  # a busy worker may answer late once; twice in a row is down
+                return
+            self.mark_down(w, _reason(e))
+            return
+        w.last_probe = time.monotonic()
+        w.last_health = health
+        if not w.healthy:
+            log.info("worker %s (%s, engine %s) is healthy", w.url, w.role, health.engine_id)
+        w.healthy, w.reason, w.failures = True, None, 0
+        self._export(w)
+
+    async def _info(self, client: httpx.AsyncClient, w: Worker, headers: dict[str, str]) -> WorkerInfo:
+        resp = await client.get(f"{w.url}/internal/info", headers=headers, timeout=PROBE_TIMEOUT_S)
+        if resp.status_code != 200:
+            raise _Unhealthy(f"/internal/info answered {resp.status_code} (cluster secret?)")
+        return WorkerInfo.model_validate_json(resp.content)
+
+    def _export(self, w: Worker) -> None:
+        self.metrics.worker_healthy.labels(w.name, w.role).set(1 if w.healthy else 0)
+
+
+class _Unhealthy(Exception):
+    pass
+
+
+def _reason(e: Exception) -> str:
+    if isinstance(e, _Unhealthy):
+        return str(e)
+    if isinstance(e, ValidationError):
+        return "its /health answer is not a pdserve worker's"
+    return f"unreachable: {type(e).__name__}: {e}".rstrip(": ")
+
+
+def _clean(url: str) -> str:
+    url = url.strip().rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"worker URL {url!r} must start with http:// or https://")
+    return url

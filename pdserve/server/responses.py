@@ -1,0 +1,209 @@
+"""Worker chunks -> OpenAI responses: whole (non-stream) or server-sent events, for
+/v1/completions and /v1/chat/completions, with usage, logprobs in each endpoint's format and
+vLLM's return_token_ids fields.
+
+SSE is exactly OpenAI's framing: `data: <json>\\n\\n` per chunk, then `data: [DONE]\\n\\n`; with
+stream_options.include_usage every chunk has "usage": null and a last chunk carries the usage with
+empty choices. An error after the stream started is one `data: {"error": {...}}` event, then [DONE].
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+from pdserve.server.errors import OpenAIError
+from pdserve.server.openai_protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    DeltaMessage,
+    TopLogprob,
+    UsageInfo,
+)
+from pdserve.server.protocol import GenerateChunk, TokenLogprobs
+from pdserve.tokenizer import Tokenizer
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def sse_error(err: OpenAIError) -> bytes:
+    return sse({"error": err.info().model_dump()})
+
+
+@dataclass
+class ChoiceState:
+    """Everything one choice has produced so far."""
+
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, c: GenerateChunk) -> None:
+        self.text += c.text
+        self.token_ids += c.token_ids
+        self.logprobs += c.logprobs or []
+        if c.finish_reason is not None:
+            self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
+
+
+class Formatter:
+    """Shared by both endpoints: ids, usage, token texts."""
+
+    def __init__(self, rid: str, model: str, tokenizer: Tokenizer, prompts: list[list[int]], logprobs: int | None, return_token_ids: bool, include_usage: bool) -> None:
+        self.rid = rid
+        self.model = model
+        self.created = int(time.time())
+        self.tokenizer = tokenizer
+        self.choices = [ChoiceState(p) for p in prompts]
+        self.top_n = logprobs
+        self.return_token_ids = return_token_ids
+        self.include_usage = include_usage
+
+    def usage(self) -> UsageInfo:
+        p = sum(len(c.prompt_token_ids) for c in self.choices)
+        n = sum(len(c.token_ids) for c in self.choices)
+        return UsageInfo(prompt_tokens=p, completion_tokens=n, total_tokens=p + n)
+
+    def token_text(self, token_id: int, text: str | None) -> str:
+        return text if text is not None else self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _ids(self, ids: list[int]) -> list[int] | None:
+        return list(ids) if self.return_token_ids else None
+
+
+class CompletionFormatter(Formatter):
+    def response(self) -> dict:
+        choices = [
+            CompletionChoice(
+                index=i,
+                text=c.text,
+                logprobs=self._logprobs(c.logprobs, 0) if self.top_n is not None else None,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                prompt_token_ids=self._ids(c.prompt_token_ids),
+                token_ids=self._ids(c.token_ids),
+            )
+            for i, c in enumerate(self.choices)
+        ]
+        return CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=choices, usage=self.usage()).model_dump(exclude_none=True)
+
+    def chunk(self, i: int, c: GenerateChunk) -> bytes | None:
+        state = self.choices[i]
+        first = not state.token_ids and not state.text
+        text_before = len(state.text)
+        state.add(c)
+        if not c.text and not c.finish_reason and not (self.return_token_ids and c.token_ids) and self.top_n is None:
+            return None
+        choice = CompletionChoice(
+            index=i,
+            text=c.text,
+            logprobs=self._logprobs(c.logprobs or [], text_before) if self.top_n is not None else None,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+            prompt_token_ids=self._ids(state.prompt_token_ids) if first else None,
+            token_ids=self._ids(c.token_ids),
+        )
+        body = {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model, "choices": [choice.model_dump(exclude_none=True)]}
+        _keep_nulls(body["choices"][0], ("logprobs", "finish_reason"))
+        if self.include_usage:
+            body["usage"] = None
+        return sse(body)
+
+    def usage_chunk(self) -> bytes:
+        return sse({"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model, "choices": [], "usage": self.usage().model_dump()})
+
+    def _logprobs(self, steps: list[TokenLogprobs], offset: int) -> CompletionLogprobs:
+        out = CompletionLogprobs()
+        for step in steps:
+            sampled = step[0]
+            tok = self.token_text(sampled.token_id, sampled.token)
+            out.tokens.append(tok)
+            out.token_logprobs.append(sampled.logprob)
+            out.top_logprobs.append({self.token_text(e.token_id, e.token): e.logprob for e in step})
+            out.text_offset.append(offset)
+            offset += len(tok)
+        return out
+
+
+class ChatFormatter(Formatter):
+    def response(self) -> dict:
+        choices = [
+            ChatChoice(
+                index=i,
+                message=AssistantMessage(content=c.text),
+                logprobs=self._logprobs(c.logprobs) if self.top_n is not None else None,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                token_ids=self._ids(c.token_ids),
+            )
+            for i, c in enumerate(self.choices)
+        ]
+        prompt_ids = self._ids(self.choices[0].prompt_token_ids)
+        resp = ChatCompletionResponse(id=self.rid, created=self.created, model=self.model, choices=choices, usage=self.usage(), prompt_token_ids=prompt_ids)
+        body = resp.model_dump(exclude_none=True)
+        for ch in body["choices"]:
+            _keep_nulls(ch, ("logprobs",))
+        return body
+
+    def chunk(self, i: int, c: GenerateChunk) -> bytes | None:
+        state = self.choices[i]
+        first = not state.token_ids and not state.text
+        state.add(c)
+        if not c.text and not c.finish_reason and not (self.return_token_ids and c.token_ids) and self.top_n is None:
+            return None
+        delta = DeltaMessage(role="assistant", content=c.text) if first else DeltaMessage(content=c.text)
+        choice = ChatStreamChoice(
+            index=i,
+            delta=delta,
+            logprobs=self._logprobs(c.logprobs or []) if self.top_n is not None else None,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+            token_ids=self._ids(c.token_ids),
+        )
+        chunk = ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=[choice], prompt_token_ids=self._ids(state.prompt_token_ids) if first else None)
+        body = chunk.model_dump(exclude_none=True)
+        _keep_nulls(body["choices"][0], ("logprobs", "finish_reason"))
+        if self.include_usage:
+            body["usage"] = None
+        return sse(body)
+
+    def usage_chunk(self) -> bytes:
+        return sse({"id": self.rid, "object": "chat.completion.chunk", "created": self.created, "model": self.model, "choices": [], "usage": self.usage().model_dump()})
+
+    def _logprobs(self, steps: list[TokenLogprobs]) -> ChatLogprobs:
+        content = []
+        for step in steps:
+            sampled = step[0]
+            tok = self.token_text(sampled.token_id, sampled.token)
+            top = sorted(step, key=lambda e: e.rank)[: self.top_n or 0]
+            content.append(
+                ChatTokenLogprob(
+                    token=tok,
+                    logprob=sampled.logprob,
+                    bytes=list(tok.encode()),
+                    top_logprobs=[TopLogprob(token=(t := self.token_text(e.token_id, e.token)), logprob=e.logprob, bytes=list(t.encode())) for e in top],
+                )
+            )
+        return ChatLogprobs(content=content)
+
+
+def _keep_nulls(d: dict, keys: tuple[str, ...]) -> None:
+    """OpenAI sends these keys as null rather than leaving them out."""
+    for k in keys:
+        d.setdefault(k, None)

@@ -1,0 +1,293 @@
+"""The router: pdserve's OpenAI-compatible front door (DESIGN.md, port 8000).
+
+    POST /v1/completions, /v1/chat/completions    validate -> dispatch (dispatch.py) -> format (responses.py)
+    GET  /v1/models, /health, /workers, /metrics
+
+Thin by design: it tokenizes (the chat template for chat), validates, mints a request id, lets
+the dispatcher pick workers and stream, and formats. It never serves /internal/*. With --api-key
+every route except /health needs `Authorization: Bearer <key>` (constant-time compare). Over
+--max-queued-requests concurrent requests it answers 429 with Retry-After; every request has a
+deadline (--request-timeout) after which it ends with 504 (or an error event if streaming).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import httpx
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pdserve.server.dispatch import Dispatcher
+from pdserve.server.errors import ERROR_RESPONSES, OpenAIError, install_error_handlers, too_busy
+from pdserve.server.http import BodyLimit, ClosingStreamingResponse, TokenGuard
+from pdserve.server.health import WorkerPool
+from pdserve.server.metrics import CONTENT_TYPE, RouterMetrics, render
+from pdserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from pdserve.server.policies import make_policy
+from pdserve.server.protocol import SECRET_HEADER, GenerateChunk
+from pdserve.server.responses import DONE, ChatFormatter, CompletionFormatter, Formatter, sse_error
+from pdserve.server.validation import Prepared, RequestValidator
+from pdserve.tokenizer import Tokenizer
+
+MAX_BODY_BYTES = 8 << 20
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/workers", "/metrics")
+
+
+@dataclass
+class RouterSettings:
+    model_dir: str
+    served_model_name: str
+    vocab_size: int
+    max_model_len: int | None = None  # None: the smallest of the workers'
+    prefill_policy: str = "round_robin"
+    decode_policy: str = "least_load"
+    api_key: str | None = None
+    cluster_secret: str | None = None
+    health_interval: float = 2.0
+    request_timeout: float = 600.0
+    max_queued_requests: int = 1024
+
+
+class _Admission:
+    """Requests in progress, bounded: the router's queue."""
+
+    def __init__(self, limit: int, metrics: RouterMetrics) -> None:
+        self.limit = limit
+        self.active = 0
+        self.metrics = metrics
+
+    def enter(self) -> None:
+        if self.active >= self.limit:
+            raise too_busy("the router")
+        self.active += 1
+        self.metrics.in_flight.set(self.active)
+
+    def exit(self) -> None:
+        self.active -= 1
+        self.metrics.in_flight.set(self.active)
+
+
+class Router:
+    def __init__(self, settings: RouterSettings, pool: WorkerPool, tokenizer: Tokenizer, metrics: RouterMetrics) -> None:
+        self.s = settings
+        self.pool = pool
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.validator = RequestValidator(tokenizer, settings.served_model_name, settings.vocab_size)
+        self.admission = _Admission(settings.max_queued_requests, metrics)
+        self.dispatcher: Dispatcher | None = None  # made in the lifespan, with the HTTP client
+        self.headers = {SECRET_HEADER: settings.cluster_secret} if settings.cluster_secret else {}
+
+    def max_model_len(self) -> int:
+        known = self.pool.max_model_len()
+        limits = [n for n in (known, self.s.max_model_len) if n is not None]
+        if not limits:
+            raise OpenAIError(503, "no worker has reported its context length yet (none healthy?)", code="no_healthy_workers")
+        return min(limits)
+
+    # -- serving one request --
+    async def serve(self, fmt: Formatter, prep: Prepared, stream: bool) -> Response:
+        if self.dispatcher is None or not self.pool.can_serve():
+            raise OpenAIError(503, "no healthy workers: need a prefill and a decode worker, or a colocated one", code="no_healthy_workers")
+        self.admission.enter()
+        t0 = time.monotonic()
+        deadline = t0 + self.s.request_timeout
+        gens = [self.dispatcher.generate(f"{fmt.rid}-{i}", ids, p) for i, (ids, p) in enumerate(zip(prep.prompts, prep.params))]
+        merged = _merge(gens)
+        try:  # wait for the first token before answering, so an upstream failure is an HTTP status
+            first = await _next(merged, deadline)
+            self.metrics.ttft.observe(time.monotonic() - t0)
+        except BaseException:
+            await merged.aclose()
+            self.admission.exit()
+            raise
+        if stream:
+            events = self._events(fmt, first, merged, t0, deadline)
+            return ClosingStreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            item = first
+            while item is not None:
+                fmt.choices[item[0]].add(item[1])
+                item = await _next(merged, deadline)
+        finally:
+            await merged.aclose()
+            self.admission.exit()
+        self._done(fmt, t0)
+        return JSONResponse(fmt.response())
+
+    async def _events(self, fmt: Formatter, first: tuple[int, GenerateChunk] | None, merged: AsyncIterator, t0: float, deadline: float) -> AsyncIterator[bytes]:
+        try:
+            item = first
+            while item is not None:
+                data = fmt.chunk(*item)
+                if data is not None:
+                    yield data
+                item = await _next(merged, deadline)
+            if fmt.include_usage:
+                yield fmt.usage_chunk()
+            self._done(fmt, t0)
+            yield DONE
+        except OpenAIError as e:
+            yield sse_error(e)
+            yield DONE
+        finally:
+            await merged.aclose()
+            self.admission.exit()
+
+    def _done(self, fmt: Formatter, t0: float) -> None:
+        self.metrics.e2e.observe(time.monotonic() - t0)
+        usage = fmt.usage()
+        self.metrics.prompt_tokens.inc(usage.prompt_tokens)
+        self.metrics.generation_tokens.inc(usage.completion_tokens)
+
+
+def build_router_app(settings: RouterSettings, prefill: list[str], decode: list[str], colocated: list[str]) -> FastAPI:
+    metrics = RouterMetrics()
+    pool = WorkerPool(prefill, decode, colocated, metrics)
+    router = Router(settings, pool, Tokenizer(settings.model_dir), metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        timeout = httpx.Timeout(connect=5.0, read=settings.request_timeout, write=30.0, pool=30.0)
+        async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+            router.dispatcher = Dispatcher(
+                pool, client, make_policy(settings.prefill_policy), make_policy(settings.decode_policy), router.headers, metrics
+            )
+            prober = asyncio.create_task(pool.run(client, settings.health_interval, router.headers))
+            try:
+                yield
+            finally:
+                prober.cancel()
+                await asyncio.gather(prober, return_exceptions=True)
+
+    app = FastAPI(title="pdserve router", version="1", lifespan=lifespan)
+    install_error_handlers(app)
+    app.state.router = router
+
+    @app.post("/v1/completions", responses=ERROR_RESPONSES)
+    async def completions(body: CompletionRequest) -> Response:
+        prep = router.validator.completion(body, router.max_model_len())
+        fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", settings.served_model_name, router.tokenizer, prep.prompts, prep.logprobs, body.return_token_ids, body.stream and body.include_usage())
+        return await router.serve(fmt, prep, body.stream)
+
+    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+    async def chat_completions(body: ChatCompletionRequest) -> Response:
+        prep = router.validator.chat(body, router.max_model_len())
+        fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", settings.served_model_name, router.tokenizer, prep.prompts, prep.logprobs, body.return_token_ids, body.stream and body.include_usage())
+        return await router.serve(fmt, prep, body.stream)
+
+    @app.get("/v1/models", responses=ERROR_RESPONSES)
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=settings.served_model_name, root=settings.model_dir, max_model_len=pool.max_model_len() or settings.max_model_len)])
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = pool.can_serve()
+        body = {
+            "status": "ok" if ok else "unhealthy",
+            "healthy_prefill": len(pool.healthy("prefill")),
+            "healthy_decode": len(pool.healthy("decode")),
+            "healthy_colocated": len(pool.healthy("both")),
+        }
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/workers", responses=ERROR_RESPONSES)
+    async def workers() -> dict:
+        return {"workers": [w.snapshot() for w in pool.workers]}
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        return Response(render(metrics.registry), media_type=CONTENT_TYPE)
+
+    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
+    if settings.api_key:
+        app.add_middleware(TokenGuard, token=settings.api_key, header="authorization", protects=lambda p: p != "/health", what="API key")
+    app.add_middleware(_CountRequests, metrics=metrics)
+    return app
+
+
+class _CountRequests:
+    """pdserve_router_requests_total{route,status}; unknown paths count as route "other"."""
+
+    def __init__(self, app: ASGIApp, metrics: RouterMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = scope["path"] if scope["path"] in ROUTES else "other"
+        status = 0
+
+        async def send_status(msg: Message) -> None:
+            nonlocal status
+            if msg["type"] == "http.response.start":
+                status = msg["status"]
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            self.metrics.requests.labels(route, str(status or 499)).inc()
+
+
+async def _next(it: AsyncIterator, deadline: float):
+    """The next item, or None at the end; OpenAIError 504 past the deadline."""
+    left = deadline - time.monotonic()
+    try:
+        if left <= 0:
+            raise asyncio.TimeoutError
+        return await asyncio.wait_for(_anext(it), left)
+    except asyncio.TimeoutError:
+        raise OpenAIError(504, "the request timed out", code="timeout") from None
+
+
+async def _anext(it: AsyncIterator):
+    return await anext(it, None)
+
+
+async def _merge(gens: list[AsyncIterator[GenerateChunk]]) -> AsyncIterator[tuple[int, GenerateChunk]]:
+    """(choice index, chunk) from several generators as they come; the first error ends all."""
+    if len(gens) == 1:
+        try:
+            async for c in gens[0]:
+                yield 0, c
+        finally:
+            await gens[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, g: AsyncIterator[GenerateChunk]) -> None:
+        try:
+            async for c in g:
+                await queue.put((i, c, None))
+            await queue.put((i, None, None))
+        except Exception as e:
+            await queue.put((i, None, e))
+        finally:
+            await g.aclose()
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        left = len(gens)
+        while left:
+            i, c, err = await queue.get()
+            if err is not None:
+                raise err
+            if c is None:
+                left -= 1
+                continue
+            yield i, c
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,138 @@
+"""A real tiny pdserve cluster for tests: workers and routers as `python -m pdserve serve ...`
+subprocesses on free loopback ports, each in its own process group, logs in a folder.
+
+    with Cluster(model_dir, log_dir) as c:
+        p = c.worker("prefill"); d = c.worker("decode")
+        r = c.router(prefill=[p], decode=[d])
+        c.wait_healthy()                      # every process's /health is 200
+        ... r.url ...
+    # every process got SIGTERM (SIGKILL after a grace period) and was waited for
+
+Workers started before wait_healthy() load their models in parallel.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+SECRET = "test-cluster-secret"
+STOP_GRACE_S = 10.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    name: str
+    role: str
+    url: str
+    popen: subprocess.Popen
+    log: Path
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+
+class Cluster:
+    def __init__(self, model_dir: str | Path, log_dir: str | Path, *, kv_blocks: int = 256, max_num_seqs: int = 32) -> None:
+        self.model_dir = str(model_dir)
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.kv_blocks = kv_blocks
+        self.max_num_seqs = max_num_seqs
+        self.procs: list[Proc] = []
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def worker(self, role: str, *extra: str, peers: list[Proc] = ()) -> Proc:
+        port = free_port()
+        args = [
+            "--role", role, "--port", str(port), "--model", self.model_dir,
+            "--num-kv-blocks", str(self.kv_blocks), "--max-num-seqs", str(self.max_num_seqs),
+            "--engine-id", f"{role}-{port}", "--cluster-secret", SECRET, "--transfer-backend", "nixl",
+            *[a for p in peers for a in ("--peer", p.url)], *extra,
+        ]  # fmt: skip
+        return self._start(f"{role}-{port}", role, port, args)
+
+    def router(self, *extra: str, prefill: list[Proc] = (), decode: list[Proc] = (), colocated: list[Proc] = ()) -> Proc:
+        port = free_port()
+        args = [
+            "--role", "router", "--port", str(port), "--model", self.model_dir, "--served-model-name", "tiny",
+            "--health-interval", "0.5", "--cluster-secret", SECRET,
+            *[a for p in prefill for a in ("--prefill", p.url)],
+            *[a for p in decode for a in ("--decode", p.url)],
+            *[a for p in colocated for a in ("--colocated", p.url)], *extra,
+        ]  # fmt: skip
+        return self._start(f"router-{port}", "router", port, args)
+
+    def _start(self, name: str, role: str, port: int, args: list[str]) -> Proc:
+        log = self.log_dir / f"{name}.log"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        with open(log, "wb") as f:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", "pdserve", "serve", *args], stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        proc = Proc(name, role, f"http://127.0.0.1:{port}", popen, log)
+        self.procs.append(proc)
+        return proc
+
+    def wait_healthy(self, timeout_s: float = 180.0) -> None:
+        """Until every process answers /health with 200; raises with the log of one that did not."""
+        deadline = time.monotonic() + timeout_s
+        pending = list(self.procs)
+        with httpx.Client(timeout=2.0) as client:
+            while pending:
+                for p in list(pending):
+                    if p.popen.poll() is not None:
+                        raise RuntimeError(f"{p.name} exited with {p.popen.returncode}:\n{p.log_tail()}")
+                    try:
+                        if client.get(f"{p.url}/health").status_code == 200:
+                            pending.remove(p)
+                    except httpx.HTTPError:
+                        pass
+                if pending and time.monotonic() > deadline:
+                    raise RuntimeError(f"{pending[0].name} not healthy after {timeout_s} s:\n{pending[0].log_tail()}")
+                if pending:
+                    time.sleep(0.25)
+
+    def stop(self) -> None:
+        """SIGTERM every process group, SIGKILL what is left after the grace period, reap all."""
+        for p in self.procs:
+            _signal(p, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for p in self.procs:
+            try:
+                p.popen.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal(p, signal.SIGKILL)
+                p.popen.wait()
+        self.procs.clear()
+
+
+def _signal(p: Proc, sig: int) -> None:
+    if p.popen.poll() is not None:
+        return
+    try:
+        os.killpg(p.popen.pid, sig)  # its own session: the group id is its pid
+    except ProcessLookupError:
+        pass
