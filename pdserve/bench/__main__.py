@@ -1,0 +1,5 @@
+import sys
+
+from pdserve.bench.cli import main
+
+sys.exit(main())

@@ -1,0 +1,226 @@
+"""`pdserve bench`: sweep concurrency levels against an OpenAI-compatible server,
+plot result files, or advise on PD vs colocated.
+
+    pdserve bench --base-url URL --concurrency 1,8,16 --num-prompts 6,24,32 --out r.json [--plot r.png]
+    pdserve bench plot a.json b.json -o out.png
+    pdserve bench advise colocated.json pd.json [--colocated-gpus N --pd-gpus M] [--live --metrics-url URL ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import platform
+import random
+import sys
+from typing import Any, Callable
+
+from pdserve.bench import advisor, dataset, report, workers
+from pdserve.bench.client import fetch_models, run_level
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def run_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pdserve bench",
+        description="Benchmark an OpenAI-compatible server over concurrency levels.",
+        epilog="Also: `pdserve bench plot A.json B.json -o out.png` and `pdserve bench advise colocated.json pd.json`.",
+    )
+    p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", help="model name to request (default: the first of /v1/models)")
+    p.add_argument("--dataset", nargs="+", default=["random"], metavar="NAME [FILE]", help="random (token ids), or sharegpt FILE")
+    p.add_argument("--input-len", type=int, default=256, help="prompt tokens (random dataset)")
+    p.add_argument("--output-len", type=int, default=256, help="generated tokens per request (max_tokens with ignore_eos)")
+    p.add_argument("--concurrency", type=_int_list, default=[1, 8, 16], help="comma-separated levels")
+    p.add_argument("--num-prompts", type=_int_list, default=[6, 24, 32], help="requests per level, one per concurrency level")
+    p.add_argument("--request-rate", type=_positive_float, default=float("inf"), help="Poisson arrivals in req/s (default: inf, all at once)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo", default=None, help="goodput SLO, e.g. ttft_ms=500,tpot_ms=50 (keys: ttft_ms, tpot_ms, e2el_ms)")
+    p.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
+    p.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json (or its folder) sizing the random vocabulary")
+    p.add_argument("--metrics-url", action="append", default=[], help="a worker's /metrics to record per level (repeatable)")
+    p.add_argument("--timeout", type=_positive_float, default=600.0, help="seconds a request may wait for its next byte")
+    p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--out", required=True, help="results JSON file")
+    p.add_argument("--plot", default=None, help="also write this PNG")
+    return p
+
+
+def _check(args: argparse.Namespace) -> None:
+    if len(args.concurrency) != len(args.num_prompts):
+        raise ValueError(f"--concurrency has {len(args.concurrency)} levels but --num-prompts has {len(args.num_prompts)}")
+    if args.input_len <= 0 or args.output_len <= 0:
+        raise ValueError("--input-len and --output-len must be positive")
+    kind = args.dataset[0]
+    if kind == "random" and len(args.dataset) != 1:
+        raise ValueError("--dataset random takes no file")
+    if kind == "sharegpt" and len(args.dataset) != 2:
+        raise ValueError("--dataset sharegpt needs its JSON file: --dataset sharegpt FILE")
+    if kind not in ("random", "sharegpt"):
+        raise ValueError(f"unknown dataset {kind!r}: expected random or sharegpt FILE")
+
+
+def _resolve_model(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
+    """The model to request and the server's /v1/models entries (empty if it has none to give)."""
+    try:
+        models = asyncio.run(fetch_models(args.base_url, args.api_key))
+    except Exception as e:  # an unreachable server or one without /v1/models
+        if args.model is None:
+            raise ValueError(f"cannot list models at {args.base_url}/v1/models ({e}); pass --model") from None
+        return args.model, []
+    model = args.model or (models[0].get("id") if models else None)
+    if model is None:
+        raise ValueError(f"{args.base_url}/v1/models lists no model; pass --model")
+    return model, models
+
+
+MakeRequests = Callable[[int, random.Random], list[dataset.BenchRequest]]
+
+
+def _prompt_source(args: argparse.Namespace, model: str, models: list[dict[str, Any]]) -> tuple[MakeRequests, dict[str, Any] | None]:
+    """make(num, rng) -> requests, and the random vocabulary's description for the report."""
+    if args.dataset[0] == "sharegpt":
+        prompts = dataset.load_sharegpt(args.dataset[1])
+        return lambda num, rng: dataset.sharegpt_requests(prompts, num, args.output_len, rng), None
+    root = next((m.get("root") for m in models if m.get("id") == model), None)
+    vocab = dataset.load_vocab([args.tokenizer, root, model])  # the model card's root is its checkpoint folder
+    if vocab.tokenizer is None:
+        print(f"note: no tokenizer found, random token ids from 0..{vocab.size - 1}; pass --tokenizer", file=sys.stderr)
+
+    def make(num: int, rng: random.Random) -> list[dataset.BenchRequest]:
+        return dataset.random_requests(num, args.input_len, args.output_len, vocab, rng)
+
+    return make, {"size": vocab.size, "excluded": len(vocab.excluded), "tokenizer": vocab.tokenizer}
+
+
+def _level(args: argparse.Namespace, model: str, requests: list[dataset.BenchRequest], concurrency: int, rng: random.Random, slo: dict[str, float]) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    before = _try_scrape(args.metrics_url)
+    with tqdm(total=len(requests), desc=f"c={concurrency}", disable=args.disable_tqdm) as bar:
+        run = run_level(
+            args.base_url, args.endpoint, model, requests, concurrency, args.request_rate, rng, args.api_key, args.timeout,
+            on_done=lambda _: bar.update(1),
+        )  # fmt: skip
+        outputs, duration = asyncio.run(run)
+    result = report.level_metrics(outputs, duration, concurrency, args.request_rate, slo)
+    if args.metrics_url:
+        after = _try_scrape(args.metrics_url)
+        if isinstance(before, str) or isinstance(after, str):
+            result["worker_metrics"] = {"error": before if isinstance(before, str) else after}
+        else:
+            result["worker_metrics"] = workers.worker_stats(before, after, duration)
+    return result
+
+
+def _try_scrape(urls: list[str]) -> list[workers.Scrape] | str:
+    """A scrape, or its error as text: missing metrics never stop the benchmark."""
+    try:
+        return workers.scrape(urls) if urls else []
+    except ValueError as e:
+        return str(e)
+
+
+def bench(argv: list[str]) -> int:
+    args = run_parser().parse_args(argv)
+    try:
+        _check(args)
+        slo = report.parse_slo(args.slo)
+        model, models = _resolve_model(args)
+        make_requests, vocab = _prompt_source(args, model, models)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    results = []
+    for i, (concurrency, num) in enumerate(zip(args.concurrency, args.num_prompts)):
+        rng = random.Random(f"{args.seed}:{i}")  # each level its own prompts, the same on every run
+        results.append(_level(args, model, make_requests(num, rng), concurrency, rng, slo))
+
+    config = {k: v for k, v in vars(args).items() if k != "api_key"}
+    config["request_rate"] = "inf" if args.request_rate == float("inf") else args.request_rate
+    config["vocab"] = vocab
+    doc = {
+        "results": results,
+        "config": config,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "server": {"base_url": args.base_url, "endpoint": args.endpoint, "model": model, "models": models},
+        "client": {"host": platform.node(), "python": platform.python_version()},
+    }
+    print(report.format_table(results))
+    report.write_json(args.out, doc)
+    print(f"wrote {args.out}")
+    if args.plot:
+        from pdserve.bench.plot import plot_runs, run_label
+
+        plot_runs([(run_label(args.out), doc)], args.plot, title=f"{model} @ {args.base_url}")
+        print(f"wrote {args.plot}")
+    return 0 if any(r["completed"] for r in results) else 1
+
+
+def plot_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="pdserve bench plot", description="Plot result files against concurrency.")
+    p.add_argument("files", nargs="+", help="results JSON files, one line each")
+    p.add_argument("-o", "--out", required=True, help="PNG to write")
+    p.add_argument("--title", default=None)
+    args = p.parse_args(argv)
+    from pdserve.bench.plot import plot_runs, run_label
+
+    try:
+        runs = [(run_label(f), report.read_results(f)) for f in args.files]
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    plot_runs(runs, args.out, args.title)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def advise_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="pdserve bench advise", description="Verdict on PD vs colocated from two result files.")
+    p.add_argument("colocated", help="results JSON of the colocated deployment")
+    p.add_argument("pd", help="results JSON of the PD deployment")
+    p.add_argument("--colocated-gpus", type=int, default=1)
+    p.add_argument("--pd-gpus", type=int, default=2)
+    p.add_argument("--live", action="store_true", help="also read the running workers' /metrics for --watch seconds")
+    p.add_argument("--metrics-url", action="append", default=[], help="a worker's /metrics (repeatable; with --live)")
+    p.add_argument("--watch", type=_positive_float, default=30.0, help="seconds of live metrics to read")
+    args = p.parse_args(argv)
+    try:
+        if args.live and not args.metrics_url:
+            raise ValueError("--live needs at least one --metrics-url")
+        colocated, pd = report.read_results(args.colocated), report.read_results(args.pd)
+        live = workers.watch(args.metrics_url, args.watch) if args.live else None
+        verdict = advisor.advise(colocated, pd, args.colocated_gpus, args.pd_gpus, live)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(advisor.format_verdict(verdict))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "plot":
+        return plot_main(argv[1:])
+    if argv and argv[0] == "advise":
+        return advise_main(argv[1:])
+    return bench(argv)

@@ -1,0 +1,86 @@
+"""Benchmark prompts: random token ids (exact lengths) or ShareGPT conversations.
+
+Random prompts are token-id lists sent as the `prompt` of /v1/completions, the
+way `vllm bench serve --dataset-name random` does, so the server sees exactly
+`input_len` tokens without a tokenizer round trip. Ids are drawn from the
+tokenizer's base vocabulary with its special tokens left out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass
+
+# Without a tokenizer to size the vocabulary, draw from the byte range: every
+# byte-level BPE vocabulary (DeepSeek's included) holds these ids.
+FALLBACK_VOCAB_SIZE = 256
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt: list[int] | str  # token ids (random) or text (sharegpt)
+    output_len: int  # max_tokens; with ignore_eos the exact output length
+
+
+@dataclass(frozen=True)
+class Vocab:
+    size: int  # ids are drawn from [0, size)
+    excluded: frozenset[int]  # special token ids inside that range
+    tokenizer: str | None  # the tokenizer.json that sized it; None: the byte-range fallback
+
+
+def find_tokenizer_file(path: str | None) -> str | None:
+    """tokenizer.json at `path` (a file, or a folder holding one), else None."""
+    if not path:
+        return None
+    candidate = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    return candidate if os.path.isfile(candidate) else None
+
+
+def load_vocab(tokenizer_paths: list[str | None]) -> Vocab:
+    """The vocabulary of the first path that holds a tokenizer.json."""
+    for path in tokenizer_paths:
+        tokenizer_file = find_tokenizer_file(path)
+        if tokenizer_file is None:
+            continue
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(tokenizer_file)
+        size = tokenizer.get_vocab_size(with_added_tokens=False)
+        special = {i for i, tok in tokenizer.get_added_tokens_decoder().items() if tok.special}
+        return Vocab(size, frozenset(i for i in special if i < size), tokenizer_file)
+    return Vocab(FALLBACK_VOCAB_SIZE, frozenset(), None)
+
+
+def random_requests(num: int, input_len: int, output_len: int, vocab: Vocab, rng: random.Random) -> list[BenchRequest]:
+    allowed = [i for i in range(vocab.size) if i not in vocab.excluded]
+    if not allowed:
+        raise ValueError(f"vocabulary from {vocab.tokenizer} has no usable token ids")
+    return [BenchRequest([rng.choice(allowed) for _ in range(input_len)], output_len) for _ in range(num)]
+
+
+def load_sharegpt(path: str) -> list[str]:
+    """First human turn of every conversation that has one (ShareGPT JSON layout)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read ShareGPT file {path}: {e}") from e
+    prompts = []
+    for entry in data if isinstance(data, list) else []:
+        turns = entry.get("conversations") or entry.get("conversation") or []
+        for turn in turns:
+            if turn.get("from") in ("human", "user") and str(turn.get("value", "")).strip():
+                prompts.append(str(turn["value"]))
+                break
+    if not prompts:
+        raise ValueError(f"{path} holds no ShareGPT conversations with a human turn")
+    return prompts
+
+
+def sharegpt_requests(prompts: list[str], num: int, output_len: int, rng: random.Random) -> list[BenchRequest]:
+    """`num` prompts sampled without replacement (with it, if the file holds fewer)."""
+    picked = rng.sample(prompts, num) if num <= len(prompts) else [rng.choice(prompts) for _ in range(num)]
+    return [BenchRequest(p, output_len) for p in picked]

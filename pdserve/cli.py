@@ -1,0 +1,90 @@
+"""The `pdserve` command: launch, serve, make-tiny-model, bench, health.
+
+Subcommands import their modules only when run, so `pdserve --help` does not load torch.
+`serve` and `bench` own their flags: their argv goes to their own parsers untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pdserve.config import DEFAULT_CONFIG, TINY_ARCHS
+
+
+def _serve(argv: list[str]) -> int:
+    from pdserve.server.serve import add_serve_args, run_serve
+
+    p = argparse.ArgumentParser(prog="pdserve serve", description="Run one component: a worker or the router.")
+    add_serve_args(p)
+    return run_serve(p.parse_args(argv)) or 0
+
+
+def _bench(argv: list[str]) -> int:
+    from pdserve.bench.cli import main as bench_main
+
+    return bench_main(argv) or 0
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from pdserve.config import ConfigError, load_config
+    from pdserve.launch import launch
+
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as err:
+        print(f"pdserve launch: {err}", file=sys.stderr)
+        return 2
+    return launch(cfg, model=args.model, log_dir=args.log_dir)
+
+
+def _make_tiny_model(args: argparse.Namespace) -> int:
+    from pdserve.tiny_model import make_tiny_model
+
+    make_tiny_model(args.out_dir, args.arch, args.seed)
+    print(f"wrote a tiny {args.arch} checkpoint (seed {args.seed}) to {args.out_dir}")
+    return 0
+
+
+def _health(args: argparse.Namespace) -> int:
+    from pdserve.health_cli import run_health
+
+    return run_health(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pdserve.health_cli import add_health_args
+
+    p = argparse.ArgumentParser(prog="pdserve", description="Prefill-decode disaggregated serving for DeepSeek-style models.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    lp = sub.add_parser("launch", help="start router + workers from a cluster config and supervise them")
+    lp.add_argument("--config", default=DEFAULT_CONFIG, help=f"a YAML file or a name in configs/ (default {DEFAULT_CONFIG})")
+    lp.add_argument("--model", help="checkpoint folder (or tiny:<arch>), overrides the config's model")
+    lp.add_argument("--log-dir", help="per-process logs (default: the config's log_dir, ./logs)")
+    lp.set_defaults(run=_launch)
+
+    # serve and bench parse their own flags (see _serve, _bench); listed here for --help.
+    sub.add_parser("serve", help="run one component (worker or router); `pdserve serve --help` for flags", add_help=False)
+    sub.add_parser("bench", help="benchmark a running server; `pdserve bench --help` for flags", add_help=False)
+
+    mp = sub.add_parser("make-tiny-model", help="write a small random checkpoint + byte-level tokenizer")
+    mp.add_argument("out_dir", metavar="DIR")
+    mp.add_argument("--arch", choices=TINY_ARCHS, default="deepseek_v3")
+    mp.add_argument("--seed", type=int, default=0)
+    mp.set_defaults(run=_make_tiny_model)
+
+    hp = sub.add_parser("health", help="GET /health on the router and workers; exit 0 only if all are healthy")
+    add_health_args(hp)
+    hp.set_defaults(run=_health)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "serve":
+        return _serve(argv[1:])
+    if argv and argv[0] == "bench":
+        return _bench(argv[1:])
+    args = build_parser().parse_args(argv)
+    return args.run(args)

@@ -1,0 +1,68 @@
+"""`pdserve health`: GET /health on the router and workers, print a table, exit 0 only if all are up.
+
+Exit codes: 0 every URL healthy, 1 some unhealthy or unreachable, 2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from typing import TextIO
+
+import httpx
+
+DEFAULT_URLS = ("http://127.0.0.1:8000", "http://127.0.0.1:30000", "http://127.0.0.1:30001")
+
+
+@dataclass
+class HealthResult:
+    url: str
+    healthy: bool
+    status: str  # "200", "503", "unreachable", ...
+    detail: str
+    seconds: float
+
+
+def health_url(url: str) -> str:
+    """'host:port', 'http://host:port' or a full '/health' URL -> the /health URL."""
+    if "://" not in url:
+        url = "http://" + url
+    url = url.rstrip("/")
+    return url if url.endswith("/health") else url + "/health"
+
+
+def check(url: str, timeout: float, client: httpx.Client) -> HealthResult:
+    start = time.monotonic()
+    try:
+        resp = client.get(url, timeout=timeout)
+    except httpx.HTTPError as err:
+        return HealthResult(url, False, "unreachable", type(err).__name__, time.monotonic() - start)
+    detail = resp.text.strip().replace("\n", " ")
+    return HealthResult(url, resp.status_code == 200, str(resp.status_code), detail[:80], time.monotonic() - start)
+
+
+def format_table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(headers, widths)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    return "\n".join(lines)
+
+
+def add_health_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", action="append", metavar="URL",
+                   help=f"a server to check (repeatable; default: {', '.join(DEFAULT_URLS)})")
+    p.add_argument("--timeout", type=float, default=5.0, metavar="S", help="seconds per request (default 5)")
+
+
+def run_health(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    if args.timeout <= 0:
+        print(f"pdserve health: --timeout must be > 0, got {args.timeout}", file=sys.stderr)
+        return 2
+    urls = [health_url(u) for u in (args.url or DEFAULT_URLS)]
+    with httpx.Client(trust_env=False) as client:  # never route 127.0.0.1 through a proxy
+        results = [check(u, args.timeout, client) for u in urls]
+    rows = [[r.url, "ok" if r.healthy else "DOWN", r.status, f"{r.seconds * 1000:.0f} ms", r.detail] for r in results]
+    print(format_table(["url", "health", "status", "time", "detail"], rows), file=out or sys.stdout)
+    return 0 if all(r.healthy for r in results) else 1

@@ -1,0 +1,356 @@
+"""`pdserve launch`: run a cluster config's workers and router as supervised child processes.
+
+    plan (argv, env, NUMA pinning per process) -> check ports free -> start workers -> wait for
+    their /health -> start router -> wait -> print table -> watch -> stop all on signal or death
+
+Each child is `python -m pdserve serve ...` in its own process group (so a stop reaches anything
+it spawned), logs to <log_dir>/<name>.log, and gets SIGTERM from the kernel if the launcher dies.
+Stop: SIGTERM every group, wait stop_grace_seconds, SIGKILL what is left.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+import httpx
+
+from pdserve.config import TINY_PREFIX, ClusterConfig, WorkerConfig
+from pdserve.health_cli import format_table
+from pdserve.numa import PinPlan, format_cpulist, plan_pinning, process_cpus
+
+ROLE_OF_GROUP = {"prefill": "prefill", "decode": "decode", "colocated": "both"}
+LOG_TAIL_LINES = 30
+PR_SET_PDEATHSIG = 1
+SECRET_FLAGS = ("--cluster-secret", "--api-key")
+
+
+class LaunchError(RuntimeError):
+    """The cluster could not start or stopped working; the message names the process and why."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PDSERVE_CACHE") or Path.home() / ".cache" / "pdserve")
+
+
+def resolve_model(spec: str) -> str:
+    """A checkpoint folder, or 'tiny:<arch>' -> the tiny model in the cache, made if absent."""
+    if not spec.startswith(TINY_PREFIX):
+        if not os.path.isfile(os.path.join(spec, "config.json")):
+            raise LaunchError(f"model folder {spec!r} has no config.json (pass --model DIR or 'tiny:deepseek_v3')")
+        return os.path.abspath(spec)
+    arch = spec[len(TINY_PREFIX) :]
+    target = cache_dir() / f"tiny-{arch}-seed0"
+    if not (target / "config.json").is_file():
+        from pdserve.tiny_model import make_tiny_model
+
+        print(f"making the tiny {arch} model in {target}", flush=True)
+        tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+        make_tiny_model(str(tmp), arch, 0)
+        try:
+            tmp.rename(target)  # atomic: a concurrent launch sees all of it or none
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)  # another launch made it first
+    return str(target)
+
+
+@dataclass
+class ProcSpec:
+    name: str
+    role: str  # prefill | decode | both | router
+    host: str
+    port: int
+    argv: list[str]
+    env: dict[str, str]
+    pin: PinPlan
+    gpus: list[int] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return _url(self.host, self.port)
+
+
+def _serve(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pdserve", "serve", *args]
+
+
+def _opt(flag: str, value: object) -> list[str]:
+    return [] if value is None else [flag, str(value)]
+
+
+def _url(host: str, port: int) -> str:
+    """Where a client on this machine reaches a server bound to host:port."""
+    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{port}"
+
+
+def worker_spec(name: str, w: WorkerConfig, cfg: ClusterConfig, model: str, secret: str) -> ProcSpec:
+    role = ROLE_OF_GROUP[name.rsplit("-", 1)[0]]
+    if w.tp_size > 1:
+        raise LaunchError(
+            f"{name}: tp_size {w.tp_size} is not supported yet - the engine does not implement tensor "
+            f"parallelism; run one GPU per worker (gpus: [N], tp_size: 1)"
+        )
+    peers = {"prefill": cfg.decode, "decode": cfg.prefill}.get(role, [])
+    argv = _serve(
+        "--role", role, "--host", w.host, "--port", str(w.port), "--model", model,
+        "--device", w.device, "--dtype", w.dtype, "--kv-block-size", str(w.kv_block_size),
+        *_opt("--num-kv-blocks", w.num_kv_blocks), "--max-num-seqs", str(w.max_num_seqs),
+        *_opt("--max-num-batched-tokens", w.max_num_batched_tokens), *_opt("--max-model-len", w.max_model_len),
+        "--engine-id", w.engine_id or f"{name}-{w.port}", "--lease-seconds", str(w.lease_seconds),
+        "--transfer-backend", cfg.transfer.backend, "--transfer-timeout", str(cfg.transfer.timeout),
+        "--cluster-secret", secret, *[a for p in peers for a in ("--peer", _url(p.host, p.port))],
+    )  # fmt: skip
+    pin = plan_pinning(w.numa_node, w.gpus, w.cpus)
+    env = {**cfg.transfer.env(), "CUDA_VISIBLE_DEVICES": ",".join(map(str, w.gpus))}
+    if w.device == "cuda":
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # GPU indices as NVML and sysfs number them
+    if pin.cpus and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(len(pin.cpus))  # torch's default counts every core, not ours
+    return ProcSpec(name, role, w.host, w.port, argv, env, pin, list(w.gpus))
+
+
+def router_spec(cfg: ClusterConfig, model: str, secret: str) -> ProcSpec:
+    r = cfg.router
+    groups = (("--prefill", cfg.prefill), ("--decode", cfg.decode), ("--colocated", cfg.colocated))
+    argv = _serve(
+        "--role", "router", "--host", r.host, "--port", str(r.port), "--model", model,
+        *[a for flag, ws in groups for w in ws for a in (flag, _url(w.host, w.port))],
+        "--prefill-policy", r.prefill_policy, "--decode-policy", r.decode_policy,
+        *_opt("--api-key", r.api_key), *_opt("--served-model-name", cfg.served_model_name),
+        "--health-interval", str(r.health_interval), "--request-timeout", str(r.request_timeout),
+        *_opt("--max-queued-requests", r.max_queued_requests), "--cluster-secret", secret,
+    )  # fmt: skip
+    return ProcSpec("router", "router", r.host, r.port, argv, {"CUDA_VISIBLE_DEVICES": ""}, PinPlan("none", None, (), "router"))
+
+
+def plan(cfg: ClusterConfig, model: str) -> list[ProcSpec]:
+    """Every process to start, workers first, router last."""
+    secret = cfg.cluster_secret or secrets.token_hex(16)
+    workers = [worker_spec(name, w, cfg, model, secret) for name, w in cfg.named_workers()]
+    return workers + [router_spec(cfg, model, secret)]
+
+
+def port_free(host: str, port: int) -> bool:
+    """Can a server bind (host, port) now? (SO_REUSEADDR as uvicorn sets it.)"""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError as err:
+        return f"(cannot read {path}: {err})"
+    return "\n".join("    " + line for line in text[-lines:]) or "    (log is empty)"
+
+
+def _redacted(argv: list[str]) -> list[str]:
+    """argv with secrets replaced, for logs."""
+    return [("***" if i and argv[i - 1] in SECRET_FLAGS else a) for i, a in enumerate(argv)]
+
+
+def _group_alive(pgid: int) -> bool:
+    """Does any process still belong to process group `pgid`? (/proc/<pid>/stat field 5.)"""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()  # after "(comm)": state ppid pgrp ...
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                return True
+    return False
+
+
+def _child_setup(pin: PinPlan, parent: int):
+    libc = ctypes.CDLL(None, use_errno=True)
+    affinity = pin.preexec()
+
+    def setup() -> None:  # runs in the child between fork and exec
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)  # launcher dies -> child gets SIGTERM
+        if os.getppid() != parent:  # the launcher died before prctl took effect
+            os._exit(1)
+        if affinity is not None:
+            affinity()
+
+    return setup
+
+
+@dataclass
+class Child:
+    spec: ProcSpec
+    popen: subprocess.Popen
+    log: Path
+    healthy: bool = False
+
+
+class Cluster:
+    """Starts, watches and stops the child processes of one launch."""
+
+    def __init__(self, log_dir: Path, out: TextIO):
+        self.log_dir, self.out = log_dir, out
+        self.children: list[Child] = []
+        self.stop_signal: int | None = None
+
+    def say(self, msg: str) -> None:
+        print(msg, file=self.out, flush=True)
+
+    def start(self, spec: ProcSpec) -> Child:
+        log = self.log_dir / f"{spec.name}.log"
+        argv = spec.pin.command_prefix() + spec.argv
+        with open(log, "wb") as f:
+            f.write(f"# {' '.join(_redacted(argv))}\n".encode())
+            f.flush()
+            popen = subprocess.Popen(
+                argv, env={**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}, stdin=subprocess.DEVNULL,
+                stdout=f, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_child_setup(spec.pin, os.getpid()),
+            )  # fmt: skip
+        pinned = f"{spec.pin.method} node {spec.pin.node}" if spec.pin.method != "none" else f"unpinned ({spec.pin.reason})"
+        self.say(f"started {spec.name} ({spec.role}) pid {popen.pid} on {spec.url}, {pinned}, log {log}")
+        child = Child(spec, popen, log)
+        self.children.append(child)
+        return child
+
+    def dead_child_error(self, c: Child, when: str) -> LaunchError:
+        return LaunchError(
+            f"{c.spec.name} (pid {c.popen.pid}) {_exit_text(c.popen.returncode)} {when}; "
+            f"last lines of {c.log}:\n{log_tail(c.log)}"
+        )
+
+    def wait_healthy(self, children: list[Child], timeout: float) -> bool:
+        """Poll /health of each until 200. False if a stop signal came; LaunchError on death/timeout."""
+        deadline = time.monotonic() + timeout
+        pending = list(children)
+        with httpx.Client(trust_env=False, timeout=2.0) as client:
+            while pending:
+                for c in list(pending):
+                    if c.popen.poll() is not None:
+                        raise self.dead_child_error(c, "while starting")
+                    try:
+                        c.healthy = client.get(c.spec.url + "/health").status_code == 200
+                    except httpx.HTTPError:
+                        c.healthy = False
+                    if c.healthy:
+                        pending.remove(c)
+                        self.say(f"{c.spec.name} is healthy")
+                if self.stop_signal is not None:
+                    return False
+                if pending and time.monotonic() > deadline:
+                    tails = "\n".join(f"last lines of {c.log}:\n{log_tail(c.log)}" for c in pending)
+                    names = ", ".join(c.spec.name for c in pending)
+                    raise LaunchError(f"{names} not healthy after {timeout:.0f} s (startup_timeout)\n{tails}")
+                if pending:
+                    time.sleep(0.25)
+        return True
+
+    def table(self) -> str:
+        rows = []
+        for c in self.children:
+            try:
+                cpus = format_cpulist(process_cpus(c.popen.pid))
+            except (OSError, RuntimeError):
+                cpus = "-"
+            pin = c.spec.pin
+            node = str(pin.node) if pin.node is not None else "-"
+            rc = c.popen.poll()
+            health = _exit_text(rc) if rc is not None else ("healthy" if c.healthy else "starting")
+            gpus = ",".join(map(str, c.spec.gpus)) or "-"
+            rows.append([c.spec.name, c.spec.role, str(c.spec.port), str(c.popen.pid), gpus, node, cpus, health])
+        return format_table(["process", "role", "port", "pid", "gpus", "numa", "cpus", "health"], rows)
+
+    def watch(self) -> Child | None:
+        """Block until a stop signal (None) or a child exits (that child)."""
+        while self.stop_signal is None:
+            for c in self.children:
+                if c.popen.poll() is not None:
+                    return c
+            time.sleep(0.25)
+        return None
+
+    def stop(self, grace: float) -> None:
+        """SIGTERM every child's group (router first), SIGKILL what is left after `grace` seconds."""
+        running = list(reversed(self.children))
+        for c in running:
+            if c.popen.poll() is None:
+                _signal_group(c.popen.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(_alive(c) for c in running):
+            time.sleep(0.1)
+        for c in running:
+            if _alive(c):
+                self.say(f"{c.spec.name} did not stop within {grace:.0f} s: SIGKILL")
+                _signal_group(c.popen.pid, signal.SIGKILL)
+        for c in running:
+            c.popen.wait()
+            c.healthy = False
+
+
+def _exit_text(rc: int) -> str:
+    return f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"
+
+
+def _alive(c: Child) -> bool:
+    return c.popen.poll() is None or _group_alive(c.popen.pid)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def launch(cfg: ClusterConfig, model: str | None = None, log_dir: str | None = None, out: TextIO | None = None) -> int:
+    """Run the cluster until SIGINT/SIGTERM (exit 0) or a failure (exit 1, reason printed)."""
+    cluster = Cluster(Path(log_dir or cfg.log_dir), out or sys.stdout)
+    cluster.log_dir.mkdir(parents=True, exist_ok=True)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        cluster.stop_signal = signum
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        specs = plan(cfg, resolve_model(model or cfg.model))
+        busy = [f"{s.name} ({s.host}:{s.port})" for s in specs if not port_free(s.host, s.port)]
+        if busy:
+            raise LaunchError(f"ports already in use: {', '.join(busy)} - is another pdserve running? (`pdserve health`)")
+        workers = [cluster.start(s) for s in specs[:-1]]
+        if cluster.wait_healthy(workers, cfg.startup_timeout):
+            router = cluster.start(specs[-1])
+            if cluster.wait_healthy([router], cfg.startup_timeout):
+                cluster.say(cluster.table())
+                cluster.say(f"pdserve is up: OpenAI API on {router.spec.url}/v1 (Ctrl-C stops everything)")
+                dead = cluster.watch()
+                if dead is not None:
+                    raise cluster.dead_child_error(dead, "unexpectedly")
+        cluster.say(f"stopping on {signal.Signals(cluster.stop_signal).name}")
+        return 0
+    except (LaunchError, ValueError) as err:
+        cluster.say(f"pdserve launch failed: {err}")
+        if cluster.children:
+            cluster.say(cluster.table())
+        return 1
+    finally:
+        cluster.stop(cfg.stop_grace_seconds)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if cluster.children:
+            cluster.say("all processes stopped")

@@ -1,0 +1,179 @@
+"""`pdserve launch` with real processes on free ports: health, NUMA affinity, clean stop, failures."""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from pdserve.launch import port_free
+from pdserve.numa import numa_nodes, process_cpus
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parent.parent
+STARTUP_S = 240
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def pdserve(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    return subprocess.Popen([sys.executable, "-m", "pdserve", *args], cwd=ROOT, env=env, **kw)
+
+
+def health(*urls: str) -> int:
+    args = [a for u in urls for a in ("--url", u)]
+    return pdserve("health", *args, "--timeout", "2", stdout=subprocess.DEVNULL).wait(timeout=30)
+
+
+def write_config(tmp: Path, ports: list[int], **extra) -> Path:
+    cpus = sorted(set(numa_nodes()[0]) & os.sched_getaffinity(0))
+    worker = {"numa_node": 0, "kv_block_size": 16, "num_kv_blocks": 64, "max_num_seqs": 4}
+    cfg = {
+        "model": "tiny:deepseek_v3",
+        "router": {"port": ports[0], "health_interval": 0.5},
+        "prefill": [{**worker, "port": ports[1], "cpus": str(cpus[0])}],
+        "decode": [{**worker, "port": ports[2], "cpus": str(cpus[-1])}],
+        "log_dir": str(tmp / "logs"),
+        "startup_timeout": STARTUP_S,
+        "stop_grace_seconds": 5,
+        **extra,
+    }
+    path = tmp / "cluster.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def table_pids(output: str) -> dict[str, int]:
+    """process name -> pid, from the launcher's table."""
+    return {m[1]: int(m[2]) for m in re.finditer(r"^(prefill-0|decode-0|router)\s+\S+\s+\d+\s+(\d+)", output, re.M)}
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("launch")
+    ports = free_ports(3)
+    config = write_config(tmp, ports)
+    out = tmp / "launch.out"
+    with open(out, "wb") as f:
+        proc = pdserve("launch", "--config", str(config), env={"PDSERVE_CACHE": str(tmp / "cache")},
+                       stdout=f, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    pids: dict[str, int] = {}
+    try:
+        deadline = time.monotonic() + STARTUP_S + 30
+        while "pdserve is up" not in out.read_text():
+            assert proc.poll() is None, f"launcher exited {proc.returncode}:\n{out.read_text()}"
+            assert time.monotonic() < deadline, f"launcher not up:\n{out.read_text()}"
+            time.sleep(0.5)
+        pids = table_pids(out.read_text())
+        yield {"proc": proc, "ports": ports, "pids": pids, "out": out, "tmp": tmp}
+    finally:
+        stop_group(proc)
+        for pid in pids.values():  # never leave a server behind, whatever the test did
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def urls(ports: list[int]) -> list[str]:
+    return [f"http://127.0.0.1:{p}" for p in ports]
+
+
+def test_every_process_healthy_and_tabled(cluster):
+    assert health(*urls(cluster["ports"])) == 0
+    assert set(cluster["pids"]) == {"prefill-0", "decode-0", "router"}
+    for u in urls(cluster["ports"]):
+        assert httpx.get(u + "/health", trust_env=False).status_code == 200
+    made = cluster["tmp"] / "cache" / "tiny-deepseek_v3-seed0" / "config.json"
+    assert made.is_file()  # tiny:deepseek_v3 was made in $PDSERVE_CACHE on first use
+    logs = cluster["tmp"] / "logs"
+    assert {p.name for p in logs.iterdir()} >= {"prefill-0.log", "decode-0.log", "router.log"}
+
+
+def test_worker_affinity_is_what_the_config_says(cluster):
+    cpus = sorted(set(numa_nodes()[0]) & os.sched_getaffinity(0))
+    pids = cluster["pids"]
+    for name, role, want in (("prefill-0", "prefill", [cpus[0]]), ("decode-0", "decode", [cpus[-1]])):
+        with open(f"/proc/{pids[name]}/cmdline", "rb") as f:
+            assert f"--role\0{role}\0".encode() in f.read()
+        assert process_cpus(pids[name]) == want, name
+    assert process_cpus(pids["router"]) == sorted(os.sched_getaffinity(0))  # the router is not pinned
+
+
+def test_sigterm_stops_every_child_and_frees_the_ports(cluster):
+    proc = cluster["proc"]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    for name, pid in cluster["pids"].items():
+        assert not os.path.exists(f"/proc/{pid}"), f"{name} (pid {pid}) still exists"
+    for port in cluster["ports"]:
+        assert port_free("127.0.0.1", port), port
+    assert health(*urls(cluster["ports"])) == 1
+    assert "all processes stopped" in cluster["out"].read_text()
+
+
+def test_refuses_busy_ports(tmp_path):
+    ports = free_ports(3)
+    config = write_config(tmp_path, ports)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", ports[1]))
+        busy.listen()
+        proc = pdserve("launch", "--config", str(config), env={"PDSERVE_CACHE": str(tmp_path / "cache")},
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1, out
+    assert f"ports already in use: prefill-0 (127.0.0.1:{ports[1]})" in out
+
+
+def test_refuses_tensor_parallel_configs(tmp_path):
+    model = tmp_path / "model"
+    subprocess.run([sys.executable, "-m", "pdserve", "make-tiny-model", str(model)], cwd=ROOT, check=True,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL)  # fmt: skip
+    proc = pdserve("launch", "--config", "8x-rtx-pro-6000-pd", "--model", str(model), "--log-dir", str(tmp_path),
+                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert "prefill-0: tp_size 4 is not supported yet" in out and "tensor parallelism" in out
+
+
+def test_a_worker_that_dies_at_startup_is_reported_with_its_log(tmp_path):
+    model = tmp_path / "broken"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "not-a-model"}')
+    ports = free_ports(3)
+    config = write_config(tmp_path, ports, model=str(model))
+    proc = pdserve("launch", "--config", str(config), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, _ = proc.communicate(timeout=STARTUP_S)
+    assert proc.returncode == 1, out
+    assert re.search(r"(prefill-0|decode-0) \(pid \d+\) exited with code \d+ while starting; last lines of", out), out
+    assert "all processes stopped" in out
+    for port in ports:
+        assert port_free("127.0.0.1", port)
