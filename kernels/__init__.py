@@ -11,10 +11,11 @@ import importlib
 
 from pdserve_kernels.ref import fused_moe_ref, indexer_topk_ref, sparse_mla_decode_ref
 
-_LAZY = {
+_LAZY = {  # name -> module; fused_moe_fp8_ref, quant_block_fp8 are in pdserve_kernels.ref_fp8
     "sparse_mla_decode": "pdserve_kernels.sparse_mla",
     "sparse_mla_decode_fp8": "pdserve_kernels.sparse_mla",
     "fused_moe": "pdserve_kernels.fused_moe",
+    "fused_moe_fp8": "pdserve_kernels.fused_moe_fp8",
     "indexer_topk": "pdserve_kernels.indexer",
 }
 

@@ -14,6 +14,7 @@ tail (rope) dims, BM/BN/BK GEMM tile, E experts.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 SMEM_LIMIT = {90: 232448, 120: 101376}  # bytes per block, opt-in maximum
@@ -28,6 +29,10 @@ class MLAConfig:
     num_stages: int
     waves: int = 2  # programs aimed for per multiprocessor when choosing the split count
     min_tiles: int = 2  # fewest KV tiles per split
+    max_splits: int = 0  # most splits per query (0: no cap)
+    # merge the splits in the split kernel (the last program to arrive) instead of a second
+    # launch: measured slower on the H200 at every benchmark shape (docs/kernels.md), so off
+    fused_merge: bool = False
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,11 @@ class MoEConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    block_n2: int = 0  # BN of the w2 kernel (0: block_n)
+
+    @property
+    def w2_block_n(self) -> int:
+        return self.block_n2 or self.block_n
 
 
 @dataclass(frozen=True)
@@ -66,12 +76,26 @@ MLA = {
     (CPU, "fp8", "large"): MLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, min_tiles=1),
 }
 
-# fused MoE: keyed by capability, then by rows per expert (T * top_k / E) bucket.
+# fused MoE: keyed by capability, then by rows per expert (T * top_k / E) bucket. Every entry
+# fits `moe_smem_bytes` (the H200 showed (32, 64, 128, 4, 4) compiling to 240 KB, over the limit).
 MOE = {
-    90: {16: MoEConfig(16, 64, 128, 4, 4), 64: MoEConfig(32, 64, 128, 4, 4),
-         10**9: MoEConfig(64, 128, 64, 8, 4)},
-    120: {16: MoEConfig(16, 64, 64, 4, 4), 64: MoEConfig(32, 64, 64, 4, 3),
-          10**9: MoEConfig(64, 64, 64, 4, 3)},
+    90: {16: MoEConfig(16, 64, 128, 4, 4), 64: MoEConfig(32, 64, 128, 4, 3),
+         10**9: MoEConfig(64, 64, 64, 4, 4)},
+    120: {16: MoEConfig(16, 64, 64, 4, 3), 64: MoEConfig(32, 64, 64, 4, 2),
+          10**9: MoEConfig(64, 64, 32, 4, 3)},
+    CPU: {10**9: MoEConfig(16, 32, 32, 4, 1)},
+}
+# float32 activations (parity checks only: IEEE dots, speed does not matter): small tiles that
+# fit any GPU's shared memory
+MOE_FP32 = MoEConfig(16, 32, 32, 4, 2)
+
+# fp8 MoE (block-scaled weights): block_k is the activation group (128), set by the wrapper.
+# sm_90 <= 16 rows per expert from the H200 sweep (docs/kernels.md): BN 128 beat 32/64/256.
+MOE_FP8 = {
+    90: {16: MoEConfig(16, 128, 128, 4, 3), 64: MoEConfig(32, 64, 128, 4, 4),
+         10**9: MoEConfig(64, 128, 128, 8, 3)},
+    120: {16: MoEConfig(16, 64, 128, 4, 3), 64: MoEConfig(32, 64, 128, 4, 2),
+          10**9: MoEConfig(64, 64, 128, 4, 2)},
     CPU: {10**9: MoEConfig(16, 32, 32, 4, 1)},
 }
 
@@ -96,11 +120,16 @@ def mla_config(cc: int, kv_format: str, heads: int, rows: int = 1, has_tail: boo
     block_h = max(16, min(cfg.block_h, 1 << (max(heads, 1) - 1).bit_length()))
     if block_h == cfg.block_h:
         return cfg
-    return MLAConfig(block_h, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.waves, cfg.min_tiles)
+    return dataclasses.replace(cfg, block_h=block_h)
 
 
 def moe_config(cc: int, rows_per_expert: float) -> MoEConfig:
     table = MOE[_family(cc)]
+    return table[min(k for k in table if rows_per_expert <= k)]
+
+
+def moe_fp8_config(cc: int, rows_per_expert: float) -> MoEConfig:
+    table = MOE_FP8[_family(cc)]
     return table[min(k for k in table if rows_per_expert <= k)]
 
 
@@ -123,9 +152,25 @@ def mla_smem_bytes(cfg: MLAConfig, block_v: int, block_t: int, kv_format: str) -
 
 
 def moe_smem_bytes(cfg: MoEConfig) -> int:
-    """The w13 kernel is the larger one: x tile plus gate and up weight tiles per stage."""
-    per_stage = (cfg.block_m * cfg.block_k + 2 * cfg.block_n * cfg.block_k) * 2
-    return cfg.num_stages * per_stage + cfg.block_m * cfg.block_n * 4
+    """The larger of the two bf16 kernels: the activation tile plus the weight tiles (gate and up
+    for w13, one for w2) times (stages + 2) buffers, and a float32 scratch tile. The + 2 matches
+    what Triton 3.6 allocated on the H200: (16, 64, 128, 4, 4) fits, (32, 64, 128, 4, 4) needed
+    6 x 40 KB = 240 KB."""
+    w13 = (cfg.num_stages + 2) * (cfg.block_m + 2 * cfg.block_n) * cfg.block_k * 2 + cfg.block_m * cfg.block_n * 4
+    w2 = (cfg.num_stages + 2) * (cfg.block_m + cfg.w2_block_n) * cfg.block_k * 2 + cfg.block_m * cfg.w2_block_n * 4
+    return max(w13, w2)
+
+
+def moe_fp8_smem_bytes(cfg: MoEConfig, act_bytes: int = 2) -> int:
+    """The larger of the two fp8 kernels: per stage the activation tile in its dtype and the e4m3
+    weight tiles (gate + up, or w2) with their scale vectors; plus the quantized activation
+    operand and a float32 scratch tile."""
+    bm, bk = cfg.block_m, cfg.block_k
+    out = []
+    for n_tiles, bn in ((2, cfg.block_n), (1, cfg.w2_block_n)):  # w13: gate + up; w2: one tile
+        per_stage = bm * bk * act_bytes + n_tiles * bn * (bk + 4)
+        out.append(cfg.num_stages * per_stage + bm * bk + bm * bn * 4)
+    return max(out)
 
 
 def indexer_smem_bytes(cfg: IndexerConfig, heads: int, dim: int) -> int:

@@ -3,6 +3,8 @@
 Legend: T tokens, k experts per token, P = T * k (token, expert) pairs, E experts, I expert
 intermediate size, hidden model width, BM/BN/BK tile, R padded sorted rows.
 
+FP8 block-scaled weights go to `fused_moe_fp8.py` (same alignment, e4m3 GEMMs).
+
 1. `moe_align` (torch, no host sync; one Triton program, `moe_align_fast`, at decode sizes):
    pairs p = t * k + j sorted by expert, each expert's run
    padded to a multiple of BM with the sentinel P; one expert id per BM-row block, -1 for blocks
@@ -185,9 +187,22 @@ def fused_moe(
     topk_weights: torch.Tensor,  # [T, k] float
     topk_ids: torch.Tensor,  # [T, k] int, in [0, E)
     config: configs.MoEConfig | None = None,  # tile override (benchmark sweeps)
+    *,
+    w13_scale_inv: torch.Tensor | None = None,  # fp8 weights only: [E, ceil(2I/bn), ceil(hidden/bk)]
+    w2_scale_inv: torch.Tensor | None = None,  # fp8 weights only: [E, ceil(hidden/bn), ceil(I/bk)]
+    block_shape: tuple[int, int] = (128, 128),  # fp8 weights only: (bn, bk) of the scales
 ) -> torch.Tensor:
     """y [T, hidden] in x's dtype: y[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(gate_e x[t])
-    * up_e x[t]), e = topk_ids[t, j]. Same contract as `ref.fused_moe_ref`."""
+    * up_e x[t]), e = topk_ids[t, j]. Same contract as `ref.fused_moe_ref`. With float8_e4m3fn
+    weights and their block scales this is `fused_moe_fp8.fused_moe_fp8` (FP8 activations too)."""
+    if w13.dtype == torch.float8_e4m3fn or w2.dtype == torch.float8_e4m3fn:
+        from pdserve_kernels.fused_moe_fp8 import fused_moe_fp8
+
+        return fused_moe_fp8(x, w13, w2, w13_scale_inv, w2_scale_inv, topk_weights, topk_ids,
+                             block_shape=block_shape, config=config)
+    if w13_scale_inv is not None or w2_scale_inv is not None:
+        raise ValueError(f"weight scales were given but w13/w2 are {w13.dtype}/{w2.dtype}, not "
+                         "float8_e4m3fn")
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError("x must be [T, hidden], w13 [E, 2I, hidden], w2 [E, hidden, I]")
     T, hidden = x.shape
@@ -206,14 +221,14 @@ def fused_moe(
     P = T * top_k
     if P == 0:
         return torch.zeros(T, hidden, dtype=x.dtype, device=x.device)
-    cfg = config or configs.moe_config(capability(x.device), P / E)
+    fp32 = x.dtype == torch.float32
+    cfg = config or (configs.MOE_FP32 if fp32 and x.is_cuda else configs.moe_config(capability(x.device), P / E))
     align = moe_align_fast if P <= MAX_KERNEL_ALIGN_PAIRS else moe_align
     pairs, bexp = align(topk_ids, E, cfg.block_m)
     blocks = bexp.numel()
     act = torch.empty(P, inter, dtype=x.dtype, device=x.device)
     y_pair = torch.empty(P, hidden, dtype=torch.float32, device=x.device)
     interp = interpreting()
-    fp32 = x.dtype == torch.float32
     _w13_kernel[(blocks, triton.cdiv(inter, cfg.block_n))](
         x, w13, act, pairs, bexp, P, inter, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
@@ -221,10 +236,10 @@ def fused_moe(
         FP32_DOT=fp32, INTERPRET=interp, HIDDEN_C=hidden if interp else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    _w2_kernel[(blocks, triton.cdiv(hidden, cfg.block_n))](
+    _w2_kernel[(blocks, triton.cdiv(hidden, cfg.w2_block_n))](
         act, w2, topk_weights.reshape(-1).contiguous(), y_pair, pairs, bexp, P, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), y_pair.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.w2_block_n, BLOCK_K=cfg.block_k,
         FP32_DOT=fp32, INTERPRET=interp, INTER_C=inter if interp else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -7,8 +7,10 @@ Pass 1 (`_mla_split_kernel`), grid (H / BH, P, B * S): a program gathers BN KV r
 once and uses the tile for all BH heads (heads are the M dimension of `tl.dot`, on tensor cores):
 scores = q[BH, D] @ kv[BN, D]^T, online softmax in base 2, acc[BH, d_v] += p @ kv[BN, :d_v].
 With one split it writes the final output; otherwise each split writes its normalized partial
-output and its log-sum-exp, and pass 2 (`_mla_merge_kernel`, grid (H, B * S)) merges the splits
-by LSE and adds the attention sink. The split count comes from the SM count and the work
+output and its log-sum-exp, and the splits are merged by LSE (plus the attention sink) either in
+the same launch (`fused_merge`: the last split program of each (query, head block) to arrive,
+counted by an atomic counter that it resets, merges them; no second launch, graph-safe) or by
+pass 2 (`_mla_merge_kernel`, grid (H, B * S, d_v chunks)), whichever the config picks. The split count comes from the SM count and the work
 (`num_splits`), so small batches still fill the GPU.
 
 KV formats:
@@ -34,13 +36,13 @@ LAST_COMPILED: dict = {}  # kernel name -> last compiled kernel, for bench.py's 
 
 @triton.jit
 def _mla_split_kernel(
-    q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, cnt_ptr,
     scale_log2, H, K, tiles_per_split,
     s_qb, s_qh, s_qd, s_kvn, s_kvd, s_ib, s_ik, s_ob, s_oh, s_pb, s_ps, s_ph,
     D_V: tl.constexpr, D_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr, HAS_SINK: tl.constexpr, DIRECT: tl.constexpr,
-    KV_FP8: tl.constexpr, GROUP: tl.constexpr, FP32_DOT: tl.constexpr,
-    INTERPRET: tl.constexpr, TILES_C: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, KV_FP8: tl.constexpr, GROUP: tl.constexpr, FP32_DOT: tl.constexpr,
+    INTERPRET: tl.constexpr, TILES_C: tl.constexpr, SPLITS_C: tl.constexpr,
 ):
     pid_h = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -127,51 +129,124 @@ def _mla_split_kernel(
         base = pid_b * s_pb + pid_s * s_ps
         tl.store(part_out_ptr + base + offs_h[:, None] * s_ph + offs_v[None, :], o, mask=out_mask)
         tl.store(part_lse_ptr + (pid_b * tl.num_programs(1) + pid_s) * H + offs_h, lse2, mask=h_ok)
+        if FUSED_MERGE:
+            # The last split program of this (query, head block) to arrive merges all splits:
+            # the barrier orders every thread's partial stores before the counter's release.
+            tl.debug_barrier()
+            cnt = cnt_ptr + pid_b * tl.num_programs(0) + pid_h
+            arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+            if arrived == tl.num_programs(1) - 1:
+                _merge_head_block(part_out_ptr, part_lse_ptr, sink_ptr, out_ptr, lse_ptr, pid_b,
+                                  offs_h, h_ok, offs_v, out_mask, H, tl.num_programs(1),
+                                  s_pb, s_ps, s_ph, s_ob, s_oh, BLOCK_H, BLOCK_V, HAS_SINK,
+                                  INTERPRET, SPLITS_C)
+                tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # zero for the next launch
+
+
+@triton.jit
+def _merge_head_block(
+    part_out_ptr, part_lse_ptr, sink_ptr, out_ptr, lse_ptr, pid_b, offs_h, h_ok, offs_v,
+    out_mask, H, n_splits, s_pb, s_ps, s_ph, s_ob, s_oh,
+    BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr, HAS_SINK: tl.constexpr,
+    INTERPRET: tl.constexpr, SPLITS_C: tl.constexpr,
+):
+    """out[h] = sum_p 2^(lse_p[h] - lse[h]) * o_p[h] over one query's splits, for BH heads; the
+    partials are read through L2 (.cg): other programs wrote them during this launch."""
+    lse_rows = part_lse_ptr + pid_b * n_splits * H + offs_h
+    top = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for p in range(0, SPLITS_C if INTERPRET else n_splits):
+        top = tl.maximum(top, tl.load(lse_rows + p * H, mask=h_ok, other=float("-inf"),
+                                      cache_modifier=".cg"))
+    top = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
+    rows = part_out_ptr + pid_b * s_pb + offs_h[:, None] * s_ph + offs_v[None, :]
+    for p in range(0, SPLITS_C if INTERPRET else n_splits):
+        w = tl.exp2(tl.load(lse_rows + p * H, mask=h_ok, other=float("-inf"),
+                            cache_modifier=".cg") - top)
+        total += w
+        acc += w[:, None] * tl.load(rows + p * s_ps, mask=out_mask, other=0.0, cache_modifier=".cg")
+    lse2 = top + tl.log2(total)  # -inf when no split saw a valid row
+    if HAS_SINK:
+        sink2 = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        t2 = tl.maximum(lse2, sink2)
+        lse2 = t2 + tl.log2(tl.exp2(lse2 - t2) + tl.exp2(sink2 - t2))
+    denom = tl.where(lse2 == float("-inf"), 0.0, lse2)
+    o = acc * tl.exp2(top - denom)[:, None]
+    o_ptrs = out_ptr + pid_b * s_ob + offs_h[:, None] * s_oh + offs_v[None, :]
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(lse_ptr + pid_b * H + offs_h, lse2 * 0.6931471805599453, mask=h_ok)
 
 
 @triton.jit
 def _mla_merge_kernel(
     part_out_ptr, part_lse_ptr, sink_ptr, out_ptr, lse_ptr, H, num_splits,
     s_pb, s_ps, s_ph, s_ob, s_oh,
-    D_V: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_P: tl.constexpr, HAS_SINK: tl.constexpr,
-    CHUNK: tl.constexpr,
+    D_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_P: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
+    """Grid (H, B * S, d_v / BLOCK_DV): one head's BLOCK_DV output values from all splits at
+    once, one [BLOCK_P, BLOCK_DV] load (no loop over splits: at B = 1 the merge is one memory
+    round trip, which is what bounds it)."""
     h = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     offs_p = tl.arange(0, BLOCK_P)
-    lses = tl.load(part_lse_ptr + (b * num_splits + offs_p) * H + h, mask=offs_p < num_splits,
-                   other=float("-inf"))
+    p_ok = offs_p < num_splits
+    offs_v = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    v_ok = offs_v < D_V
+    rows = tl.load(part_out_ptr + b * s_pb + offs_p[:, None] * s_ps + h * s_ph + offs_v[None, :],
+                   mask=p_ok[:, None] & v_ok[None, :], other=0.0)
+    lses = tl.load(part_lse_ptr + (b * num_splits + offs_p) * H + h, mask=p_ok, other=float("-inf"))
     top = tl.max(lses, 0)
     top = tl.where(top == float("-inf"), 0.0, top)
-    lse2 = top + tl.log2(tl.sum(tl.exp2(lses - top), 0))
+    w = tl.exp2(lses - top)
+    lse2 = top + tl.log2(tl.sum(w, 0))  # -inf when no split saw a valid row
     if HAS_SINK:
         sink2 = tl.load(sink_ptr + h).to(tl.float32) * 1.4426950408889634
         t2 = tl.maximum(lse2, sink2)
         lse2 = t2 + tl.log2(tl.exp2(lse2 - t2) + tl.exp2(sink2 - t2))
     denom = tl.where(lse2 == float("-inf"), 0.0, lse2)
-    offs_v = tl.arange(0, BLOCK_V)
-    v_ok = offs_v < D_V
-    acc = tl.zeros([BLOCK_V], tl.float32)
-    for c in range(0, BLOCK_P // CHUNK):  # CHUNK splits' rows loaded at once, not one by one
-        offs_c = c * CHUNK + tl.arange(0, CHUNK)
-        c_ok = offs_c < num_splits
-        w = tl.exp2(tl.load(part_lse_ptr + (b * num_splits + offs_c) * H + h, mask=c_ok,
-                            other=float("-inf")) - denom)
-        rows = tl.load(part_out_ptr + b * s_pb + offs_c[:, None] * s_ps + h * s_ph + offs_v[None, :],
-                       mask=c_ok[:, None] & v_ok[None, :], other=0.0)
-        acc += tl.sum(w[:, None] * rows, 0)
+    acc = tl.sum(w[:, None] * rows, 0) * tl.exp2(top - denom)
     tl.store(out_ptr + b * s_ob + h * s_oh + offs_v, acc.to(out_ptr.dtype.element_ty), mask=v_ok)
-    tl.store(lse_ptr + b * H + h, lse2 * 0.6931471805599453)
+    if tl.program_id(2) == 0:
+        tl.store(lse_ptr + b * H + h, lse2 * 0.6931471805599453)
+
+
+MERGE_TILE = 4096  # fp32 values of partial output one merge program loads (32 registers/thread)
 
 
 def num_splits(bs: int, head_blocks: int, tiles: int, sms: int, cfg: configs.MLAConfig) -> int:
     """Splits of the top-k per query: enough programs for `cfg.waves` per SM, at least
-    `cfg.min_tiles` tiles each; recomputed so that no split is empty."""
+    `cfg.min_tiles` tiles each, at most `cfg.max_splits` (0: no cap); recomputed so that no split
+    is empty."""
     base = bs * head_blocks
     want = max(1, (cfg.waves * sms) // base)
+    if cfg.max_splits:
+        want = min(want, cfg.max_splits)
     splits = max(1, min(want, tiles // max(cfg.min_tiles, 1)))
     per = triton.cdiv(tiles, splits)
     return triton.cdiv(tiles, per)
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []  # outgrown buffers, kept alive for graphs captured with them
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Arrival counters of the fused merge, one per (query, head block): zero between launches
+    (the merging program resets its own), so one buffer per device serves every call and every
+    CUDA-graph replay. Calls on one device must not overlap on two streams. Grows only outside
+    graph capture (a graph cannot zero a buffer made while capturing before it replays)."""
+    buf = _COUNTERS.get(device)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"sparse_mla_decode needs {n} merge counters on {device} but has "
+                           f"{0 if buf is None else buf.numel()}: call it once at this batch size "
+                           "before capturing a CUDA graph")
+    if buf is not None:
+        _RETIRED.append(buf)
+    _COUNTERS[device] = buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return buf
 
 
 def _check(q, indices, sm_scale, d_v, sink) -> None:
@@ -220,6 +295,7 @@ def _run(q, kv, s_kvn, s_kvd, indices, sm_scale, d_v, sink, kv_format, cfg):
     splits = num_splits(BS, head_blocks, tiles, sm_count(q.device), cfg)
     per = triton.cdiv(tiles, splits)
     direct = splits == 1
+    fused = cfg.fused_merge and not direct
     interp = interpreting()
     if direct:
         part_out, part_lse = out, lse  # unused
@@ -228,23 +304,25 @@ def _run(q, kv, s_kvn, s_kvd, indices, sm_scale, d_v, sink, kv_format, cfg):
         part_out = torch.empty(BS, splits, H, d_v, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(BS, splits, H, dtype=torch.float32, device=q.device)
         s_p = part_out.stride()[:3]
+    counters = _counters(q.device, BS * head_blocks) if fused else lse  # lse: unused
     sink_arg = sink if sink is not None else lse
     LAST_COMPILED["split"] = _mla_split_kernel[(head_blocks, splits, BS)](
-        q3, kv, idx2, sink_arg, out, lse, part_out, part_lse,
+        q3, kv, idx2, sink_arg, out, lse, part_out, part_lse, counters,
         sm_scale * LOG2E, H, K, per,
         q3.stride(0), q3.stride(1), q3.stride(2), s_kvn, s_kvd, idx2.stride(0), idx2.stride(1),
         H * d_v, d_v, *s_p,
         D_V=d_v, D_T=d_t, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_V=block_v,
-        BLOCK_T=block_t, HAS_SINK=sink is not None, DIRECT=direct, KV_FP8=kv_format == "fp8",
-        GROUP=kv_fp8.GROUP, FP32_DOT=q.dtype == torch.float32,
-        INTERPRET=interp, TILES_C=per if interp else 0,
+        BLOCK_T=block_t, HAS_SINK=sink is not None, DIRECT=direct, FUSED_MERGE=fused,
+        KV_FP8=kv_format == "fp8", GROUP=kv_fp8.GROUP, FP32_DOT=q.dtype == torch.float32,
+        INTERPRET=interp, TILES_C=per if interp else 0, SPLITS_C=splits if interp else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if not direct:
-        LAST_COMPILED["merge"] = _mla_merge_kernel[(H, BS)](
+    if not direct and not fused:
+        block_p = next_pow2(splits)
+        block_dv = min(block_v, max(16, MERGE_TILE // block_p))
+        LAST_COMPILED["merge"] = _mla_merge_kernel[(H, BS, triton.cdiv(d_v, block_dv))](
             part_out, part_lse, sink_arg, out, lse, H, splits, *s_p, H * d_v, d_v,
-            D_V=d_v, BLOCK_V=block_v, BLOCK_P=next_pow2(splits), HAS_SINK=sink is not None,
-            CHUNK=min(8, next_pow2(splits)), num_warps=4,
+            D_V=d_v, BLOCK_DV=block_dv, BLOCK_P=block_p, HAS_SINK=sink is not None, num_warps=4,
         )
     return out, lse
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve_kernels.bench import poisoned_empty  # noqa: F401  (re-exported for the tests)
+from pdserve_kernels.bench_util import poisoned_empty  # noqa: F401  (re-exported for the tests)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The interpreter's bf16 tl.dot is wrong (triton issue 11584): bf16 is checked on the GPU only.

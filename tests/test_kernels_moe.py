@@ -95,6 +95,9 @@ def test_sm120_configs_fit_shared_memory():
         cfg = configs.moe_config(120, rows_per_expert)
         assert configs.moe_smem_bytes(cfg) <= configs.SMEM_LIMIT[120], cfg
         assert configs.moe_smem_bytes(configs.moe_config(90, rows_per_expert)) <= configs.SMEM_LIMIT[90]
+    # what Triton 3.6 allocated on the H200: the estimate must not be below it
+    assert configs.moe_smem_bytes(configs.MoEConfig(32, 64, 128, 4, 4)) >= 245760
+    assert configs.moe_smem_bytes(configs.MOE_FP32) * 2 <= configs.SMEM_LIMIT[120]  # 4-byte tiles
 
 
 @pytest.mark.parametrize("T,E,k,block_m", [(1, 256, 8, 16), (1, 8, 2, 16), (3, 8, 2, 4),

@@ -8,6 +8,7 @@ the only mode Triton has without a GPU. With CUDA the same tests run compiled on
 bf16 (the interpreter's bf16 tl.dot is wrong, triton issue 11584).
 """
 
+import dataclasses
 import os
 
 import torch
@@ -17,7 +18,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from pdserve_kernels import configs, kv_fp8  # noqa: E402
+from pdserve_kernels import configs, kv_fp8, sparse_mla  # noqa: E402
 from pdserve_kernels.baseline import sparse_mla_decode_per_head  # noqa: E402
 from pdserve_kernels.ref import sparse_mla_decode_ref  # noqa: E402
 from pdserve_kernels.sparse_mla import num_splits, sparse_mla_decode, sparse_mla_decode_fp8  # noqa: E402
@@ -93,23 +94,70 @@ def test_sinks_padding_and_empty_queries(dtype):
     check_lse(lse, want_lse)
 
 
-def test_split_count_and_many_splits():
+def test_split_count():
     cfg = configs.MLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, waves=8,
                             min_tiles=1)
     assert num_splits(bs=1, head_blocks=1, tiles=128, sms=132, cfg=cfg) == 128
     assert num_splits(bs=1000, head_blocks=2, tiles=128, sms=132, cfg=cfg) == 1
+    capped = dataclasses.replace(cfg, max_splits=6)
+    assert num_splits(bs=1, head_blocks=1, tiles=128, sms=132, cfg=capped) == 6
     for bs, tiles in ((1, 7), (3, 40), (64, 9)):
         splits = num_splits(bs, 1, tiles, 4, cfg)
         per = -(-tiles // splits)
         assert (splits - 1) * per < tiles <= splits * per  # no empty split
+
+
+@pytest.mark.parametrize("fused_merge", [True, False])
+def test_many_splits_merged_in_kernel_or_second_pass(fused_merge):
+    """13 splits of one tile, 2 head blocks, S > 1, an all-padding query and sinks; the fused
+    merge's counters are all zero again afterwards (graph replay relies on it), call after call."""
+    cfg = configs.MLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, waves=8,
+                            min_tiles=1, fused_merge=fused_merge)
     gen = torch.Generator().manual_seed(3)
-    q, kv, idx = make(1, 1, 16, 80, 500, 200, torch.float32, gen, pad_every=3)
+    q, kv, idx = make(2, 2, 20, 80, 500, 200, torch.float32, gen, pad_every=3)
+    idx[1, 0] = -1
+    sink = torch.randn(20, generator=gen).to(DEVICE)
     scale = 80**-0.5
-    with poisoned_empty():
-        out, lse = sparse_mla_decode(q, kv, idx, scale, 64, config=cfg)  # 13 splits of 1 tile
-    want, want_lse = sparse_mla_decode_ref(q.double(), kv.double(), idx, scale, 64)
-    assert_close(out, want, torch.float32)
-    check_lse(lse, want_lse)
+    for sk in (sink, None):
+        with poisoned_empty():
+            out, lse = sparse_mla_decode(q, kv, idx, scale, 64, sink=sk, config=cfg)
+        want, want_lse = sparse_mla_decode_ref(q.double(), kv.double(), idx, scale, 64,
+                                               sink=None if sk is None else sk.double())
+        assert_close(out, want, torch.float32)
+        check_lse(lse, want_lse)
+        assert torch.equal(out[1, 0], torch.zeros_like(out[1, 0]))
+        if fused_merge:
+            assert not sparse_mla._COUNTERS[q.device].any()
+
+
+@pytest.mark.parametrize("fused_merge", [True, False])
+def test_cuda_graph_replay(fused_merge):
+    """Replays of a captured call over new index sets give fresh, correct results (the fused
+    merge's counters reset themselves); on CPU the same sequence runs eagerly."""
+    gen = torch.Generator().manual_seed(8)
+    cuda = DEVICE == "cuda"
+    q, kv, idx = make(1, 1, 64 if cuda else 16, 80, 4000, 2048 if cuda else 160,
+                      torch.bfloat16 if cuda else torch.float32, gen)
+    cfg = configs.MLAConfig(block_h=16, block_n=64 if cuda else 16, num_warps=4,
+                            num_stages=2 if cuda else 1, min_tiles=1, max_splits=8,
+                            fused_merge=fused_merge)
+    scale = 80**-0.5
+    run = lambda: sparse_mla_decode(q, kv, idx, scale, 64, config=cfg)  # noqa: E731
+    out, _ = run()
+    graph = None
+    if DEVICE == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out, lse = run()
+    for _ in range(3):
+        idx.copy_(torch.randint(0, 4000, idx.shape, generator=gen, dtype=torch.int32).to(DEVICE))
+        if graph is not None:
+            graph.replay()
+        else:
+            out, lse = run()
+        want, want_lse = sparse_mla_decode_ref(q.double(), kv.double(), idx, scale, 64)
+        assert_close(out, want, q.dtype)
+        check_lse(lse, want_lse)
 
 
 def test_fp8_records_match_their_reference():

@@ -1,0 +1,89 @@
+"""PyTorch reference for the FP8 block-scaled fused MoE (`fused_moe_fp8.fused_moe_fp8`), with the
+quantizers it is defined by. Plain torch, no Triton import.
+
+Weights come as DeepSeek checkpoints ship them: e4m3 values W_q [N, K] plus `weight_scale_inv`
+[ceil(N / bn), ceil(K / bk)] float32, W = W_q * scale_inv of its (bn x bk) block (128 x 128).
+Activations are quantized per token and per group of bk values along K (DeepSeek's `act_quant`):
+s = max(amax, 1e-10) / 448, q = e4m3(clamp(x / s, -448, 448)), in float32. The kernel does exactly
+this in registers, so the reference dequantizes both sides and multiplies in float32 (float64 when
+given float64 x, the tests' oracle).
+
+Legend: T tokens, k experts per token, E experts, I expert intermediate size, hidden model width,
+bn x bk weight block, G = ceil(K / bk) groups.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+E4M3_MAX = 448.0
+SCALE_EPS = 1e-10  # keeps an all-zero group's scale finite (its values quantize to 0)
+
+
+def quant_act_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (q [T, K] float8_e4m3fn, s [T, G] float32): per-token, per-`group` scales."""
+    T, K = x.shape
+    G = -(-K // group)
+    xf = F.pad(x.float(), (0, G * group - K)).view(T, G, group)
+    s = xf.abs().amax(-1).clamp(min=SCALE_EPS) / E4M3_MAX  # [T, G]
+    q = (xf / s[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.view(T, G * group)[:, :K], s
+
+
+def dequant_act_groups(q: torch.Tensor, s: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of `quant_act_groups`, in `dtype`."""
+    scale = s.to(dtype).repeat_interleave(group, dim=1)[:, : q.shape[1]]
+    return q.to(dtype) * scale
+
+
+def quant_block_fp8(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N, K] float -> (e4m3 values [..., N, K], scale_inv [..., ceil(N/bn), ceil(K/bk)]
+    float32), one amax / 448 scale per block: how DeepSeek's FP8 checkpoints were made."""
+    *lead, N, K = w.shape
+    bn, bk = block
+    gn, gk = -(-N // bn), -(-K // bk)
+    wf = F.pad(w.float(), (0, gk * bk - K, 0, gn * bn - N)).reshape(*lead, gn, bn, gk, bk)
+    s = wf.abs().amax(dim=(-3, -1)).clamp(min=SCALE_EPS) / E4M3_MAX  # [..., gn, gk]
+    q = (wf / s[..., :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(*lead, gn * bn, gk * bk)[..., :N, :K].contiguous(), s
+
+
+def dequant_block_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """e4m3 w [..., N, K] and scale_inv [..., ceil(N/bn), ceil(K/bk)] -> w in `dtype`."""
+    N, K = w.shape[-2:]
+    bn, bk = block
+    scale = scale_inv.to(dtype).repeat_interleave(bn, dim=-2)[..., :N, :]
+    scale = scale.repeat_interleave(bk, dim=-1)[..., :K]
+    return w.to(dtype) * scale
+
+
+def fused_moe_fp8_ref(
+    x: torch.Tensor,  # [T, hidden] bf16/fp16/fp32 (float64: oracle math)
+    w13: torch.Tensor,  # [E, 2I, hidden] float8_e4m3fn, gate rows then up rows
+    w2: torch.Tensor,  # [E, hidden, I] float8_e4m3fn
+    w13_scale_inv: torch.Tensor,  # [E, ceil(2I/bn), ceil(hidden/bk)] float32
+    w2_scale_inv: torch.Tensor,  # [E, ceil(hidden/bn), ceil(I/bk)] float32
+    topk_weights: torch.Tensor,  # [T, k] float
+    topk_ids: torch.Tensor,  # [T, k] int
+    block_shape: tuple[int, int] = (128, 128),
+    act_dtype: torch.dtype | None = None,  # dtype the SiLU-and-mul output is rounded to; x's by default
+) -> torch.Tensor:
+    """y[t] = sum_j w[t,j] * W2_e @ Q(act_dtype(silu(G_e Q(x[t])) * U_e Q(x[t]))), with Q the
+    per-token-group quantize-dequantize (group = bk) and W the block-dequantized weights."""
+    math = torch.float64 if x.dtype == torch.float64 else torch.float32
+    act_dtype = act_dtype or x.dtype
+    bk = block_shape[1]
+    T, hidden = x.shape
+    inter = w2.shape[2]
+    xq = dequant_act_groups(*quant_act_groups(x, bk), bk, math)
+    y = torch.zeros(T, hidden, dtype=math, device=x.device)
+    for e in torch.unique(topk_ids.reshape(-1)).tolist():
+        tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+        h = xq[tok] @ dequant_block_fp8(w13[e], w13_scale_inv[e], block_shape, math).t()  # [n, 2I]
+        act = (F.silu(h[:, :inter]) * h[:, inter:]).to(act_dtype)
+        aq = dequant_act_groups(*quant_act_groups(act, bk), bk, math)
+        out = aq @ dequant_block_fp8(w2[e], w2_scale_inv[e], block_shape, math).t()  # [n, hidden]
+        y.index_add_(0, tok, out * topk_weights[tok, slot, None].to(math))
+    return y.to(x.dtype)

@@ -1,0 +1,151 @@
+"""Greedy token agreement of pdserve's engine with transformers on the tiny checkpoints.
+
+    python scripts/gpu_engine_check.py [--device cuda] [--dtypes bfloat16,float32] [--out DIR]
+
+For each tiny architecture (`pdserve.tiny_model`: deepseek_v3 and deepseek_v32) this writes the
+checkpoint, runs 8 prompts x 32 greedy tokens (EOS ignored) through `pdserve.LLM` (on CUDA the
+Triton kernels, through pdserve/model/ops.py) and through transformers' DeepseekV3ForCausalLM /
+DeepseekV32ForCausalLM (argmax over the full sequence each step, no cache), each in every dtype
+asked for, and prints per prompt the index of the first token that differs:
+
+- pdserve-<dtype> vs HF-float32: the engine against the oracle;
+- HF-<dtype> vs HF-float32 (dtype != float32): how far low precision alone moves the oracle,
+  so the engine's low-precision divergence is compared with measured noise, not assumed;
+- pdserve-float32 on the device vs pdserve-float32 on CPU (the torch reference path), when the
+  device is not the CPU.
+The float32 rows must agree on every token. Writes engine_check.json to --out (default $OUT or
+the working directory). Exit status 1 if a float32 row disagrees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.tiny_model import ARCHS, make_tiny_model
+
+PROMPTS = [
+    "Hello!",
+    "What is the capital of France?",
+    "Please write a short story about a cat who wants to learn to read.",
+    "The quick brown fox",
+    "A language model reads a sequence of tokens and predicts the next token, one at a time. "
+    "When the model serves many users at once, it keeps the keys and values of every request.",
+    "Thank you for your question.",
+    "Prefill is limited by how fast the machine can compute, and decode",
+    "Once upon a time there was a small cat who lived in a large house with many books. Every "
+    "day she looked at the pages and wondered what the words could mean.",
+]
+NEW_TOKENS = 32
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pdserve_tokens(path: str, device: str, dtype: str, prompts: list[list[int]]) -> list[list[int]]:
+    """All prompts as one continuous batch, greedy, EOS ignored."""
+    llm = LLM(path, device=device, dtype=dtype, kv_block_size=16, kv_cache_memory_gb=0.25,
+              skip_tokenizer_init=True)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    used = llm.engine.get_stats().kv_blocks_used
+    if used:
+        raise RuntimeError(f"{used} KV blocks still in use after every request finished")
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def hf_tokens(path: str, device: str, dtype: str, prompts: list[list[int]]) -> list[list[int]]:
+    """transformers' model: argmax over the full sequence each step (no cache), one prompt at a time."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=DTYPES[dtype], attn_implementation="eager", experts_implementation="eager"
+    ).to(device).eval()
+    result = []
+    with torch.no_grad():
+        for prompt in prompts:
+            seq = torch.tensor([prompt], device=device)
+            for _ in range(NEW_TOKENS):
+                nxt = model(seq).logits[0, -1].float().argmax()
+                seq = torch.cat([seq, nxt.view(1, 1)], dim=1)
+            result.append(seq[0, len(prompt):].tolist())
+    del model
+    return result
+
+
+def first_divergence(a: list[list[int]], b: list[list[int]]) -> list[int | None]:
+    """Per prompt: the first index where the two continuations differ, None if they agree."""
+    return [next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), None) for s, t in zip(a, b)]
+
+
+def check_arch(arch: str, device: str, dtypes: list[str], root: str) -> list[dict]:
+    path = str(make_tiny_model(os.path.join(root, arch), arch=arch, seed=0))
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    prompts = [tok.encode(p).ids for p in PROMPTS]
+    runs: dict[str, list[list[int]]] = {}
+    for dt in dtypes:
+        t0 = time.time()
+        runs[f"pdserve-{device}-{dt}"] = pdserve_tokens(path, device, dt, prompts)
+        runs[f"HF-{device}-{dt}"] = hf_tokens(path, device, dt, prompts)
+        print(f"{arch} {dt}: pdserve + HF on {device} in {time.time() - t0:.1f}s", flush=True)
+    if device != "cpu" and "float32" in dtypes:
+        runs["pdserve-cpu-float32"] = pdserve_tokens(path, "cpu", "float32", prompts)
+    oracle = f"HF-{device}-float32" if "float32" in dtypes else None
+    pairs = []
+    if oracle:
+        for dt in dtypes:
+            pairs.append((f"pdserve-{device}-{dt}", oracle, dt == "float32"))
+            if dt != "float32":
+                pairs.append((f"HF-{device}-{dt}", oracle, False))
+        if device != "cpu":
+            pairs.append((f"pdserve-{device}-float32", "pdserve-cpu-float32", True))
+    rows = []
+    for a, b, must in pairs:
+        div = first_divergence(runs[a], runs[b])
+        rows.append(dict(arch=arch, run=a, against=b, must_agree=must, first_divergence=div,
+                         prompt_lens=[len(p) for p in prompts],
+                         identical=sum(d is None for d in div), tokens=runs[a]))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtypes", default="bfloat16,float32",
+                    help="comma-separated; float32 is the oracle's dtype and must be included")
+    ap.add_argument("--archs", default=",".join(ARCHS))
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    dtypes = args.dtypes.split(",")
+    if "float32" not in dtypes or any(d not in DTYPES for d in dtypes):
+        raise SystemExit(f"--dtypes must include float32 and name only {', '.join(DTYPES)}")
+    rows = []
+    os.makedirs(args.out, exist_ok=True)
+    print(f"{len(PROMPTS)} prompts x {NEW_TOKENS} greedy tokens; first divergence per prompt "
+          "('-' = all tokens agree)")
+    with tempfile.TemporaryDirectory() as root:
+        for arch in args.archs.split(","):
+            new = check_arch(arch, args.device, dtypes, root)
+            print(f"{'arch':<13} {'run':<24} {'vs':<22} {'agree':>5}  first divergence")
+            for r in new:
+                div = " ".join("-" if d is None else str(d) for d in r["first_divergence"])
+                print(f"{r['arch']:<13} {r['run']:<24} {r['against']:<22} "
+                      f"{r['identical']:>3}/{len(PROMPTS)}  {div}", flush=True)
+            rows += new
+            with open(os.path.join(args.out, "engine_check.json"), "w") as f:
+                json.dump(dict(device=args.device, torch=torch.__version__, rows=rows), f, indent=1)
+    bad = [r for r in rows if r["must_agree"] and r["identical"] != len(PROMPTS)]
+    if bad:
+        print(f"FAIL: {len(bad)} float32 comparison(s) disagree", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
