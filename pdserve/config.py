@@ -44,7 +44,7 @@ class WorkerConfig(_Strict):
     host: str = "127.0.0.1"
     device: Literal["cpu", "cuda"] = "cpu"
     gpus: list[int] = Field(default_factory=list)
-    tp_size: int = Field(1, ge=1)
+    tp_size: int = Field(1, ge=1)  # the worker's tensor_parallel_size: one rank per GPU of gpus; on cpu, gloo processes
     numa_node: int | Literal["auto"] | None = None  # None: not pinned; auto: its GPUs' node
     cpus: str | None = None  # narrow the node to these CPUs, a cpulist such as "0-7"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"

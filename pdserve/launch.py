@@ -4,8 +4,13 @@
     their /health -> start router -> wait -> print table -> watch -> stop all on signal or death
 
 Each child is `python -m pdserve serve ...` in its own process group (so a stop reaches anything
-it spawned), logs to <log_dir>/<name>.log, and gets SIGTERM from the kernel if the launcher dies.
-Stop: SIGTERM every group, wait stop_grace_seconds, SIGKILL what is left.
+it spawned, such as a tensor-parallel worker's rank processes), logs to <log_dir>/<name>.log, and
+gets SIGTERM from the kernel if the launcher dies. Stop: SIGTERM every group, wait
+stop_grace_seconds, SIGKILL what is left.
+
+A worker with tp_size N is one `serve --tensor-parallel-size N` process that starts its other
+N-1 ranks itself: on CUDA it sees exactly its `gpus` (CUDA_VISIBLE_DEVICES, in config order) and
+rank r uses the r-th; on CPU its ranks are gloo processes sharing its pinned CPUs.
 """
 
 from __future__ import annotations
@@ -74,6 +79,7 @@ class ProcSpec:
     env: dict[str, str]
     pin: PinPlan
     gpus: list[int] = field(default_factory=list)
+    headers: dict[str, str] = field(default_factory=dict)  # for its /health (the router's API key)
 
     @property
     def url(self) -> str:
@@ -95,15 +101,11 @@ def _url(host: str, port: int) -> str:
 
 def worker_spec(name: str, w: WorkerConfig, cfg: ClusterConfig, model: str, secret: str) -> ProcSpec:
     role = ROLE_OF_GROUP[name.rsplit("-", 1)[0]]
-    if w.tp_size > 1:
-        raise LaunchError(
-            f"{name}: tp_size {w.tp_size} is not supported yet - the engine does not implement tensor "
-            f"parallelism; run one GPU per worker (gpus: [N], tp_size: 1)"
-        )
     peers = {"prefill": cfg.decode, "decode": cfg.prefill}.get(role, [])
     argv = _serve(
         "--role", role, "--host", w.host, "--port", str(w.port), "--model", model,
-        "--device", w.device, "--dtype", w.dtype, "--kv-block-size", str(w.kv_block_size),
+        "--device", w.device, "--tensor-parallel-size", str(w.tp_size), "--dtype", w.dtype,
+        "--kv-block-size", str(w.kv_block_size),
         *_opt("--num-kv-blocks", w.num_kv_blocks), "--max-num-seqs", str(w.max_num_seqs),
         *_opt("--max-num-batched-tokens", w.max_num_batched_tokens), *_opt("--max-model-len", w.max_model_len),
         "--engine-id", w.engine_id or f"{name}-{w.port}", "--lease-seconds", str(w.lease_seconds),
@@ -115,7 +117,8 @@ def worker_spec(name: str, w: WorkerConfig, cfg: ClusterConfig, model: str, secr
     if w.device == "cuda":
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # GPU indices as NVML and sysfs number them
     if pin.cpus and "OMP_NUM_THREADS" not in os.environ:
-        env["OMP_NUM_THREADS"] = str(len(pin.cpus))  # torch's default counts every core, not ours
+        # torch's default counts every core, not ours; the worker's ranks share its cores
+        env["OMP_NUM_THREADS"] = str(max(1, len(pin.cpus) // w.tp_size))
     return ProcSpec(name, role, w.host, w.port, argv, env, pin, list(w.gpus))
 
 
@@ -130,7 +133,8 @@ def router_spec(cfg: ClusterConfig, model: str, secret: str) -> ProcSpec:
         "--health-interval", str(r.health_interval), "--request-timeout", str(r.request_timeout),
         *_opt("--max-queued-requests", r.max_queued_requests), "--cluster-secret", secret,
     )  # fmt: skip
-    return ProcSpec("router", "router", r.host, r.port, argv, {"CUDA_VISIBLE_DEVICES": ""}, PinPlan("none", None, (), "router"))
+    auth = {"Authorization": f"Bearer {r.api_key}"} if r.api_key else {}
+    return ProcSpec("router", "router", r.host, r.port, argv, {"CUDA_VISIBLE_DEVICES": ""}, PinPlan("none", None, (), "router"), headers=auth)
 
 
 def plan(cfg: ClusterConfig, model: str) -> list[ProcSpec]:
@@ -245,7 +249,7 @@ class Cluster:
                     if c.popen.poll() is not None:
                         raise self.dead_child_error(c, "while starting")
                     try:
-                        c.healthy = client.get(c.spec.url + "/health").status_code == 200
+                        c.healthy = client.get(c.spec.url + "/health", headers=c.spec.headers).status_code == 200
                     except httpx.HTTPError:
                         c.healthy = False
                     if c.healthy:

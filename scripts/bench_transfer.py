@@ -1,12 +1,14 @@
 """NIXL READ rate between two processes against a torch copy inside one, for a few request sizes.
 
-    python scripts/bench_transfer.py [--sizes 1,16,64,256] [--reps 5] [--device cpu]
+    python scripts/bench_transfer.py [--sizes 1,16,64,256] [--reps 5] [--device cpu] [--peer-device cuda:1]
 
 This process is the decode worker; it starts itself again with --peer as the prefill worker (its own
 NIXL agent, metadata over HTTP on a free port). Both pools have one bf16 region of 576-value
 records (DeepSeek's MLA latent), `--layers` layers, 64-token blocks. Each size is read twice:
 `contiguous` (blocks 0..n-1 into 0..n-1: one descriptor per layer) and `scattered` (even blocks
 into odd ones: one descriptor per block per layer). Every read is checked byte-exact once.
+With --peer-device (e.g. --device cuda:0 --peer-device cuda:1) the prefill peer's pool is on that
+device: NIXL reads VRAM to VRAM across GPUs, and the reference copy is a peer-to-peer copy_.
 """
 
 from __future__ import annotations
@@ -89,8 +91,9 @@ def timed_copy(dst: torch.Tensor, src: torch.Tensor, src_ids: list[int], dst_ids
     t0 = time.perf_counter()
     for s, d, n in block_runs(src_ids, dst_ids):
         dst[:, d : d + n].copy_(src[:, s : s + n])
-    if dst.is_cuda:
-        torch.cuda.synchronize()
+    for t in (dst, src):
+        if t.is_cuda:
+            torch.cuda.synchronize(t.device)
     return time.perf_counter() - t0
 
 
@@ -114,7 +117,7 @@ def measure(conn, url: str, src: torch.Tensor, src_ids: list[int], dst_ids: list
     for rep in range(reps):
         dst.zero_()
         read_s.append(timed_read(conn, handle_for(url, f"{name}-{rep}", src_ids, conn.compat_hash), dst_ids))
-        if rep == 0 and not torch.equal(dst[:, dst_ids].view(torch.int16), src[:, src_ids].view(torch.int16)):
+        if rep == 0 and not torch.equal(dst[:, dst_ids].view(torch.int16), src[:, src_ids].to(dst.device).view(torch.int16)):
             raise SystemExit(f"NIXL READ {name} is not byte-exact")
         copy_s.append(timed_copy(dst, src, src_ids, dst_ids))
     return read_s, copy_s
@@ -126,6 +129,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--peer-device", help="the prefill peer's device (default: --device)")
     p.add_argument("--threads", type=int, default=1, help="torch threads for the in-process copy (cma reads use one)")
     p.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--num-blocks", type=int, default=0, help=argparse.SUPPRESS)
@@ -140,7 +144,8 @@ def main() -> None:
     from pdserve.disagg.nixl_connector import NixlConnector
 
     cmd = [sys.executable, os.path.abspath(__file__), "--peer", "--layers", str(args.layers)]
-    cmd += ["--device", args.device, "--num-blocks", str(args.num_blocks), "--sizes", args.sizes]
+    peer_device = args.peer_device or args.device
+    cmd += ["--device", peer_device, "--num-blocks", str(args.num_blocks), "--sizes", args.sizes]
     peer = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     rows = []
     try:
@@ -150,7 +155,7 @@ def main() -> None:
         sys.stdout, console = sys.stderr, sys.stdout  # nixl logs to stdout; keep it for the table
         conn = NixlConnector("bench-decode", model_id="bench", transfer_timeout_s=120.0)
         conn.register_kv_cache(make_pool(args.layers, args.num_blocks, args.device, seed=None))
-        src = make_pool(args.layers, args.num_blocks, args.device, seed=0).regions["latent"]
+        src = make_pool(args.layers, args.num_blocks, peer_device, seed=0).regions["latent"]
         timed_read(conn, handle_for(url, "warm-up", [0], conn.compat_hash), [0])  # connection setup
         for n in counts:
             shapes = {
@@ -172,7 +177,8 @@ def main() -> None:
 
 
 def print_table(rows: list[tuple], args: argparse.Namespace) -> None:
-    print(f"KV pool: 1 bf16 region, {args.layers} layers, {BLOCK_SIZE}-token blocks of {DIM} values on {args.device}")
+    where = args.device if not args.peer_device else f"{args.device} (read from {args.peer_device})"
+    print(f"KV pool: 1 bf16 region, {args.layers} layers, {BLOCK_SIZE}-token blocks of {DIM} values on {where}")
     print(f"GB/s: median (best) of {args.reps} reps; NIXL: start_load..poll_loads done, between two processes;")
     print(f"copy: the same runs with torch copy_ in one process, {args.threads} thread(s)")
     print(f"{'MiB':>7} {'blocks':>6} {'layout':>10} {'descs':>6} {'NIXL GB/s':>14} {'copy GB/s':>14} {'NIXL/copy':>9}")

@@ -13,7 +13,8 @@ import httpx
 import pytest
 import yaml
 
-from pdserve.launch import port_free
+from pdserve.config import load_config, parse_config
+from pdserve.launch import plan, port_free
 from pdserve.numa import numa_nodes, process_cpus
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -153,15 +154,22 @@ def test_refuses_busy_ports(tmp_path):
     assert f"ports already in use: prefill-0 (127.0.0.1:{ports[1]})" in out
 
 
-def test_refuses_tensor_parallel_configs(tmp_path):
-    model = tmp_path / "model"
-    subprocess.run([sys.executable, "-m", "pdserve", "make-tiny-model", str(model)], cwd=ROOT, check=True,
-                   env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL)  # fmt: skip
-    proc = pdserve("launch", "--config", "8x-rtx-pro-6000-pd", "--model", str(model), "--log-dir", str(tmp_path),
-                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 1
-    assert "prefill-0: tp_size 4 is not supported yet" in out and "tensor parallelism" in out
+def test_plans_tensor_parallel_workers(monkeypatch):
+    """The reference topology: each TP4 worker is one `serve -tp 4` process that sees its 4 GPUs;
+    a CPU worker's gloo ranks share its pinned CPUs."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cfg = load_config("8x-rtx-pro-6000-pd")
+    unpinned = {g: [w.model_copy(update={"numa_node": None}) for w in getattr(cfg, g)] for g in ("prefill", "decode")}
+    prefill, decode, _ = plan(cfg.model_copy(update=unpinned), "/models/ckpt")
+    for spec, gpus in ((prefill, "0,1,2,3"), (decode, "4,5,6,7")):
+        assert spec.argv[spec.argv.index("--tensor-parallel-size") + 1] == "4"
+        assert spec.argv[spec.argv.index("--device") + 1] == "cuda"
+        assert spec.env["CUDA_VISIBLE_DEVICES"] == gpus
+    cpus = sorted(os.sched_getaffinity(0))
+    cpu_cfg = parse_config({"model": "tiny:deepseek_v3", "colocated": [{"port": 30000, "tp_size": 2, "numa_node": 0, "cpus": f"{cpus[0]}"}]})
+    worker = plan(cpu_cfg, "/models/ckpt")[0]
+    assert worker.argv[worker.argv.index("--tensor-parallel-size") + 1] == "2"
+    assert worker.env["OMP_NUM_THREADS"] == "1"  # one CPU for two ranks: never fewer than one thread
 
 
 def test_a_worker_that_dies_at_startup_is_reported_with_its_log(tmp_path):

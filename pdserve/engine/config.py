@@ -21,6 +21,9 @@ class EngineConfig(BaseModel):
 
     model: str  # checkpoint folder
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
+    # ranks of one engine (vLLM's name): rank r runs on cuda:N+r (N from device) or on the CPU
+    # (gloo). Rank 0 is this process; it starts ranks 1.. itself (pdserve.distributed.ranks).
+    tensor_parallel_size: int = Field(1, ge=1)
     dtype: DType = "auto"  # auto: the checkpoint's torch_dtype on CUDA, float32 on CPU
     kv_block_size: int = Field(64, ge=1)
     num_kv_blocks: int | None = Field(None, ge=1)

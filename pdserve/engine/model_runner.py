@@ -2,20 +2,31 @@
 SchedulerOutput into one ForwardBatch, runs the model and samples.
 
 Legend: T tokens in the step, C longest context in the step, N sequences that sample.
+
+Tensor parallelism (config.tensor_parallel_size > 1): this runner is rank 0. It starts ranks
+1..N-1 (pdserve.distributed.ranks), each a ModelRunner of its own shard in `serve_forever()`.
+Each step rank 0 broadcasts the step's StepInputs, every rank builds the same ForwardBatch and
+runs the forward (all-reduces inside), and rank 0 alone computes logits and samples. The KV cache
+is replicated: every rank writes the same latent records; KV that arrives from a prefill worker
+lands in rank 0's cache (the one the KV connector registered) and `on_kv_loaded` copies it to the
+other ranks.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
+from pdserve.distributed import protocol
+from pdserve.distributed.group import TPGroup
 from pdserve.engine.config import DEFAULT_CPU_KV_GB, EngineConfig
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.sampler import SampledToken, Sampler
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence
-from pdserve.model.batch import ForwardBatch
+from pdserve.model.batch import ForwardBatch, StepInputs
 
 
 def _ids(v: int | list[int] | None) -> set[int]:
@@ -23,25 +34,45 @@ def _ids(v: int | list[int] | None) -> set[int]:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None) -> None:
+    def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None, *, tp: TPGroup | None = None) -> None:
         """model: an already-built model with the DeepseekForCausalLM interface (tests); by default
-        the checkpoint in config.model is loaded."""
+        the checkpoint in config.model is loaded. tp: given only to ranks 1..N-1 (ranks.py)."""
         self.config = config
-        self.device = torch.device(config.device)
+        self.ranks = None
+        if tp is None and config.tensor_parallel_size > 1:
+            if model is not None:
+                raise ValueError("a prebuilt model runs with tensor_parallel_size 1 only")
+            _check_shardable(config)
+            from pdserve.distributed.ranks import RankProcesses
+
+            self.ranks, tp = RankProcesses.start(config)
+            self._finalizer = weakref.finalize(self, self.ranks.kill)  # the last resort; shutdown() is the way
+        self.tp = tp or TPGroup.single()
+        try:
+            self._setup(config, model)
+        except BaseException:
+            self.shutdown(clean=False)
+            raise
+
+    def _setup(self, config: EngineConfig, model: torch.nn.Module | None) -> None:
+        self.device = self.tp.device if self.tp.size > 1 else torch.device(config.device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda" -> "cuda:0": set_device needs an index
+            self.device = torch.device("cuda", torch.cuda.current_device())
         if self.device.type == "cpu" and config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)
         self.dtype = getattr(torch, config.resolved_dtype())
         if model is None:
             from pdserve.model.loader import load_model
 
-            model = load_model(config.model, self.dtype, self.device)
+            model = load_model(config.model, self.dtype, self.device, progress=self.tp.is_driver, tp=self.tp)
         self.model = model
         self.block_size = config.kv_block_size
         max_pos = model.config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > max_pos:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings {max_pos}")
         specs = model.kv_cache_specs()
-        self.num_kv_blocks = self._num_kv_blocks(KVCache.bytes_per_block(specs, model.num_layers, self.block_size, self.dtype), config.max_model_len or max_pos)
+        n = self._num_kv_blocks(KVCache.bytes_per_block(specs, model.num_layers, self.block_size, self.dtype), config.max_model_len or max_pos)
+        self.num_kv_blocks = self.tp.min_control(n)  # the block manager's blocks must exist on every rank
         capacity = self.num_kv_blocks * self.block_size
         if config.max_model_len is not None and config.max_model_len > capacity:
             raise ValueError(
@@ -70,44 +101,106 @@ class ModelRunner:
             raise ValueError(f"no room for a single KV block ({bytes_per_block} bytes) in {budget / 2**30:.2f} GiB")
         return n
 
-    # -- one step --
+    # -- one step (rank 0) --
     @torch.inference_mode()
     def run(self, sched: SchedulerOutput) -> list[SampledToken]:
         """Forward the scheduled tokens; returns one sampled token per sequence whose chunk
         reached its last token, in scheduled order."""
-        batch, sampling = self.prepare(sched)
+        step, sampling = self.prepare(sched)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # per thread: the engine loop's thread starts on cuda:0
+        if self.ranks is not None:
+            self.ranks.check_alive()
+            protocol.send_forward(self.tp, step)
+        batch = ForwardBatch.build(step, self.block_size)
         hidden = self.model.forward(batch.to(self.device), self.kv_cache)  # [T, hidden]
         if not sampling:
             return []
         logits = self.model.compute_logits(hidden[batch.logits_indices.to(self.device)])  # [N, V]
         return self.sampler(logits, sampling)
 
-    def prepare(self, sched: SchedulerOutput) -> tuple[ForwardBatch, list[Sequence]]:
-        """One flat batch for the step, built with a few vectorized ops (no per-token Python)."""
-        bs = self.block_size
+    def prepare(self, sched: SchedulerOutput) -> tuple[StepInputs, list[Sequence]]:
+        """The step's compact inputs (ForwardBatch.build expands them) and the sequences that sample."""
         chunks = sched.scheduled
-        B = len(chunks)
-        lens = torch.tensor([s.num_tokens for s in chunks])  # [B]
-        starts = torch.tensor([s.start for s in chunks])  # [B]
         width = max(len(s.seq.block_table) for s in chunks)
-        tables = torch.tensor([s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in chunks])  # [B, W]
-        seq_idx = torch.repeat_interleave(torch.arange(B), lens)  # [T]
-        first_row = torch.cumsum(lens, 0) - lens  # [B] first flat row of each sequence
-        positions = starts[seq_idx] + torch.arange(len(seq_idx)) - first_row[seq_idx]  # [T]
-        C = int((starts + lens).max())
-        col = torch.arange(C)  # [C]
-        seq_slots = tables.gather(1, (col // bs).clamp(max=width - 1).expand(B, C)) * bs + col % bs  # [B, C]
-        context = torch.where(col[None, :] <= positions[:, None], seq_slots[seq_idx], -1)  # [T, C] causal
         input_ids: list[int] = []
         for s in chunks:
             input_ids.extend(s.seq.tokens_between(s.start, s.start + s.num_tokens))
-        sampling = [s.seq for s in chunks if s.samples]
-        last_rows = first_row + lens - 1  # [B]
-        batch = ForwardBatch(
+        step = StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64),
-            positions=positions,
-            slot_mapping=seq_slots[seq_idx, positions],
-            context_slots=context.to(torch.int32),
-            logits_indices=last_rows[torch.tensor([s.samples for s in chunks], dtype=torch.bool)],
+            lens=torch.tensor([s.num_tokens for s in chunks], dtype=torch.int64),
+            starts=torch.tensor([s.start for s in chunks], dtype=torch.int64),
+            samples=torch.tensor([s.samples for s in chunks], dtype=torch.bool),
+            block_tables=torch.tensor([s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in chunks], dtype=torch.int64),
         )
-        return batch, sampling
+        return step, [s.seq for s in chunks if s.samples]
+
+    @torch.inference_mode()
+    def on_kv_loaded(self, block_ids: list[int]) -> None:
+        """KV read from a prefill worker into rank 0's blocks: copy those blocks to every rank."""
+        if self.ranks is None or not block_ids:
+            return
+        self.ranks.check_alive()
+        protocol.send_sync_kv(self.tp, block_ids)
+        self._sync_kv(block_ids)
+
+    def _sync_kv(self, block_ids: list[int]) -> None:
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        for name in sorted(self.kv_cache.regions):
+            region = self.kv_cache.regions[name]  # [L, num_blocks, block_size, dim]
+            if self.tp.is_driver:
+                self.tp.broadcast(region.index_select(1, idx))  # [L, n, block_size, dim]
+            else:
+                buf = region.new_empty((region.shape[0], len(block_ids), *region.shape[2:]))
+                self.tp.broadcast(buf)
+                region.index_copy_(1, idx, buf)
+
+    # -- ranks 1..N-1 --
+    @torch.inference_mode()
+    def serve_forever(self) -> None:
+        """Run rank 0's steps until it sends STOP."""
+        while True:
+            msg = protocol.receive(self.tp)
+            if msg.command is protocol.Command.STOP:
+                return
+            if msg.command is protocol.Command.SYNC_KV:
+                self._sync_kv(msg.block_ids)
+                continue
+            batch = ForwardBatch.build(msg.step, self.block_size)
+            self.model.forward(batch.to(self.device), self.kv_cache)
+
+    # -- lifecycle --
+    def shutdown(self, clean: bool = True) -> None:
+        """Rank 0: stop ranks 1..N-1 (STOP, then kill after a grace period) and leave the group.
+        Idempotent; a no-op at TP1."""
+        ranks, self.ranks = self.ranks, None
+        if ranks is None:
+            return
+        self._finalizer.detach()
+        if clean:
+            try:
+                ranks.check_alive()
+                protocol.send_stop(self.tp)
+            except Exception:  # a rank already died: kill the rest
+                clean = False
+        ranks.wait() if clean else ranks.kill()
+        self.tp.destroy()
+
+
+def _check_shardable(config: EngineConfig) -> None:
+    """Fail before starting processes if the model's dims do not split into tensor_parallel_size
+    (builds rank 0's shards on the meta device: the same checks the real build makes)."""
+    from pdserve.model.config import ModelConfig
+    from pdserve.model.deepseek import DeepseekForCausalLM
+
+    model_config = ModelConfig.from_model_dir(config.model)
+    with torch.device("meta"):
+        DeepseekForCausalLM(model_config, TPGroup(rank=0, size=config.tensor_parallel_size))
+    if config.device.startswith("cuda"):
+        first = torch.device(config.device).index or 0
+        need = first + config.tensor_parallel_size
+        if torch.cuda.device_count() < need:
+            raise ValueError(
+                f"tensor_parallel_size {config.tensor_parallel_size} on {config.device} needs GPUs {first}..{need - 1} "
+                f"but {torch.cuda.device_count()} are visible (CUDA_VISIBLE_DEVICES)"
+            )

@@ -7,6 +7,11 @@ The cache holds one record per token: [normalized latent (C) | roped key (R)]. k
 [H*(Dn+Dv), C] splits per head into W_UK [H, Dn, C] and W_UV [H, Dv, C]; absorbing W_UK into
 the query (q_lat = q_nope @ W_UK) makes q_lat . latent == q_nope . k_nope, so attention runs in
 the latent space over the records themselves (V = the latent), and W_UV lifts the result back.
+
+Tensor parallelism splits the heads: q_proj/q_b_proj and kv_b_proj are column-parallel by head
+(H below is this rank's H/tp heads), o_proj is row-parallel (one all-reduce). q_a_proj,
+kv_a_proj_with_mqa, their norms and the indexer are replicated, so every rank computes and caches
+the same full latent record for every token: the KV cache is replicated, not split.
 """
 
 from __future__ import annotations
@@ -14,36 +19,39 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pdserve.distributed.group import TPGroup
 from pdserve.engine.kv_cache import KVCache
 from pdserve.model import ops
 from pdserve.model.batch import ForwardBatch
 from pdserve.model.config import ModelConfig
 from pdserve.model.indexer import Indexer
 from pdserve.model.layers import RMSNorm
+from pdserve.model.parallel import ColumnParallelLinear, RowParallelLinear
 from pdserve.model.rope import apply_rope, softmax_scale
 
 
 class MLA(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TPGroup | None = None) -> None:
         super().__init__()
-        c = config
+        c, tp = config, tp or TPGroup.single()
         self.layer_idx = layer_idx
-        self.n_heads, self.kv_lora_rank, self.rope_dim = c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
+        _, self.n_heads = tp.shard(c.num_attention_heads, "num_attention_heads")  # this rank's heads
+        self.kv_lora_rank, self.rope_dim = c.kv_lora_rank, c.qk_rope_head_dim
         self.nope_dim, self.v_dim = c.qk_nope_head_dim, c.v_head_dim
         self.interleave = c.rope_interleave
         self.scale = softmax_scale(c.rope, c.qk_head_dim)
         H, bias = c.num_attention_heads, c.attention_bias
         self.q_lora = c.q_lora_rank is not None
         if not self.q_lora:
-            self.q_proj = nn.Linear(c.hidden_size, H * c.qk_head_dim, bias=False)
+            self.q_proj = ColumnParallelLinear(c.hidden_size, H * c.qk_head_dim, tp, what="q heads")
         else:
             self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(c.q_lora_rank)
-            self.q_b_proj = nn.Linear(c.q_lora_rank, H * c.qk_head_dim, bias=False)
+            self.q_b_proj = ColumnParallelLinear(c.q_lora_rank, H * c.qk_head_dim, tp, what="q heads")
         self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank)
-        self.kv_b_proj = nn.Linear(c.kv_lora_rank, H * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(H * c.v_head_dim, c.hidden_size, bias=bias)
+        self.kv_b_proj = ColumnParallelLinear(c.kv_lora_rank, H * (c.qk_nope_head_dim + c.v_head_dim), tp, what="kv heads")
+        self.o_proj = RowParallelLinear(H * c.v_head_dim, c.hidden_size, tp, bias=bias, what="o_proj heads")
         self.indexer = Indexer(c) if c.has_indexer else None
 
     def forward(

@@ -4,6 +4,10 @@ Legend: T tokens in the batch, N rows to compute logits for, V vocab.
 
 Module and parameter names are the checkpoint's (model.layers.N.self_attn.kv_b_proj.weight,
 ...), so the loader maps names one to one except for the stacked experts (see loader.py).
+
+Tensor parallelism (a TPGroup of size > 1) splits attention heads, MLP and expert intermediate
+dims (see attention.py, layers.py, moe.py). The embedding and lm_head are replicated: the token
+lookup needs no all-reduce, and only rank 0 computes logits, for the sampler it alone runs.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pdserve.distributed.group import TPGroup
 from pdserve.engine.kv_cache import KVCache, KVRegionSpec
 from pdserve.model.attention import MLA
 from pdserve.model.batch import ForwardBatch
@@ -24,13 +29,13 @@ FP32_PARAM_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "i
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TPGroup) -> None:
         super().__init__()
-        self.self_attn = MLA(config, layer_idx)
+        self.self_attn = MLA(config, layer_idx, tp)
         if config.is_moe_layer(layer_idx):
-            self.mlp: nn.Module = MoE(config)
+            self.mlp: nn.Module = MoE(config, tp)
         else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size)
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -40,20 +45,21 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.rope, config.qk_rope_head_dim)
 
 
 class DeepseekForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp or TPGroup.single()
         self.num_layers = config.num_hidden_layers
-        self.model = DeepseekModel(config)
+        self.model = DeepseekModel(config, self.tp)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 

@@ -1,10 +1,17 @@
-"""Small building blocks: RMSNorm and the SiLU-gated MLP (dense layers and shared experts)."""
+"""Small building blocks: RMSNorm and the SiLU-gated MLP (dense layers and shared experts).
+
+Under tensor parallelism the MLP splits its intermediate dim: gate/up column-parallel, down
+row-parallel (one all-reduce, or none with reduce=False when the caller sums partials first).
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pdserve.distributed.group import TPGroup
+from pdserve.model.parallel import ColumnParallelLinear, RowParallelLinear
 
 
 class RMSNorm(nn.Module):
@@ -23,11 +30,12 @@ class RMSNorm(nn.Module):
 class MLP(nn.Module):
     """down(silu(gate(x)) * up(x)); checkpoint names gate_proj / up_proj / down_proj."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup | None = None, reduce: bool = True) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        tp = tp or TPGroup.single()
+        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, tp, what="intermediate size")
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, tp, what="intermediate size")
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp, reduce=reduce, what="intermediate size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -9,7 +9,9 @@ and DeepSeek's released checkpoints use (the same scheme: per-expert
 dequantized at load.
 
 The model is built on the meta device and each parameter is allocated once, directly in its
-final dtype and device, then filled from the files.
+final dtype and device, then filled from the files. Under tensor parallelism (`tp` of size > 1)
+each rank allocates only its shards and fills them with the slices its modules name
+(`shard_weight` / `shard_expert`, see model/parallel.py): the full tensor is read, sliced, freed.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from pdserve.distributed.group import TPGroup
 from pdserve.model.config import ModelConfig
 from pdserve.model.deepseek import FP32_PARAM_SUFFIXES, DeepseekForCausalLM
 from pdserve.model.fp8 import dequantize_block_fp8, is_fp8
@@ -45,12 +48,13 @@ def load_model(
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
     progress: bool = True,
+    tp: TPGroup | None = None,
 ) -> DeepseekForCausalLM:
     model_dir = Path(model_dir)
     config = ModelConfig.from_model_dir(model_dir)
     files = weight_files(model_dir)
     with torch.device("meta"):
-        model = DeepseekForCausalLM(config)
+        model = DeepseekForCausalLM(config, tp)
     _materialize(model, dtype, torch.device(device))
     sink = _WeightSink(model)
     names = [n for n in files if not n.endswith(_SCALE_SUFFIX) and not _skipped(n, config)]
@@ -147,9 +151,11 @@ class _WeightSink:
 
     def __init__(self, model: DeepseekForCausalLM) -> None:
         self.params = dict(model.named_parameters())
+        self.modules = dict(model.named_modules())
+        self.tp = model.tp
         self.pending: set[str] = set()
         self.num_experts = model.config.n_routed_experts
-        self.inter = model.config.moe_intermediate_size
+        self.inter = model.config.moe_intermediate_size // model.tp.size  # this rank's expert rows
         for name in self.params:
             fused = _FUSED_EXPERT.match(name)
             if fused is None:
@@ -179,8 +185,22 @@ class _WeightSink:
         fused = _FUSED_EXPERT.match(name)
         return self.params[name], self._per_expert_names(fused.group(1), fused.group(2)) if fused else [name]
 
+    def _shard(self, name: str, tensor: torch.Tensor, file: Path) -> torch.Tensor:
+        """This rank's slice of a full checkpoint tensor (the tensor itself when replicated)."""
+        if self.tp.size == 1:
+            return tensor
+        m = _EXPERT.match(name)
+        owner, pname = (m.group(1), m.group(3)) if m else name.rsplit(".", 1)
+        module = self.modules.get(owner)
+        shard = getattr(module, "shard_expert" if m else "shard_weight", None)
+        try:
+            return tensor if shard is None else shard(pname, tensor)
+        except ValueError as e:
+            raise CheckpointError(f"shape mismatch for {name} in {file}: {e}") from e
+
     def put(self, name: str, tensor: torch.Tensor, file: Path) -> None:
         dst, fulfils = self._target(name, file)
+        tensor = self._shard(name, tensor, file)
         if tuple(dst.shape) != tuple(tensor.shape):
             raise CheckpointError(
                 f"shape mismatch for {name} in {file}: expected {tuple(dst.shape)}, got {tuple(tensor.shape)}"

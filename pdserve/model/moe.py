@@ -9,6 +9,12 @@ top-2 biased scores, then the top-k experts inside them; the weights are the unb
 the chosen experts, renormalized if norm_topk_prob, times routed_scaling_factor.
 Experts are stacked in vLLM's layout: gate_up_proj [E, 2I, hidden] (gate rows, then up rows),
 down_proj [E, hidden, I] - the same layout as transformers' fused expert parameters.
+
+Tensor parallelism splits every expert by its intermediate dim (I below is this rank's I/tp):
+each rank holds all E experts' slices, so every rank does the same share of work whatever the
+routing (expert parallelism would leave a rank with hot experts behind the others), the fused-MoE
+kernel runs unchanged, and the routed and shared partial sums leave with one all-reduce. The
+router is replicated: every rank picks the same experts from the same input.
 """
 
 from __future__ import annotations
@@ -17,9 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.distributed.group import TPGroup
 from pdserve.model import ops
 from pdserve.model.config import ModelConfig
 from pdserve.model.layers import MLP
+from pdserve.model.parallel import narrow_shard
 
 
 class Gate(nn.Module):
@@ -49,24 +57,43 @@ class Gate(nn.Module):
 
 
 class Experts(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
-        E, I, hidden = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
+        E, hidden = config.n_routed_experts, config.hidden_size
+        self.size = tp.size
+        self.start, I = tp.shard(config.moe_intermediate_size, "moe_intermediate_size")
+        self.inter = I  # this rank's share
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, hidden))
         self.down_proj = nn.Parameter(torch.empty(E, hidden, I))
 
+    def shard_expert(self, proj: str, full: torch.Tensor) -> torch.Tensor:
+        """One expert's checkpoint weight -> this rank's slice: gate/up [I, hidden], down [hidden, I]."""
+        return narrow_shard(full, 1 if proj == "down_proj" else 0, self.start, self.inter, self.size)
+
+    def shard_weight(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """Fused checkpoint tensors: gate_up_proj [E, 2I, hidden] (gate and up split separately),
+        down_proj [E, hidden, I]."""
+        if name == "down_proj":
+            return narrow_shard(full, 2, self.start, self.inter, self.size)
+        if full.dim() != 3 or full.shape[1] != 2 * self.inter * self.size:
+            raise ValueError(f"expected [E, {2 * self.inter * self.size}, hidden] (gate rows, then up rows), got shape {tuple(full.shape)}")
+        gate, up = full.chunk(2, dim=1)
+        return torch.cat([gate.narrow(1, self.start, self.inter), up.narrow(1, self.start, self.inter)], dim=1)
+
 
 class MoE(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp or TPGroup.single()
         self.gate = Gate(config)
-        self.experts = Experts(config)
+        self.experts = Experts(config, self.tp)
         n_shared = config.n_shared_experts
-        self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * n_shared) if n_shared else None
+        inter = config.moe_intermediate_size * n_shared
+        self.shared_experts = MLP(config.hidden_size, inter, self.tp, reduce=False) if n_shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        y = ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)  # [T, hidden]
+        y = ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)  # [T, hidden], partial
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
-        return y
+        return self.tp.all_reduce(y)

@@ -1,0 +1,79 @@
+"""Rank 0 -> ranks 1..N-1 step messages, as tensors broadcast on the control group (no pickle).
+
+Every message is a fixed header, then (for some commands) one int64 payload:
+
+    header  int64[8]: [PROTOCOL_VERSION, command, a, b, c, 0, 0, 0]
+    FORWARD   a=T, b=B, c=W   payload [T + 3B + B*W]: input_ids | lens | starts | samples | block_tables
+    SYNC_KV   a=n             payload [n]: block ids whose KV rank 0 then broadcasts (device group)
+    STOP      -               no payload; the rank leaves its loop and exits 0
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.distributed.group import TPGroup
+from pdserve.model.batch import StepInputs
+
+PROTOCOL_VERSION = 1
+HEADER_LEN = 8
+
+
+class Command(enum.IntEnum):
+    FORWARD = 1
+    SYNC_KV = 2
+    STOP = 3
+
+
+@dataclass
+class Message:
+    command: Command
+    step: StepInputs | None = None  # FORWARD
+    block_ids: list[int] | None = None  # SYNC_KV
+
+
+def _header(command: Command, a: int = 0, b: int = 0, c: int = 0) -> torch.Tensor:
+    h = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    h[:5] = torch.tensor([PROTOCOL_VERSION, int(command), a, b, c])
+    return h
+
+
+def send_forward(group: TPGroup, step: StepInputs) -> None:
+    B, W = step.block_tables.shape
+    group.broadcast_control(_header(Command.FORWARD, step.input_ids.numel(), B, W))
+    payload = torch.cat([step.input_ids, step.lens, step.starts, step.samples.to(torch.int64), step.block_tables.reshape(-1)])
+    group.broadcast_control(payload.to(torch.int64).contiguous())
+
+
+def send_sync_kv(group: TPGroup, block_ids: list[int]) -> None:
+    group.broadcast_control(_header(Command.SYNC_KV, len(block_ids)))
+    group.broadcast_control(torch.tensor(block_ids, dtype=torch.int64))
+
+
+def send_stop(group: TPGroup) -> None:
+    group.broadcast_control(_header(Command.STOP))
+
+
+def receive(group: TPGroup) -> Message:
+    """Ranks 1..N-1: block until rank 0's next message."""
+    h = torch.empty(HEADER_LEN, dtype=torch.int64)
+    group.broadcast_control(h)
+    version, command, a, b, c = h[:5].tolist()
+    if version != PROTOCOL_VERSION:
+        raise RuntimeError(f"TP rank {group.rank}: step message version {version}, expected {PROTOCOL_VERSION}")
+    command = Command(command)
+    if command is Command.STOP:
+        return Message(command)
+    if command is Command.SYNC_KV:
+        ids = torch.empty(a, dtype=torch.int64)
+        group.broadcast_control(ids)
+        return Message(command, block_ids=ids.tolist())
+    T, B, W = a, b, c
+    payload = torch.empty(T + 3 * B + B * W, dtype=torch.int64)
+    group.broadcast_control(payload)
+    ids, lens, starts, samples, tables = payload.split([T, B, B, B, B * W])
+    step = StepInputs(input_ids=ids, lens=lens, starts=starts, samples=samples.bool(), block_tables=tables.view(B, W))
+    return Message(command, step=step)

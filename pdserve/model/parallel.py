@@ -1,0 +1,64 @@
+"""Tensor-parallel linear layers (Megatron's split): each knows which slice of the checkpoint's
+full weight is its own, so the loader reads one shard per rank by name.
+
+- ColumnParallelLinear: output rows split; rank r holds rows [r*n, (r+1)*n). For q_b_proj and
+  kv_b_proj (head-major rows) that is a split by attention heads.
+- RowParallelLinear: input columns split; each rank's partial product is summed by an all-reduce
+  (or left partial, reduce=False, when the caller sums several partials with one all-reduce).
+With a TPGroup of size 1 both are plain linear layers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.distributed.group import TPGroup
+
+
+def narrow_shard(full: torch.Tensor, dim: int, start: int, n: int, size: int) -> torch.Tensor:
+    """full's [start, start+n) along dim, after checking full has size*n there (the loader turns
+    the ValueError into a CheckpointError naming the tensor)."""
+    if full.dim() <= dim or full.shape[dim] != n * size:
+        raise ValueError(f"expected {n * size} along dim {dim} to split into {size} shard(s), got shape {tuple(full.shape)}")
+    return full.narrow(dim, start, n)
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup, bias: bool = False, what: str = "out_features") -> None:
+        super().__init__()
+        self.tp = tp
+        self.start, self.n = tp.shard(out_features, what)
+        self.weight = nn.Parameter(torch.empty(self.n, in_features))
+        self.bias = nn.Parameter(torch.empty(self.n)) if bias else None
+
+    def shard_weight(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        return narrow_shard(full, 0, self.start, self.n, self.tp.size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(
+        self, in_features: int, out_features: int, tp: TPGroup, bias: bool = False, reduce: bool = True, what: str = "in_features"
+    ) -> None:
+        super().__init__()
+        if bias and not reduce:
+            raise ValueError("a row-parallel bias is added once, after the all-reduce: bias needs reduce=True")
+        self.tp, self.reduce = tp, reduce
+        self.start, self.n = tp.shard(in_features, what)
+        self.weight = nn.Parameter(torch.empty(out_features, self.n))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def shard_weight(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        return narrow_shard(full, 1, self.start, self.n, self.tp.size) if name == "weight" else full
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight)
+        if self.reduce:
+            y = self.tp.all_reduce(y)
+        return y if self.bias is None else y + self.bias
