@@ -1,11 +1,13 @@
 """`pdserve health`: GET /health on the router and workers, print a table, exit 0 only if all are up.
 
 Exit codes: 0 every URL healthy, 1 some unhealthy or unreachable, 2 usage error.
+A router started with --api-key guards /health too: pass the key (--api-key or PDSERVE_API_KEY).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -54,6 +56,8 @@ def add_health_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", action="append", metavar="URL",
                    help=f"a server to check (repeatable; default: {', '.join(DEFAULT_URLS)})")
     p.add_argument("--timeout", type=float, default=5.0, metavar="S", help="seconds per request (default 5)")
+    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"), metavar="KEY",
+                   help="sent as Authorization: Bearer KEY (a router with --api-key needs it; default $PDSERVE_API_KEY)")
 
 
 def run_health(args: argparse.Namespace, out: TextIO | None = None) -> int:
@@ -61,7 +65,8 @@ def run_health(args: argparse.Namespace, out: TextIO | None = None) -> int:
         print(f"pdserve health: --timeout must be > 0, got {args.timeout}", file=sys.stderr)
         return 2
     urls = [health_url(u) for u in (args.url or DEFAULT_URLS)]
-    with httpx.Client(trust_env=False) as client:  # never route 127.0.0.1 through a proxy
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+    with httpx.Client(trust_env=False, headers=headers) as client:  # never route 127.0.0.1 through a proxy
         results = [check(u, args.timeout, client) for u in urls]
     rows = [[r.url, "ok" if r.healthy else "DOWN", r.status, f"{r.seconds * 1000:.0f} ms", r.detail] for r in results]
     print(format_table(["url", "health", "status", "time", "detail"], rows), file=out or sys.stdout)

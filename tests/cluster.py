@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -41,6 +41,7 @@ class Proc:
     url: str
     popen: subprocess.Popen
     log: Path
+    args: list[str] = field(default_factory=list)  # `pdserve serve` arguments, for restart()
 
     def log_tail(self, n: int = 40) -> str:
         try:
@@ -86,15 +87,20 @@ class Cluster:
         return self._start(f"router-{port}", "router", port, args)
 
     def _start(self, name: str, role: str, port: int, args: list[str]) -> Proc:
-        log = self.log_dir / f"{name}.log"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        with open(log, "wb") as f:
-            popen = subprocess.Popen(
-                [sys.executable, "-m", "pdserve", "serve", *args], stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-        proc = Proc(name, role, f"http://127.0.0.1:{port}", popen, log)
+        proc = Proc(name, role, f"http://127.0.0.1:{port}", _spawn(args, self.log_dir / f"{name}.log"), self.log_dir / f"{name}.log", args)
         self.procs.append(proc)
         return proc
+
+    def kill(self, proc: Proc, sig: int = signal.SIGKILL) -> None:
+        """Send sig to proc's process group and reap it (a crash, for fault tests)."""
+        _signal(proc, sig)
+        proc.popen.wait()
+
+    def restart(self, proc: Proc) -> None:
+        """Start proc again with the same arguments (same port, same engine id), appending to its log."""
+        if proc.popen.poll() is None:
+            raise RuntimeError(f"{proc.name} is still running")
+        proc.popen = _spawn(proc.args, proc.log, append=True)
 
     def wait_healthy(self, timeout_s: float = 180.0) -> None:
         """Until every process answers /health with 200; raises with the log of one that did not."""
@@ -106,7 +112,7 @@ class Cluster:
                     if p.popen.poll() is not None:
                         raise RuntimeError(f"{p.name} exited with {p.popen.returncode}:\n{p.log_tail()}")
                     try:
-                        if client.get(f"{p.url}/health").status_code == 200:
+                        if client.get(f"{p.url}/health", headers=auth_headers(p)).status_code == 200:
                             pending.remove(p)
                     except httpx.HTTPError:
                         pass
@@ -127,6 +133,42 @@ class Cluster:
                 _signal(p, signal.SIGKILL)
                 p.popen.wait()
         self.procs.clear()
+
+
+def scrape(url: str) -> dict[str, float]:
+    """A process's /metrics, each sample name summed over its labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        for s in fam.samples:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def wait_blocks_free(workers: list[Proc], timeout_s: float = 15.0) -> dict[str, float]:
+    """KV blocks in use per worker, as soon as all are 0 (or whatever they are at the timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        used = {p.name: scrape(p.url)["pdserve_kv_blocks_used"] for p in workers}
+        if not any(used.values()) or time.monotonic() > deadline:
+            return used
+        time.sleep(0.1)
+
+
+def _spawn(args: list[str], log: Path, append: bool = False) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    with open(log, "ab" if append else "wb") as f:
+        return subprocess.Popen(
+            [sys.executable, "-m", "pdserve", "serve", *args], stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+
+def auth_headers(p: Proc) -> dict[str, str]:
+    """The API key a router was started with (--api-key guards its /health too), as a header."""
+    if "--api-key" not in p.args:
+        return {}
+    return {"Authorization": f"Bearer {p.args[p.args.index('--api-key') + 1]}"}
 
 
 def _signal(p: Proc, sig: int) -> None:

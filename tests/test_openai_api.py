@@ -154,7 +154,8 @@ def test_api_key(cluster):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
     assert httpx.post(f"{url}/v1/completions", json={"prompt": "x"}).status_code == 401
     assert httpx.get(f"{url}/metrics").status_code == 401
-    assert httpx.get(f"{url}/health").status_code == 200  # liveness stays open
+    assert httpx.get(f"{url}/health").status_code == 401  # every route, /health too
+    assert httpx.get(f"{url}/health", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
     keyed = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
     assert keyed.completions.create(model="tiny", prompt="x", max_tokens=2).usage.completion_tokens == 2
 

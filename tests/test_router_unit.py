@@ -233,7 +233,8 @@ async def test_router_error_objects(router_app):
 
 
 async def test_router_health_metrics_and_openapi(router_app):
-    health = await _call(router_app, "GET", "/health", key=None)
+    assert (await _call(router_app, "GET", "/health", key=None)).status_code == 401  # --api-key covers every route
+    health = await _call(router_app, "GET", "/health")
     assert health.status_code == 503 and health.json()["status"] == "unhealthy"
     metrics = await _call(router_app, "GET", "/metrics")
     names = {f.name for f in text_string_to_metric_families(metrics.text)}

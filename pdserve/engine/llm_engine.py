@@ -11,8 +11,11 @@ PD hooks (pdserve.disagg.base.KVConnector), called from step():
   expired) and `release_kv()` free them.
 - decode role (`kv_handle=..., first_token=...`): blocks for the prompt are allocated when free,
   `connector.start_load(handle, block_ids)` reads the prompt KV, `poll_loads()` lets finished
-  ones run (the first token is their first output and next input); a failed load finishes the
-  request with finish_reason "error" and the TransferError text in RequestOutput.error.
+  ones run (the first token is their first output and next input). A failed load (TransferError)
+  follows `kv_load_failure_policy` (vLLM's name): "fail" finishes the request with finish_reason
+  "error" and the TransferError text in RequestOutput.error; "recompute" drops the blocks and
+  computes the prompt here (the first token stays prefill's), so the output is what a colocated
+  engine gives, never tokens from partial KV.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import itertools
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Literal
 
 from pdserve.disagg.base import KVConnector, KVHandle
 from pdserve.engine.block_manager import BlockManager
@@ -33,6 +36,9 @@ from pdserve.engine.stop import check_stop, visible_text
 from pdserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pdserve.sampling_params import SamplingParams
 
+KVLoadFailurePolicy = Literal["fail", "recompute"]
+KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
+
 
 @dataclass
 class EngineStats:
@@ -43,13 +49,20 @@ class EngineStats:
     kv_blocks_used: int
     kv_blocks_total: int
     num_preemptions: int
+    num_kv_load_recomputes: int = 0  # decode role: failed loads recomputed locally
 
 
 class LLMEngine:
     last_schedule: SchedulerOutput | None = None  # what the latest step() ran (step-time metrics)
 
-    def __init__(self, config: EngineConfig, connector: KVConnector | None = None, *, model=None) -> None:
+    def __init__(
+        self, config: EngineConfig, connector: KVConnector | None = None, *, model=None, kv_load_failure_policy: KVLoadFailurePolicy = "fail"
+    ) -> None:
         """model: an already-built model (tests); by default config.model is loaded."""
+        if kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError(f"kv_load_failure_policy must be one of {', '.join(KV_LOAD_FAILURE_POLICIES)}, got {kv_load_failure_policy!r}")
+        self.kv_load_failure_policy = kv_load_failure_policy
+        self.num_kv_load_recomputes = 0
         self.config = config
         self.runner = ModelRunner(config, model)
         self.max_model_len = self.runner.max_model_len
@@ -271,22 +284,35 @@ class LLMEngine:
             try:
                 self.connector.start_load(seq.kv_handle, list(seq.block_table))
             except Exception as e:  # TransferError (hash mismatch, unknown peer) or worse
-                self._finish(seq, SequenceStatus.FINISHED_ERROR, str(e))
-                outputs[seq.request_id] = self._output(seq)
+                self._load_failed(seq, str(e), outputs)
         done, failed = self.connector.poll_loads()
         for request_id in done:
+            seq = self.scheduler.loading.get(request_id)
+            if seq is not None:  # tensor parallel: rank 0 received the KV, the other ranks copy it
+                self.runner.on_kv_loaded(list(seq.block_table))
             self.scheduler.on_loaded(request_id)
         for err in failed:
             seq = self.scheduler.loading.get(err.request_id)
             if seq is not None:
-                self._finish(seq, SequenceStatus.FINISHED_ERROR, str(err))
-                outputs[seq.request_id] = self._output(seq)
+                self._load_failed(seq, str(err), outputs)
+
+    def _load_failed(self, seq: Sequence, error: str, outputs: dict[str, RequestOutput]) -> None:
+        if self.kv_load_failure_policy == "recompute":
+            self.scheduler.recompute(seq)
+            self.num_kv_load_recomputes += 1
+            return
+        self._finish(seq, SequenceStatus.FINISHED_ERROR, error)
+        outputs[seq.request_id] = self._output(seq)
 
     # -- queries --
     def has_unfinished_requests(self) -> bool:
         with self._lock:
             pending = bool(self._inbox)
         return pending or self.scheduler.num_unfinished > 0
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel rank processes, if any (after the step loop has stopped)."""
+        self.runner.shutdown()
 
     def has_held_kv(self) -> bool:
         """Prefill role: blocks still pinned for decode workers (keep stepping to poll releases)."""
@@ -303,4 +329,5 @@ class LLMEngine:
             kv_blocks_used=self.block_manager.num_used_blocks,
             kv_blocks_total=self.block_manager.num_total_blocks,
             num_preemptions=s.num_preemptions,
+            num_kv_load_recomputes=self.num_kv_load_recomputes,
         )

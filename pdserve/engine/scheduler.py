@@ -3,9 +3,12 @@ r"""Continuous batching: which sequences run this step and how many tokens each.
 Queues (a request is in exactly one):
 
     add() ----------> waiting ---- admit (blocks for all its tokens) ----> running ---> finish()
-    add_remote() ---> remote_pending -- blocks --> loading -- loaded -----^     |  preempt: free blocks,
-                                                     \-- failed -> finish()     |  back to the front of
-                                                                                v  waiting (recompute)
+                         ^  preempt: free blocks, back to the front (recompute)   |
+                         +--------------------------------------------------------+
+    add_remote() ---> remote_pending -- blocks --> loading -- loaded -----> front of waiting
+                                                     |-- failed (policy fail) -> finish()
+                                                     \-- failed (policy recompute) -> recompute():
+                                                         free blocks, front of waiting
                                     finish(FINISHED_REMOTE_DECODE) -> held (blocks pinned) -> release_held()
 
 Each step: running sequences first, decodes before chunked prefills, oldest first; then waiting
@@ -99,6 +102,15 @@ class Scheduler:
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)
         return seq
+
+    def recompute(self, seq: Sequence) -> None:
+        """A failed remote load, to be computed here instead: its blocks (partly or wrongly filled)
+        are dropped and it waits at the front, like a preempted sequence."""
+        self.loading.pop(seq.request_id, None)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
 
     # -- the step --
     def schedule(self) -> SchedulerOutput:

@@ -185,6 +185,7 @@ class AsyncEngine:
         m.held.set(stats.num_held)
         m.blocks_used.set(stats.kv_blocks_used)
         m.blocks_total.set(stats.kv_blocks_total)
+        m.sync_recomputes(stats.num_kv_load_recomputes)
         if self.engine.connector is not None:
             m.sync_transfer(self.engine.connector.stats)
 

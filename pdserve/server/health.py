@@ -3,7 +3,9 @@
 A prober GETs every worker's /health each `interval` seconds, and /internal/info when a worker is
 new or restarted (its engine id changed). A worker is routable only after a successful probe.
 A request that cannot reach a worker marks it down at once (the next good probe takes it back),
-so a dead worker stops receiving traffic within one request, not one probe interval.
+so a dead worker stops receiving traffic within one request, not one probe interval. Apart from
+health, each worker has a circuit breaker fed by its requests' outcomes (breaker.py): requests go
+only to workers that are healthy and whose breaker allows it.
 """
 
 from __future__ import annotations
@@ -11,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import httpx
 from pydantic import ValidationError
 
+from pdserve.server.breaker import BreakerState, CircuitBreaker
 from pdserve.server.metrics import RouterMetrics
 from pdserve.server.protocol import WorkerHealth, WorkerInfo
 
@@ -37,6 +40,7 @@ class Worker:
     in_flight: int = 0
     failures: int = 0  # consecutive failed probes or calls
     last_probe: float | None = None  # monotonic
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
 
     @property
     def name(self) -> str:
@@ -51,6 +55,9 @@ class Worker:
             "reason": self.reason,
             "in_flight": self.in_flight,
             "consecutive_failures": self.failures,
+            "breaker": self.breaker.state.name.lower(),
+            "breaker_failures": self.breaker.failures,
+            "breaker_opens": self.breaker.opens,
             "seconds_since_probe": None if self.last_probe is None else round(time.monotonic() - self.last_probe, 3),
             "engine_id": self.info.engine_id if self.info else None,
             "max_model_len": self.info.max_model_len if self.info else None,
@@ -62,12 +69,20 @@ class Worker:
 
 
 class WorkerPool:
-    def __init__(self, prefill: list[str], decode: list[str], colocated: list[str], metrics: RouterMetrics) -> None:
-        self.workers = (
-            [Worker(_clean(u), "prefill") for u in prefill]
-            + [Worker(_clean(u), "decode") for u in decode]
-            + [Worker(_clean(u), "both") for u in colocated]
-        )
+    def __init__(
+        self,
+        prefill: list[str],
+        decode: list[str],
+        colocated: list[str],
+        metrics: RouterMetrics,
+        *,
+        breaker_failures: int = 5,
+        breaker_cooldown_s: float = 10.0,
+    ) -> None:
+        def make(url: str, role: PoolRole) -> Worker:
+            return Worker(_clean(url), role, breaker=CircuitBreaker(breaker_failures, breaker_cooldown_s))
+
+        self.workers = [make(u, "prefill") for u in prefill] + [make(u, "decode") for u in decode] + [make(u, "both") for u in colocated]
         self.metrics = metrics
         for w in self.workers:
             self._export(w)
@@ -75,11 +90,19 @@ class WorkerPool:
     def healthy(self, role: PoolRole) -> list[Worker]:
         return [w for w in self.workers if w.role == role and w.healthy]
 
+    def available(self, role: PoolRole) -> list[Worker]:
+        """Healthy and not cut off by an open breaker (a half-open one counts: it takes a trial)."""
+        return [w for w in self.healthy(role) if w.breaker.state is not BreakerState.OPEN]
+
+    def candidates(self, role: PoolRole) -> list[Worker]:
+        """Workers a request may be sent to now."""
+        return [w for w in self.healthy(role) if w.breaker.allows()]
+
     def can_pd(self) -> bool:
-        return bool(self.healthy("prefill")) and bool(self.healthy("decode"))
+        return bool(self.available("prefill")) and bool(self.available("decode"))
 
     def can_serve(self) -> bool:
-        return self.can_pd() or bool(self.healthy("both"))
+        return self.can_pd() or bool(self.available("both"))
 
     def max_model_len(self) -> int | None:
         """The smallest context any known worker allows (a request must fit wherever it lands)."""
@@ -95,11 +118,25 @@ class WorkerPool:
 
     def acquire(self, w: Worker) -> None:
         w.in_flight += 1
+        w.breaker.on_attempt()
         self.metrics.worker_in_flight.labels(w.name, w.role).set(w.in_flight)
 
     def release(self, w: Worker) -> None:
         w.in_flight -= 1
+        w.breaker.on_end()
         self.metrics.worker_in_flight.labels(w.name, w.role).set(w.in_flight)
+
+    def report(self, w: Worker, ok: bool) -> None:
+        """A request's outcome on w, for its circuit breaker."""
+        opens = w.breaker.opens
+        if ok:
+            w.breaker.record_success()
+        else:
+            w.breaker.record_failure()
+        if w.breaker.opens != opens:
+            log.warning("worker %s (%s): circuit breaker opened after %d failed requests", w.url, w.role, w.breaker.failures)
+            self.metrics.breaker_opens.labels(w.name, w.role).inc()
+        self._export(w)
 
     # -- probing --
     async def run(self, client: httpx.AsyncClient, interval: float, headers: dict[str, str]) -> None:
@@ -109,6 +146,8 @@ class WorkerPool:
 
     async def probe_all(self, client: httpx.AsyncClient, headers: dict[str, str]) -> None:
         await asyncio.gather(*(self.probe(client, w, headers) for w in self.workers))
+        for w in self.workers:  # an open breaker turns half-open with time alone
+            self._export(w)
 
     async def probe(self, client: httpx.AsyncClient, w: Worker, headers: dict[str, str]) -> None:
         try:
@@ -142,6 +181,7 @@ class WorkerPool:
 
     def _export(self, w: Worker) -> None:
         self.metrics.worker_healthy.labels(w.name, w.role).set(1 if w.healthy else 0)
+        self.metrics.worker_breaker.labels(w.name, w.role).set(int(w.breaker.state))
 
 
 class _Unhealthy(Exception):

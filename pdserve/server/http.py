@@ -4,6 +4,7 @@ cap on body size) and a streaming response that always closes its generator.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import Callable
 
@@ -32,11 +33,14 @@ async def _send_error(send: Send, err: OpenAIError) -> None:
 
 class TokenGuard:
     """ASGI middleware: requests whose path `protects` selects must carry the token, compared in
-    constant time. `header` is read as given ("authorization" expects "Bearer <token>")."""
+    constant time. `header` is read as given ("authorization" expects "Bearer <token>").
+
+    Both sides are hashed first, so the comparison takes the same time whatever the given token's
+    length and content (hmac.compare_digest alone returns early on a length mismatch)."""
 
     def __init__(self, app: ASGIApp, token: str, header: str, protects: Callable[[str], bool], what: str) -> None:
         self.app = app
-        self.token = token.encode()
+        self.token = _digest(token.encode())
         self.header = header.lower().encode()
         self.protects = protects
         self.what = what
@@ -45,7 +49,8 @@ class TokenGuard:
         if scope["type"] != "http" or not self.protects(scope["path"]) or self._ok(scope):
             await self.app(scope, receive, send)
             return
-        await _send_error(send, OpenAIError(401, f"missing or wrong {self.what}", code="invalid_api_key"))
+        headers = {"WWW-Authenticate": "Bearer"} if self.header == b"authorization" else None
+        await _send_error(send, OpenAIError(401, f"missing or wrong {self.what}", code="invalid_api_key", headers=headers))
 
     def _ok(self, scope: Scope) -> bool:
         given = b""
@@ -57,7 +62,11 @@ class TokenGuard:
             scheme, _, given = given.partition(b" ")
             if scheme.lower() != b"bearer":
                 given = b""
-        return hmac.compare_digest(given.strip(), self.token)
+        return hmac.compare_digest(_digest(given.strip()), self.token)
+
+
+def _digest(token: bytes) -> bytes:
+    return hashlib.sha256(token).digest()
 
 
 class BodyLimit:

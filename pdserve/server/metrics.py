@@ -10,8 +10,9 @@ pdserve_e2e_request_latency_seconds                 pdserve_decode_batch_size
 pdserve_router_worker_healthy{worker,role}          pdserve_prompt_tokens_total, pdserve_generation_tokens_total
 pdserve_router_worker_in_flight{worker,role}        pdserve_kv_transfer_bytes_total, pdserve_kv_transfer_seconds
 pdserve_router_upstream_errors_total{role,kind}     pdserve_kv_transfer_failures_total
-                                                    pdserve_kv_lease_expirations_total
-                                                    pdserve_request_success_total{finish_reason}
+pdserve_router_retries_total{role}                  pdserve_kv_lease_expirations_total
+pdserve_router_worker_breaker_state{worker,role}    pdserve_request_success_total{finish_reason}
+pdserve_router_breaker_opens_total{worker,role}     pdserve_kv_load_recomputes_total
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ class RouterMetrics:
         self.worker_healthy = Gauge("pdserve_router_worker_healthy", "1 if the worker's last probe succeeded", ["worker", "role"], registry=r)
         self.worker_in_flight = Gauge("pdserve_router_worker_in_flight", "Router requests on the worker now", ["worker", "role"], registry=r)
         self.upstream_errors = Counter("pdserve_router_upstream_errors", "Failed calls to workers", ["role", "kind"], registry=r)
+        self.retries = Counter("pdserve_router_retries", "Requests sent to another worker after one refused", ["role"], registry=r)
+        self.worker_breaker = Gauge(
+            "pdserve_router_worker_breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open", ["worker", "role"], registry=r
+        )
+        self.breaker_opens = Counter("pdserve_router_breaker_opens", "Times a worker's circuit breaker opened", ["worker", "role"], registry=r)
         self.prompt_tokens = Counter("pdserve_router_prompt_tokens", "Prompt tokens of served requests", registry=r)
         self.generation_tokens = Counter("pdserve_router_generation_tokens", "Tokens returned to clients", registry=r)
 
@@ -64,7 +70,9 @@ class WorkerMetrics:
         self.transfer_time = Histogram("pdserve_kv_transfer_seconds", "One request's KV read, post to completion", buckets=_STEP_BUCKETS, registry=r)
         self.transfer_failures = Counter("pdserve_kv_transfer_failures", "Failed KV reads", registry=r)
         self.lease_expirations = Counter("pdserve_kv_lease_expirations", "Prefill leases that expired unread", registry=r)
+        self.recomputes = Counter("pdserve_kv_load_recomputes", "Failed KV loads recomputed here (kv_load_failure_policy recompute)", registry=r)
         self._seen = TransferStats()  # what has been exported of the connector's counters
+        self._seen_recomputes = 0
 
     def observe_step(self, seconds: float, is_prefill: bool, batch_size: int) -> None:
         if is_prefill:
@@ -72,6 +80,10 @@ class WorkerMetrics:
         else:
             self.decode_step.observe(seconds)
             self.decode_batch.observe(batch_size)
+
+    def sync_recomputes(self, total: int) -> None:
+        self.recomputes.inc(total - self._seen_recomputes)
+        self._seen_recomputes = total
 
     def sync_transfer(self, stats: TransferStats) -> None:
         """Export what the connector counted since the last call (same thread as the connector)."""

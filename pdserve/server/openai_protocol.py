@@ -2,54 +2,75 @@
 
 Requests are validated here (types, ranges, counts); what needs the model (prompt length against
 max_model_len, token ids against the vocabulary) is checked by the router (validation.py).
+Requests are strict, as OpenAI is: "5" is not a number and "yes" is not a boolean (422). Every
+string must be valid Unicode (no lone surrogates: they cannot be encoded, tokenized or echoed).
+The limits appear in the OpenAPI schema, which documents the API and drives the fuzz test.
 Unknown fields are ignored as OpenAI-compatible servers commonly do; fields pdserve knows but does
-not implement (n > 1, best_of, echo, suffix, logit_bias, tools) are refused with 400 by the router.
+not implement (n > 1, best_of, echo, suffix, logit_bias, tools, response_format other than text)
+are refused with 400 by the router.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_TOP_LOGPROBS = 20
 MAX_PROMPTS = 64  # prompts in one /v1/completions batch
 MAX_MESSAGES = 1024
+MAX_N = 128  # OpenAI's bound; the router serves n=1 only
+MAX_NAME_CHARS = 256  # model, user and message names
 INT64_MAX = 2**63 - 1
 
 
+def _valid_unicode(s: str) -> str:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("the string is not valid Unicode (it holds a lone surrogate)") from None
+    return s
+
+
+# A JSON string that is valid Unicode; every request string is one.
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+Name = Annotated[Text, StringConstraints(max_length=MAX_NAME_CHARS)]
+StopString = Annotated[Text, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     include_usage: bool = False
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
-    model: str | None = None  # None: the served model
-    max_tokens: int | None = Field(None, ge=1)
+    model: Name | None = None  # None: the served model
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    logit_bias: dict[Text, float] | None = None
+    user: Name | None = None
     # vLLM extras
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX)
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_STRINGS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
@@ -57,37 +78,41 @@ class _Request(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stop(cls, v: str | list[str] | None) -> list[str]:
-        stops = [] if v is None else [v] if isinstance(v, str) else v
-        if len(stops) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
-        for s in stops:
-            if not s or len(s) > MAX_STOP_CHARS:
-                raise ValueError(f"stop strings must have 1 to {MAX_STOP_CHARS} characters")
-        return stops
+        return [] if v is None else [v] if isinstance(v, str) else v
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+PROMPT_FORMS = "a string, a list of strings, a list of token ids or a list of token-id lists"
+
+
 class CompletionRequest(_Request):
-    # a string, a list of strings, a list of token ids, or a list of token-id lists
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: (
+        Text
+        | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
+    )
+    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = Field(None, ge=1)
+    suffix: Text | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _prompt(cls, p: Any) -> Any:
-        if isinstance(p, list):
-            if not p:
-                raise ValueError("prompt must not be an empty list")
-            if len(p) > MAX_PROMPTS and not isinstance(p[0], int):
-                raise ValueError(f"at most {MAX_PROMPTS} prompts in one request, got {len(p)}")
-            if isinstance(p[0], list) and any(not ids for ids in p):
-                raise ValueError("token-id prompts must not be empty")
+    def _prompt_form(cls, p: Any) -> Any:
+        """One clear message for a prompt of no known form, rather than one error per union member."""
+        if isinstance(p, str):
+            return p
+        if not isinstance(p, list) or not p:
+            raise ValueError(f"prompt must be {PROMPT_FORMS} (not empty)")
+        first = type(p[0])
+        if first not in (str, int, list) or any(type(x) is not first for x in p):
+            raise ValueError(f"prompt must be {PROMPT_FORMS}; this list mixes types or holds other values")
+        if first is list and any(not ids or any(type(t) is not int for t in ids) for ids in p):
+            raise ValueError("token-id prompts must be non-empty lists of integers")
         return p
 
     def prompts(self) -> list[str | list[int]]:
@@ -101,18 +126,24 @@ class CompletionRequest(_Request):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | Annotated[list[TextPart], Field(min_length=1)] | None = None
+    name: Name | None = None
+
+    @model_validator(mode="after")
+    def _content(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content (only an assistant message may leave it out)")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -122,14 +153,20 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+
+
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -123,3 +123,12 @@ class WorkerHealth(BaseModel):
     num_requests_waiting: int = 0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+
+
+class RouterHealth(BaseModel):
+    """GET /health on the router (200 when status is "ok": it can serve, else 503)."""
+
+    status: Literal["ok", "unhealthy"]
+    healthy_prefill: int
+    healthy_decode: int
+    healthy_colocated: int

@@ -13,7 +13,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from pdserve.server.errors import OpenAIError
+from pdserve.server.errors import ERROR_RESPONSES, ErrorResponse, OpenAIError
 from pdserve.server.openai_protocol import (
     AssistantMessage,
     ChatChoice,
@@ -29,10 +29,20 @@ from pdserve.server.openai_protocol import (
     TopLogprob,
     UsageInfo,
 )
-from pdserve.server.protocol import GenerateChunk, TokenLogprobs
+from pdserve.server.protocol import GenerateChunk, RouterHealth, TokenLogprobs
 from pdserve.tokenizer import Tokenizer
 
 DONE = b"data: [DONE]\n\n"
+
+# What each router route answers, for the OpenAPI schema (responses= on the route): the schema is
+# the API's documentation, and the fuzz test holds the router to it.
+_EVENT = {"type": "object", "properties": {"data": {"type": "string", "description": "a chunk as JSON; the last event is [DONE]"}}, "required": ["data"]}
+_SSE = {"text/event-stream": {"schema": _EVENT}}
+_AUTH = {401: {"model": ErrorResponse}}
+COMPLETION_RESPONSES: dict[int | str, dict] = {**ERROR_RESPONSES, 200: {"model": CompletionResponse, "content": _SSE}}
+CHAT_RESPONSES: dict[int | str, dict] = {**ERROR_RESPONSES, 200: {"model": ChatCompletionResponse, "content": _SSE}}
+HEALTH_RESPONSES: dict[int | str, dict] = {**_AUTH, 200: {"model": RouterHealth}, 503: {"model": RouterHealth}}
+METRICS_RESPONSES: dict[int | str, dict] = {**_AUTH, 200: {"content": {"text/plain": {"schema": {"type": "string"}}}}}
 
 
 def sse(payload: dict) -> bytes:

@@ -5,9 +5,11 @@
 
 Thin by design: it tokenizes (the chat template for chat), validates, mints a request id, lets
 the dispatcher pick workers and stream, and formats. It never serves /internal/*. With --api-key
-every route except /health needs `Authorization: Bearer <key>` (constant-time compare). Over
+every route (/health and /metrics too) needs `Authorization: Bearer <key>` (constant-time compare). Over
 --max-queued-requests concurrent requests it answers 429 with Retry-After; every request has a
-deadline (--request-timeout) after which it ends with 504 (or an error event if streaming).
+deadline (--request-timeout) after which it ends with 504 (or an error event if streaming), and a
+shorter one for its first token (--first-token-timeout). A client that disconnects, streaming or
+not, cancels its request at once (disconnect.py), which aborts it on the workers.
 """
 
 from __future__ import annotations
@@ -20,19 +22,30 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import httpx
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pdserve.server.dispatch import Dispatcher
+from pdserve.server.disconnect import GuardedStreamingResponse, unless_disconnected
+from pdserve.server.dispatch import Dispatcher, DispatchSettings
 from pdserve.server.errors import ERROR_RESPONSES, OpenAIError, install_error_handlers, too_busy
-from pdserve.server.http import BodyLimit, ClosingStreamingResponse, TokenGuard
+from pdserve.server.http import BodyLimit, TokenGuard
 from pdserve.server.health import WorkerPool
 from pdserve.server.metrics import CONTENT_TYPE, RouterMetrics, render
 from pdserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from pdserve.server.policies import make_policy
 from pdserve.server.protocol import SECRET_HEADER, GenerateChunk
-from pdserve.server.responses import DONE, ChatFormatter, CompletionFormatter, Formatter, sse_error
+from pdserve.server.responses import (
+    CHAT_RESPONSES,
+    COMPLETION_RESPONSES,
+    DONE,
+    HEALTH_RESPONSES,
+    METRICS_RESPONSES,
+    ChatFormatter,
+    CompletionFormatter,
+    Formatter,
+    sse_error,
+)
 from pdserve.server.validation import Prepared, RequestValidator
 from pdserve.tokenizer import Tokenizer
 
@@ -53,6 +66,12 @@ class RouterSettings:
     health_interval: float = 2.0
     request_timeout: float = 600.0
     max_queued_requests: int = 1024
+    first_token_timeout: float = 300.0
+    prefill_timeout: float = 300.0
+    max_attempts: int = 3
+    retry_backoff: float = 0.05
+    breaker_failures: int = 5
+    breaker_cooldown: float = 10.0
 
 
 class _Admission:
@@ -93,7 +112,7 @@ class Router:
         return min(limits)
 
     # -- serving one request --
-    async def serve(self, fmt: Formatter, prep: Prepared, stream: bool) -> Response:
+    async def serve(self, fmt: Formatter, prep: Prepared, stream: bool, receive: Receive) -> Response:
         if self.dispatcher is None or not self.pool.can_serve():
             raise OpenAIError(503, "no healthy workers: need a prefill and a decode worker, or a colocated one", code="no_healthy_workers")
         self.admission.enter()
@@ -101,26 +120,33 @@ class Router:
         deadline = t0 + self.s.request_timeout
         gens = [self.dispatcher.generate(f"{fmt.rid}-{i}", ids, p) for i, (ids, p) in enumerate(zip(prep.prompts, prep.params))]
         merged = _merge(gens)
+
+        async def close() -> None:
+            self.admission.exit()
+            await merged.aclose()
+
         try:  # wait for the first token before answering, so an upstream failure is an HTTP status
-            first = await _next(merged, deadline)
+            first_deadline, code = deadline, "timeout"
+            if self.s.first_token_timeout < self.s.request_timeout:
+                first_deadline, code = t0 + self.s.first_token_timeout, "first_token_timeout"
+            first = await unless_disconnected(_next(merged, first_deadline, code), receive)
             self.metrics.ttft.observe(time.monotonic() - t0)
+            if stream:
+                events = self._events(fmt, first, merged, t0, deadline)
+                return GuardedStreamingResponse(events, close, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            await unless_disconnected(self._collect(fmt, first, merged, deadline), receive)
         except BaseException:
-            await merged.aclose()
-            self.admission.exit()
+            await close()
             raise
-        if stream:
-            events = self._events(fmt, first, merged, t0, deadline)
-            return ClosingStreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        try:
-            item = first
-            while item is not None:
-                fmt.choices[item[0]].add(item[1])
-                item = await _next(merged, deadline)
-        finally:
-            await merged.aclose()
-            self.admission.exit()
+        await close()
         self._done(fmt, t0)
         return JSONResponse(fmt.response())
+
+    async def _collect(self, fmt: Formatter, first: tuple[int, GenerateChunk] | None, merged: AsyncIterator, deadline: float) -> None:
+        item = first
+        while item is not None:
+            fmt.choices[item[0]].add(item[1])
+            item = await _next(merged, deadline)
 
     async def _events(self, fmt: Formatter, first: tuple[int, GenerateChunk] | None, merged: AsyncIterator, t0: float, deadline: float) -> AsyncIterator[bytes]:
         try:
@@ -137,9 +163,6 @@ class Router:
         except OpenAIError as e:
             yield sse_error(e)
             yield DONE
-        finally:
-            await merged.aclose()
-            self.admission.exit()
 
     def _done(self, fmt: Formatter, t0: float) -> None:
         self.metrics.e2e.observe(time.monotonic() - t0)
@@ -150,7 +173,7 @@ class Router:
 
 def build_router_app(settings: RouterSettings, prefill: list[str], decode: list[str], colocated: list[str]) -> FastAPI:
     metrics = RouterMetrics()
-    pool = WorkerPool(prefill, decode, colocated, metrics)
+    pool = WorkerPool(prefill, decode, colocated, metrics, breaker_failures=settings.breaker_failures, breaker_cooldown_s=settings.breaker_cooldown)
     router = Router(settings, pool, Tokenizer(settings.model_dir), metrics)
 
     @asynccontextmanager
@@ -158,8 +181,9 @@ def build_router_app(settings: RouterSettings, prefill: list[str], decode: list[
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         timeout = httpx.Timeout(connect=5.0, read=settings.request_timeout, write=30.0, pool=30.0)
         async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+            dispatch = DispatchSettings(settings.max_attempts, settings.retry_backoff, prefill_timeout_s=settings.prefill_timeout)
             router.dispatcher = Dispatcher(
-                pool, client, make_policy(settings.prefill_policy), make_policy(settings.decode_policy), router.headers, metrics
+                pool, client, make_policy(settings.prefill_policy), make_policy(settings.decode_policy), router.headers, metrics, dispatch
             )
             prober = asyncio.create_task(pool.run(client, settings.health_interval, router.headers))
             try:
@@ -172,23 +196,23 @@ def build_router_app(settings: RouterSettings, prefill: list[str], decode: list[
     install_error_handlers(app)
     app.state.router = router
 
-    @app.post("/v1/completions", responses=ERROR_RESPONSES)
-    async def completions(body: CompletionRequest) -> Response:
+    @app.post("/v1/completions", responses=COMPLETION_RESPONSES)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
         prep = router.validator.completion(body, router.max_model_len())
         fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", settings.served_model_name, router.tokenizer, prep.prompts, prep.logprobs, body.return_token_ids, body.stream and body.include_usage())
-        return await router.serve(fmt, prep, body.stream)
+        return await router.serve(fmt, prep, body.stream, request.receive)
 
-    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
-    async def chat_completions(body: ChatCompletionRequest) -> Response:
+    @app.post("/v1/chat/completions", responses=CHAT_RESPONSES)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         prep = router.validator.chat(body, router.max_model_len())
         fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", settings.served_model_name, router.tokenizer, prep.prompts, prep.logprobs, body.return_token_ids, body.stream and body.include_usage())
-        return await router.serve(fmt, prep, body.stream)
+        return await router.serve(fmt, prep, body.stream, request.receive)
 
     @app.get("/v1/models", responses=ERROR_RESPONSES)
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=settings.served_model_name, root=settings.model_dir, max_model_len=pool.max_model_len() or settings.max_model_len)])
 
-    @app.get("/health")
+    @app.get("/health", responses=HEALTH_RESPONSES)
     async def health() -> JSONResponse:
         ok = pool.can_serve()
         body = {
@@ -203,13 +227,13 @@ def build_router_app(settings: RouterSettings, prefill: list[str], decode: list[
     async def workers() -> dict:
         return {"workers": [w.snapshot() for w in pool.workers]}
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses=METRICS_RESPONSES)
     async def metrics_route() -> Response:
         return Response(render(metrics.registry), media_type=CONTENT_TYPE)
 
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
     if settings.api_key:
-        app.add_middleware(TokenGuard, token=settings.api_key, header="authorization", protects=lambda p: p != "/health", what="API key")
+        app.add_middleware(TokenGuard, token=settings.api_key, header="authorization", protects=lambda _: True, what="API key")
     app.add_middleware(_CountRequests, metrics=metrics)
     return app
 
@@ -240,15 +264,14 @@ class _CountRequests:
             self.metrics.requests.labels(route, str(status or 499)).inc()
 
 
-async def _next(it: AsyncIterator, deadline: float):
+async def _next(it: AsyncIterator, deadline: float, code: str = "timeout"):
     """The next item, or None at the end; OpenAIError 504 past the deadline."""
-    left = deadline - time.monotonic()
-    try:
-        if left <= 0:
-            raise asyncio.TimeoutError
-        return await asyncio.wait_for(_anext(it), left)
-    except asyncio.TimeoutError:
-        raise OpenAIError(504, "the request timed out", code="timeout") from None
+    try:  # not wait_for: on 3.11 it can swallow a cancellation (the client left) when the item is ready
+        async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+            return await _anext(it)
+    except TimeoutError:
+        what = "the request timed out" if code == "timeout" else "no first token before the first-token timeout"
+        raise OpenAIError(504, what, code=code) from None
 
 
 async def _anext(it: AsyncIterator):

@@ -4,6 +4,10 @@ The checks that need the model live here (the schema's own checks are in openai_
 model name (404), options pdserve does not implement (400), prompt and completion length against
 max_model_len (400, code context_length_exceeded), token ids against the vocabulary (400), the
 chat template rendering (400).
+
+Tokenizing holds the GIL (a multi-MB prompt stalls the router for seconds), so text that cannot
+fit the context whatever it tokenizes to is refused before it is tokenized: no token spans more
+than `max_token_chars` characters, and normalizers shrink text by less than NORMALIZER_SLACK.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from pdserve.sampling_params import SamplingParams
 from pdserve.server.errors import OpenAIError
 from pdserve.server.openai_protocol import INT64_MAX, ChatCompletionRequest, CompletionRequest, _Request
 from pdserve.tokenizer import Tokenizer
+
+NORMALIZER_SLACK = 4  # Unicode composition merges at most 3 characters into 1
 
 
 @dataclass
@@ -33,13 +39,14 @@ class RequestValidator:
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
         self.vocab_size = vocab_size
+        self.max_token_chars = max(len(tokenizer.id_to_token(i) or "") for i in range(len(tokenizer))) or 1
 
     def completion(self, req: CompletionRequest, max_model_len: int) -> Prepared:
         self._common(req)
         for flag, bad in (("echo", req.echo), ("suffix", req.suffix is not None), ("best_of", (req.best_of or 1) > 1)):
             if bad:
                 raise OpenAIError(400, f"{flag} is not supported by pdserve", param=flag, code="unsupported_parameter")
-        prompts = [self._prompt_ids(p) for p in req.prompts()]
+        prompts = [self._prompt_ids(p, max_model_len) for p in req.prompts()]
         params = [self._params(req, len(ids), max_model_len, req.max_tokens, req.logprobs) for ids in prompts]
         return Prepared(prompts, params, req.logprobs)
 
@@ -47,13 +54,14 @@ class RequestValidator:
         self._common(req)
         if req.tools:
             raise OpenAIError(400, "tools are not supported by pdserve", param="tools", code="unsupported_parameter")
-        fmt = (req.response_format or {}).get("type", "text")
+        fmt = req.response_format.type if req.response_format is not None else "text"
         if fmt != "text":
             raise OpenAIError(400, f"response_format {fmt!r} is not supported (only 'text')", param="response_format", code="unsupported_parameter")
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
+        self._fits_untokenized(sum(len(m["content"]) for m in messages), max_model_len, "messages")
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, tokenize=True)
         except (jinja2.TemplateError, ValueError, TypeError) as e:
@@ -67,6 +75,8 @@ class RequestValidator:
     def _common(self, req: _Request) -> None:
         if req.model is not None and req.model != self.served_model_name:
             raise OpenAIError(404, f"The model `{req.model}` does not exist.", param="model", code="model_not_found")
+        if req.stream_options is not None and not req.stream:
+            raise OpenAIError(400, "stream_options is only allowed when stream is true", param="stream_options")
         if req.n != 1:
             raise OpenAIError(400, f"n={req.n} is not supported: pdserve returns one choice per prompt (n=1)", param="n", code="unsupported_parameter")
         if req.logit_bias:
@@ -74,7 +84,20 @@ class RequestValidator:
         if req.stop_token_ids and any(not 0 <= t < self.vocab_size for t in req.stop_token_ids):
             raise OpenAIError(400, f"stop_token_ids must lie in [0, {self.vocab_size})", param="stop_token_ids")
 
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+    def _fits_untokenized(self, chars: int, max_model_len: int, param: str) -> None:
+        """Refuse, without tokenizing, text too long for the context whatever its tokens."""
+        if chars > NORMALIZER_SLACK * self.max_token_chars * max_model_len:
+            raise OpenAIError(
+                400,
+                f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
+                f"{chars} characters, more than that many tokens can hold. Please shorten the prompt.",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def _prompt_ids(self, prompt: str | list[int], max_model_len: int) -> list[int]:
+        if isinstance(prompt, str):
+            self._fits_untokenized(len(prompt), max_model_len, "prompt")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         if not ids:
             raise OpenAIError(400, "the prompt is empty", param="prompt")
@@ -120,7 +143,8 @@ class RequestValidator:
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
             )
-        except ValidationError as e:
+        except ValidationError as e:  # rules across fields, e.g. min_tokens <= max_tokens
             first = e.errors()[0]
-            param = ".".join(str(p) for p in first["loc"]) or None
-            raise OpenAIError(400, f"{param + ': ' if param else ''}{first['msg']}", param=param) from None
+            msg = first["msg"].removeprefix("Value error, ")
+            param = ".".join(str(p) for p in first["loc"]) or next((f for f in ("min_tokens", "max_tokens") if f in msg), None)
+            raise OpenAIError(400, f"{param + ': ' if first['loc'] else ''}{msg}", param=param) from None

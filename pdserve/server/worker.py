@@ -4,7 +4,9 @@ Public: GET /health (200 only while the model is loaded and the engine loop aliv
 Internal (protocol.py): /internal/generate, /internal/abort, /internal/release,
 /internal/kv_metadata, /internal/info - guarded by the cluster secret when one is configured.
 
-/internal/generate turns the engine's cumulative outputs into NDJSON deltas. A prefill (hold_kv)
+/internal/generate turns the engine's cumulative outputs into NDJSON deltas; if the reader goes
+away before the request finished (however the response ends, even before it started), the
+request is aborted, which frees its blocks (and, on prefill, any KV it already holds). A prefill (hold_kv)
 request ends with one chunk: the first token and the KV handle. Its text is cut back as a stream's
 would be while stop strings might still match: the decode side may yet cut there, and the router
 must never have sent what it cuts.
@@ -21,7 +23,8 @@ from fastapi.responses import JSONResponse, Response
 from pdserve.outputs import Logprob, RequestOutput
 from pdserve.server.async_engine import AsyncEngine
 from pdserve.server.errors import OpenAIError, install_error_handlers, too_busy
-from pdserve.server.http import BodyLimit, ClosingStreamingResponse, TokenGuard
+from pdserve.server.disconnect import GuardedStreamingResponse
+from pdserve.server.http import BodyLimit, TokenGuard
 from pdserve.server.metrics import CONTENT_TYPE, WorkerMetrics, render
 from pdserve.server.protocol import (
     SECRET_HEADER,
@@ -35,6 +38,7 @@ from pdserve.server.protocol import (
     WorkerInfo,
 )
 
+PUBLIC_PATHS = ("/health", "/metrics")  # probes and scrapers; with a secret, every other path needs it
 MAX_BODY_BYTES = 32 << 20  # token ids of a long prompt are a few MB of JSON at most
 
 
@@ -93,7 +97,7 @@ def build_worker_app(state: WorkerState, cluster_secret: str | None) -> FastAPI:
         return Ack()
 
     @app.post("/internal/generate")
-    async def generate(req: GenerateRequest) -> ClosingStreamingResponse:
+    async def generate(req: GenerateRequest) -> GuardedStreamingResponse:
         _check_role(state.info.role, req)
         if state.engine.num_open >= state.max_open_requests:
             raise too_busy(f"worker {state.info.engine_id}")
@@ -112,12 +116,17 @@ def build_worker_app(state: WorkerState, cluster_secret: str | None) -> FastAPI:
         except RuntimeError as e:
             raise OpenAIError(503, str(e), code="engine_unavailable") from None
         chunks = _chunks(state, req, stream)
-        return ClosingStreamingResponse(_ndjson(chunks), media_type="application/x-ndjson")
+
+        async def abort_unless_finished() -> None:
+            if not stream.finished:
+                state.engine.abort(req.request_id)
+
+        return GuardedStreamingResponse(_ndjson(chunks), abort_unless_finished, media_type="application/x-ndjson")
 
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
     if cluster_secret:
         app.add_middleware(
-            TokenGuard, token=cluster_secret, header=SECRET_HEADER, protects=lambda p: p.startswith("/internal"), what="cluster secret"
+            TokenGuard, token=cluster_secret, header=SECRET_HEADER, protects=lambda p: p not in PUBLIC_PATHS, what="cluster secret"
         )
     return app
 
@@ -140,25 +149,19 @@ async def _ndjson(chunks: AsyncIterator[GenerateChunk]) -> AsyncIterator[bytes]:
 
 
 async def _chunks(state: WorkerState, req: GenerateRequest, stream) -> AsyncIterator[GenerateChunk]:
-    """Deltas of the engine's cumulative outputs. If the reader goes away first, abort."""
+    """Deltas of the engine's cumulative outputs."""
     sent_tokens = sent_text = 0
-    finished = False
     metrics, role = state.metrics, state.info.role
-    try:
-        async for out in stream:
-            chunk = _delta(out, req, sent_tokens, sent_text)
-            finished = out.finished
-            if role != "decode" and sent_tokens == 0 and chunk.token_ids:
-                metrics.prompt_tokens.inc(len(req.prompt_token_ids))
-            new = len(chunk.token_ids) - (1 if role == "decode" and sent_tokens == 0 and chunk.token_ids else 0)
-            metrics.generation_tokens.inc(max(0, new))
-            sent_tokens = chunk.token_offset + len(chunk.token_ids)
-            sent_text = chunk.text_offset + len(chunk.text)
-            if chunk.token_ids or chunk.text or out.finished:
-                yield chunk
-    finally:
-        if not finished:
-            state.engine.abort(req.request_id)
+    async for out in stream:
+        chunk = _delta(out, req, sent_tokens, sent_text)
+        if role != "decode" and sent_tokens == 0 and chunk.token_ids:
+            metrics.prompt_tokens.inc(len(req.prompt_token_ids))
+        new = len(chunk.token_ids) - (1 if role == "decode" and sent_tokens == 0 and chunk.token_ids else 0)
+        metrics.generation_tokens.inc(max(0, new))
+        sent_tokens = chunk.token_offset + len(chunk.token_ids)
+        sent_text = chunk.text_offset + len(chunk.text)
+        if chunk.token_ids or chunk.text or out.finished:
+            yield chunk
 
 
 def _delta(out: RequestOutput, req: GenerateRequest, sent_tokens: int, sent_text: int) -> GenerateChunk:
