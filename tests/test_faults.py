@@ -28,6 +28,7 @@ pytestmark = pytest.mark.timeout(300)
 H = {"x-pdserve-cluster-secret": SECRET}
 PROMPT = list(range(40, 140))  # 100 tokens: two KV blocks of 64
 PARAMS = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
+BREAKER_COOLDOWN_S = 8.0  # long enough that the first phase (8 short requests) ends before it, even on a busy machine
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def cluster(tmp_path_factory):
         c.both = c.worker("both")
         c.r = c.router("--decode-policy", "round_robin", prefill=[c.p], decode=[c.d_fail, c.d_recompute])
         c.rb = c.router(
-            "--decode-policy", "round_robin", "--breaker-failures", "2", "--breaker-cooldown", "2", prefill=[c.p], decode=[c.d_bad, c.d_recompute]
+            "--decode-policy", "round_robin", "--breaker-failures", "2", "--breaker-cooldown", str(BREAKER_COOLDOWN_S), prefill=[c.p], decode=[c.d_bad, c.d_recompute]
         )  # fmt: skip
         c.wait_healthy()
         # probes once, then not for a minute: it keeps believing in a worker that died
@@ -217,7 +218,7 @@ def test_circuit_breaker_cuts_off_a_failing_worker(cluster):
     assert f'pdserve_router_worker_breaker_state{{role="decode",worker="{cluster.d_bad.url[7:]}"}} 2.0' in text
     assert f'pdserve_router_breaker_opens_total{{role="decode",worker="{cluster.d_bad.url[7:]}"}} 1.0' in text
 
-    time.sleep(2.2)  # the cool-down: half-open, one trial request goes to it, fails, and it opens again
+    time.sleep(BREAKER_COOLDOWN_S + 0.2)  # the cool-down: half-open, one trial request goes to it, fails, and it opens again
     assert _worker_row(rb, cluster.d_bad)["breaker"] == "half_open"
     trial = [_complete(rb, f"trial {i}", max_tokens=4).status_code for i in range(4)]
     assert trial.count(502) == 1

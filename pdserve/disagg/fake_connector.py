@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import NoReturn
 
 from pdserve import __version__
-from pdserve.disagg.base import KVConnector, KVHandle, TransferError, TransferStage
+from pdserve.disagg.base import KVHandle, TransferError, TransferStage
 from pdserve.disagg.layout import KVLayout, block_runs, check_block_ids, compat_hash
-from pdserve.disagg.lease import DEFAULT_LEASE_S, LeaseTable, TransferStats, parse_release, release_message
+from pdserve.disagg.lease import DEFAULT_LEASE_S, LeaseTable, TransferStats, release_message
+from pdserve.disagg.leasing import LeasingConnector
 from pdserve.engine.kv_cache import KVCache
 
 
@@ -50,7 +50,7 @@ class _Load:
     deadline: float  # monotonic
 
 
-class FakeConnector(KVConnector):
+class FakeConnector(LeasingConnector):
     def __init__(
         self,
         engine_id: str,
@@ -96,33 +96,9 @@ class FakeConnector(KVConnector):
         return json.dumps(doc).encode()
 
     # -- prefill side --
-    def on_prefill_finished(self, request_id: str, block_ids: list[int], num_tokens: int) -> KVHandle:
-        lease_s = self.leases.add(request_id, block_ids)
-        return KVHandle(
-            request_id=request_id,
-            engine_id=self.engine_id,
-            metadata_url=self.metadata_url,
-            block_ids=list(block_ids),
-            num_tokens=num_tokens,
-            compat_hash=self.compat_hash,
-            lease_expires_at=time.time() + lease_s,
-        )
-
     def poll_releases(self) -> list[str]:
-        released = []
         inbox, self._inbox = self._inbox, []
-        for msg in inbox:
-            rid = parse_release(msg)
-            if rid is not None and self.leases.release(rid) is not None:
-                self.stats.leases_released += 1
-                released.append(rid)
-        expired = self.leases.expired()
-        self.stats.lease_expirations += len(expired)
-        return released + expired
-
-    def release(self, request_id: str) -> None:
-        if self.leases.release(request_id) is not None:
-            self.stats.leases_released += 1
+        return self._released(inbox)
 
     # -- decode side --
     def start_load(self, handle: KVHandle, local_block_ids: list[int]) -> None:
@@ -203,10 +179,6 @@ class FakeConnector(KVConnector):
         peer = self.fabric.engines.get(engine_id)
         if peer is not None:
             peer._inbox.append(release_message(rid))
-
-    def _fail_now(self, rid: str, stage: TransferStage, reason: str) -> NoReturn:
-        self.stats.record_failed(stage.name)
-        raise TransferError(rid, stage, reason)
 
     def _fail_load(self, rid: str, stage: TransferStage, reason: str) -> None:
         load = self._loads.pop(rid)

@@ -19,14 +19,13 @@ from __future__ import annotations
 import base64
 import time
 from dataclasses import dataclass
-from typing import NoReturn
 from urllib.parse import urlsplit
 
 import httpx
 from pydantic import BaseModel, ValidationError
 
 from pdserve import __version__
-from pdserve.disagg.base import KVConnector, KVHandle, TransferError, TransferStage
+from pdserve.disagg.base import KVHandle, TransferError, TransferStage
 from pdserve.disagg.layout import (
     KVLayout,
     block_runs,
@@ -36,7 +35,8 @@ from pdserve.disagg.layout import (
     device_id,
     region_addrs,
 )
-from pdserve.disagg.lease import DEFAULT_LEASE_S, LeaseTable, TransferStats, parse_release, release_message
+from pdserve.disagg.lease import DEFAULT_LEASE_S, LeaseTable, TransferStats, release_message
+from pdserve.disagg.leasing import LeasingConnector
 from pdserve.engine.kv_cache import KVCache
 
 PEER_INFO_VERSION = 1
@@ -110,7 +110,7 @@ class _Load:
         self.seconds = time.monotonic() - self.started
 
 
-class NixlConnector(KVConnector):
+class NixlConnector(LeasingConnector):
     def __init__(
         self,
         engine_id: str,
@@ -189,33 +189,8 @@ class NixlConnector(KVConnector):
         return self._metadata
 
     # -- prefill side --
-    def on_prefill_finished(self, request_id: str, block_ids: list[int], num_tokens: int) -> KVHandle:
-        lease_s = self.leases.add(request_id, block_ids)
-        return KVHandle(
-            request_id=request_id,
-            engine_id=self.engine_id,
-            metadata_url=self.metadata_url,
-            block_ids=list(block_ids),
-            num_tokens=num_tokens,
-            compat_hash=self.compat_hash,
-            lease_expires_at=time.time() + lease_s,
-        )
-
     def poll_releases(self) -> list[str]:
-        released = []
-        for msgs in self.agent.get_new_notifs().values():
-            for msg in msgs:
-                rid = parse_release(msg)
-                if rid is not None and self.leases.release(rid) is not None:
-                    self.stats.leases_released += 1
-                    released.append(rid)
-        expired = self.leases.expired()
-        self.stats.lease_expirations += len(expired)
-        return released + expired
-
-    def release(self, request_id: str) -> None:
-        if self.leases.release(request_id) is not None:
-            self.stats.leases_released += 1
+        return self._released(msg for msgs in self.agent.get_new_notifs().values() for msg in msgs)
 
     # -- decode side --
     def add_peer(self, metadata: bytes, engine_id: str | None = None) -> NixlPeerInfo:
@@ -372,10 +347,6 @@ class NixlConnector(KVConnector):
         except Exception as e:  # NIXL: the agent in the metadata cannot be reached
             self._fail_now(rid, TransferStage.HANDSHAKE, f"adding NIXL agent {handle.engine_id}: {_nixl_reason(e)}")
         return self._peers[handle.engine_id]
-
-    def _fail_now(self, rid: str, stage: TransferStage, reason: str) -> NoReturn:
-        self.stats.record_failed(stage.name)
-        raise TransferError(rid, stage, reason)
 
     def _fail_load(self, rid: str, stage: TransferStage, reason: str) -> None:
         load = self._loads.pop(rid)
