@@ -13,10 +13,8 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -26,7 +24,7 @@ from pdserve.disagg import KVHandle, LeaseTable, TransferError, TransferStage, c
 from pdserve.disagg.fake_connector import FakeFabric
 from pdserve.disagg.layout import KVLayout, block_runs, build_descriptors, region_addrs
 from pdserve.engine.kv_cache import KVCache, KVRegionSpec
-from tests.transfer_peer import make_kv
+from tests.transfer_peer import make_kv, serve_metadata
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -354,22 +352,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_bytes(body: bytes) -> ThreadingHTTPServer:
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
-
-
 def test_nixl_unreachable_peer_fails_fast_at_the_handshake(peer, decode):
     handle = peer.prefill("unreachable", [1])
     dead_url = f"http://127.0.0.1:{free_port()}/metadata"
@@ -392,7 +374,7 @@ def test_nixl_killed_prefill_fails_within_the_timeout_and_is_forgotten():
     try:
         assert run_load(decode, peer.prefill("ok", [1, 2]), [3, 4]) is None
         handle = peer.prefill("after-kill", [5])
-        stale = serve_bytes(httpx.get(peer.metadata_url, timeout=2.0).content)
+        stale = serve_metadata(httpx.get(peer.metadata_url, timeout=2.0).content)
         peer.proc.send_signal(signal.SIGKILL)
         peer.proc.wait(timeout=10)
         started = time.monotonic()

@@ -14,10 +14,9 @@ import json
 import time
 from dataclasses import dataclass
 
-from pdserve import __version__
 from pdserve.disagg.base import KVHandle, TransferError, TransferStage
 from pdserve.disagg.layout import KVLayout, block_runs, check_block_ids, compat_hash
-from pdserve.disagg.lease import DEFAULT_LEASE_S, LeaseTable, TransferStats, release_message
+from pdserve.disagg.lease import DEFAULT_LEASE_S, release_message
 from pdserve.disagg.leasing import LeasingConnector
 from pdserve.engine.kv_cache import KVCache
 
@@ -63,22 +62,15 @@ class FakeConnector(LeasingConnector):
         version: str | None = None,
         fabric: FakeFabric | None = None,
     ) -> None:
-        self.engine_id = engine_id
-        self.model_id = model_id
-        self.metadata_url = metadata_url
-        self.transfer_timeout_s = transfer_timeout_s
-        self.lease_margin_s = lease_margin_s
-        self.version = version or __version__
+        super().__init__(
+            engine_id, model_id=model_id, metadata_url=metadata_url, lease_s=lease_s,
+            transfer_timeout_s=transfer_timeout_s, lease_margin_s=lease_margin_s, version=version,
+        )  # fmt: skip
         self.fabric = DEFAULT_FABRIC if fabric is None else fabric
-        self.leases = LeaseTable(lease_s)
-        self.stats = TransferStats()
-        self.kv: KVCache | None = None
-        self.compat_hash = ""
         self.hold_loads = False
         self._inject: tuple[TransferStage, str] | None = None
         self._inbox: list[bytes] = []  # notifications sent to this engine
         self._loads: dict[str, _Load] = {}
-        self._failed: list[TransferError] = []
 
     def fail_next(self, stage: TransferStage, reason: str) -> None:
         self._inject = (stage, reason)

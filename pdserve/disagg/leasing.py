@@ -10,17 +10,37 @@ import time
 from collections.abc import Iterable
 from typing import NoReturn
 
+from pdserve import __version__
 from pdserve.disagg.base import KVConnector, KVHandle, TransferError, TransferStage
 from pdserve.disagg.lease import LeaseTable, TransferStats, parse_release
+from pdserve.engine.kv_cache import KVCache
 
 
 class LeasingConnector(KVConnector):
-    # set by the backend's __init__
-    engine_id: str
-    metadata_url: str
-    compat_hash: str
-    leases: LeaseTable
-    stats: TransferStats
+    def __init__(
+        self,
+        engine_id: str,
+        *,
+        model_id: str,
+        metadata_url: str,
+        lease_s: float,
+        transfer_timeout_s: float,
+        lease_margin_s: float,
+        version: str | None,
+    ) -> None:
+        """metadata_url: where this worker serves its transfer metadata (goes into handles).
+        lease_margin_s: a handle whose lease ends sooner than this is refused (clock skew, read time)."""
+        self.engine_id = engine_id
+        self.model_id = model_id
+        self.metadata_url = metadata_url
+        self.transfer_timeout_s = transfer_timeout_s
+        self.lease_margin_s = lease_margin_s
+        self.version = version or __version__
+        self.leases = LeaseTable(lease_s)
+        self.stats = TransferStats()
+        self.kv: KVCache | None = None
+        self.compat_hash = ""  # set when the pool is registered
+        self._failed: list[TransferError] = []
 
     def on_prefill_finished(self, request_id: str, block_ids: list[int], num_tokens: int) -> KVHandle:
         lease_s = self.leases.add(request_id, block_ids)

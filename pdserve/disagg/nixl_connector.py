@@ -24,7 +24,6 @@ from urllib.parse import urlsplit
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from pdserve import __version__
 from pdserve.disagg.base import KVHandle, TransferError, TransferStage
 from pdserve.disagg.layout import (
     KVLayout,
@@ -35,7 +34,7 @@ from pdserve.disagg.layout import (
     device_id,
     region_addrs,
 )
-from pdserve.disagg.lease import DEFAULT_LEASE_S, LeaseTable, TransferStats, release_message
+from pdserve.disagg.lease import DEFAULT_LEASE_S, release_message
 from pdserve.disagg.leasing import LeasingConnector
 from pdserve.engine.kv_cache import KVCache
 
@@ -126,36 +125,28 @@ class NixlConnector(LeasingConnector):
         version: str | None = None,
         progress_thread: bool = True,
     ) -> None:
-        """metadata_url: where this worker's HTTP server serves agent_metadata() (goes into handles).
-        lease_margin_s: a handle whose lease ends sooner than this is refused (clock skew, read time).
+        """See LeasingConnector for the common arguments.
         progress_thread: NIXL's own UCX progress thread; without it transfers advance only inside
         poll_loads / poll_releases calls."""
         try:
             from nixl._api import nixl_agent, nixl_agent_config
         except ImportError as e:
             raise RuntimeError(f"transfer backend 'nixl' needs the nixl package (pip install nixl==1.5.1): {e}") from e
-        self.engine_id = engine_id
-        self.model_id = model_id
-        self.metadata_url = metadata_url
-        self.transfer_timeout_s = transfer_timeout_s
+        super().__init__(
+            engine_id, model_id=model_id, metadata_url=metadata_url, lease_s=lease_s,
+            transfer_timeout_s=transfer_timeout_s, lease_margin_s=lease_margin_s, version=version,
+        )  # fmt: skip
         self.metadata_timeout_s = metadata_timeout_s
-        self.lease_margin_s = lease_margin_s
         self.allowed_peers = allowed_peers
         self.metadata_headers = metadata_headers
-        self.version = version or __version__
-        self.leases = LeaseTable(lease_s)
-        self.stats = TransferStats()
         # one agent per worker; UCX needs tcp for its messages, so no transport is narrowed here
         self.agent = nixl_agent(engine_id, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
         if "UCX" not in self.agent.backends:
             raise RuntimeError("NIXL's UCX backend plugin is missing from this nixl install")
-        self.kv: KVCache | None = None
-        self.compat_hash = ""
         self._reg = None
         self._metadata = b""
         self._peers: dict[str, _Peer] = {}
         self._loads: dict[str, _Load] = {}
-        self._failed: list[TransferError] = []
         self._zombies: list[object] = []  # xfer handles NIXL could not cancel yet
 
     # -- registration --
