@@ -13,7 +13,7 @@ from pdserve.config import DEFAULT_CONFIG, TINY_ARCHS
 
 
 def _serve(argv: list[str]) -> int:
-    from pdserve.server.serve import add_serve_args, run_serve
+    from pdserve.serve import add_serve_args, run_serve
 
     p = argparse.ArgumentParser(prog="pdserve serve", description="Run one component: a worker or the router.")
     add_serve_args(p)

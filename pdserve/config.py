@@ -1,23 +1,34 @@
-"""Cluster configuration (configs/*.yaml): which processes `pdserve launch` runs and where.
+"""Configuration, one path for all of it: validated pydantic models with clear messages.
 
-One router, then either prefill + decode workers (PD) or colocated workers (role both), or all
-three. Validated data with clear messages; `load_config` accepts a path or a name from configs/.
+    cluster YAML (configs/*.yaml) -> ClusterConfig --pdserve launch--> one ServeConfig per process
+    pdserve serve --flags ----------------------------------------> ServeConfig (same models)
+    ServeConfig -> WorkerServeConfig (prefill | decode | colocated) or RouterServeConfig
+
+`pdserve launch` hands each child its ServeConfig as a JSON file (mode 0600: the cluster secret
+and API key never appear in argv), so every setting of the YAML reaches the process that uses it.
+Defaults and limits live here and nowhere else; `load_config` accepts a path or a name from configs/.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pdserve.disagg.factory import TransferBackend
+from pdserve.engine.config import DType, EngineConfig, KVLoadFailurePolicy, check_device
 
 # configs/ sits beside the package in the source tree (the repo is installed editable).
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = "tiny-cpu"
 TINY_ARCHS = ("deepseek_v3", "deepseek_v32")
 TINY_PREFIX = "tiny:"  # model "tiny:<arch>": the tiny random checkpoint, made in the cache on first use
-POLICIES = Literal["round_robin", "least_load", "power_of_two"]
+WorkerRole = Literal["prefill", "decode", "colocated"]
+PolicyName = Literal["round_robin", "least_load", "power_of_two"]  # router/policies.py
+DEFAULT_PORTS = {"router": 8000, "prefill": 30000, "decode": 30001, "colocated": 30002}
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 class ConfigError(ValueError):
@@ -31,30 +42,43 @@ class _Strict(BaseModel):
 class RouterConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
-    prefill_policy: POLICIES = "round_robin"
-    decode_policy: POLICIES = "least_load"
-    api_key: str | None = None
+    prefill_policy: PolicyName = "round_robin"
+    decode_policy: PolicyName = "least_load"
+    api_key: str | None = None  # clients must send Authorization: Bearer <key> (every route)
+    max_model_len: int | None = Field(None, ge=2)  # an extra cap on the workers' context length
     health_interval: float = Field(2.0, gt=0)  # seconds between worker probes
-    request_timeout: float = Field(600.0, gt=0)
-    max_queued_requests: int | None = Field(None, ge=1)
+    request_timeout: float = Field(600.0, gt=0)  # seconds a request may take in all (then 504)
+    first_token_timeout: float = Field(300.0, gt=0)  # seconds until a request's first token
+    prefill_timeout: float = Field(300.0, gt=0)  # seconds a prefill worker has for first token + KV
+    max_queued_requests: int = Field(1024, ge=1)  # concurrent requests before 429
+    max_attempts: int = Field(3, ge=1)  # workers of a role tried when one refuses, before output
+    retry_backoff: float = Field(0.05, ge=0)  # seconds before the second try; doubles each try
+    breaker_failures: int = Field(5, ge=1)  # consecutive failed requests that open a worker's breaker
+    breaker_cooldown: float = Field(10.0, gt=0)  # seconds an open breaker waits before a trial
 
 
 class WorkerConfig(_Strict):
     port: int = Field(ge=1, le=65535)
     host: str = "127.0.0.1"
-    device: Literal["cpu", "cuda"] = "cpu"
+    device: str = "cpu"  # cpu | cuda (launch: with gpus) | cuda:N (serve)
     gpus: list[int] = Field(default_factory=list)
     tp_size: int = Field(1, ge=1)  # the worker's tensor_parallel_size: one rank per GPU of gpus; on cpu, gloo processes
     numa_node: int | Literal["auto"] | None = None  # None: not pinned; auto: its GPUs' node
     cpus: str | None = None  # narrow the node to these CPUs, a cpulist such as "0-7"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: DType = "auto"
     kv_block_size: int = Field(64, ge=1)
     num_kv_blocks: int | None = Field(None, ge=1)
     max_num_seqs: int = Field(256, ge=1)
     max_num_batched_tokens: int | None = Field(None, ge=1)
     max_model_len: int | None = Field(None, ge=2)
     lease_seconds: float = Field(60.0, gt=0)  # prefill keeps KV this long for decode to pull
-    engine_id: str | None = None  # default: "<role>-<index>-<port>"
+    engine_id: str | None = None  # default: "<role>-<index>-<port>" (launch), "<role>-<port>" (serve)
+    max_open_requests: int | None = Field(None, ge=1)  # admitted at once before 429 (default max(8 x max_num_seqs, 256))
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, d: str) -> str:
+        return check_device(d)
 
     @field_validator("gpus")
     @classmethod
@@ -82,24 +106,40 @@ class WorkerConfig(_Strict):
 
     @model_validator(mode="after")
     def _placement(self) -> "WorkerConfig":
-        if self.device == "cuda":
-            if not self.gpus:
-                raise ValueError("a cuda worker needs gpus, e.g. gpus: [0]")
-            if self.tp_size != len(self.gpus):
-                raise ValueError(f"tp_size ({self.tp_size}) must equal the number of gpus ({self.gpus})")
-        else:
+        if self.device == "cpu":
             if self.gpus:
                 raise ValueError(f"a cpu worker takes no gpus (got {self.gpus}); set device: cuda")
             if self.numa_node == "auto":
                 raise ValueError("numa_node 'auto' follows the worker's GPUs; a cpu worker needs a node number or null")
+        elif self.gpus:
+            if self.device != "cuda":
+                raise ValueError("gpus picks the worker's GPUs: set device: cuda (not cuda:N) with them")
+            if self.tp_size != len(self.gpus):
+                raise ValueError(f"tp_size ({self.tp_size}) must equal the number of gpus ({self.gpus})")
         if self.cpus is not None and self.numa_node is None:
             raise ValueError("cpus narrows a NUMA node: set numa_node too")
         return self
 
+    def engine_config(self, model: str) -> EngineConfig:
+        return EngineConfig(
+            model=model,
+            device=self.device,
+            tensor_parallel_size=self.tp_size,
+            dtype=self.dtype,
+            kv_block_size=self.kv_block_size,
+            num_kv_blocks=self.num_kv_blocks,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            **({"max_num_batched_tokens": self.max_num_batched_tokens} if self.max_num_batched_tokens else {}),
+        )
+
 
 class TransferConfig(_Strict):
-    backend: Literal["nixl", "fake"] = "nixl"
+    backend: TransferBackend = "nixl"
     timeout: float = Field(30.0, gt=0)  # seconds for one request's KV pull
+    metadata_timeout: float = Field(5.0, gt=0)  # seconds for decode to fetch a prefill peer's metadata
+    kv_load_failure_policy: KVLoadFailurePolicy = "fail"  # decode: a failed read fails the request, or recomputes it
+    options: dict[str, Any] = Field(default_factory=dict)  # the backend's own (nixl: progress_thread)
     ucx: dict[str, str | int | float] = Field(default_factory=dict)  # UCX_* env for the workers
 
     @field_validator("ucx")
@@ -144,6 +184,8 @@ class ClusterConfig(_Strict):
             raise ValueError("no workers: list prefill + decode workers, colocated workers, or both")
         seen: dict[int, str] = {self.router.port: "router"}
         for name, w in self.named_workers():
+            if w.device.startswith("cuda") and not w.gpus:
+                raise ValueError(f"{name}: a cuda worker needs gpus, e.g. gpus: [0] (launch gives it exactly those)")
             if w.port in seen:
                 raise ValueError(f"port {w.port} is used by both {seen[w.port]} and {name}")
             seen[w.port] = name
@@ -153,6 +195,53 @@ class ClusterConfig(_Strict):
         """('prefill-0', cfg), ..., ('decode-0', cfg), ..., ('colocated-0', cfg), ..."""
         groups = (("prefill", self.prefill), ("decode", self.decode), ("colocated", self.colocated))
         return [(f"{role}-{i}", w) for role, workers in groups for i, w in enumerate(workers)]
+
+
+class WorkerServeConfig(_Strict):
+    """One worker process (`pdserve serve --role prefill|decode|colocated`)."""
+
+    role: WorkerRole
+    model: str  # checkpoint folder (tiny:<arch> is resolved before this is built)
+    worker: WorkerConfig
+    transfer: TransferConfig = Field(default_factory=TransferConfig)
+    peers: list[str] = Field(default_factory=list)  # workers whose transfer metadata may be fetched (decode: the prefill workers)
+    cluster_secret: str | None = None
+
+    @model_validator(mode="after")
+    def _safe(self) -> "WorkerServeConfig":
+        if self.worker.host not in LOOPBACK and not self.cluster_secret:
+            raise ValueError(f"binding a worker to {self.worker.host} exposes /internal/*: pass --cluster-secret (or bind 127.0.0.1)")
+        if self.role == "decode" and not self.peers:
+            raise ValueError("a decode worker reads KV only from configured peers: pass --peer URL for each prefill worker")
+        return self
+
+    @property
+    def engine_id(self) -> str:
+        return self.worker.engine_id or f"{self.role}-{self.worker.port}"
+
+
+class RouterServeConfig(_Strict):
+    """The router process (`pdserve serve --role router`)."""
+
+    role: Literal["router"]
+    model: str  # checkpoint folder: the router reads its tokenizer and chat template
+    served_model_name: str | None = None  # the model name clients use (default: model as given)
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    prefill: list[str] = Field(default_factory=list)  # worker URLs
+    decode: list[str] = Field(default_factory=list)
+    colocated: list[str] = Field(default_factory=list)
+    cluster_secret: str | None = None
+
+    @model_validator(mode="after")
+    def _workers(self) -> "RouterServeConfig":
+        if not (self.prefill or self.decode or self.colocated):
+            raise ValueError("the router needs workers: --prefill URL and --decode URL, and/or --colocated URL")
+        if bool(self.prefill) != bool(self.decode):
+            raise ValueError("PD needs both --prefill and --decode workers")
+        return self
+
+
+ServeConfig = Annotated[Union[WorkerServeConfig, RouterServeConfig], Field(discriminator="role")]
 
 
 def find_config(name_or_path: str) -> Path:

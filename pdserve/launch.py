@@ -3,7 +3,8 @@
     plan (argv, env, NUMA pinning per process) -> check ports free -> start workers -> wait for
     their /health -> start router -> wait -> print table -> watch -> stop all on signal or death
 
-Each child is `python -m pdserve serve ...` in its own process group (so a stop reaches anything
+Each child is `python -m pdserve serve --config <log_dir>/<name>.json` (its validated ServeConfig,
+mode 0600: no secret in argv) in its own process group (so a stop reaches anything
 it spawned, such as a tensor-parallel worker's rank processes), logs to <log_dir>/<name>.log, and
 gets SIGTERM from the kernel if the launcher dies. Stop: SIGTERM every group, wait
 stop_grace_seconds, SIGKILL what is left.
@@ -30,14 +31,12 @@ from typing import TextIO
 
 import httpx
 
-from pdserve.config import TINY_PREFIX, ClusterConfig, WorkerConfig
+from pdserve.config import TINY_PREFIX, ClusterConfig, RouterServeConfig, WorkerConfig, WorkerServeConfig
 from pdserve.health_cli import format_table
 from pdserve.numa import PinPlan, format_cpulist, plan_pinning, process_cpus
 
-ROLE_OF_GROUP = {"prefill": "prefill", "decode": "decode", "colocated": "both"}
 LOG_TAIL_LINES = 30
 PR_SET_PDEATHSIG = 1
-SECRET_FLAGS = ("--cluster-secret", "--api-key")
 
 
 class LaunchError(RuntimeError):
@@ -72,10 +71,10 @@ def resolve_model(spec: str) -> str:
 @dataclass
 class ProcSpec:
     name: str
-    role: str  # prefill | decode | both | router
+    role: str  # prefill | decode | colocated | router
     host: str
     port: int
-    argv: list[str]
+    config: WorkerServeConfig | RouterServeConfig  # what the child runs (written to a file at start)
     env: dict[str, str]
     pin: PinPlan
     gpus: list[int] = field(default_factory=list)
@@ -86,32 +85,22 @@ class ProcSpec:
         return _url(self.host, self.port)
 
 
-def _serve(*args: str) -> list[str]:
-    return [sys.executable, "-m", "pdserve", "serve", *args]
-
-
-def _opt(flag: str, value: object) -> list[str]:
-    return [] if value is None else [flag, str(value)]
-
-
 def _url(host: str, port: int) -> str:
     """Where a client on this machine reaches a server bound to host:port."""
     return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{port}"
 
 
 def worker_spec(name: str, w: WorkerConfig, cfg: ClusterConfig, model: str, secret: str) -> ProcSpec:
-    role = ROLE_OF_GROUP[name.rsplit("-", 1)[0]]
+    role = name.rsplit("-", 1)[0]
     peers = {"prefill": cfg.decode, "decode": cfg.prefill}.get(role, [])
-    argv = _serve(
-        "--role", role, "--host", w.host, "--port", str(w.port), "--model", model,
-        "--device", w.device, "--tensor-parallel-size", str(w.tp_size), "--dtype", w.dtype,
-        "--kv-block-size", str(w.kv_block_size),
-        *_opt("--num-kv-blocks", w.num_kv_blocks), "--max-num-seqs", str(w.max_num_seqs),
-        *_opt("--max-num-batched-tokens", w.max_num_batched_tokens), *_opt("--max-model-len", w.max_model_len),
-        "--engine-id", w.engine_id or f"{name}-{w.port}", "--lease-seconds", str(w.lease_seconds),
-        "--transfer-backend", cfg.transfer.backend, "--transfer-timeout", str(cfg.transfer.timeout),
-        "--cluster-secret", secret, *[a for p in peers for a in ("--peer", _url(p.host, p.port))],
-    )  # fmt: skip
+    config = WorkerServeConfig(
+        role=role,
+        model=model,
+        worker=w.model_copy(update={"engine_id": w.engine_id or f"{name}-{w.port}"}),
+        transfer=cfg.transfer,
+        peers=[_url(p.host, p.port) for p in peers],
+        cluster_secret=secret,
+    )
     pin = plan_pinning(w.numa_node, w.gpus, w.cpus)
     env = {**cfg.transfer.env(), "CUDA_VISIBLE_DEVICES": ",".join(map(str, w.gpus))}
     if w.device == "cuda":
@@ -119,22 +108,23 @@ def worker_spec(name: str, w: WorkerConfig, cfg: ClusterConfig, model: str, secr
     if pin.cpus and "OMP_NUM_THREADS" not in os.environ:
         # torch's default counts every core, not ours; the worker's ranks share its cores
         env["OMP_NUM_THREADS"] = str(max(1, len(pin.cpus) // w.tp_size))
-    return ProcSpec(name, role, w.host, w.port, argv, env, pin, list(w.gpus))
+    return ProcSpec(name, role, w.host, w.port, config, env, pin, list(w.gpus))
 
 
 def router_spec(cfg: ClusterConfig, model: str, secret: str) -> ProcSpec:
     r = cfg.router
-    groups = (("--prefill", cfg.prefill), ("--decode", cfg.decode), ("--colocated", cfg.colocated))
-    argv = _serve(
-        "--role", "router", "--host", r.host, "--port", str(r.port), "--model", model,
-        *[a for flag, ws in groups for w in ws for a in (flag, _url(w.host, w.port))],
-        "--prefill-policy", r.prefill_policy, "--decode-policy", r.decode_policy,
-        *_opt("--api-key", r.api_key), *_opt("--served-model-name", cfg.served_model_name),
-        "--health-interval", str(r.health_interval), "--request-timeout", str(r.request_timeout),
-        *_opt("--max-queued-requests", r.max_queued_requests), "--cluster-secret", secret,
-    )  # fmt: skip
+    config = RouterServeConfig(
+        role="router",
+        model=model,
+        served_model_name=cfg.served_model_name,
+        router=r,
+        prefill=[_url(w.host, w.port) for w in cfg.prefill],
+        decode=[_url(w.host, w.port) for w in cfg.decode],
+        colocated=[_url(w.host, w.port) for w in cfg.colocated],
+        cluster_secret=secret,
+    )
     auth = {"Authorization": f"Bearer {r.api_key}"} if r.api_key else {}
-    return ProcSpec("router", "router", r.host, r.port, argv, {"CUDA_VISIBLE_DEVICES": ""}, PinPlan("none", None, (), "router"), headers=auth)
+    return ProcSpec("router", "router", r.host, r.port, config, {"CUDA_VISIBLE_DEVICES": ""}, PinPlan("none", None, (), "router"), headers=auth)
 
 
 def plan(cfg: ClusterConfig, model: str) -> list[ProcSpec]:
@@ -164,9 +154,14 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join("    " + line for line in text[-lines:]) or "    (log is empty)"
 
 
-def _redacted(argv: list[str]) -> list[str]:
-    """argv with secrets replaced, for logs."""
-    return [("***" if i and argv[i - 1] in SECRET_FLAGS else a) for i, a in enumerate(argv)]
+def write_serve_config(spec: ProcSpec, folder: Path) -> Path:
+    """The child's ServeConfig as JSON, readable by this user only (it holds the cluster secret)."""
+    path = folder / f"{spec.name}.json"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(spec.config.model_dump_json(indent=1))
+    os.chmod(path, 0o600)  # an older file of another mode keeps its mode through O_TRUNC
+    return path
 
 
 def _group_alive(pgid: int) -> bool:
@@ -219,9 +214,9 @@ class Cluster:
 
     def start(self, spec: ProcSpec) -> Child:
         log = self.log_dir / f"{spec.name}.log"
-        argv = spec.pin.command_prefix() + spec.argv
+        argv = spec.pin.command_prefix() + [sys.executable, "-m", "pdserve", "serve", "--config", str(write_serve_config(spec, self.log_dir))]
         with open(log, "wb") as f:
-            f.write(f"# {' '.join(_redacted(argv))}\n".encode())
+            f.write(f"# {' '.join(argv)}\n".encode())
             f.flush()
             popen = subprocess.Popen(
                 argv, env={**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}, stdin=subprocess.DEVNULL,

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.request import Request
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
 
@@ -115,7 +116,7 @@ class LLM:
         try:
             for (text, token_ids), p in zip(inputs, params):
                 request_id = str(next(self._counter))
-                self.engine.add_request(request_id, token_ids, p, prompt=text)
+                self.engine.add_request(Request(request_id=request_id, prompt_token_ids=token_ids, params=p, prompt=text))
                 ids.append(request_id)
             return self._drain(ids, use_tqdm)
         except BaseException:

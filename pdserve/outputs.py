@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from pdserve.disagg.base import KVHandle
+from pdserve.disagg.base import KVHandle, TransferFailure
 
 
 class Logprob(BaseModel):
@@ -23,6 +23,27 @@ class Logprob(BaseModel):
 
 # one dict per generated token: the sampled token and its top-N alternatives
 SampleLogprobs = list[dict[int, Logprob]]
+
+
+class LogprobEntry(BaseModel):
+    """One token's logprob in wire form (a list keeps the order: the sampled token first)."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1-based
+    token: str | None = None  # the token's text on its own
+
+
+# One generated token's logprobs on the wire: the sampled token first, then its top-N by rank.
+TokenLogprobs = list[LogprobEntry]
+
+
+def to_entries(step: dict[int, Logprob]) -> TokenLogprobs:
+    return [LogprobEntry(token_id=t, logprob=lp.logprob, rank=lp.rank, token=lp.decoded_token) for t, lp in step.items()]
+
+
+def from_entries(entries: TokenLogprobs) -> dict[int, Logprob]:
+    return {e.token_id: Logprob(logprob=e.logprob, rank=e.rank, decoded_token=e.token) for e in entries}
 
 
 class CompletionOutput(BaseModel):
@@ -46,4 +67,5 @@ class RequestOutput(BaseModel):
     outputs: list[CompletionOutput]
     finished: bool = False
     kv_handle: KVHandle | None = None  # prefill role: where this request's KV waits for decode
-    error: str | None = None  # finish_reason "error": what went wrong (e.g. the TransferError text)
+    error: str | None = None  # finish_reason "error": what went wrong
+    transfer_error: TransferFailure | None = None  # decode role: the KV load that failed, as data

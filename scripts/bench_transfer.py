@@ -14,6 +14,7 @@ device: NIXL reads VRAM to VRAM across GPUs, and the reference copy is a peer-to
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -22,13 +23,14 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pdserve.disagg.base import KVHandle, TransferError  # noqa: E402
+from pdserve.disagg.base import KVHandle, PeerMetadata, TransferError  # noqa: E402
 from pdserve.disagg.layout import block_runs  # noqa: E402
-from pdserve.engine.kv_cache import KVCache, KVRegionSpec  # noqa: E402
+from pdserve.model.kv_cache import KVCache, KVRegionSpec  # noqa: E402
 
 BLOCK_SIZE, DIM, DTYPE = 64, 576, torch.bfloat16
 MIB = 1 << 20
@@ -54,7 +56,7 @@ def run_peer(args: argparse.Namespace) -> None:
 
     conn = NixlConnector("bench-prefill", model_id="bench")
     conn.register_kv_cache(make_pool(args.layers, args.num_blocks, args.device, seed=0))
-    body = conn.agent_metadata()
+    body = conn.peer_metadata()
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -77,7 +79,7 @@ def run_peer(args: argparse.Namespace) -> None:
 
 def timed_read(conn, handle: KVHandle, dst_ids: list[int]) -> float:
     t0 = time.perf_counter()
-    conn.start_load(handle, dst_ids)
+    conn.start_load(handle, dst_ids, PEER.get(handle.metadata_url))
     while True:
         done, failed = conn.poll_loads()
         if failed:
@@ -97,11 +99,19 @@ def timed_copy(dst: torch.Tensor, src: torch.Tensor, src_ids: list[int], dst_ids
     return time.perf_counter() - t0
 
 
+PEER: dict[str, PeerMetadata] = {}  # metadata URL -> the peer's metadata, fetched once (as a decode worker does)
+
+
 def handle_for(url: str, request_id: str, block_ids: list[int], compat: str) -> KVHandle:
     # the bench's peer holds no leases: its pool is static, so the handle is made here
+    if url not in PEER:
+        body = httpx.get(url, timeout=10).content
+        info = json.loads(body)
+        PEER[url] = PeerMetadata(engine_id=info["engine_id"], instance_id=info["instance_id"], data=body)
     return KVHandle(
         request_id=request_id,
         engine_id="bench-prefill",
+        instance_id=PEER[url].instance_id,
         metadata_url=url,
         block_ids=block_ids,
         num_tokens=len(block_ids) * BLOCK_SIZE,

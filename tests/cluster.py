@@ -14,6 +14,7 @@ Workers started before wait_healthy() load their models in parallel.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -29,9 +30,16 @@ STOP_GRACE_S = 10.0
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below Linux's ephemeral range (32768+), so that no listener a process opens on
+    port 0 meanwhile (UCX's, for one) can take it between this check and the server's bind."""
+    while True:
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 @dataclass
@@ -112,7 +120,7 @@ class Cluster:
                     if p.popen.poll() is not None:
                         raise RuntimeError(f"{p.name} exited with {p.popen.returncode}:\n{p.log_tail()}")
                     try:
-                        if client.get(f"{p.url}/health", headers=auth_headers(p)).status_code == 200:
+                        if client.get(f"{p.url}/health", headers=auth_headers(p)).status_code == 200 and self._sees_all(client, p):
                             pending.remove(p)
                     except httpx.HTTPError:
                         pass
@@ -120,6 +128,15 @@ class Cluster:
                     raise RuntimeError(f"{pending[0].name} not healthy after {timeout_s} s:\n{pending[0].log_tail()}")
                 if pending:
                     time.sleep(0.25)
+
+    def _sees_all(self, client: httpx.Client, p: Proc) -> bool:
+        """A router is ready for a test once its own probes found every worker it was given
+        healthy (its /health needs only one pair); other processes need nothing more."""
+        if p.role != "router":
+            return True
+        rows = client.get(f"{p.url}/workers", headers=auth_headers(p)).json()["workers"]
+        mine = {u for flag in ("--prefill", "--decode", "--colocated") for i, a in enumerate(p.args) if a == flag for u in [p.args[i + 1]]}
+        return all(w["healthy"] for w in rows if w["url"] in mine)
 
     def stop(self) -> None:
         """SIGTERM every process group, SIGKILL what is left after the grace period, reap all."""

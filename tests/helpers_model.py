@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.kv_cache import KVCache
+from pdserve.model.kv_cache import KVCache
 from pdserve.model.batch import ForwardBatch
 from pdserve.model.deepseek import DeepseekForCausalLM
 

@@ -67,7 +67,7 @@ class _Occupy:
         last = _handle(cluster.p, rid)
         body = {
             "request_id": rid, "prompt_token_ids": list(range(10, 60)), "params": {"max_tokens": 3000, "ignore_eos": True},
-            "kv_handle": last["kv_handle"], "first_token": last["token_ids"][0],
+            "kv_handle": last["kv_handle"], "first_token": {"token_id": last["token_ids"][0]},
         }  # fmt: skip
         self.client = httpx.Client(timeout=30)
         self.cm = self.client.stream("POST", f"{decode.url}/internal/generate", json=body, headers=H)
@@ -86,7 +86,7 @@ def test_a_full_worker_is_skipped_then_429_with_retry_after(cluster):
     try:
         assert [_complete(cluster.r, f"retry {i}").status_code for i in range(4)] == [200] * 4
         text = httpx.get(f"{cluster.r.url}/metrics").text
-        assert 'pdserve_router_upstream_errors_total{kind="429",role="decode"}' in text  # d1 refused ...
+        assert 'pdserve_router_upstream_errors_total{kind="429",role="decode"}' in text, text  # d1 refused ...
         assert 'pdserve_router_retries_total{role="decode"}' in text  # ... and d2 served instead
         busy2 = _Occupy(cluster, cluster.d2, "occupy-2")
         try:
@@ -160,13 +160,13 @@ def test_transfer_timeout(cluster):
     answers ends after --transfer-timeout (1 s) with a TransferError naming the stage."""
     last = _handle(cluster.p, "to-the-hole")
     handle = {**last["kv_handle"], "engine_id": "silent-prefill", "metadata_url": f"{cluster.hole_url}/internal/kv_metadata"}
-    body = {"request_id": "to-the-hole", "prompt_token_ids": list(range(10, 60)), "params": {"max_tokens": 8}, "kv_handle": handle, "first_token": last["token_ids"][0]}
+    body = {"request_id": "to-the-hole", "prompt_token_ids": list(range(10, 60)), "params": {"max_tokens": 8}, "kv_handle": handle, "first_token": {"token_id": last["token_ids"][0]}}
     t0 = time.monotonic()
     r = httpx.post(f"{cluster.d1.url}/internal/generate", json=body, headers=H, timeout=30)
     took = time.monotonic() - t0
     end = json.loads(r.text.splitlines()[-1])
     assert end["finish_reason"] == "error" and "failed at HANDSHAKE" in end["error"] and "Timeout" in end["error"], end
     assert 1 <= took < 3, took
-    httpx.post(f"{cluster.p.url}/internal/release", json={"request_id": "to-the-hole"}, headers=H, timeout=5)  # as the router does
+    httpx.post(f"{cluster.p.url}/internal/abort", json={"request_id": "to-the-hole"}, headers=H, timeout=5)  # as the router does
     assert wait_blocks_free(cluster.workers, 5) == {p.name: 0 for p in cluster.workers}
     print(f"transfer (handshake) timeout after {took:.2f} s (set to 1 s)")

@@ -1,12 +1,13 @@
 import pytest
 
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.request import Request
 from pdserve.engine.sequence import Sequence
 from pdserve.sampling_params import SamplingParams
 
 
 def seq(name: str, n: int = 1) -> Sequence:
-    return Sequence(name, list(range(n)), SamplingParams())
+    return Sequence(Request(request_id=name, prompt_token_ids=list(range(n)), params=SamplingParams()))
 
 
 def test_allocate_grow_and_free_return_to_zero():

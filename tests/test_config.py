@@ -105,7 +105,10 @@ def test_yaml_and_shape_errors(tmp_path):
         (_with("prefill.0.numa_node", "zero"), "prefill.0.numa_node"),
         (_with("prefill.0.cpus", "0-x"), "bad cpulist '0-x'"),
         (_with("prefill.0.cpus", ","), "cpus must name at least one CPU"),
-        (_with("transfer.backend", "tcp"), "transfer.backend: Input should be 'nixl' or 'fake'"),
+        (_with("transfer.backend", "tcp"), "transfer.backend: Input should be 'nixl'"),
+        (_with("transfer.backend", "fake"), "transfer.backend: Input should be 'nixl'"),  # the test fake is not for clusters
+        (_with("transfer.kv_load_failure_policy", "retry"), "transfer.kv_load_failure_policy: Input should be 'fail' or 'recompute'"),
+        (_with("router.breaker_failures", 0), "router.breaker_failures: Input should be greater than or equal to 1"),
         (_with("transfer.ucx", {"TLS": "tcp"}), "UCX_* environment variables only; not: ['TLS']"),
         (_with("router.prefill_policy", "random"), "router.prefill_policy: Input should be 'round_robin'"),
         (_with("prefill.0.kv_block_size", 0), "prefill.0.kv_block_size: Input should be greater than or equal to 1"),

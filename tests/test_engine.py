@@ -21,7 +21,8 @@ import torch
 
 from pdserve.disagg.base import KVConnector, KVHandle, TransferError, TransferStage
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.kv_cache import KVCache, KVRegionSpec
+from pdserve.engine.request import FirstToken, Request
+from pdserve.model.kv_cache import KVCache, KVRegionSpec
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.model.batch import ForwardBatch
 from pdserve.sampling_params import SamplingParams
@@ -29,6 +30,12 @@ from pdserve.sampling_params import SamplingParams
 pytestmark = pytest.mark.timeout(120)
 
 VOCAB, DIM, EOS = 64, 16, 1
+
+
+def add(engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams | None = None, *, first_token: int | None = None, **kw) -> None:
+    """engine.add_request with a Request built from the pieces the tests vary."""
+    first = FirstToken(token_id=first_token) if first_token is not None else None
+    engine.add_request(Request(request_id=request_id, prompt_token_ids=prompt, params=params or SamplingParams(), first_token=first, **kw))
 
 
 @dataclass(frozen=True)
@@ -118,7 +125,7 @@ def test_batched_greedy_matches_cacheless_reference(model_dir):
     engine = make_engine(model_dir)
     lens = [5 + 3 * i for i in range(len(PROMPTS))]  # finish at different steps
     for i, (p, n) in enumerate(zip(PROMPTS, lens)):
-        engine.add_request(str(i), p, greedy(n))
+        add(engine, str(i), p, greedy(n))
     final = run_all(engine)
     ref = FakeModel(0)
     for i, (p, n) in enumerate(zip(PROMPTS, lens)):
@@ -132,7 +139,7 @@ def test_preemption_recomputes_and_returns_every_block(model_dir):
     # 24 blocks of 4 tokens: the prompts alone need more, so sequences are preempted and recomputed
     engine = make_engine(model_dir, num_kv_blocks=24, max_model_len=96)
     for i, p in enumerate(PROMPTS):
-        engine.add_request(str(i), p, greedy(24))
+        add(engine, str(i), p, greedy(24))
     final = run_all(engine)
     ref = FakeModel(0)
     assert engine.get_stats().num_preemptions > 0
@@ -151,7 +158,7 @@ def test_chunked_prefill_respects_the_token_budget(model_dir):
         return original(sched)
 
     engine.runner.run = spy
-    engine.add_request("long", PROMPTS[-1], greedy(3))
+    add(engine, "long", PROMPTS[-1], greedy(3))
     final = run_all(engine)
     assert max(seen) <= 8 and seen[:2] == [8, 8]
     assert final["long"].outputs[0].token_ids == reference_greedy(FakeModel(0), PROMPTS[-1], 3)
@@ -160,16 +167,16 @@ def test_chunked_prefill_respects_the_token_budget(model_dir):
 def test_seeded_sampling_does_not_depend_on_the_batch(model_dir):
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
     alone = make_engine(model_dir, seed=0)
-    alone.add_request("x", PROMPTS[3], params)
+    add(alone, "x", PROMPTS[3], params)
     want = run_all(alone)["x"].outputs[0].token_ids
     crowd = make_engine(model_dir, seed=0)
     for i, p in enumerate(PROMPTS):
-        crowd.add_request(str(i), p, SamplingParams(temperature=1.0, max_tokens=5 + i, ignore_eos=True))
+        add(crowd, str(i), p, SamplingParams(temperature=1.0, max_tokens=5 + i, ignore_eos=True))
         if i == 4:
-            crowd.add_request("x", PROMPTS[3], params)
+            add(crowd, "x", PROMPTS[3], params)
     assert run_all(crowd)["x"].outputs[0].token_ids == want
     other = make_engine(model_dir)
-    other.add_request("x", PROMPTS[3], params.model_copy(update={"seed": 99}))
+    add(other, "x", PROMPTS[3], params.model_copy(update={"seed": 99}))
     assert run_all(other)["x"].outputs[0].token_ids != want
 
 
@@ -180,13 +187,13 @@ def test_stop_token_ids_eos_and_min_tokens(model_dir):
     stop_tok = ref[stop_at]
     first = ref.index(stop_tok)
     engine = make_engine(model_dir)
-    engine.add_request("stop", PROMPTS[4], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_tok]))
+    add(engine, "stop", PROMPTS[4], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_tok]))
     out = run_all(engine)["stop"].outputs[0]
     assert out.token_ids == ref[: first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_tok
     # EOS, unless ignore_eos: make EOS the greedy pick by naming it a stop token of the fake model
     engine.runner.eos_token_ids.add(stop_tok)
     engine.eos_token_ids.add(stop_tok)
-    engine.add_request("eos", PROMPTS[4], SamplingParams(temperature=0, max_tokens=10))
+    add(engine, "eos", PROMPTS[4], SamplingParams(temperature=0, max_tokens=10))
     out = run_all(engine)["eos"].outputs[0]
     assert out.token_ids == ref[: first + 1] and out.finish_reason == "stop" and out.stop_reason is None
 
@@ -195,14 +202,14 @@ def test_min_tokens_masks_stop_tokens(model_dir):
     ref = reference_greedy(FakeModel(0), PROMPTS[2], 6)
     engine = make_engine(model_dir)
     params = SamplingParams(temperature=0, max_tokens=6, min_tokens=6, stop_token_ids=[ref[0]])
-    engine.add_request("m", PROMPTS[2], params)
+    add(engine, "m", PROMPTS[2], params)
     out = run_all(engine)["m"].outputs[0]
     assert len(out.token_ids) == 6 and ref[0] not in out.token_ids[:6] and out.finish_reason == "length"
 
 
 def test_max_model_len_finishes_with_length(model_dir):
     engine = make_engine(model_dir, max_model_len=20)
-    engine.add_request("a", PROMPTS[4], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
+    add(engine, "a", PROMPTS[4], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
     out = run_all(engine)["a"]
     assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 20
     assert out.outputs[0].finish_reason == "length"
@@ -211,7 +218,7 @@ def test_max_model_len_finishes_with_length(model_dir):
 def test_abort_frees_blocks_and_reports(model_dir):
     engine = make_engine(model_dir)
     for i, p in enumerate(PROMPTS):
-        engine.add_request(str(i), p, greedy(50))
+        add(engine, str(i), p, greedy(50))
     for _ in range(4):
         engine.step()
     assert engine.get_stats().kv_blocks_used > 0
@@ -222,13 +229,13 @@ def test_abort_frees_blocks_and_reports(model_dir):
     assert all(o.finished and o.outputs[0].finish_reason == "abort" for o in outs)
     assert not engine.has_unfinished_requests()
     assert engine.get_stats().kv_blocks_used == 0
-    engine.add_request("0", PROMPTS[0], greedy(2))  # the id is free again
+    add(engine, "0", PROMPTS[0], greedy(2))  # the id is free again
     assert run_all(engine)["0"].outputs[0].token_ids == reference_greedy(FakeModel(0), PROMPTS[0], 2)
 
 
 def test_logprobs_are_attached(model_dir):
     engine = make_engine(model_dir)
-    engine.add_request("lp", PROMPTS[3], SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True))
+    add(engine, "lp", PROMPTS[3], SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True))
     out = run_all(engine)["lp"].outputs[0]
     assert len(out.logprobs) == 4
     for tok, entry in zip(out.token_ids, out.logprobs):
@@ -241,18 +248,18 @@ def test_logprobs_are_attached(model_dir):
 def test_bad_requests_raise_clear_errors(model_dir):
     engine = make_engine(model_dir, max_model_len=20)
     with pytest.raises(ValueError, match="max_model_len"):
-        engine.add_request("a", list(range(2, 22)), GREEDY)
+        add(engine, "a", list(range(2, 22)), GREEDY)
     with pytest.raises(ValueError, match="empty"):
-        engine.add_request("a", [], GREEDY)
+        add(engine, "a", [], GREEDY)
     with pytest.raises(ValueError, match="stop strings"):
-        engine.add_request("a", [2, 3], SamplingParams(stop=["x"]))
+        add(engine, "a", [2, 3], SamplingParams(stop=["x"]))
     with pytest.raises(ValueError, match=r"\[0, 64\)"):
-        engine.add_request("a", [2, 999], GREEDY)
+        add(engine, "a", [2, 999], GREEDY)
     with pytest.raises(ValueError, match="connector"):
-        engine.add_request("a", [2, 3], GREEDY, hold_kv=True)
-    engine.add_request("a", [2, 3], GREEDY)
+        add(engine, "a", [2, 3], GREEDY, hold_kv=True)
+    add(engine, "a", [2, 3], GREEDY)
     with pytest.raises(ValueError, match="already in use"):
-        engine.add_request("a", [2, 3], GREEDY)
+        add(engine, "a", [2, 3], GREEDY)
 
 
 # ----------------------------------------------------------------------------- PD hooks
@@ -274,9 +281,12 @@ class CopyConnector(KVConnector):
     def register_kv_cache(self, kv_cache: KVCache) -> None:
         self.kv = kv_cache
 
+    def peer_metadata(self) -> bytes:
+        return self.engine_id.encode()
+
     def on_prefill_finished(self, request_id, block_ids, num_tokens) -> KVHandle:
         self.leases[request_id] = list(block_ids)
-        return KVHandle(request_id=request_id, engine_id=self.engine_id, metadata_url="inproc://", block_ids=list(block_ids),
+        return KVHandle(request_id=request_id, engine_id=self.engine_id, instance_id="i", metadata_url="inproc://", block_ids=list(block_ids),
                         num_tokens=num_tokens, compat_hash="h", lease_expires_at=0.0)
 
     def poll_releases(self) -> list[str]:
@@ -286,7 +296,7 @@ class CopyConnector(KVConnector):
     def release(self, request_id) -> None:
         self.leases.pop(request_id, None)
 
-    def start_load(self, handle, local_block_ids) -> None:
+    def start_load(self, handle, local_block_ids, peer=None) -> None:
         if handle.compat_hash != "h":
             raise TransferError(handle.request_id, TransferStage.HANDSHAKE, "compatibility hash mismatch")
         if self.fail_reads:
@@ -322,7 +332,7 @@ def test_pd_hand_off_matches_colocated(model_dir):
     prefill, decode = pd_pair(model_dir)
     lens = [4 + i for i in range(len(PROMPTS))]
     for i, (p, n) in enumerate(zip(PROMPTS, lens)):
-        prefill.add_request(str(i), p, greedy(n), hold_kv=True)
+        add(prefill, str(i), p, greedy(n), hold_kv=True)
     firsts = run_all(prefill)
     assert not prefill.has_unfinished_requests() and prefill.has_held_kv()
     held = prefill.get_stats()
@@ -332,7 +342,7 @@ def test_pd_hand_off_matches_colocated(model_dir):
         assert out.finished and out.outputs[0].finish_reason is None and len(out.outputs[0].token_ids) == 1
         h = out.kv_handle
         assert h.num_tokens == len(p) and len(h.block_ids) == math.ceil(len(p) / 4)
-        decode.add_request(str(i), p, greedy(n), kv_handle=h, first_token=out.outputs[0].token_ids[0])
+        add(decode, str(i), p, greedy(n), kv_handle=h, first_token=out.outputs[0].token_ids[0])
     final = run_all(decode)
     prefill.step()  # polls the releases the decode side sent
     ref = FakeModel(0)
@@ -344,7 +354,7 @@ def test_pd_hand_off_matches_colocated(model_dir):
 
 def test_pd_prefill_that_stops_on_its_first_token_holds_nothing(model_dir):
     prefill, _ = pd_pair(model_dir)
-    prefill.add_request("one", PROMPTS[2], greedy(1), hold_kv=True)
+    add(prefill, "one", PROMPTS[2], greedy(1), hold_kv=True)
     out = run_all(prefill)["one"]
     assert out.outputs[0].finish_reason == "length" and out.kv_handle is None
     assert prefill.get_stats().kv_blocks_used == 0 and not prefill.has_held_kv()
@@ -352,11 +362,11 @@ def test_pd_prefill_that_stops_on_its_first_token_holds_nothing(model_dir):
 
 def test_pd_release_kv_and_abort_of_held_request(model_dir):
     prefill, _ = pd_pair(model_dir)
-    prefill.add_request("a", PROMPTS[5], greedy(8), hold_kv=True)
-    prefill.add_request("b", PROMPTS[6], greedy(8), hold_kv=True)
+    add(prefill, "a", PROMPTS[5], greedy(8), hold_kv=True)
+    add(prefill, "b", PROMPTS[6], greedy(8), hold_kv=True)
     run_all(prefill)
     assert prefill.get_stats().num_held == 2
-    prefill.release_kv("a")
+    prefill.abort_request("a")
     prefill.abort_request("b")
     prefill.step()
     assert prefill.get_stats().kv_blocks_used == 0
@@ -365,17 +375,17 @@ def test_pd_release_kv_and_abort_of_held_request(model_dir):
 
 def test_pd_failed_load_reports_error_and_frees_blocks(model_dir):
     prefill, decode = pd_pair(model_dir, fail_reads=True)
-    prefill.add_request("a", PROMPTS[5], greedy(8), hold_kv=True)
+    add(prefill, "a", PROMPTS[5], greedy(8), hold_kv=True)
     out = run_all(prefill)["a"]
-    decode.add_request("a", PROMPTS[5], greedy(8), kv_handle=out.kv_handle, first_token=out.outputs[0].token_ids[0])
+    add(decode, "a", PROMPTS[5], greedy(8), kv_handle=out.kv_handle, first_token=out.outputs[0].token_ids[0])
     bad = out.kv_handle.model_copy(update={"compat_hash": "other", "request_id": "b"})
-    decode.add_request("b", PROMPTS[5], greedy(8), kv_handle=bad, first_token=3)
+    add(decode, "b", PROMPTS[5], greedy(8), kv_handle=bad, first_token=3)
     final = run_all(decode)
     assert final["a"].outputs[0].finish_reason == "error" and "peer went away" in final["a"].error
     assert "READING" in final["a"].error
     assert final["b"].outputs[0].finish_reason == "error" and "hash mismatch" in final["b"].error
     assert decode.get_stats().kv_blocks_used == 0
-    prefill.release_kv("a")
+    prefill.abort_request("a")
     prefill.step()
     assert prefill.get_stats().kv_blocks_used == 0
 
@@ -387,11 +397,11 @@ def test_pd_decode_waits_for_blocks(model_dir):
     decode = make_engine(model_dir, CopyConnector("D", peers), num_kv_blocks=20, max_model_len=80)
     prompts = PROMPTS[5:8]
     for i, p in enumerate(prompts):
-        prefill.add_request(str(i), p, greedy(6), hold_kv=True)
+        add(prefill, str(i), p, greedy(6), hold_kv=True)
     firsts = run_all(prefill)
     for i, p in enumerate(prompts):
         out = firsts[str(i)]
-        decode.add_request(str(i), p, greedy(6), kv_handle=out.kv_handle, first_token=out.outputs[0].token_ids[0])
+        add(decode, str(i), p, greedy(6), kv_handle=out.kv_handle, first_token=out.outputs[0].token_ids[0])
     final = run_all(decode)
     prefill.step()
     ref = FakeModel(0)
@@ -403,7 +413,7 @@ def test_pd_decode_waits_for_blocks(model_dir):
 class SlowConnector(CopyConnector):
     """CopyConnector whose reads never finish (test double): a load stays in flight."""
 
-    def start_load(self, handle, local_block_ids) -> None:
+    def start_load(self, handle, local_block_ids, peer=None) -> None:
         self.in_flight = handle.request_id
 
     def cancel_load(self, request_id) -> None:
@@ -414,9 +424,9 @@ def test_pd_abort_while_loading_cancels_and_frees(model_dir):
     peers: dict[str, CopyConnector] = {}
     prefill = make_engine(model_dir, CopyConnector("P", peers))
     decode = make_engine(model_dir, SlowConnector("D", peers))
-    prefill.add_request("a", PROMPTS[6], greedy(5), hold_kv=True)
+    add(prefill, "a", PROMPTS[6], greedy(5), hold_kv=True)
     out = run_all(prefill)["a"]
-    decode.add_request("a", PROMPTS[6], greedy(5), kv_handle=out.kv_handle, first_token=out.outputs[0].token_ids[0])
+    add(decode, "a", PROMPTS[6], greedy(5), kv_handle=out.kv_handle, first_token=out.outputs[0].token_ids[0])
     decode.step()
     stats = decode.get_stats()
     assert stats.num_waiting_for_remote_kv == 1 and stats.kv_blocks_used == math.ceil(len(PROMPTS[6]) / 4)
@@ -430,7 +440,7 @@ def test_requests_added_from_another_thread(model_dir):
     import threading
 
     engine = make_engine(model_dir)
-    adders = [threading.Thread(target=engine.add_request, args=(str(i), p, greedy(6))) for i, p in enumerate(PROMPTS)]
+    adders = [threading.Thread(target=add, args=(engine, str(i), p, greedy(6))) for i, p in enumerate(PROMPTS)]
     for t in adders:
         t.start()
     for t in adders:
@@ -507,7 +517,7 @@ def test_streamed_text_never_shows_what_a_stop_string_removes(tiny_llm):
     full = _greedy_text(tiny_llm)
     stop = full.text[9:13]
     engine = tiny_llm.engine
-    engine.add_request("s", engine.tokenizer.encode(PROMPT), SamplingParams(temperature=0, max_tokens=24, stop=stop, ignore_eos=True))
+    add(engine, "s", engine.tokenizer.encode(PROMPT), SamplingParams(temperature=0, max_tokens=24, stop=stop, ignore_eos=True))
     texts = []
     while engine.has_unfinished_requests():
         texts += [o.outputs[0].text for o in engine.step()]

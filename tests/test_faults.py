@@ -19,8 +19,9 @@ import httpx
 import pytest
 
 from cluster import SECRET, Cluster, scrape, wait_blocks_free
-from pdserve.server.breaker import BreakerState, CircuitBreaker
-from pdserve.server.dispatch import DispatchSettings
+from pdserve.router.breaker import BreakerState, CircuitBreaker
+from pdserve.config import RouterConfig
+from pdserve.router.dispatch import MAX_BACKOFF_S, backoff
 from pdserve.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -41,7 +42,7 @@ def cluster(tmp_path_factory):
         c.d_fail = c.worker("decode", "--transfer-timeout", "3", peers=peers)
         c.d_recompute = c.worker("decode", "--transfer-timeout", "3", "--kv-load-failure-policy", "recompute", peers=peers)
         c.d_bad = c.worker("decode", "--peer", "http://127.0.0.1:1")  # refuses every prefill's metadata
-        c.both = c.worker("both")
+        c.both = c.worker("colocated")
         c.r = c.router("--decode-policy", "round_robin", prefill=[c.p], decode=[c.d_fail, c.d_recompute])
         c.rb = c.router(
             "--decode-policy", "round_robin", "--breaker-failures", "2", "--breaker-cooldown", str(BREAKER_COOLDOWN_S), prefill=[c.p], decode=[c.d_bad, c.d_recompute]
@@ -79,12 +80,11 @@ def test_breaker_states_with_a_fake_clock():
 
 
 def test_retry_backoff_doubles_and_is_capped():
-    s = DispatchSettings(max_attempts=5, retry_backoff_s=0.1, max_backoff_s=0.3)
-    for attempt, top in [(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.3)]:
-        waits = [s.backoff(attempt) for _ in range(50)]
+    for attempt, top in [(1, 0.1), (2, 0.2), (3, 0.4), (4, 0.8), (5, MAX_BACKOFF_S), (9, MAX_BACKOFF_S)]:
+        waits = [backoff(0.1, attempt) for _ in range(50)]
         assert all(top / 2 <= w <= top for w in waits)
     with pytest.raises(ValueError):
-        DispatchSettings(max_attempts=0)
+        RouterConfig(max_attempts=0)
 
 
 def _generate(worker, body: dict) -> list[dict]:
@@ -109,9 +109,10 @@ def _handoff(prefill, rid: str, prompt: list[int]) -> dict:
 
 
 def _continue(decode, rid: str, prompt: list[int], last: dict) -> list[dict]:
-    """Then the decode worker, with the handle and the first token."""
-    body = {"request_id": rid, "prompt_token_ids": prompt, "params": PARAMS, "kv_handle": last["kv_handle"], "first_token": last["token_ids"][0]}
-    return _generate(decode, body)
+    """Then the decode worker, with the handle and the first token: the request's whole output,
+    prefill's chunk then decode's (which continue after the first token)."""
+    body = {"request_id": rid, "prompt_token_ids": prompt, "params": PARAMS, "kv_handle": last["kv_handle"], "first_token": {"token_id": last["token_ids"][0]}}
+    return [last, *_generate(decode, body)]
 
 
 def _complete(router, prompt, max_tokens: int = 6, **kw) -> httpx.Response:
@@ -139,6 +140,7 @@ def test_prefill_killed_before_the_read_fails_or_recomputes_by_policy(cluster):
     end = failed[-1]
     assert end["finish_reason"] == "error" and _token_ids(failed) == want[:1]  # only prefill's token, nothing made up
     assert "KV transfer for request held-0 failed at" in end["error"] and ("READING" in end["error"] or "HANDSHAKE" in end["error"])
+    assert end["transfer_error"]["request_id"] == "held-0" and end["transfer_error"]["stage"] in ("READING", "HANDSHAKE")
     assert fail_s < 3 + 2  # the transfer timeout bounds it
 
     recomputed = _continue(cluster.d_recompute, "held-1", PROMPT, held[1])
@@ -209,7 +211,8 @@ def test_circuit_breaker_cuts_off_a_failing_worker(cluster):
         codes.append(r.status_code)
         if r.status_code != 200:
             err = r.json()["error"]
-            assert "failed at HANDSHAKE" in err["message"] and "not from a configured peer" in err["message"], err
+            assert err["code"] == "kv_transfer_failed" and "failed at stage HANDSHAKE" in err["message"], err
+            assert "not from a configured peer" in err["message"], err
     assert codes.count(502) == 2 and codes[:4] == [502, 200, 502, 200] and set(codes[4:]) == {200}
     row = _worker_row(rb, cluster.d_bad)
     assert row["healthy"] is True and row["breaker"] == "open" and row["breaker_opens"] == 1

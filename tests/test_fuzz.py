@@ -25,7 +25,7 @@ from schemathesis.checks import (
 )
 
 from cluster import Cluster
-from pdserve.server.openai_protocol import MAX_STOP_STRINGS
+from pdserve.router.openai_protocol import MAX_STOP_STRINGS
 from pdserve.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -40,7 +40,7 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 def cluster(tmp_path_factory):
     root = tmp_path_factory.mktemp("fuzz")
     with Cluster(make_tiny_model(root / "tiny"), root / "logs") as c:
-        c.both = c.worker("both", "--max-model-len", str(MAX_MODEL_LEN))
+        c.both = c.worker("colocated", "--max-model-len", str(MAX_MODEL_LEN))
         c.main = c.router("--request-timeout", "60", colocated=[c.both])
         c.wait_healthy()
         yield c

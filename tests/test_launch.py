@@ -1,5 +1,6 @@
 """`pdserve launch` with real processes on free ports: health, NUMA affinity, clean stop, failures."""
 
+import json
 import os
 import re
 import signal
@@ -16,6 +17,7 @@ import yaml
 from pdserve.config import load_config, parse_config
 from pdserve.launch import plan, port_free
 from pdserve.numa import numa_nodes, process_cpus
+from tests.cluster import free_port
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -24,14 +26,12 @@ STARTUP_S = 240
 
 
 def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    ports: list[int] = []
+    while len(ports) < n:
+        p = free_port()
+        if p not in ports:
+            ports.append(p)
+    return ports
 
 
 def pdserve(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
@@ -124,9 +124,20 @@ def test_worker_affinity_is_what_the_config_says(cluster):
     pids = cluster["pids"]
     for name, role, want in (("prefill-0", "prefill", [cpus[0]]), ("decode-0", "decode", [cpus[-1]])):
         with open(f"/proc/{pids[name]}/cmdline", "rb") as f:
-            assert f"--role\0{role}\0".encode() in f.read()
+            argv = f.read().split(b"\0")
+        config = Path(argv[argv.index(b"--config") + 1].decode())
+        assert config.name == f"{name}.json" and json.loads(config.read_text())["role"] == role
         assert process_cpus(pids[name]) == want, name
     assert process_cpus(pids["router"]) == sorted(os.sched_getaffinity(0))  # the router is not pinned
+
+
+def test_children_get_their_config_in_a_private_file_not_in_argv(cluster):
+    for name, pid in cluster["pids"].items():
+        config = cluster["tmp"] / "logs" / f"{name}.json"
+        secret = json.loads(config.read_text())["cluster_secret"]
+        assert secret and config.stat().st_mode & 0o777 == 0o600, name  # a fresh secret, readable by its owner only
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            assert secret.encode() not in f.read(), name
 
 
 def test_sigterm_stops_every_child_and_frees_the_ports(cluster):
@@ -162,13 +173,13 @@ def test_plans_tensor_parallel_workers(monkeypatch):
     unpinned = {g: [w.model_copy(update={"numa_node": None}) for w in getattr(cfg, g)] for g in ("prefill", "decode")}
     prefill, decode, _ = plan(cfg.model_copy(update=unpinned), "/models/ckpt")
     for spec, gpus in ((prefill, "0,1,2,3"), (decode, "4,5,6,7")):
-        assert spec.argv[spec.argv.index("--tensor-parallel-size") + 1] == "4"
-        assert spec.argv[spec.argv.index("--device") + 1] == "cuda"
+        assert spec.config.worker.tp_size == 4
+        assert spec.config.worker.device == "cuda"
         assert spec.env["CUDA_VISIBLE_DEVICES"] == gpus
     cpus = sorted(os.sched_getaffinity(0))
     cpu_cfg = parse_config({"model": "tiny:deepseek_v3", "colocated": [{"port": 30000, "tp_size": 2, "numa_node": 0, "cpus": f"{cpus[0]}"}]})
     worker = plan(cpu_cfg, "/models/ckpt")[0]
-    assert worker.argv[worker.argv.index("--tensor-parallel-size") + 1] == "2"
+    assert worker.config.worker.tp_size == 2
     assert worker.env["OMP_NUM_THREADS"] == "1"  # one CPU for two ranks: never fewer than one thread
 
 

@@ -42,7 +42,7 @@ def cluster(tmp_path_factory):
     with Cluster(model, root / "logs") as c:
         prefill = c.worker("prefill")
         decode = c.worker("decode", peers=[prefill])
-        both = c.worker("both")
+        both = c.worker("colocated")
         c.pd_router = c.router(prefill=[prefill], decode=[decode])
         c.colo_router = c.router(colocated=[both])
         c.wait_healthy()

@@ -11,14 +11,16 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-from pdserve.server.dispatch import _Joiner
-from pdserve.server.errors import OpenAIError
-from pdserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
-from pdserve.server.policies import LeastLoad, PowerOfTwo, RoundRobin, make_policy
-from pdserve.server.protocol import GenerateChunk, GenerateRequest
-from pdserve.server.router import RouterSettings, build_router_app
-from pdserve.server.validation import RequestValidator
-from pdserve.server.worker import _safe_handoff_text
+from pdserve.router.dispatch import _Offsets
+from pdserve.wire.errors import OpenAIError
+from pdserve.router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.router.policies import LeastLoad, PowerOfTwo, RoundRobin, make_policy
+from pdserve.wire.protocol import GenerateChunk, Request
+from pdserve.config import RouterServeConfig
+from pdserve.router.app import build_router_app
+from pdserve.router.validation import RequestValidator
+from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.stop import visible_text
 from pdserve.sampling_params import SamplingParams
 from pdserve.tiny_model import make_tiny_model
 from pdserve.tokenizer import Tokenizer
@@ -161,30 +163,31 @@ def _chunk(tok_off, ids, text_off, text, finish=None):
     return GenerateChunk(request_id="r", token_offset=tok_off, token_ids=ids, text_offset=text_off, text=text, finish_reason=finish)
 
 
-def test_joiner_drops_what_prefill_already_sent():
-    j = _Joiner()
-    first = j.take(_chunk(0, [7], 0, "ab"))
-    assert (first.token_ids, first.text) == ([7], "ab")
-    nxt = j.take(_chunk(0, [7, 8, 9], 0, "abcd"))  # decode's first chunk repeats the first token
-    assert (nxt.token_offset, nxt.token_ids, nxt.text) == (1, [8, 9], "cd")
-    assert j.take(_chunk(3, [], 4, "")) is None
-    assert j.take(_chunk(3, [], 4, "", finish="stop")).finish_reason == "stop"
+def test_chunks_must_continue_where_the_output_stands():
+    o = _Offsets()
+    o.advance(_chunk(0, [7], 0, "ab"))  # prefill: the first token
+    o.advance(_chunk(1, [8, 9], 2, "cd"))  # decode starts after it (FirstToken.text_offset = 2)
+    o.advance(_chunk(3, [], 4, "", finish="stop"))
     with pytest.raises(OpenAIError):
-        j.take(_chunk(5, [1], 4, "x"))  # a gap is a protocol error
+        o.advance(_chunk(0, [7, 8, 9, 10], 0, "abcde"))  # a repeat is a protocol error
+    with pytest.raises(OpenAIError):
+        _Offsets().advance(_chunk(1, [1], 0, "x"))  # so is a gap
 
 
 def test_handoff_text_holds_back_a_possible_stop_string():
-    req = GenerateRequest(request_id="r", prompt_token_ids=[1], params=SamplingParams(stop=["xyz", "q"]), hold_kv=True)
-    assert _safe_handoff_text("hello", req) == "hel"
-    req.params.include_stop_str_in_output = True
-    assert _safe_handoff_text("hello", req) == "hello"
+    req = Request(request_id="r", prompt_token_ids=[1], params=SamplingParams(stop=["xyz", "q"]), hold_kv=True)
+    seq = Sequence(req)
+    seq.text, seq.status = "hello", SequenceStatus.FINISHED_REMOTE_DECODE  # prefill's last word: decode goes on
+    assert visible_text(seq) == "hel"
+    seq.status = SequenceStatus.FINISHED_LENGTH
+    assert visible_text(seq) == "hello"
 
 
 def test_internal_protocol_refuses_other_versions():
     with pytest.raises(ValidationError, match="version"):
-        GenerateRequest(version=2, request_id="r", prompt_token_ids=[1], params=SamplingParams())
+        Request(version=2, request_id="r", prompt_token_ids=[1], params=SamplingParams())
     with pytest.raises(ValidationError):
-        GenerateRequest(request_id="bad id with spaces", prompt_token_ids=[1], params=SamplingParams())
+        Request(request_id="bad id with spaces", prompt_token_ids=[1], params=SamplingParams())
 
 
 # -- the router app in-process, no workers behind it --
@@ -192,8 +195,11 @@ def test_internal_protocol_refuses_other_versions():
 
 @pytest.fixture(scope="module")
 def router_app(model_dir):
-    settings = RouterSettings(model_dir=model_dir, served_model_name="tiny", vocab_size=1024, max_model_len=64, api_key="sk-test", health_interval=60)
-    return build_router_app(settings, ["http://127.0.0.1:9"], ["http://127.0.0.1:9"], [])
+    config = RouterServeConfig(
+        role="router", model=model_dir, served_model_name="tiny", router={"max_model_len": 64, "api_key": "sk-test", "health_interval": 60},
+        prefill=["http://127.0.0.1:9"], decode=["http://127.0.0.1:9"],
+    )  # fmt: skip
+    return build_router_app(config)
 
 
 async def _call(app, method, path, key="sk-test", headers=None, **kw) -> httpx.Response:
@@ -249,7 +255,7 @@ async def test_router_health_metrics_and_openapi(router_app):
 def _serve_args(*argv: str):
     import argparse
 
-    from pdserve.server.serve import add_serve_args
+    from pdserve.serve import add_serve_args
 
     p = argparse.ArgumentParser()
     add_serve_args(p)
@@ -257,9 +263,11 @@ def _serve_args(*argv: str):
 
 
 def test_serve_refuses_unsafe_or_incomplete_setups(model_dir, capsys):
-    from pdserve.server.serve import run_serve
+    from pdserve.serve import run_serve
 
-    assert _serve_args("--role", "decode", "--model", model_dir).host == "127.0.0.1"  # loopback by default
+    from pdserve.serve import config_from_args
+
+    assert config_from_args(_serve_args("--role", "decode", "--model", model_dir, "--peer", "http://127.0.0.1:1")).worker.host == "127.0.0.1"  # loopback by default
     assert run_serve(_serve_args("--role", "decode", "--model", model_dir, "--host", "0.0.0.0")) == 2
     assert "--cluster-secret" in capsys.readouterr().err
     assert run_serve(_serve_args("--role", "router", "--model", model_dir, "--prefill", "http://127.0.0.1:1")) == 2
@@ -280,8 +288,8 @@ def _info(role: str) -> dict:
 
 
 async def test_prober_marks_workers_up_down_and_checks_roles():
-    from pdserve.server.health import WorkerPool
-    from pdserve.server.metrics import RouterMetrics
+    from pdserve.router.pool import WorkerPool
+    from pdserve.router.metrics import RouterMetrics
 
     state = {"decode_role": "decode", "prefill": "ok"}
 
@@ -321,6 +329,6 @@ async def test_prober_marks_workers_up_down_and_checks_roles():
 
 
 def render_metrics(metrics) -> str:
-    from pdserve.server.metrics import render
+    from pdserve.wire.metrics import render
 
     return render(metrics.registry).decode()

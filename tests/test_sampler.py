@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from pdserve.engine.sampler import Sampler
+from pdserve.engine.request import Request
 from pdserve.engine.sequence import Sequence
 from pdserve.sampling_params import SamplingParams
 
@@ -14,7 +15,7 @@ EOS = 1
 def seqs(n: int, prompt=(2, 3), outputs=(), **params) -> list[Sequence]:
     out = []
     for i in range(n):
-        s = Sequence(str(i), list(prompt), SamplingParams(**params))
+        s = Sequence(Request(request_id=str(i), prompt_token_ids=list(prompt), params=SamplingParams(**params)))
         s.output_token_ids = list(outputs)
         out.append(s)
     return out

@@ -7,6 +7,7 @@ import random
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.engine.request import FirstToken, Request
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.sampling_params import SamplingParams
 
@@ -14,7 +15,7 @@ _arrival = iter(range(10**9))
 
 
 def seq(name: str, prompt_len: int, max_tokens: int = 4) -> Sequence:
-    return Sequence(name, [5] * prompt_len, SamplingParams(max_tokens=max_tokens), arrival=next(_arrival))
+    return Sequence(Request(request_id=name, prompt_token_ids=[5] * prompt_len, params=SamplingParams(max_tokens=max_tokens)), arrival=next(_arrival))
 
 
 def advance(sched: Scheduler, out: SchedulerOutput) -> list[Sequence]:
@@ -153,9 +154,9 @@ def test_remote_sequences_get_blocks_then_join_waiting():
     sched = Scheduler(BlockManager(6, 4), max_num_seqs=8, max_num_batched_tokens=100)
     handles = []
     for i in range(3):
-        h = KVHandle(request_id=str(i), engine_id="p", metadata_url="", block_ids=[0, 1, 2], num_tokens=10,
+        h = KVHandle(request_id=str(i), engine_id="p", instance_id="i", metadata_url="", block_ids=[0, 1, 2], num_tokens=10,
                      compat_hash="x", lease_expires_at=0.0)
-        s = Sequence(str(i), [5] * 10, SamplingParams(max_tokens=3), kv_handle=h, arrival=next(_arrival))
+        s = Sequence(Request(request_id=str(i), prompt_token_ids=[5] * 10, params=SamplingParams(max_tokens=3), kv_handle=h, first_token=FirstToken(token_id=9)), arrival=next(_arrival))
         s.append_token(9)  # the first token, sampled by prefill
         sched.add_remote(s)
         handles.append(s)

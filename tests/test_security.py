@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from cluster import SECRET, Cluster, free_port
-from pdserve.server.http import TokenGuard
+from pdserve.wire.http import TokenGuard
 from pdserve.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -165,7 +165,7 @@ def test_workers_and_their_transfer_listeners_stay_on_loopback(cluster):
 
 
 def test_a_worker_beyond_loopback_needs_a_secret(cluster):
-    cmd = [sys.executable, "-m", "pdserve", "serve", "--role", "both", "--host", "0.0.0.0", "--port", str(free_port()), "--model", str(cluster.model)]
+    cmd = [sys.executable, "-m", "pdserve", "serve", "--role", "colocated", "--host", "0.0.0.0", "--port", str(free_port()), "--model", str(cluster.model)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--cluster-secret" in proc.stderr
 
@@ -182,7 +182,7 @@ def _external_ip() -> str:
 
 INTERNAL = [
     ("GET", "/internal/info", None), ("GET", "/internal/kv_metadata", None), ("POST", "/internal/abort", {"request_id": "r"}),
-    ("POST", "/internal/release", {"request_id": "r"}), ("GET", "/openapi.json", None),
+    ("GET", "/openapi.json", None),
     ("POST", "/internal/generate", {"request_id": "r", "prompt_token_ids": [1], "params": {"max_tokens": 1}, "hold_kv": True}),
 ]  # fmt: skip
 

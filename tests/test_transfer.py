@@ -6,6 +6,7 @@ metadata over HTTP) and play the decode worker in this process.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import select
@@ -20,10 +21,14 @@ import httpx
 import pytest
 import torch
 
-from pdserve.disagg import KVHandle, LeaseTable, TransferError, TransferStage, compat_hash, make_connector
-from pdserve.disagg.fake_connector import FakeFabric
+from pdserve.disagg.base import KVHandle, PeerMetadata, TransferError, TransferStage
+from pdserve.disagg.factory import ConnectorSettings, make_connector
+from pdserve.disagg.fake_connector import FakeConnector, FakeFabric
+from pdserve.disagg.layout import compat_hash
+from pdserve.disagg.lease_table import LeaseTable
+from pdserve.worker.peers import PeerMetadataFetcher
 from pdserve.disagg.layout import KVLayout, block_runs, build_descriptors, region_addrs
-from pdserve.engine.kv_cache import KVCache, KVRegionSpec
+from pdserve.model.kv_cache import KVCache, KVRegionSpec
 from tests.transfer_peer import make_kv, serve_metadata
 
 pytestmark = pytest.mark.timeout(120)
@@ -41,10 +46,23 @@ def assert_blocks_equal(dst: KVCache, dst_ids: list[int], src: KVCache, src_ids:
         assert torch.equal(as_bytes(dst.regions[name][:, dst_ids]), as_bytes(src.regions[name][:, src_ids])), name
 
 
-def run_load(conn, handle: KVHandle, local_ids: list[int], limit_s: float = 10.0) -> TransferError | None:
+def fetch(handle: KVHandle, allowed: list[str] | None = None, timeout_s: float = 2.0) -> PeerMetadata:
+    """What a decode worker does before admitting a request: GET the prefill peer's metadata."""
+
+    async def go() -> PeerMetadata:
+        fetcher = PeerMetadataFetcher(allowed if allowed is not None else [handle.metadata_url], timeout_s)
+        try:
+            return await fetcher.fetch(handle)
+        finally:
+            await fetcher.aclose()
+
+    return asyncio.run(go())
+
+
+def run_load(conn, handle: KVHandle, local_ids: list[int], limit_s: float = 10.0, peer: PeerMetadata | None = None) -> TransferError | None:
     """start_load then poll until the load is done (None) or failed (its error)."""
     try:
-        conn.start_load(handle, local_ids)
+        conn.start_load(handle, local_ids, peer)
     except TransferError as e:
         return e
     deadline = time.monotonic() + limit_s
@@ -123,8 +141,8 @@ def test_lease_table_release_and_expiry():
 
 def fake_pair(lease_s: float = 60.0, timeout_s: float = 30.0, model_id: str = "tiny"):
     fabric = FakeFabric()
-    pre = make_connector("fake", "pre-0", model_id="tiny", lease_s=lease_s, fabric=fabric, lease_margin_s=0.0)
-    dec = make_connector("fake", "dec-0", model_id=model_id, transfer_timeout_s=timeout_s, fabric=fabric)
+    pre = FakeConnector("pre-0", model_id="tiny", lease_s=lease_s, fabric=fabric, lease_margin_s=0.0)
+    dec = FakeConnector("dec-0", model_id=model_id, transfer_timeout_s=timeout_s, fabric=fabric)
     pre.register_kv_cache(make_kv(torch.float32, 0, 16))
     dec.register_kv_cache(make_kv(torch.float32, 1, 20))
     return fabric, pre, dec
@@ -205,9 +223,13 @@ def test_fake_cancel_releases_prefill_and_bad_block_ids_are_refused():
     assert err.stage is TransferStage.PENDING and "2 source blocks but 1" in err.reason
 
 
-def test_make_connector_rejects_unknown_backend():
+def test_make_connector_rejects_unknown_backends_and_options():
     with pytest.raises(ValueError, match="unknown transfer backend 'rdma'"):
-        make_connector("rdma", "e", model_id="m")
+        make_connector("rdma", "e", ConnectorSettings(model_id="m"))
+    with pytest.raises(ValueError, match="unknown transfer backend 'fake'"):  # the test fake is built directly, never by name
+        make_connector("fake", "e", ConnectorSettings(model_id="m"))
+    with pytest.raises(ValueError, match="progress_threads"):
+        make_connector("nixl", "e", ConnectorSettings(model_id="m", options={"progress_threads": False}))
 
 
 # ---------------------------------------------------------------- real NIXL, two processes
@@ -279,16 +301,9 @@ def peer(request):
         p.stop()
 
 
-def nixl_decode(dtype: str, model_id: str = "tiny", **kwargs):
-    conn = make_connector(
-        "nixl",
-        f"decode-{uuid.uuid4().hex[:8]}",
-        model_id=model_id,
-        lease_margin_s=0.5,
-        transfer_timeout_s=5.0,
-        metadata_timeout_s=2.0,
-        **kwargs,
-    )
+def nixl_decode(dtype: str, model_id: str = "tiny"):
+    settings = ConnectorSettings(model_id=model_id, lease_margin_s=0.5, transfer_timeout_s=5.0)
+    conn = make_connector("nixl", f"decode-{uuid.uuid4().hex[:8]}", settings)
     conn.register_kv_cache(make_kv(getattr(torch, dtype), 1, 40))
     return conn
 
@@ -306,7 +321,7 @@ def test_nixl_read_is_byte_exact_and_notification_releases_the_lease(peer, decod
     src_ids, dst_ids = [3, 4, 5, 9, 20, 21], [7, 8, 9, 0, 30, 31]
     handle = peer.prefill("r1", src_ids)
     before = {n: t.clone() for n, t in decode.kv.regions.items()}
-    assert run_load(decode, handle, dst_ids) is None
+    assert run_load(decode, handle, dst_ids, peer=fetch(handle)) is None
     assert_blocks_equal(decode.kv, dst_ids, peer.kv(), src_ids)
     untouched = [b for b in range(40) if b not in dst_ids]
     for name, t in decode.kv.regions.items():
@@ -316,7 +331,7 @@ def test_nixl_read_is_byte_exact_and_notification_releases_the_lease(peer, decod
     assert decode.stats.bytes_transferred == 6 * 3 * 4 * (40 + 16) * decode.kv.regions["latent"].element_size()
     state = peer.wait_released("r1")
     assert state["leases"] == 0 and state["lease_expirations"] == 0
-    # the second request reuses the cached peer (no new metadata fetch needed)
+    # the second request reuses the known peer instance (no metadata needed)
     assert run_load(decode, peer.prefill("r2", [0]), [1]) is None
     assert_blocks_equal(decode.kv, [1], peer.kv(), [0])
     peer.wait_released("r2")
@@ -339,7 +354,7 @@ def test_nixl_hash_mismatch_is_refused_with_both_hashes(peer):
         assert handle.compat_hash in err.value.reason and other.compat_hash in err.value.reason
         # a handle that matches but whose peer serves other metadata is refused at the handshake too
         forged = handle.model_copy(update={"compat_hash": other.compat_hash})
-        err2 = run_load(other, forged, [0])
+        err2 = run_load(other, forged, [0], peer=fetch(forged))
         assert err2.stage is TransferStage.HANDSHAKE and handle.compat_hash in err2.reason
     finally:
         other.shutdown()
@@ -356,15 +371,14 @@ def test_nixl_unreachable_peer_fails_fast_at_the_handshake(peer, decode):
     handle = peer.prefill("unreachable", [1])
     dead_url = f"http://127.0.0.1:{free_port()}/metadata"
     started = time.monotonic()
-    err = run_load(decode, handle.model_copy(update={"metadata_url": dead_url}), [0])
+    dead = handle.model_copy(update={"metadata_url": dead_url})
+    err = run_load(decode, dead, [0], peer=fetch(dead, timeout_s=2.0))
     assert err.stage is TransferStage.HANDSHAKE and dead_url in err.reason
-    assert time.monotonic() - started < decode.metadata_timeout_s + 1.0
-    allow = nixl_decode(peer.dtype, allowed_peers=["http://127.0.0.1:1"])
-    try:
-        err = run_load(allow, handle, [0])
-        assert err.stage is TransferStage.HANDSHAKE and "not from a configured peer" in err.reason
-    finally:
-        allow.shutdown()
+    assert time.monotonic() - started < 2.0 + 1.0
+    err = run_load(decode, handle, [0], peer=fetch(handle, allowed=["http://127.0.0.1:1"]))
+    assert err.stage is TransferStage.HANDSHAKE and "not from a configured peer" in err.reason
+    err = run_load(decode, handle.model_copy(update={"request_id": "no-metadata"}), [0])
+    assert err.stage is TransferStage.HANDSHAKE and "no metadata was fetched" in err.reason
 
 
 def test_nixl_killed_prefill_fails_within_the_timeout_and_is_forgotten():
@@ -372,7 +386,8 @@ def test_nixl_killed_prefill_fails_within_the_timeout_and_is_forgotten():
     decode = nixl_decode("float32")
     stale = None
     try:
-        assert run_load(decode, peer.prefill("ok", [1, 2]), [3, 4]) is None
+        ok = peer.prefill("ok", [1, 2])
+        assert run_load(decode, ok, [3, 4], peer=fetch(ok)) is None
         handle = peer.prefill("after-kill", [5])
         stale = serve_metadata(httpx.get(peer.metadata_url, timeout=2.0).content)
         peer.proc.send_signal(signal.SIGKILL)
@@ -381,12 +396,14 @@ def test_nixl_killed_prefill_fails_within_the_timeout_and_is_forgotten():
         err = run_load(decode, handle, [6])
         assert err is not None and err.stage is TransferStage.READING, err
         assert time.monotonic() - started < decode.transfer_timeout_s + 1.0
-        # the dead peer was dropped: the next handle fetches metadata again, and that fails cleanly
-        err = run_load(decode, handle.model_copy(update={"request_id": "again"}), [6])
+        # the dead peer was dropped: the next handle needs metadata again, and fetching it fails cleanly
+        again = handle.model_copy(update={"request_id": "again"})
+        err = run_load(decode, again, [6], peer=fetch(again))
         assert err.stage is TransferStage.HANDSHAKE and "fetching metadata" in err.reason
         # metadata that still reaches us but names a dead NIXL agent: unreachable agent, refused
         stale_url = f"http://127.0.0.1:{stale.server_address[1]}/metadata"
-        err = run_load(decode, handle.model_copy(update={"request_id": "stale", "metadata_url": stale_url}), [6])
+        stale_handle = handle.model_copy(update={"request_id": "stale", "metadata_url": stale_url})
+        err = run_load(decode, stale_handle, [6], peer=fetch(stale_handle))
         assert err.stage is TransferStage.HANDSHAKE and "adding NIXL agent" in err.reason, err
         assert decode.stats.transfers_done == 1 and decode.stats.transfers_failed == 3
     finally:

@@ -21,7 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
-from pdserve.engine.kv_cache import KVCache, KVRegionSpec
+from pdserve.model.kv_cache import KVCache, KVRegionSpec
 
 SPECS = [KVRegionSpec("latent", 40), KVRegionSpec("index_k", 16)]
 NUM_LAYERS, BLOCK_SIZE = 3, 4
@@ -72,7 +72,7 @@ def main() -> None:
 
     conn = NixlConnector(args.engine_id, model_id=args.model_id, lease_s=args.lease_s)
     conn.register_kv_cache(make_kv(getattr(torch, args.dtype), args.seed, args.num_blocks))
-    server = serve_metadata(conn.agent_metadata())
+    server = serve_metadata(conn.peer_metadata())
     conn.metadata_url = f"http://127.0.0.1:{server.server_address[1]}/metadata"
 
     def reply(doc: dict) -> None:

@@ -18,7 +18,6 @@ import numpy as np
 from pdserve.bench.client import RequestOutput
 
 PERCENTILES = (90, 99)
-LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms")
 
 

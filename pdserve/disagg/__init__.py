@@ -1,20 +1,5 @@
-"""PD disaggregation: the KV transfer interface (base), its backends (nixl, fake) and their helpers.
+"""PD disaggregation: the KV transfer interface (base.py), what every backend shares
+(leasing_connector.py, lease_table.py, stats.py, layout.py), the nixl backend (nixl_connector.py,
+built by factory.make_connector) and the in-process fake for unit tests (fake_connector.py).
 
-The nixl backend is not imported here: `make_connector("nixl", ...)` imports it when asked."""
-
-from pdserve.disagg.base import KVConnector, KVHandle, TransferError, TransferStage
-from pdserve.disagg.factory import make_connector
-from pdserve.disagg.layout import KVLayout, compat_hash
-from pdserve.disagg.lease import LeaseTable, TransferStats
-
-__all__ = [
-    "KVConnector",
-    "KVHandle",
-    "KVLayout",
-    "LeaseTable",
-    "TransferError",
-    "TransferStage",
-    "TransferStats",
-    "compat_hash",
-    "make_connector",
-]
+Nothing is imported here: the router reads KVHandle without loading torch or UCX."""

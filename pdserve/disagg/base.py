@@ -7,32 +7,36 @@ Life of a PD request (decode pulls, as vLLM's NixlConnector does):
     run prompt, sample first token
     on_prefill_finished -> KVHandle (blocks pinned)
           |  handle travels router -> decode  |
+    peer_metadata() <--HTTP GET handle.metadata_url-- the decode worker (worker/peers.py), before
+                                                     the request enters its engine
                                                      check handle.compat_hash
                                                      allocate local blocks
-                                                     start_load(handle, local blocks)  [READ]
+                                                     start_load(handle, local blocks, peer) [READ]
                                                      poll_loads -> done | TransferError
           <----------- notify "release <request_id>" ---
     poll_releases -> free blocks
     (or lease expiry -> free blocks)
 
-The engine calls these methods from its step loop; none of them blocks on the network for long.
-Backends: `nixl` (real, pdserve.disagg.nixl_connector) and `fake` (in-process, for unit tests).
+The engine calls these methods from its step loop; none of them waits on the network (the peer's
+metadata is fetched by the worker, asynchronously, before the request reaches the engine).
+Backends: `nixl` (pdserve.disagg.nixl_connector, the only one a config can name) and the
+in-process fake (pdserve.disagg.fake_connector, built directly by unit tests).
 """
 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-from pdserve.engine.kv_cache import KVCache
+if TYPE_CHECKING:  # no torch at import: the router reads KVHandle too
+    from pdserve.disagg.stats import TransferStats
+    from pdserve.model.kv_cache import KVCache
 
-if TYPE_CHECKING:
-    from pdserve.disagg.lease import TransferStats
-
-KV_HANDLE_VERSION = 1
+KV_HANDLE_VERSION = 2
 
 
 class KVHandle(BaseModel):
@@ -43,6 +47,7 @@ class KVHandle(BaseModel):
     version: int = KV_HANDLE_VERSION
     request_id: str
     engine_id: str  # the prefill worker's engine id (its NIXL agent name)
+    instance_id: str  # new each time that engine starts: a restarted peer's metadata is fetched anew
     metadata_url: str  # where the decode side fetches the prefill agent's NIXL metadata
     block_ids: list[int]  # prefill-side block ids, in sequence order
     num_tokens: int  # tokens whose KV is in those blocks
@@ -56,19 +61,43 @@ class TransferStage(enum.IntEnum):
     PENDING = 0
     HANDSHAKE = 1  # fetching / adding the remote agent's metadata
     READING = 2
-    NOTIFYING = 3
-    DONE = 4
-    FAILED = 5
+    DONE = 3
+    FAILED = 4
+
+
+class TransferFailure(BaseModel):
+    """A failed KV transfer as data: it travels decode engine -> worker -> router -> client error."""
+
+    model_config = ConfigDict(frozen=True)
+
+    request_id: str
+    stage: str = Field(description="TransferStage name: where it failed")
+    reason: str
+
+    def __str__(self) -> str:
+        return f"KV transfer for request {self.request_id} failed at {self.stage}: {self.reason}"
 
 
 class TransferError(Exception):
-    """A failed KV transfer: which request, at which stage, and why."""
+    """A failed KV transfer: which request, at which stage, and why (raised inside the worker)."""
 
     def __init__(self, request_id: str, stage: TransferStage, reason: str) -> None:
-        super().__init__(f"KV transfer for request {request_id} failed at {stage.name}: {reason}")
+        self.failure = TransferFailure(request_id=request_id, stage=stage.name, reason=reason)
+        super().__init__(str(self.failure))
         self.request_id = request_id
         self.stage = stage
         self.reason = reason
+
+
+@dataclass(frozen=True)
+class PeerMetadata:
+    """What the decode worker fetched from handle.metadata_url before admitting a request: the
+    prefill engine's transfer metadata (bytes a connector reads), or why it could not."""
+
+    engine_id: str
+    instance_id: str
+    data: bytes | None = None
+    error: str | None = None
 
 
 class KVConnector(ABC):
@@ -79,6 +108,11 @@ class KVConnector(ABC):
     @abstractmethod
     def register_kv_cache(self, kv_cache: KVCache) -> None:
         """Register the worker's pool once (NIXL: DRAM on CPU, VRAM on CUDA)."""
+
+    @abstractmethod
+    def peer_metadata(self) -> bytes:
+        """This worker's transfer metadata, which its HTTP server serves at handle.metadata_url
+        (built once at registration: serving it never touches the transfer agent)."""
 
     # -- prefill side --
     @abstractmethod
@@ -91,13 +125,15 @@ class KVConnector(ABC):
 
     @abstractmethod
     def release(self, request_id: str) -> None:
-        """Drop a lease at once (the router says the request was aborted before decode read it)."""
+        """Drop a lease at once (the request was aborted before decode read it)."""
 
     # -- decode side --
     @abstractmethod
-    def start_load(self, handle: KVHandle, local_block_ids: list[int]) -> None:
-        """Begin reading handle's blocks into local_block_ids (same order). Raises TransferError
-        at once for a handle this worker cannot read (hash mismatch, unknown peer)."""
+    def start_load(self, handle: KVHandle, local_block_ids: list[int], peer: PeerMetadata | None = None) -> None:
+        """Begin reading handle's blocks into local_block_ids (same order). peer: the prefill
+        engine's metadata, needed unless this connector already knows that engine instance.
+        Raises TransferError at once for a handle this worker cannot read (hash mismatch, unknown
+        or unreachable peer)."""
 
     @abstractmethod
     def poll_loads(self) -> tuple[list[str], list[TransferError]]:

@@ -1,23 +1,39 @@
-"""Transfer backends by name. `nixl` is imported only when asked for (it loads UCX at import)."""
+"""Transfer backends by name, each built from the same settings plus its own options.
+
+`nixl` is the one backend a cluster config or the CLI can name; it is imported only when asked
+for (it loads UCX at import). The in-process fake (fake_connector.py) is for unit tests, which
+build it directly.
+"""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from pdserve.disagg.base import KVConnector
 
-BACKENDS = ("nixl", "fake")
+TransferBackend = Literal["nixl"]
 
 
-def make_connector(name: Literal["nixl", "fake"], engine_id: str, *, model_id: str, **kwargs: Any) -> KVConnector:
-    """Build a worker's connector. kwargs: metadata_url, lease_s, transfer_timeout_s, lease_margin_s,
-    version; nixl also metadata_timeout_s, allowed_peers, metadata_headers; fake also fabric."""
-    if name == "nixl":
-        from pdserve.disagg.nixl_connector import NixlConnector
+class ConnectorSettings(BaseModel):
+    """What every backend takes; `options` are the backend's own (validated by its Options model)."""
 
-        return NixlConnector(engine_id, model_id=model_id, **kwargs)
-    if name == "fake":
-        from pdserve.disagg.fake_connector import FakeConnector
+    model_config = ConfigDict(extra="forbid")
 
-        return FakeConnector(engine_id, model_id=model_id, **kwargs)
-    raise ValueError(f"unknown transfer backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    model_id: str  # what the compatibility hash calls the model
+    metadata_url: str = ""  # where this worker serves peer_metadata() (goes into its KV handles)
+    lease_s: float = Field(60.0, gt=0)
+    transfer_timeout_s: float = Field(30.0, gt=0)
+    lease_margin_s: float = Field(1.0, ge=0)
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+def make_connector(backend: TransferBackend, engine_id: str, settings: ConnectorSettings) -> KVConnector:
+    if backend != "nixl":
+        raise ValueError(f"unknown transfer backend {backend!r}; the one backend is 'nixl'")
+    from pdserve.disagg.nixl_connector import NixlConnector, NixlOptions
+
+    options = NixlOptions.model_validate(settings.options)
+    common = settings.model_dump(exclude={"options"})
+    return NixlConnector(engine_id, **common, **options.model_dump())

@@ -14,11 +14,10 @@ import json
 import time
 from dataclasses import dataclass
 
-from pdserve.disagg.base import KVHandle, TransferError, TransferStage
-from pdserve.disagg.layout import KVLayout, block_runs, check_block_ids, compat_hash
-from pdserve.disagg.lease import DEFAULT_LEASE_S, release_message
-from pdserve.disagg.leasing import LeasingConnector
-from pdserve.engine.kv_cache import KVCache
+from pdserve.disagg.base import KVHandle, PeerMetadata, TransferError, TransferStage
+from pdserve.disagg.lease_table import DEFAULT_LEASE_S, release_message
+from pdserve.disagg.leasing_connector import LeasingConnector
+from pdserve.model.kv_cache import KVCache
 
 
 class FakeFabric:
@@ -70,21 +69,15 @@ class FakeConnector(LeasingConnector):
         self.hold_loads = False
         self._inject: tuple[TransferStage, str] | None = None
         self._inbox: list[bytes] = []  # notifications sent to this engine
-        self._loads: dict[str, _Load] = {}
 
     def fail_next(self, stage: TransferStage, reason: str) -> None:
         self._inject = (stage, reason)
 
-    def register_kv_cache(self, kv_cache: KVCache) -> None:
-        if self.kv is not None:
-            raise RuntimeError("register_kv_cache called twice; the pool is registered once")
-        self.kv = kv_cache
-        self.layout = KVLayout.from_kv_cache(kv_cache)
-        self.compat_hash = compat_hash(self.model_id, kv_cache.dtype, self.layout, kv_cache.block_size, self.version)
+    def _registered(self, kv_cache: KVCache) -> None:
         self.fabric.attach(self)
 
-    def agent_metadata(self) -> bytes:
-        doc = {"engine_id": self.engine_id, "compat_hash": self.compat_hash, "layout": self.layout.model_dump()}
+    def peer_metadata(self) -> bytes:
+        doc = {"engine_id": self.engine_id, "instance_id": self.instance_id, "compat_hash": self.compat_hash}
         return json.dumps(doc).encode()
 
     # -- prefill side --
@@ -93,37 +86,22 @@ class FakeConnector(LeasingConnector):
         return self._released(inbox)
 
     # -- decode side --
-    def start_load(self, handle: KVHandle, local_block_ids: list[int]) -> None:
-        rid = handle.request_id
-        if self.kv is None:
-            raise RuntimeError("start_load() before register_kv_cache()")
-        if rid in self._loads:
-            raise TransferError(rid, TransferStage.PENDING, "a load for this request is already in flight")
+    def start_load(self, handle: KVHandle, local_block_ids: list[int], peer: PeerMetadata | None = None) -> None:
         if self._inject is not None and self._inject[0] < TransferStage.READING:
             (stage, reason), self._inject = self._inject, None
-            self._fail_now(rid, stage, reason)
-        if handle.compat_hash != self.compat_hash:
-            self._fail_now(
-                rid,
-                TransferStage.HANDSHAKE,
-                f"refused: KV compatibility hash mismatch: prefill engine {handle.engine_id} has "
-                f"{handle.compat_hash}, this engine {self.engine_id} has {self.compat_hash}",
-            )
-        left = handle.lease_expires_at - time.time()
-        if left < self.lease_margin_s:
-            self._fail_now(rid, TransferStage.PENDING, f"the prefill lease ends in {left:.1f} s (< margin)")
-        peer = self.fabric.engines.get(handle.engine_id)
-        if peer is None:
-            self._fail_now(rid, TransferStage.HANDSHAKE, f"engine {handle.engine_id} is not reachable")
-        try:
-            check_block_ids(handle.block_ids, peer.layout.num_blocks, "prefill")
-            check_block_ids(local_block_ids, self.layout.num_blocks, "decode")
-            runs = block_runs(handle.block_ids, local_block_ids)
-        except ValueError as e:
-            self._fail_now(rid, TransferStage.PENDING, str(e))
+            self._fail_now(handle.request_id, stage, reason)
+        super().start_load(handle, local_block_ids, peer)
+
+    def _connect(self, handle: KVHandle, peer: PeerMetadata | None) -> tuple[FakeConnector, int]:
+        remote = self.fabric.engines.get(handle.engine_id)
+        if remote is None:
+            self._fail_now(handle.request_id, TransferStage.HANDSHAKE, f"engine {handle.engine_id} is not reachable")
+        return remote, remote.layout.num_blocks
+
+    def _post(self, handle: KVHandle, remote: FakeConnector, local_block_ids: list[int], runs: list[tuple[int, int, int]]) -> _Load:
         now = time.monotonic()
         num_descs = len(runs) * sum(r.num_layers for r in self.layout.regions)
-        self._loads[rid] = _Load(handle, list(local_block_ids), num_descs, now, now + self.transfer_timeout_s)
+        return _Load(handle, local_block_ids, num_descs, now, now + self.transfer_timeout_s)
 
     def poll_loads(self) -> tuple[list[str], list[TransferError]]:
         done = []

@@ -1,6 +1,6 @@
 """What a worker's KV pool looks like from outside, and the byte ranges a request's blocks occupy.
 
-The pool (pdserve.engine.kv_cache.KVCache) is a few layer-major regions, each one tensor
+The pool (pdserve.model.kv_cache.KVCache) is a few layer-major regions, each one tensor
 `[L, N, bs, dim]`. Block b of layer l of a region is the contiguous byte range
 
     base + (l * N + b) * block_bytes,   block_bytes = bs * dim * itemsize
@@ -20,7 +20,7 @@ import json
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from pdserve.engine.kv_cache import KVCache
+from pdserve.model.kv_cache import KVCache
 
 KV_LAYOUT_VERSION = 1
 

@@ -2,8 +2,10 @@
 
     prefill NixlConnector                               decode NixlConnector
     register_kv_cache: register regions once            register_kv_cache: register regions once
-    agent_metadata() -> NixlPeerInfo JSON  --HTTP-->    start_load: fetch_metadata (cached per engine id)
-                                                          check hashes, add_remote_agent
+    peer_metadata() -> NixlPeerInfo JSON  --HTTP-->     (the decode worker fetches it: worker/peers.py)
+                                                        start_load(handle, blocks, peer): the shared
+                                                          checks (leasing_connector.py), then
+                                                          add_remote_agent once per engine instance
     on_prefill_finished: lease(blocks)                    descriptors per (region, layer, run)
                                                           initialize_xfer(READ, notif "release:<id>")
     poll_releases: get_new_notifs  <--UCX notif--       poll_loads: check_xfer_state until DONE,
@@ -17,29 +19,29 @@ completes inside transfer() (seen from ~1 MiB up), so start_load then costs the 
 from __future__ import annotations
 
 import base64
+import logging
 import time
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
-import httpx
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
-from pdserve.disagg.base import KVHandle, TransferError, TransferStage
-from pdserve.disagg.layout import (
-    KVLayout,
-    block_runs,
-    build_descriptors,
-    check_block_ids,
-    compat_hash,
-    device_id,
-    region_addrs,
-)
-from pdserve.disagg.lease import DEFAULT_LEASE_S, release_message
-from pdserve.disagg.leasing import LeasingConnector
-from pdserve.engine.kv_cache import KVCache
+from pdserve.disagg.base import KVHandle, PeerMetadata, TransferError, TransferStage
+from pdserve.disagg.layout import KVLayout, build_descriptors, device_id, region_addrs
+from pdserve.disagg.lease_table import DEFAULT_LEASE_S, release_message
+from pdserve.disagg.leasing_connector import LeasingConnector
+from pdserve.model.kv_cache import KVCache
 
-PEER_INFO_VERSION = 1
-MAX_METADATA_BYTES = 16 << 20
+log = logging.getLogger("pdserve.disagg.nixl")
+
+PEER_INFO_VERSION = 2
+
+
+class NixlOptions(BaseModel):
+    """The nixl backend's own settings (ConnectorSettings.options; transfer.options in a cluster YAML)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    progress_thread: bool = True  # NIXL's UCX progress thread; off: transfers advance only when polled
 
 
 class NixlPeerInfo(BaseModel):
@@ -47,35 +49,13 @@ class NixlPeerInfo(BaseModel):
 
     version: int = PEER_INFO_VERSION
     engine_id: str  # also the NIXL agent name
+    instance_id: str  # this start of the engine (KVHandle.instance_id)
     compat_hash: str
     layout: KVLayout
     region_addrs: dict[str, int]  # region name -> base address in the peer's address space
     mem_type: str  # "DRAM" | "VRAM"
     dev_id: int
     agent_metadata: str  # base64 of nixl_agent.get_agent_metadata()
-
-
-def origin(url: str) -> str:
-    parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc}".lower()
-
-
-def fetch_metadata(
-    url: str, timeout_s: float, allowed_peers: list[str] | None = None, headers: dict[str, str] | None = None
-) -> bytes:
-    """GET a peer's metadata. Raises ValueError (refused) or httpx.HTTPError (unreachable, bad status).
-
-    allowed_peers: origins ("http://10.0.0.2:30000") metadata may come from; None allows any."""
-    if allowed_peers is not None and origin(url) not in {origin(p) for p in allowed_peers}:
-        raise ValueError(f"metadata URL {url} is not from a configured peer ({', '.join(allowed_peers)})")
-    with httpx.Client(timeout=timeout_s) as client, client.stream("GET", url, headers=headers) as resp:
-        resp.raise_for_status()
-        body = bytearray()
-        for chunk in resp.iter_bytes():
-            body += chunk
-            if len(body) > MAX_METADATA_BYTES:
-                raise ValueError(f"metadata from {url} is larger than {MAX_METADATA_BYTES} bytes")
-    return bytes(body)
 
 
 def _nixl_reason(e: Exception) -> str:
@@ -118,10 +98,7 @@ class NixlConnector(LeasingConnector):
         metadata_url: str = "",
         lease_s: float = DEFAULT_LEASE_S,
         transfer_timeout_s: float = 30.0,
-        metadata_timeout_s: float = 5.0,
         lease_margin_s: float = 1.0,
-        allowed_peers: list[str] | None = None,
-        metadata_headers: dict[str, str] | None = None,
         version: str | None = None,
         progress_thread: bool = True,
     ) -> None:
@@ -136,9 +113,6 @@ class NixlConnector(LeasingConnector):
             engine_id, model_id=model_id, metadata_url=metadata_url, lease_s=lease_s,
             transfer_timeout_s=transfer_timeout_s, lease_margin_s=lease_margin_s, version=version,
         )  # fmt: skip
-        self.metadata_timeout_s = metadata_timeout_s
-        self.allowed_peers = allowed_peers
-        self.metadata_headers = metadata_headers
         # one agent per worker; UCX needs tcp for its messages, so no transport is narrowed here
         self.agent = nixl_agent(engine_id, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
         if "UCX" not in self.agent.backends:
@@ -146,16 +120,10 @@ class NixlConnector(LeasingConnector):
         self._reg = None
         self._metadata = b""
         self._peers: dict[str, _Peer] = {}
-        self._loads: dict[str, _Load] = {}
         self._zombies: list[object] = []  # xfer handles NIXL could not cancel yet
 
     # -- registration --
-    def register_kv_cache(self, kv_cache: KVCache) -> None:
-        if self.kv is not None:
-            raise RuntimeError("register_kv_cache called twice; the pool is registered once")
-        self.kv = kv_cache
-        self.layout = KVLayout.from_kv_cache(kv_cache)
-        self.compat_hash = compat_hash(self.model_id, kv_cache.dtype, self.layout, kv_cache.block_size, self.version)
+    def _registered(self, kv_cache: KVCache) -> None:
         self._addrs = region_addrs(kv_cache)
         self._dev_id = device_id(kv_cache)
         first = next(iter(kv_cache.regions.values()))
@@ -163,6 +131,7 @@ class NixlConnector(LeasingConnector):
         self._reg = self.agent.register_memory(list(kv_cache.regions.values()))
         info = NixlPeerInfo(
             engine_id=self.engine_id,
+            instance_id=self.instance_id,
             compat_hash=self.compat_hash,
             layout=self.layout,
             region_addrs=self._addrs,
@@ -173,10 +142,10 @@ class NixlConnector(LeasingConnector):
         # built once: the HTTP server thread serves these bytes without touching the agent
         self._metadata = info.model_dump_json().encode()
 
-    def agent_metadata(self) -> bytes:
+    def peer_metadata(self) -> bytes:
         """This worker's NixlPeerInfo as JSON bytes, for its HTTP server to serve at metadata_url."""
         if not self._metadata:
-            raise RuntimeError("agent_metadata() before register_kv_cache()")
+            raise RuntimeError("peer_metadata() before register_kv_cache()")
         return self._metadata
 
     # -- prefill side --
@@ -184,10 +153,10 @@ class NixlConnector(LeasingConnector):
         return self._released(msg for msgs in self.agent.get_new_notifs().values() for msg in msgs)
 
     # -- decode side --
-    def add_peer(self, metadata: bytes, engine_id: str | None = None) -> NixlPeerInfo:
-        """Load a peer's metadata (from fetch_metadata) into the agent; cached by its engine id.
-        Raises ValueError for metadata this worker refuses (wrong engine_id when given, hash mismatch),
-        NIXL errors when the agent it names is unreachable."""
+    def add_peer(self, metadata: bytes, engine_id: str | None = None, instance_id: str | None = None) -> NixlPeerInfo:
+        """Load a peer's metadata (its peer_metadata() bytes) into the agent; kept by its engine id.
+        Raises ValueError for metadata this worker refuses (wrong engine_id / instance_id when
+        given, hash mismatch), NIXL errors when the agent it names is unreachable."""
         try:
             info = NixlPeerInfo.model_validate_json(metadata)
         except ValidationError as e:
@@ -196,6 +165,8 @@ class NixlConnector(LeasingConnector):
             raise ValueError(f"peer metadata version {info.version}, this worker reads {PEER_INFO_VERSION}")
         if engine_id is not None and info.engine_id != engine_id:
             raise ValueError(f"it describes engine {info.engine_id!r}, not {engine_id!r}")
+        if instance_id is not None and info.instance_id != instance_id:
+            raise ValueError(f"it describes instance {info.instance_id} of {info.engine_id}, not {instance_id} (restarted?)")
         if info.compat_hash != self.compat_hash:
             raise ValueError(self._mismatch(info.engine_id, info.compat_hash))
         self._drop_peer(info.engine_id)  # known already: it restarted, the new metadata wins
@@ -207,37 +178,35 @@ class NixlConnector(LeasingConnector):
         self._peers[info.engine_id] = _Peer(info, name)
         return info
 
-    def start_load(self, handle: KVHandle, local_block_ids: list[int]) -> None:
+    def _connect(self, handle: KVHandle, peer: PeerMetadata | None) -> tuple[_Peer, int]:
         rid = handle.request_id
-        if self.kv is None:
-            raise RuntimeError("start_load() before register_kv_cache()")
-        if rid in self._loads:
-            raise TransferError(rid, TransferStage.PENDING, "a load for this request is already in flight")
-        if handle.compat_hash != self.compat_hash:
-            self._fail_now(rid, TransferStage.HANDSHAKE, self._mismatch(handle.engine_id, handle.compat_hash))
-        left = handle.lease_expires_at - time.time()
-        if left < self.lease_margin_s:
-            self._fail_now(rid, TransferStage.PENDING, f"the prefill lease ends in {left:.1f} s (< margin)")
-        peer = self._peer(handle)
+        known = self._peers.get(handle.engine_id)
+        if known is not None and known.info.instance_id == handle.instance_id:
+            return known, known.info.layout.num_blocks
+        if peer is None or peer.data is None:
+            why = peer.error if peer is not None and peer.error else "no metadata was fetched for it"
+            self._fail_now(rid, TransferStage.HANDSHAKE, f"prefill engine {handle.engine_id} ({handle.metadata_url}): {why}")
         try:
-            check_block_ids(handle.block_ids, peer.info.layout.num_blocks, "prefill")
-            check_block_ids(local_block_ids, self.layout.num_blocks, "decode")
-            runs = block_runs(handle.block_ids, local_block_ids)
+            self.add_peer(peer.data, handle.engine_id, handle.instance_id)
         except ValueError as e:
-            self._fail_now(rid, TransferStage.PENDING, str(e))
-        if not runs:
-            self._notify(peer.agent_name, rid)
-            self._loads[rid] = load = _Load(handle, peer.agent_name, None, time.monotonic(), 0.0, 0, 0)
-            load.finish()
-            return
-        self._loads[rid] = self._post(handle, peer, runs)
+            self._fail_now(rid, TransferStage.HANDSHAKE, f"metadata of {handle.engine_id} from {handle.metadata_url}: {e}")
+        except Exception as e:  # NIXL: the agent in the metadata cannot be reached
+            self._fail_now(rid, TransferStage.HANDSHAKE, f"adding NIXL agent {handle.engine_id}: {_nixl_reason(e)}")
+        peer_ = self._peers[handle.engine_id]
+        return peer_, peer_.info.layout.num_blocks
 
-    def _post(self, handle: KVHandle, peer: _Peer, runs: list[tuple[int, int, int]]) -> _Load:
+    def _post(self, handle: KVHandle, peer: _Peer, local_block_ids: list[int], runs: list[tuple[int, int, int]]) -> _Load:
         """Build both descriptor lists and post the READ; NIXL sends the release notif when it is done."""
         rid, info = handle.request_id, peer.info
+        if not runs:  # nothing to read: let prefill free its lease now
+            self._notify(peer.agent_name, rid)
+            load = _Load(handle, peer.agent_name, None, time.monotonic(), 0.0, 0, 0)
+            load.finish()
+            return load
         remote = build_descriptors(info.layout, info.region_addrs, info.dev_id, runs, 0)
         local = build_descriptors(self.layout, self._addrs, self._dev_id, runs, 1)
         started = time.monotonic()
+        xfer = None
         try:
             xfer = self.agent.initialize_xfer(
                 "READ",
@@ -248,6 +217,7 @@ class NixlConnector(LeasingConnector):
             )
             state = self.agent.transfer(xfer)
         except Exception as e:  # NIXL raises one unrelated class per status code
+            self._release_xfer(xfer)  # a handle made before transfer() raised is ours to free
             self._drop_peer_if_gone(peer, e)
             self._fail_now(rid, TransferStage.READING, f"posting the READ from {info.engine_id}: {_nixl_reason(e)}")
         if state == "ERR":
@@ -316,29 +286,6 @@ class NixlConnector(LeasingConnector):
             self._reg = None
 
     # -- helpers --
-    def _mismatch(self, engine_id: str, theirs: str) -> str:
-        return (
-            f"refused: KV compatibility hash mismatch: prefill engine {engine_id} has {theirs}, "
-            f"this engine {self.engine_id} has {self.compat_hash} "
-            "(model, dtype, KV layout, block size or pdserve version differ)"
-        )
-
-    def _peer(self, handle: KVHandle) -> _Peer:
-        peer = self._peers.get(handle.engine_id)
-        if peer is not None:
-            return peer
-        rid, url = handle.request_id, handle.metadata_url
-        try:
-            metadata = fetch_metadata(url, self.metadata_timeout_s, self.allowed_peers, self.metadata_headers)
-            self.add_peer(metadata, handle.engine_id)
-        except httpx.HTTPError as e:
-            self._fail_now(rid, TransferStage.HANDSHAKE, f"fetching metadata of {handle.engine_id} from {url}: {e!r}")
-        except ValueError as e:
-            self._fail_now(rid, TransferStage.HANDSHAKE, f"metadata of {handle.engine_id} from {url}: {e}")
-        except Exception as e:  # NIXL: the agent in the metadata cannot be reached
-            self._fail_now(rid, TransferStage.HANDSHAKE, f"adding NIXL agent {handle.engine_id}: {_nixl_reason(e)}")
-        return self._peers[handle.engine_id]
-
     def _fail_load(self, rid: str, stage: TransferStage, reason: str) -> None:
         load = self._loads.pop(rid)
         self._release_xfer(load.xfer)
@@ -350,8 +297,9 @@ class NixlConnector(LeasingConnector):
     def _notify(self, agent_name: str, rid: str) -> None:
         try:
             self.agent.send_notif(agent_name, release_message(rid))
-        except Exception:
-            pass  # the peer is gone; its lease expires on its own
+        except Exception as e:  # the peer is gone: its lease expires on its own, but say so
+            self.stats.record_control_failure("notify")
+            log.warning("release notification for %s to %s failed: %s", rid, agent_name, _nixl_reason(e))
 
     def _release_xfer(self, xfer: object) -> None:
         if xfer is None:
@@ -376,5 +324,6 @@ class NixlConnector(LeasingConnector):
         if peer is not None:
             try:
                 self.agent.remove_remote_agent(peer.agent_name)
-            except Exception:
-                pass  # already disconnected
+            except Exception as e:  # already disconnected, most likely: counted and logged, not raised
+                self.stats.record_control_failure("drop_peer")
+                log.warning("removing NIXL agent %s failed: %s", peer.agent_name, _nixl_reason(e))

@@ -9,6 +9,14 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 DType = Literal["float32", "bfloat16", "float16", "auto"]
+# decode: what a failed KV load does (vLLM's name): fail the request, or compute the prompt here
+KVLoadFailurePolicy = Literal["fail", "recompute"]
+
+
+def check_device(d: str) -> str:
+    if d != "cpu" and d != "cuda" and not (d.startswith("cuda:") and d[5:].isdigit()):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {d!r}")
+    return d
 
 # KV memory when neither num_kv_blocks nor kv_cache_memory_gb is given (CPU; CUDA uses
 # gpu_memory_utilization of what is free after loading). Capped by what max_num_seqs sequences of
@@ -22,7 +30,7 @@ class EngineConfig(BaseModel):
     model: str  # checkpoint folder
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
     # ranks of one engine (vLLM's name): rank r runs on cuda:N+r (N from device) or on the CPU
-    # (gloo). Rank 0 is this process; it starts ranks 1.. itself (pdserve.distributed.ranks).
+    # (gloo). Rank 0 is this process; it starts ranks 1.. itself (pdserve.engine.tp_ranks).
     tensor_parallel_size: int = Field(1, ge=1)
     dtype: DType = "auto"  # auto: the checkpoint's torch_dtype on CUDA, float32 on CPU
     kv_block_size: int = Field(64, ge=1)
@@ -44,9 +52,7 @@ class EngineConfig(BaseModel):
     @field_validator("device")
     @classmethod
     def _device(cls, d: str) -> str:
-        if d != "cpu" and d != "cuda" and not (d.startswith("cuda:") and d[5:].isdigit()):
-            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {d!r}")
-        return d
+        return check_device(d)
 
     @field_validator("model")
     @classmethod

@@ -1,19 +1,20 @@
 """The engine loop: add_request -> step (schedule -> run -> sample -> stop checks) -> RequestOutputs.
 
-add_request, abort_request and release_kv may be called from any thread: they are validated at
-once (bad input raises ValueError in the caller) and take effect at the start of the next step().
-step() itself must be called from one thread at a time.
+add_request and abort_request may be called from any thread: a Request is validated at once (bad
+input raises ValueError in the caller) and takes effect at the start of the next step(). step()
+itself must be called from one thread at a time.
 
 PD hooks (pdserve.disagg.base.KVConnector), called from step():
-- prefill role (`hold_kv=True`): after the first sampled token the request finishes; unless that
+- prefill role (`Request.hold_kv`): after the first sampled token the request finishes; unless that
   token already stopped it, its blocks stay pinned and `connector.on_prefill_finished` gives the
   KVHandle returned in the final RequestOutput. `poll_releases()` (decode read it, or the lease
-  expired) and `release_kv()` free them.
-- decode role (`kv_handle=..., first_token=...`): blocks for the prompt are allocated when free,
-  `connector.start_load(handle, block_ids)` reads the prompt KV, `poll_loads()` lets finished
-  ones run (the first token is their first output and next input). A failed load (TransferError)
-  follows `kv_load_failure_policy` (vLLM's name): "fail" finishes the request with finish_reason
-  "error" and the TransferError text in RequestOutput.error; "recompute" drops the blocks and
+  expired) and `abort_request()` (the router gave up on it) free them.
+- decode role (`Request.kv_handle` + `first_token`): blocks for the prompt are allocated when free,
+  `connector.start_load(handle, block_ids, peer)` reads the prompt KV, `poll_loads()` lets finished
+  ones run (the first token is their first output and next input). The Sequence's transfer stage
+  only moves forward (PENDING -> READING -> DONE, or FAILED). A failed load follows
+  `kv_load_failure_policy` (vLLM's name): "fail" finishes the request with finish_reason "error"
+  and the failure as data in RequestOutput.transfer_error; "recompute" drops the blocks and
   computes the prompt here (the first token stays prefill's), so the output is what a colocated
   engine gives, never tokens from partial KV.
 """
@@ -23,21 +24,21 @@ from __future__ import annotations
 import itertools
 import threading
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import get_args
 
-from pdserve.disagg.base import KVConnector, KVHandle
+from pdserve.disagg.base import KVConnector, PeerMetadata, TransferError, TransferStage
+from pdserve.disagg.stats import TransferStats
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.config import EngineConfig, KVLoadFailurePolicy
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.request import Request
 from pdserve.engine.sampler import SampledToken
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.stop import check_stop, visible_text
-from pdserve.outputs import CompletionOutput, Logprob, RequestOutput
+from pdserve.outputs import CompletionOutput, Logprob, RequestOutput, from_entries
 from pdserve.sampling_params import SamplingParams
 
-KVLoadFailurePolicy = Literal["fail", "recompute"]
-KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
 
 
 @dataclass
@@ -59,8 +60,8 @@ class LLMEngine:
         self, config: EngineConfig, connector: KVConnector | None = None, *, model=None, kv_load_failure_policy: KVLoadFailurePolicy = "fail"
     ) -> None:
         """model: an already-built model (tests); by default config.model is loaded."""
-        if kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
-            raise ValueError(f"kv_load_failure_policy must be one of {', '.join(KV_LOAD_FAILURE_POLICIES)}, got {kv_load_failure_policy!r}")
+        if kv_load_failure_policy not in get_args(KVLoadFailurePolicy):
+            raise ValueError(f"kv_load_failure_policy must be one of {', '.join(get_args(KVLoadFailurePolicy))}, got {kv_load_failure_policy!r}")
         self.kv_load_failure_policy = kv_load_failure_policy
         self.num_kv_load_recomputes = 0
         self.config = config
@@ -78,7 +79,8 @@ class LLMEngine:
         if connector is not None:
             connector.register_kv_cache(self.runner.kv_cache)
         self._lock = threading.Lock()
-        self._inbox: list[Callable[[dict[str, RequestOutput]], None]] = []
+        self._new: list[Sequence] = []  # added since the last step
+        self._aborts: list[str] = []  # abort requests since the last step (taken after the new ones)
         self._ids: set[str] = set()  # every request not yet fully gone (finished ones leave)
         self._arrival = itertools.count()
 
@@ -86,81 +88,67 @@ class LLMEngine:
     def kv_cache(self):
         return self.runner.kv_cache
 
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.block_manager.num_total_blocks
+
     # -- requests in --
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams | None = None,
-        *,
-        prompt: str | None = None,
-        kv_handle: KVHandle | None = None,
-        first_token: int | None = None,
-        first_token_logprobs: dict[int, Logprob] | None = None,
-        hold_kv: bool = False,
-    ) -> None:
-        params = params or SamplingParams()
-        self._validate(prompt_token_ids, params, kv_handle, first_token, first_token_logprobs, hold_kv)
-        seq = Sequence(request_id, prompt_token_ids, params, prompt=prompt, hold_kv=hold_kv, kv_handle=kv_handle, arrival=next(self._arrival))
-        if self._detokenizes(params):
+    def add_request(self, request: Request, peer: PeerMetadata | None = None) -> None:
+        """Admit a request (any thread); invalid ones raise ValueError and leave nothing behind.
+        peer: decode role, the prefill engine's metadata the worker fetched (see KVConnector)."""
+        self._validate(request)
+        seq = Sequence(request, arrival=next(self._arrival), peer=peer)
+        if self._detokenizes(request.params):
             from pdserve.tokenizer import IncrementalDetokenizer
 
             seq.detokenizer = IncrementalDetokenizer(
-                self.tokenizer, skip_special_tokens=params.skip_special_tokens, prompt_token_ids=prompt_token_ids
+                self.tokenizer, skip_special_tokens=request.params.skip_special_tokens, prompt_token_ids=seq.prompt_token_ids
             )
         with self._lock:
-            if request_id in self._ids:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            self._ids.add(request_id)
-            if kv_handle is None:
-                self._inbox.append(lambda outs: self.scheduler.add(seq))
-            else:
-                self._inbox.append(lambda outs: self._add_remote(seq, first_token, first_token_logprobs, outs))
+            if request.request_id in self._ids:
+                raise ValueError(f"request id {request.request_id!r} is already in use")
+            self._ids.add(request.request_id)
+            self._new.append(seq)
 
-    def _validate(self, prompt_token_ids, params, kv_handle, first_token, first_token_logprobs, hold_kv) -> None:
-        n = len(prompt_token_ids)
+    def _validate(self, req: Request) -> None:
+        n = len(req.prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty: give at least one token")
         if n >= self.max_model_len:
             raise ValueError(f"prompt has {n} tokens; max_model_len is {self.max_model_len} (room for at least one output token is needed)")
         vocab = self.runner.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
+        if any(not 0 <= t < vocab for t in req.prompt_token_ids):
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
-        if params.stop and not self._detokenizes(params):
+        if req.params.stop and not self._detokenizes(req.params):
             raise ValueError("stop strings need detokenization (a tokenizer, and detokenize=True)")
-        if (hold_kv or kv_handle is not None) and self.connector is None:
+        if (req.hold_kv or req.kv_handle is not None) and self.connector is None:
             raise ValueError("hold_kv / kv_handle need an engine with a KV connector")
-        if hold_kv and kv_handle is not None:
-            raise ValueError("a request is either prefill (hold_kv) or decode (kv_handle), not both")
-        if (kv_handle is None) != (first_token is None):
-            raise ValueError("kv_handle and first_token go together (decode role)")
-        if kv_handle is not None:
-            if kv_handle.num_tokens != n:
-                raise ValueError(f"kv_handle holds {kv_handle.num_tokens} tokens but the prompt has {n}")
-            if not 0 <= first_token < vocab:
+        if req.kv_handle is not None:
+            if req.kv_handle.num_tokens != n:
+                raise ValueError(f"kv_handle holds {req.kv_handle.num_tokens} tokens but the prompt has {n}")
+            if not 0 <= req.first_token.token_id < vocab:
                 raise ValueError(f"first_token must lie in [0, {vocab})")
-            if params.logprobs is not None and first_token_logprobs is None:
-                raise ValueError("params.logprobs is set: pass first_token_logprobs from the prefill output")
+            if req.params.logprobs is not None and req.first_token.logprobs is None:
+                raise ValueError("params.logprobs is set: pass the first token's logprobs from the prefill output")
 
     def _detokenizes(self, params: SamplingParams) -> bool:
         return self.tokenizer is not None and params.detokenize
 
     def abort_request(self, request_id: str) -> None:
+        """Stop a request (any thread). On a prefill worker this also frees KV it holds for decode."""
         with self._lock:
-            self._inbox.append(lambda outs: self._abort(request_id, outs))
-
-    def release_kv(self, request_id: str) -> None:
-        """Prefill role: free a held request's blocks now (e.g. aborted before decode read them)."""
-        with self._lock:
-            self._inbox.append(lambda outs: self._release(request_id, connector_too=True))
+            self._aborts.append(request_id)
 
     # -- the step --
     def step(self) -> list[RequestOutput]:
         outputs: dict[str, RequestOutput] = {}
         with self._lock:
-            inbox, self._inbox = self._inbox, []
-        for command in inbox:
-            command(outputs)
+            new, self._new = self._new, []
+            aborts, self._aborts = self._aborts, []
+        for seq in new:
+            self._admit(seq, outputs)
+        for request_id in aborts:
+            self._abort(request_id, outputs)
         if self.connector is not None:
             self._poll_connector(outputs)
         sched = self.scheduler.schedule()
@@ -237,21 +225,32 @@ class LLMEngine:
             finished=seq.finished,
             kv_handle=seq.kv_handle if seq.status is SequenceStatus.FINISHED_REMOTE_DECODE else None,
             error=seq.error,
+            transfer_error=seq.transfer_error,
         )
 
-    # -- aborts and PD --
-    def _find(self, request_id: str) -> Sequence | None:
-        s = self.scheduler
-        for seq in itertools.chain(s.running, s.waiting, s.remote_pending):
-            if seq.request_id == request_id:
-                return seq
-        return s.loading.get(request_id)
+    # -- admission, aborts and PD --
+    def _admit(self, seq: Sequence, outputs: dict[str, RequestOutput]) -> None:
+        if seq.first_token is None:
+            self.scheduler.add(seq)
+            return
+        first = seq.first_token
+        if first.logprobs is not None and seq.logprobs is not None:
+            entry = from_entries(first.logprobs)
+            seq.logprobs.append(entry)
+            seq.cumulative_logprob += entry[first.token_id].logprob if first.token_id in entry else 0.0
+        status = self._push_token(seq, first.token_id)
+        if status is not None:  # the first token already ends it: nothing to load (the lease frees prefill)
+            seq.status = status
+            self._forget(seq.request_id)
+            outputs[seq.request_id] = self._output(seq)
+            return
+        self.scheduler.add_remote(seq)
 
     def _abort(self, request_id: str, outputs: dict[str, RequestOutput]) -> None:
         if request_id in self.scheduler.held:
             self._release(request_id, connector_too=True)
             return
-        seq = self._find(request_id)
+        seq = self.scheduler.find(request_id)
         if seq is None:
             return
         if request_id in self.scheduler.loading:
@@ -265,49 +264,42 @@ class LLMEngine:
         if self.scheduler.release_held(request_id):
             self._forget(request_id)
 
-    def _add_remote(self, seq: Sequence, first_token: int, first_logprobs, outputs: dict[str, RequestOutput]) -> None:
-        if first_logprobs is not None and seq.logprobs is not None:
-            seq.logprobs.append(dict(first_logprobs))
-            seq.cumulative_logprob += first_logprobs[first_token].logprob if first_token in first_logprobs else 0.0
-        status = self._push_token(seq, first_token)
-        if status is not None:  # the first token already ends it: nothing to load (the lease frees prefill)
-            seq.status = status
-            self._forget(seq.request_id)
-            outputs[seq.request_id] = self._output(seq)
-            return
-        self.scheduler.add_remote(seq)
-
     def _poll_connector(self, outputs: dict[str, RequestOutput]) -> None:
         for request_id in self.connector.poll_releases():
             self._release(request_id, connector_too=False)
         for seq in self.scheduler.admit_remote():
             try:
-                self.connector.start_load(seq.kv_handle, list(seq.block_table))
-            except Exception as e:  # TransferError (hash mismatch, unknown peer) or worse
-                self._load_failed(seq, str(e), outputs)
+                self.connector.start_load(seq.kv_handle, list(seq.block_table), seq.peer)
+                seq.advance_transfer(TransferStage.READING)
+            except TransferError as e:  # hash mismatch, unknown or unreachable peer, bad block ids
+                self._load_failed(seq, e, outputs)
+            except Exception as e:  # a connector bug fails this request, not the engine
+                self._load_failed(seq, TransferError(seq.request_id, TransferStage.PENDING, f"{type(e).__name__}: {e}"), outputs)
         done, failed = self.connector.poll_loads()
         for request_id in done:
             seq = self.scheduler.loading.get(request_id)
             if seq is not None:  # tensor parallel: rank 0 received the KV, the other ranks copy it
                 self.runner.on_kv_loaded(list(seq.block_table))
+                seq.advance_transfer(TransferStage.DONE)
             self.scheduler.on_loaded(request_id)
         for err in failed:
             seq = self.scheduler.loading.get(err.request_id)
             if seq is not None:
-                self._load_failed(seq, str(err), outputs)
+                self._load_failed(seq, err, outputs)
 
-    def _load_failed(self, seq: Sequence, error: str, outputs: dict[str, RequestOutput]) -> None:
+    def _load_failed(self, seq: Sequence, err: TransferError, outputs: dict[str, RequestOutput]) -> None:
+        seq.fail_transfer(err.failure)
         if self.kv_load_failure_policy == "recompute":
             self.scheduler.recompute(seq)
             self.num_kv_load_recomputes += 1
             return
-        self._finish(seq, SequenceStatus.FINISHED_ERROR, error)
+        self._finish(seq, SequenceStatus.FINISHED_ERROR, str(err))
         outputs[seq.request_id] = self._output(seq)
 
     # -- queries --
     def has_unfinished_requests(self) -> bool:
         with self._lock:
-            pending = bool(self._inbox)
+            pending = bool(self._new or self._aborts)
         return pending or self.scheduler.num_unfinished > 0
 
     def shutdown(self) -> None:
@@ -318,16 +310,19 @@ class LLMEngine:
         """Prefill role: blocks still pinned for decode workers (keep stepping to poll releases)."""
         return bool(self.scheduler.held)
 
+    def transfer_stats(self) -> TransferStats | None:
+        """The connector's counters (read on the step loop's thread), None without a connector."""
+        return self.connector.stats if self.connector is not None else None
+
     def get_stats(self) -> EngineStats:
-        s = self.scheduler
-        remote = len(s.remote_pending) + len(s.loading)
+        c = self.scheduler.counts()
         return EngineStats(
-            num_running=len(s.running),
-            num_waiting=len(s.waiting) + remote,
-            num_waiting_for_remote_kv=remote,
-            num_held=len(s.held),
+            num_running=c.running,
+            num_waiting=c.waiting,
+            num_waiting_for_remote_kv=c.waiting_for_remote_kv,
+            num_held=c.held,
             kv_blocks_used=self.block_manager.num_used_blocks,
             kv_blocks_total=self.block_manager.num_total_blocks,
-            num_preemptions=s.num_preemptions,
+            num_preemptions=c.preemptions,
             num_kv_load_recomputes=self.num_kv_load_recomputes,
         )

@@ -4,7 +4,7 @@ SchedulerOutput into one ForwardBatch, runs the model and samples.
 Legend: T tokens in the step, C longest context in the step, N sequences that sample.
 
 Tensor parallelism (config.tensor_parallel_size > 1): this runner is rank 0. It starts ranks
-1..N-1 (pdserve.distributed.ranks), each a ModelRunner of its own shard in `serve_forever()`.
+1..N-1 (pdserve.engine.tp_ranks), each a ModelRunner of its own shard in `serve_forever()`.
 Each step rank 0 broadcasts the step's StepInputs, every rank builds the same ForwardBatch and
 runs the forward (all-reduces inside), and rank 0 alone computes logits and samples. The KV cache
 is replicated: every rank writes the same latent records; KV that arrives from a prefill worker
@@ -19,10 +19,10 @@ import weakref
 
 import torch
 
-from pdserve.distributed import protocol
+from pdserve.engine import tp_protocol as protocol
 from pdserve.distributed.group import TPGroup
 from pdserve.engine.config import DEFAULT_CPU_KV_GB, EngineConfig
-from pdserve.engine.kv_cache import KVCache
+from pdserve.model.kv_cache import KVCache
 from pdserve.engine.sampler import SampledToken, Sampler
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence
@@ -43,7 +43,7 @@ class ModelRunner:
             if model is not None:
                 raise ValueError("a prebuilt model runs with tensor_parallel_size 1 only")
             _check_shardable(config)
-            from pdserve.distributed.ranks import RankProcesses
+            from pdserve.engine.tp_ranks import RankProcesses
 
             self.ranks, tp = RankProcesses.start(config)
             self._finalizer = weakref.finalize(self, self.ranks.kill)  # the last resort; shutdown() is the way

@@ -19,6 +19,7 @@ sequence needs a block and none is free, the youngest running sequence is preemp
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -197,7 +198,33 @@ class Scheduler:
         else:
             self.loading.pop(seq.request_id, None)
 
-    # -- stats --
+    # -- queries --
+    def find(self, request_id: str) -> Sequence | None:
+        """The unfinished sequence with this id, in whichever queue it is."""
+        for seq in itertools.chain(self.running, self.waiting, self.remote_pending):
+            if seq.request_id == request_id:
+                return seq
+        return self.loading.get(request_id)
+
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.remote_pending) + len(self.loading)
+
+    def counts(self) -> SchedulerCounts:
+        remote = len(self.remote_pending) + len(self.loading)
+        return SchedulerCounts(
+            running=len(self.running),
+            waiting=len(self.waiting) + remote,
+            waiting_for_remote_kv=remote,
+            held=len(self.held),
+            preemptions=self.num_preemptions,
+        )
+
+
+@dataclass
+class SchedulerCounts:
+    running: int
+    waiting: int  # includes sequences waiting for remote KV
+    waiting_for_remote_kv: int
+    held: int  # prefill role: finished, blocks pinned for a decode worker
+    preemptions: int

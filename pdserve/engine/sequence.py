@@ -1,4 +1,5 @@
-"""One request's state, end to end: tokens, block table, counts, stop state, PD handle. No torch.
+"""One request's state, end to end: tokens, block table, counts, stop state, and its PD part (the
+KV handle, the first token, the transfer stage and a typed transfer failure). No torch.
 
 Token accounting (as vLLM V1): a sequence's tokens are prompt + output. `num_computed_tokens`
 of them have their KV in the cache. Each step computes the next chunk of uncomputed tokens; when
@@ -9,13 +10,13 @@ chunks, a running sequence decodes one token a step, and a preempted one recompu
 from __future__ import annotations
 
 import enum
-import time
 from typing import TYPE_CHECKING, Any
 
-from pdserve.sampling_params import SamplingParams
+from pdserve.disagg.base import TransferFailure, TransferStage
 
 if TYPE_CHECKING:
-    from pdserve.disagg.base import KVHandle
+    from pdserve.disagg.base import KVHandle, PeerMetadata
+    from pdserve.engine.request import FirstToken, Request
     from pdserve.outputs import Logprob
 
 
@@ -44,37 +45,43 @@ FINISH_REASONS = {
 
 
 class Sequence:
-    def __init__(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        prompt: str | None = None,
-        hold_kv: bool = False,
-        kv_handle: KVHandle | None = None,
-        arrival: int = 0,
-    ) -> None:
-        self.request_id = request_id
-        self.prompt = prompt
-        self.prompt_token_ids = list(prompt_token_ids)
+    def __init__(self, request: Request, *, arrival: int = 0, peer: PeerMetadata | None = None) -> None:
+        """request: as it arrived (kept, never unpacked). peer: decode role, the prefill engine's
+        transfer metadata the worker fetched before admitting the request."""
+        self.request = request
+        self.request_id = request.request_id
+        self.prompt = request.prompt
+        self.prompt_token_ids = list(request.prompt_token_ids)
         self.output_token_ids: list[int] = []
-        self.params = params
+        self.params = request.params
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.arrival = arrival  # admission order key: larger = younger
-        self.arrival_time = time.monotonic()
         # output state
         self.text = ""
         self.detokenizer: Any = None  # IncrementalDetokenizer, or None when not detokenizing
-        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.logprobs: list[dict[int, Logprob]] | None = [] if self.params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         # PD
-        self.hold_kv = hold_kv  # prefill role: keep blocks pinned after the first token
-        self.kv_handle = kv_handle  # decode role: the remote KV to load; prefill role: what we hand out
+        self.hold_kv = request.hold_kv  # prefill role: keep blocks pinned after the first token
+        self.kv_handle: KVHandle | None = request.kv_handle  # decode: the KV to load; prefill: what we hand out
+        self.first_token: FirstToken | None = request.first_token  # decode role
+        self.peer = peer
+        self.transfer_stage = TransferStage.PENDING
+        self.transfer_error: TransferFailure | None = None
+
+    def advance_transfer(self, stage: TransferStage) -> None:
+        """Move the decode-side transfer forward (never back: a stage once left is not re-entered)."""
+        if stage < self.transfer_stage:
+            raise ValueError(f"transfer of {self.request_id} cannot go back from {self.transfer_stage.name} to {stage.name}")
+        self.transfer_stage = stage
+
+    def fail_transfer(self, failure: TransferFailure) -> None:
+        self.transfer_error = failure
+        self.advance_transfer(TransferStage.FAILED)
 
     # -- counts --
     @property
@@ -95,10 +102,6 @@ class Sequence:
 
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
-
-    def token_at(self, pos: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[pos] if pos < n else self.output_token_ids[pos - n]
 
     def tokens_between(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_token_ids)

@@ -63,8 +63,10 @@ def check_stop(
 
 
 def visible_text(seq: Sequence) -> str:
-    """The text a (streaming) client may see now."""
-    if seq.finished or not seq.params.stop or seq.params.include_stop_str_in_output:
+    """The text a (streaming) client may see now. A prefill handing off to decode is not done: a
+    stop string completed there may still cut what is held back here."""
+    done = seq.finished and seq.status is not SequenceStatus.FINISHED_REMOTE_DECODE
+    if done or not seq.params.stop or seq.params.include_stop_str_in_output:
         return seq.text
     hold = max(len(s) for s in seq.params.stop) - 1
     return seq.text[: max(0, len(seq.text) - hold)] if hold else seq.text

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from pdserve.distributed.group import TPGroup
-from pdserve.engine.kv_cache import KVCache
+from pdserve.model.kv_cache import KVCache
 from pdserve.model import ops
 from pdserve.model.batch import ForwardBatch
 from pdserve.model.config import ModelConfig

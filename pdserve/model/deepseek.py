@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from pdserve.distributed.group import TPGroup
-from pdserve.engine.kv_cache import KVCache, KVRegionSpec
+from pdserve.model.kv_cache import KVCache, KVRegionSpec
 from pdserve.model.attention import MLA
 from pdserve.model.batch import ForwardBatch
 from pdserve.model.config import ModelConfig

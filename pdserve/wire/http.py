@@ -11,7 +11,7 @@ from collections.abc import Callable
 from fastapi.responses import StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pdserve.server.errors import OpenAIError
+from pdserve.wire.errors import OpenAIError
 
 
 class ClosingStreamingResponse(StreamingResponse):

@@ -2,28 +2,31 @@
 
 Routes (workers only; the router serves none of them):
 
-    POST /internal/generate   GenerateRequest -> NDJSON stream of GenerateChunk, one per line
-    POST /internal/abort      RequestRef -> Ack      stop a running request, free its blocks
-    POST /internal/release    RequestRef -> Ack      prefill: drop a held KV lease now
-    GET  /internal/kv_metadata                       prefill: the NIXL peer info (bytes, JSON)
+    POST /internal/generate   Request -> NDJSON stream of GenerateChunk, one per line
+    POST /internal/abort      RequestRef -> Ack      stop a request, free its blocks (on prefill,
+                                                     also KV it holds for a decode worker)
+    GET  /internal/kv_metadata                       prefill: the connector's peer_metadata()
     GET  /internal/info       -> WorkerInfo
 
-A PD request, as the router drives it:
+The body of /internal/generate is the engine's own Request (pdserve.engine.request): the worker
+hands it to its engine as it is. A PD request, as the router drives it:
 
-    router --GenerateRequest(hold_kv=True)--------------------> prefill
-    router <--GenerateChunk(token_ids=[t0], kv_handle=H)------- prefill   (first token: sent to the
-                                                                           client at once)
-    router --GenerateRequest(kv_handle=H, first_token=t0,
-                             first_token_logprobs=...)--------> decode   (decode READs H's blocks,
-    router <--GenerateChunk ... GenerateChunk(finish_reason)--- decode    tells prefill to release)
+    router --Request(hold_kv=True)--------------------------> prefill
+    router <--GenerateChunk(token_ids=[t0], kv_handle=H)----- prefill   (first token: sent to the
+                                                                         client at once)
+    router --Request(kv_handle=H, first_token=FirstToken(t0,
+                     logprobs, text_offset))----------------> decode   (decode READs H's blocks,
+    router <--GenerateChunk ... GenerateChunk(finish_reason)- decode    notifies prefill over NIXL)
 
-Chunks carry deltas with their offsets into the request's cumulative output (`token_offset`,
-`text_offset`), so a reader can join streams that overlap: the decode worker's output starts with
-the first token, which the router already has from prefill.
+Chunks carry deltas of new output only, each with its offsets into the request's output
+(`token_offset`, `text_offset`): a decode worker starts after the first token and after the text
+the client already has (FirstToken.text_offset), so the router only checks that the offsets
+continue where the last chunk ended.
 
 When /internal/* is bound beyond loopback, or a cluster secret is configured, requests must carry
 SECRET_HEADER. Errors before a stream starts are OpenAI error objects (see errors.py); errors after
-it started are a final chunk with finish_reason "error" and `error` set.
+it started are a final chunk with finish_reason "error" and `error` set (and `transfer_error`, as
+data, when a KV load failed).
 """
 
 from __future__ import annotations
@@ -32,14 +35,16 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from pdserve.disagg.base import KVHandle
-from pdserve.sampling_params import SamplingParams
+from pdserve.disagg.base import KVHandle, TransferFailure
+from pdserve.engine.request import REQUEST_ID_PATTERN, FirstToken, Request
+from pdserve.outputs import TokenLogprobs
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 SECRET_HEADER = "x-pdserve-cluster-secret"
-REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
 
-Role = Literal["prefill", "decode", "both"]
+Role = Literal["prefill", "decode", "colocated"]
+
+__all__ = ["FirstToken", "GenerateChunk", "Request", "RequestRef", "Ack", "WorkerInfo", "WorkerHealth", "RouterHealth"]
 
 
 class _Message(BaseModel):
@@ -55,27 +60,6 @@ class _Message(BaseModel):
         return v
 
 
-class LogprobEntry(BaseModel):
-    token_id: int
-    logprob: float
-    rank: int  # 1-based
-    token: str | None = None  # the token's text on its own
-
-
-# One generated token's logprobs: the sampled token first, then its top-N alternatives by rank.
-TokenLogprobs = list[LogprobEntry]
-
-
-class GenerateRequest(_Message):
-    request_id: str = Field(pattern=REQUEST_ID_PATTERN)
-    prompt_token_ids: list[int] = Field(min_length=1)
-    params: SamplingParams
-    hold_kv: bool = False  # prefill role: keep the KV pinned for a decode worker
-    kv_handle: KVHandle | None = None  # decode role: where the prompt's KV waits
-    first_token: int | None = None  # decode role: the token prefill sampled
-    first_token_logprobs: TokenLogprobs | None = None  # decode role, when params.logprobs is set
-
-
 class GenerateChunk(_Message):
     request_id: str
     token_offset: int  # index of token_ids[0] in the request's output
@@ -87,6 +71,7 @@ class GenerateChunk(_Message):
     stop_reason: int | str | None = None
     kv_handle: KVHandle | None = None  # prefill role: the request continues on a decode worker
     error: str | None = None  # finish_reason "error": why
+    transfer_error: TransferFailure | None = None  # finish_reason "error" from a failed KV load
     num_prompt_tokens: int = 0
 
 
@@ -108,7 +93,7 @@ class WorkerInfo(_Message):
     max_num_seqs: int
     device: str
     dtype: str
-    transfer_backend: str | None  # None: no connector (role both)
+    transfer_backend: str | None  # None: no connector (role colocated)
     pdserve_version: str
 
 

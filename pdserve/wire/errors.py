@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-log = logging.getLogger("pdserve.server")
+log = logging.getLogger("pdserve.wire")
 
 _TYPES = {401: "authentication_error", 429: "rate_limit_error"}
 _FASTAPI_PARSE_ERROR = "There was an error parsing the body"  # FastAPI's 400 detail for a body json.loads rejects

@@ -13,8 +13,8 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from pdserve.server.errors import ERROR_RESPONSES, ErrorResponse, OpenAIError
-from pdserve.server.openai_protocol import (
+from pdserve.wire.errors import ERROR_RESPONSES, ErrorResponse, OpenAIError
+from pdserve.router.openai_protocol import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
@@ -29,7 +29,7 @@ from pdserve.server.openai_protocol import (
     TopLogprob,
     UsageInfo,
 )
-from pdserve.server.protocol import GenerateChunk, RouterHealth, TokenLogprobs
+from pdserve.wire.protocol import GenerateChunk, RouterHealth, TokenLogprobs
 from pdserve.tokenizer import Tokenizer
 
 DONE = b"data: [DONE]\n\n"

@@ -15,27 +15,30 @@ not, cancels its request at once (disconnect.py), which aborts it on the workers
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pdserve.server.disconnect import GuardedStreamingResponse, unless_disconnected
-from pdserve.server.dispatch import Dispatcher, DispatchSettings
-from pdserve.server.errors import ERROR_RESPONSES, OpenAIError, install_error_handlers, too_busy
-from pdserve.server.http import BodyLimit, TokenGuard
-from pdserve.server.health import WorkerPool
-from pdserve.server.metrics import CONTENT_TYPE, RouterMetrics, render
-from pdserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from pdserve.server.policies import make_policy
-from pdserve.server.protocol import SECRET_HEADER, GenerateChunk
-from pdserve.server.responses import (
+from pdserve.wire.disconnect import GuardedStreamingResponse, unless_disconnected
+from pdserve.config import RouterServeConfig
+from pdserve.router.dispatch import Dispatcher
+from pdserve.wire.errors import ERROR_RESPONSES, OpenAIError, install_error_handlers, too_busy
+from pdserve.wire.http import BodyLimit, TokenGuard
+from pdserve.router.pool import WorkerPool
+from pdserve.router.metrics import RouterMetrics
+from pdserve.wire.metrics import CONTENT_TYPE, render
+from pdserve.router.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from pdserve.router.policies import make_policy
+from pdserve.wire.protocol import SECRET_HEADER, GenerateChunk
+from pdserve.router.responses import (
     CHAT_RESPONSES,
     COMPLETION_RESPONSES,
     DONE,
@@ -46,32 +49,11 @@ from pdserve.server.responses import (
     Formatter,
     sse_error,
 )
-from pdserve.server.validation import Prepared, RequestValidator
+from pdserve.router.validation import Prepared, RequestValidator
 from pdserve.tokenizer import Tokenizer
 
 MAX_BODY_BYTES = 8 << 20
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/workers", "/metrics")
-
-
-@dataclass
-class RouterSettings:
-    model_dir: str
-    served_model_name: str
-    vocab_size: int
-    max_model_len: int | None = None  # None: the smallest of the workers'
-    prefill_policy: str = "round_robin"
-    decode_policy: str = "least_load"
-    api_key: str | None = None
-    cluster_secret: str | None = None
-    health_interval: float = 2.0
-    request_timeout: float = 600.0
-    max_queued_requests: int = 1024
-    first_token_timeout: float = 300.0
-    prefill_timeout: float = 300.0
-    max_attempts: int = 3
-    retry_backoff: float = 0.05
-    breaker_failures: int = 5
-    breaker_cooldown: float = 10.0
 
 
 class _Admission:
@@ -94,15 +76,16 @@ class _Admission:
 
 
 class Router:
-    def __init__(self, settings: RouterSettings, pool: WorkerPool, tokenizer: Tokenizer, metrics: RouterMetrics) -> None:
-        self.s = settings
+    def __init__(self, config: RouterServeConfig, vocab_size: int, pool: WorkerPool, tokenizer: Tokenizer, metrics: RouterMetrics) -> None:
+        self.s = config.router
+        self.model_name = config.served_model_name or config.model
         self.pool = pool
         self.tokenizer = tokenizer
         self.metrics = metrics
-        self.validator = RequestValidator(tokenizer, settings.served_model_name, settings.vocab_size)
-        self.admission = _Admission(settings.max_queued_requests, metrics)
+        self.validator = RequestValidator(tokenizer, self.model_name, vocab_size)
+        self.admission = _Admission(config.router.max_queued_requests, metrics)
         self.dispatcher: Dispatcher | None = None  # made in the lifespan, with the HTTP client
-        self.headers = {SECRET_HEADER: settings.cluster_secret} if settings.cluster_secret else {}
+        self.headers = {SECRET_HEADER: config.cluster_secret} if config.cluster_secret else {}
 
     def max_model_len(self) -> int:
         known = self.pool.max_model_len()
@@ -171,19 +154,20 @@ class Router:
         self.metrics.generation_tokens.inc(usage.completion_tokens)
 
 
-def build_router_app(settings: RouterSettings, prefill: list[str], decode: list[str], colocated: list[str]) -> FastAPI:
+def build_router_app(config: RouterServeConfig) -> FastAPI:
+    settings = config.router
     metrics = RouterMetrics()
-    pool = WorkerPool(prefill, decode, colocated, metrics, breaker_failures=settings.breaker_failures, breaker_cooldown_s=settings.breaker_cooldown)
-    router = Router(settings, pool, Tokenizer(settings.model_dir), metrics)
+    pool = WorkerPool(config.prefill, config.decode, config.colocated, metrics, breaker_failures=settings.breaker_failures, breaker_cooldown_s=settings.breaker_cooldown)
+    router = Router(config, _vocab_size(config.model), pool, Tokenizer(config.model), metrics)
+    model_name = router.model_name
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         timeout = httpx.Timeout(connect=5.0, read=settings.request_timeout, write=30.0, pool=30.0)
         async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-            dispatch = DispatchSettings(settings.max_attempts, settings.retry_backoff, prefill_timeout_s=settings.prefill_timeout)
             router.dispatcher = Dispatcher(
-                pool, client, make_policy(settings.prefill_policy), make_policy(settings.decode_policy), router.headers, metrics, dispatch
+                pool, client, make_policy(settings.prefill_policy), make_policy(settings.decode_policy), router.headers, metrics, settings
             )
             prober = asyncio.create_task(pool.run(client, settings.health_interval, router.headers))
             try:
@@ -199,18 +183,18 @@ def build_router_app(settings: RouterSettings, prefill: list[str], decode: list[
     @app.post("/v1/completions", responses=COMPLETION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         prep = router.validator.completion(body, router.max_model_len())
-        fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", settings.served_model_name, router.tokenizer, prep.prompts, prep.logprobs, body.return_token_ids, body.stream and body.include_usage())
+        fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", model_name, router.tokenizer, prep.prompts, prep.logprobs, body.return_token_ids, body.stream and body.include_usage())
         return await router.serve(fmt, prep, body.stream, request.receive)
 
     @app.post("/v1/chat/completions", responses=CHAT_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         prep = router.validator.chat(body, router.max_model_len())
-        fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", settings.served_model_name, router.tokenizer, prep.prompts, prep.logprobs, body.return_token_ids, body.stream and body.include_usage())
+        fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", model_name, router.tokenizer, prep.prompts, prep.logprobs, body.return_token_ids, body.stream and body.include_usage())
         return await router.serve(fmt, prep, body.stream, request.receive)
 
     @app.get("/v1/models", responses=ERROR_RESPONSES)
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=settings.served_model_name, root=settings.model_dir, max_model_len=pool.max_model_len() or settings.max_model_len)])
+        return ModelList(data=[ModelCard(id=model_name, root=config.model, max_model_len=pool.max_model_len() or settings.max_model_len)])
 
     @app.get("/health", responses=HEALTH_RESPONSES)
     async def health() -> JSONResponse:
@@ -219,7 +203,7 @@ def build_router_app(settings: RouterSettings, prefill: list[str], decode: list[
             "status": "ok" if ok else "unhealthy",
             "healthy_prefill": len(pool.healthy("prefill")),
             "healthy_decode": len(pool.healthy("decode")),
-            "healthy_colocated": len(pool.healthy("both")),
+            "healthy_colocated": len(pool.healthy("colocated")),
         }
         return JSONResponse(body, status_code=200 if ok else 503)
 
@@ -314,3 +298,11 @@ async def _merge(gens: list[AsyncIterator[GenerateChunk]]) -> AsyncIterator[tupl
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _vocab_size(model_dir: str) -> int:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"model folder {model_dir!r} has no config.json")
+    with open(path) as f:
+        return int(json.load(f)["vocab_size"])

@@ -18,8 +18,8 @@ import jinja2
 from pydantic import ValidationError
 
 from pdserve.sampling_params import SamplingParams
-from pdserve.server.errors import OpenAIError
-from pdserve.server.openai_protocol import INT64_MAX, ChatCompletionRequest, CompletionRequest, _Request
+from pdserve.wire.errors import OpenAIError
+from pdserve.router.openai_protocol import INT64_MAX, ChatCompletionRequest, CompletionRequest, _Request
 from pdserve.tokenizer import Tokenizer
 
 NORMALIZER_SLACK = 4  # Unicode composition merges at most 3 characters into 1

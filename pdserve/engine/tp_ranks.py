@@ -1,5 +1,5 @@
 """The processes of a tensor-parallel engine: rank 0 (the engine's own process) starts ranks
-1..N-1, each `python -m pdserve.distributed.ranks`, and stops them.
+1..N-1, each `python -m pdserve.engine.tp_rank` (tp_rank.py), and stops them.
 
     rank 0: TCPStore on a free port -> spawn ranks -> wait for each "ready/<r>" key (a rank that
             dies first is reported at once) -> join the process groups -> load its shard
@@ -15,10 +15,7 @@ of a worker's GPUs stay visible to every rank (see group.rank_device).
 
 from __future__ import annotations
 
-import argparse
-import ctypes
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -31,7 +28,6 @@ from pdserve.engine.config import EngineConfig
 
 RANK_START_TIMEOUT_S = 120.0  # from spawn to "ready" (imports; model loading comes after)
 STOP_GRACE_S = 10.0
-PR_SET_PDEATHSIG = 1
 
 
 class RankProcesses:
@@ -50,7 +46,7 @@ class RankProcesses:
         size = config.tensor_parallel_size
         timeout = timedelta(seconds=RANK_START_TIMEOUT_S)
         store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=timeout, wait_for_workers=False)
-        argv = [sys.executable, "-m", "pdserve.distributed.ranks", "--size", str(size), "--store-port", str(store.port),
+        argv = [sys.executable, "-m", "pdserve.engine.tp_rank", "--size", str(size), "--store-port", str(store.port),
                 "--parent-pid", str(os.getpid()), "--config", config.model_dump_json()]  # fmt: skip
         procs = [subprocess.Popen([*argv, "--rank", str(r)], stdin=subprocess.DEVNULL) for r in range(1, size)]
         ranks = cls(procs, store)
@@ -93,41 +89,3 @@ class RankProcesses:
                 p.kill()
         for p in self.procs:
             p.wait()
-
-
-def _die_with(parent_pid: int) -> None:
-    """SIGKILL this process when its parent goes; exit now if it is already gone."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:
-        os._exit(1)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pdserve.distributed.ranks", description="one tensor-parallel rank (started by rank 0)")
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--size", type=int, required=True)
-    p.add_argument("--store-port", type=int, required=True)
-    p.add_argument("--parent-pid", type=int, required=True)
-    p.add_argument("--config", required=True, help="the engine's EngineConfig as JSON")
-    args = p.parse_args(argv)
-    _die_with(args.parent_pid)
-    config = EngineConfig.model_validate_json(args.config)
-    timeout = timedelta(seconds=RANK_START_TIMEOUT_S)
-    store = dist.TCPStore("127.0.0.1", args.store_port, args.size, is_master=False, timeout=timeout)
-    store.set(f"ready/{args.rank}", str(os.getpid()))
-    tp = join(store, args.rank, args.size, rank_device(config.device, args.rank))
-
-    from pdserve.engine.model_runner import ModelRunner
-
-    runner = ModelRunner(config, tp=tp)
-    runner.serve_forever()
-    tp.destroy()
-    return 0
-
-
-if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # skip interpreter teardown (seconds of torch module cleanup): nothing is left to do

@@ -12,9 +12,11 @@ from __future__ import annotations
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Protocol, TypeVar
+from typing import Protocol, TypeVar, get_args
 
-POLICY_NAMES = ("round_robin", "least_load", "power_of_two")
+from pdserve.config import PolicyName
+
+POLICY_NAMES: tuple[str, ...] = get_args(PolicyName)
 
 
 class Candidate(Protocol):
@@ -73,6 +75,18 @@ class PowerOfTwo(Policy):
             return workers[0]
         a, b = self._rng.sample(list(workers), 2)
         return a if a.in_flight <= b.in_flight else b
+
+
+class PairPolicy:
+    """Chooses a PD request's prefill and decode workers together, up front, so that a policy can
+    weigh both (today: each role's own policy; a cache- or locality-aware pair policy goes here)."""
+
+    def __init__(self, prefill: Policy, decode: Policy) -> None:
+        self.prefill = prefill
+        self.decode = decode
+
+    def choose(self, prefill: Sequence[W], decode: Sequence[W]) -> tuple[W, W]:
+        return self.prefill.choose(prefill), self.decode.choose(decode)
 
 
 def make_policy(name: str, seed: int | None = None) -> Policy:

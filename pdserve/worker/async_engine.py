@@ -18,13 +18,13 @@ import threading
 import time
 from typing import AsyncIterator
 
-from pdserve.disagg.base import KVHandle
-from pdserve.engine.llm_engine import LLMEngine
-from pdserve.outputs import CompletionOutput, Logprob, RequestOutput
-from pdserve.sampling_params import SamplingParams
-from pdserve.server.metrics import WorkerMetrics
+from pdserve.disagg.base import PeerMetadata
+from pdserve.engine.llm_engine import EngineStats, LLMEngine
+from pdserve.engine.request import Request
+from pdserve.outputs import CompletionOutput, RequestOutput
+from pdserve.worker.metrics import WorkerMetrics
 
-log = logging.getLogger("pdserve.server")
+log = logging.getLogger("pdserve.worker")
 
 IDLE_WAIT_S = 0.5  # nothing to do: wake at least this often (liveness)
 HELD_POLL_S = 0.02  # prefill holds KV: look for release notifications this often
@@ -87,47 +87,33 @@ class AsyncEngine:
         """Requests this worker is serving (admitted, not finished)."""
         return len(self._streams)
 
+    def stats(self) -> EngineStats:
+        return self.engine.get_stats()
+
+    def shutdown(self) -> None:
+        """After stop(): end the engine's tensor-parallel rank processes, if any."""
+        self.engine.shutdown()
+
     # -- requests --
-    def add(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        hold_kv: bool = False,
-        kv_handle: KVHandle | None = None,
-        first_token: int | None = None,
-        first_token_logprobs: dict[int, Logprob] | None = None,
-    ) -> RequestStream:
+    def add(self, request: Request, peer: PeerMetadata | None = None) -> RequestStream:
         """Admit a request (call on the event loop). Bad input raises ValueError, nothing is kept."""
         if not self.alive:
             raise RuntimeError(f"the engine is not running: {self.error or 'stopped'}")
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use on this worker")
-        stream = RequestStream(request_id, asyncio.get_running_loop())
-        self._streams[request_id] = stream
+        rid = request.request_id
+        if rid in self._streams:
+            raise ValueError(f"request id {rid!r} is already in use on this worker")
+        stream = RequestStream(rid, asyncio.get_running_loop())
+        self._streams[rid] = stream
         try:
-            self.engine.add_request(
-                request_id,
-                prompt_token_ids,
-                params,
-                hold_kv=hold_kv,
-                kv_handle=kv_handle,
-                first_token=first_token,
-                first_token_logprobs=first_token_logprobs,
-            )
+            self.engine.add_request(request, peer)
         except BaseException:
-            self._streams.pop(request_id, None)
+            self._streams.pop(rid, None)
             raise
         self._wake.set()
         return stream
 
     def abort(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
-        self._wake.set()
-
-    def release(self, request_id: str) -> None:
-        self.engine.release_kv(request_id)
         self._wake.set()
 
     # -- the engine thread --
@@ -186,8 +172,9 @@ class AsyncEngine:
         m.blocks_used.set(stats.kv_blocks_used)
         m.blocks_total.set(stats.kv_blocks_total)
         m.sync_recomputes(stats.num_kv_load_recomputes)
-        if self.engine.connector is not None:
-            m.sync_transfer(self.engine.connector.stats)
+        transfer = self.engine.transfer_stats()
+        if transfer is not None:
+            m.sync_transfer(transfer)
 
     def _fail_all(self, reason: str) -> None:
         for rid, stream in list(self._streams.items()):

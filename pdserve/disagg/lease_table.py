@@ -1,4 +1,4 @@
-"""Bookkeeping shared by the connectors: prefill-side leases, release messages, transfer counters.
+"""The prefill side's leases and the release messages that end them.
 
 Plain Python, no torch. A lease pins a prefilled request's blocks until the decode side says it has
 read them (a "release:<request_id>" notification) or until it expires, whichever comes first.
@@ -8,9 +8,8 @@ Expiry is measured on time.monotonic(); the KVHandle carries the wall-clock equi
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 DEFAULT_LEASE_S = 60.0
 RELEASE_PREFIX = b"release:"
@@ -61,37 +60,8 @@ class LeaseTable:
             del self._leases[rid]
         return ids
 
-    def blocks(self, request_id: str) -> list[int]:
-        return self._leases[request_id].block_ids
-
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._leases
 
     def __len__(self) -> int:
         return len(self._leases)
-
-
-@dataclass
-class TransferStats:
-    """Counters a worker exports as metrics. Decode side: loads; prefill side: leases."""
-
-    bytes_transferred: int = 0
-    transfers_done: int = 0
-    transfers_failed: int = 0
-    transfer_seconds_sum: float = 0.0
-    recent_transfer_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
-    descriptors_sum: int = 0  # NIXL descriptors over all transfers (descriptors per request = this / done)
-    failures_by_stage: dict[str, int] = field(default_factory=dict)
-    leases_released: int = 0  # by a decode notification or an explicit release
-    lease_expirations: int = 0
-
-    def record_done(self, nbytes: int, seconds: float, descriptors: int) -> None:
-        self.bytes_transferred += nbytes
-        self.transfers_done += 1
-        self.transfer_seconds_sum += seconds
-        self.recent_transfer_seconds.append(seconds)
-        self.descriptors_sum += descriptors
-
-    def record_failed(self, stage_name: str) -> None:
-        self.transfers_failed += 1
-        self.failures_by_stage[stage_name] = self.failures_by_stage.get(stage_name, 0) + 1

@@ -47,9 +47,6 @@ class KVCache:
         """Layer `layer` of region `name`, flat: [num_blocks * block_size, dim]."""
         return self.regions[name][layer].view(self.num_blocks * self.block_size, -1)
 
-    def has(self, name: str) -> bool:
-        return name in self.regions
-
     @staticmethod
     def bytes_per_block(specs: list[KVRegionSpec], num_layers: int, block_size: int, dtype: torch.dtype) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()

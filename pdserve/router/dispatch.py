@@ -1,9 +1,14 @@
-"""The router's only real work: pick workers, forward, stream (DESIGN.md's request flow).
+"""The router's only real work: pick workers, forward, stream.
 
     generate(request)
-      PD:        prefill.generate(hold_kv) --> first token + KVHandle --> yielded at once
-                 decode.generate(handle, first token) --> deltas --> yielded as they come
-      colocated: both.generate --> deltas
+      PD:        choose (prefill, decode) together (PairPolicy)
+                 prefill /internal/generate(hold_kv) --> first token + KVHandle --> yielded at once
+                 decode /internal/generate(handle, FirstToken) --> deltas --> yielded as they come
+      colocated: colocated /internal/generate --> deltas
+
+Workers send deltas of new output with their offsets; the router checks that each chunk starts
+where the output stands (a decode worker's first chunk starts after the first token) and passes it
+on: nothing is joined or cut here.
 
 A worker that cannot be reached, answers 503, or is full (429) before anything streamed is retried
 on another worker of the role (at most `max_attempts` workers, with exponential backoff between
@@ -12,9 +17,11 @@ final: an OpenAIError (502/504) raised into the stream, never tokens from a seco
 Each request's outcome feeds its worker's circuit breaker (breaker.py).
 
 Aborts (the client left, a timeout, an error): a worker whose request was sent but not finished is
-told at once (/internal/abort; a prefill worker that already holds the KV frees it), and if the
-decode side never streamed (so never read the KV) the prefill lease is released at once rather
-than at expiry. The prefill phase (choose a worker, run the prompt, get the first token and the
+told at once (/internal/abort), and if the decode side never streamed (so never read the KV) the
+prefill worker is told too: abort on prefill frees the KV it holds, at once rather than at lease
+expiry. (Decode's own release after a read travels as a NIXL notification, never through here.)
+A failed KV load reaches the client as an OpenAI error with code kv_transfer_failed, its message
+naming the stage (TransferFailure). The prefill phase (choose a worker, run the prompt, get the first token and the
 KV handle) is bounded by `prefill_timeout_s`.
 """
 
@@ -24,36 +31,27 @@ import asyncio
 import logging
 import random
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import httpx
 
+from pdserve.config import RouterConfig
+from pdserve.engine.request import FirstToken, Request
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.policies import PairPolicy, Policy, RoundRobin
+from pdserve.router.pool import PoolRole, Worker, WorkerPool
 from pdserve.sampling_params import SamplingParams
-from pdserve.server.errors import ErrorResponse, OpenAIError
-from pdserve.server.health import PoolRole, Worker, WorkerPool
-from pdserve.server.metrics import RouterMetrics
-from pdserve.server.policies import Policy, RoundRobin
-from pdserve.server.protocol import GenerateChunk, GenerateRequest, RequestRef
+from pdserve.wire.errors import ErrorResponse, OpenAIError
+from pdserve.wire.protocol import GenerateChunk, RequestRef
 
 log = logging.getLogger("pdserve.router")
 
-CONTROL_TIMEOUT_S = 5.0  # abort / release calls
+CONTROL_TIMEOUT_S = 5.0  # abort calls
+MAX_BACKOFF_S = 1.0
 
 
-@dataclass
-class DispatchSettings:
-    max_attempts: int = 3  # workers tried per role before giving up
-    retry_backoff_s: float = 0.05  # sleep before the 2nd try; doubles each try (with jitter)
-    max_backoff_s: float = 1.0
-    prefill_timeout_s: float = 300.0  # choose a prefill worker .. its first token and KV handle
-
-    def __post_init__(self) -> None:
-        if self.max_attempts < 1 or self.retry_backoff_s < 0 or self.max_backoff_s < 0 or self.prefill_timeout_s <= 0:
-            raise ValueError(f"invalid dispatch settings: {self}")
-
-    def backoff(self, attempt: int) -> float:
-        """Seconds to wait before try number attempt + 1 (attempt >= 1)."""
-        return min(self.max_backoff_s, self.retry_backoff_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
+def backoff(retry_backoff_s: float, attempt: int) -> float:
+    """Seconds to wait before try number attempt + 1 (attempt >= 1): doubling, capped, jittered."""
+    return min(MAX_BACKOFF_S, retry_backoff_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
 
 
 class Dispatcher:
@@ -65,37 +63,40 @@ class Dispatcher:
         decode_policy: Policy,
         headers: dict[str, str],
         metrics: RouterMetrics,
-        settings: DispatchSettings | None = None,
+        settings: RouterConfig | None = None,
     ) -> None:
         self.pool = pool
         self.client = client
-        self.policies = {"prefill": prefill_policy, "decode": decode_policy, "both": RoundRobin()}
+        self.policies = {"prefill": prefill_policy, "decode": decode_policy, "colocated": RoundRobin()}
+        self.pair = PairPolicy(prefill_policy, decode_policy)
         self.headers = {**headers, "content-type": "application/json"}
         self.metrics = metrics
-        self.s = settings or DispatchSettings()
+        self.s = settings or RouterConfig()
         self._background: set[asyncio.Task] = set()
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[GenerateChunk]:
         """The request's output as chunks of new content only (offsets continue from 0 without
         overlap), the last one with finish_reason. Raises OpenAIError."""
+        req = Request(request_id=request_id, prompt_token_ids=prompt, params=params)
         if self.pool.can_pd():
-            source = self._pd(request_id, prompt, params)
-        elif self.pool.available("both"):
-            source = self._colocated(request_id, prompt, params)
+            prefill, decode = self.pair.choose(self.pool.candidates("prefill"), self.pool.candidates("decode"))
+            source = self._pd(req, prefill, decode)
+        elif self.pool.available("colocated"):
+            source = self._colocated(req)
         else:
             raise OpenAIError(503, "no healthy workers: need a prefill and a decode worker, or a colocated one", code="no_healthy_workers")
-        joined = _Joiner()
+        offsets = _Offsets()
         try:
             async for chunk in source:
-                new = joined.take(chunk)
-                if new is not None:
-                    yield new
+                offsets.advance(chunk)
+                yield chunk
         finally:
             await source.aclose()
 
     # -- the two paths --
-    async def _pd(self, rid: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[GenerateChunk]:
-        pw, first = await self._prefill(rid, prompt, params)
+    async def _pd(self, req: Request, prefill: Worker, decode: Worker) -> AsyncIterator[GenerateChunk]:
+        rid = req.request_id
+        pw, first = await self._prefill(req.model_copy(update={"hold_kv": True}), prefill)
         if first is None or (first.finish_reason is None and first.kv_handle is None) or not first.token_ids:
             raise OpenAIError(502, f"prefill worker {pw.url} ended without a first token", code="upstream_error")
         if first.finish_reason == "error":
@@ -103,41 +104,37 @@ class Dispatcher:
         if first.finish_reason is not None:  # the first token already ended it: no KV is held
             yield first
             return
-        dreq = GenerateRequest(
-            request_id=rid,
-            prompt_token_ids=prompt,
-            params=params,
-            kv_handle=first.kv_handle,
-            first_token=first.token_ids[0],
-            first_token_logprobs=first.logprobs[0] if first.logprobs else None,
+        first_token = FirstToken(
+            token_id=first.token_ids[0], logprobs=first.logprobs[0] if first.logprobs else None, text_offset=len(first.text)
         )
+        dreq = req.model_copy(update={"kv_handle": first.kv_handle, "first_token": first_token})
         dw: Worker | None = None
         decode_read = finished = False
         try:
             yield first
-            dw, dresp = await self._open("decode", dreq)
+            dw, dresp = await self._open("decode", dreq, first=decode)
             async for chunk in self._read(dw, dresp):
                 decode_read = chunk.finish_reason != "error"  # decode streams tokens only once the KV has arrived
                 _raise_if_failed(chunk, "decode")
                 finished = chunk.finish_reason is not None
                 yield chunk
         finally:
-            if not decode_read:
-                self._later(pw, "/internal/release", rid)
+            if not decode_read:  # decode never read the KV: prefill frees it now, not at lease expiry
+                self._later(pw, "/internal/abort", rid)
             if dw is not None and not finished:
                 self._later(dw, "/internal/abort", rid)
 
-    async def _prefill(self, rid: str, prompt: list[int], params: SamplingParams) -> tuple[Worker, GenerateChunk | None]:
+    async def _prefill(self, req: Request, chosen: Worker) -> tuple[Worker, GenerateChunk | None]:
         """The prefill worker and its last chunk (first token + KV handle), within prefill_timeout_s.
         Left early (client gone, timeout, error), the worker is told to abort, freeing any KV it holds."""
-        req = GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params, hold_kv=True)
+        rid = req.request_id
         pw: Worker | None = None
         tried: list[Worker] = []
         first: GenerateChunk | None = None
         done = False
         try:
-            async with asyncio.timeout(self.s.prefill_timeout_s):
-                pw, presp = await self._open("prefill", req, tried)
+            async with asyncio.timeout(self.s.prefill_timeout):
+                pw, presp = await self._open("prefill", req, tried, first=chosen)
                 async for chunk in self._read(pw, presp):
                     first = chunk
             done = True
@@ -147,14 +144,15 @@ class Dispatcher:
             if last is not None:
                 self.pool.report(last, ok=False)
             where = f"prefill worker {last.url}" if last is not None else "no prefill worker"
-            raise OpenAIError(504, f"{where}: no first token within the prefill timeout ({self.s.prefill_timeout_s} s)", code="prefill_timeout") from None
+            raise OpenAIError(504, f"{where}: no first token within the prefill timeout ({self.s.prefill_timeout} s)", code="prefill_timeout") from None
         finally:
             if pw is not None and not done:
                 self._later(pw, "/internal/abort", rid)
         return pw, first
 
-    async def _colocated(self, rid: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[GenerateChunk]:
-        w, resp = await self._open("both", GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params))
+    async def _colocated(self, req: Request) -> AsyncIterator[GenerateChunk]:
+        rid = req.request_id
+        w, resp = await self._open("colocated", req)
         finished = False
         try:
             async for chunk in self._read(w, resp):
@@ -166,9 +164,13 @@ class Dispatcher:
                 self._later(w, "/internal/abort", rid)
 
     # -- talking to workers --
-    async def _open(self, role: PoolRole, req: GenerateRequest, attempts: list[Worker] | None = None) -> tuple[Worker, httpx.Response]:
+    async def _open(
+        self, role: PoolRole, req: Request, attempts: list[Worker] | None = None, first: Worker | None = None
+    ) -> tuple[Worker, httpx.Response]:
         """Start /internal/generate on a worker of `role`; the response is open and 200.
-        attempts: if given, each worker tried is appended (the caller's timeout names the last)."""
+        first: the worker chosen up front (tried first while it is still a candidate); retries
+        go to the role's policy. attempts: if given, each worker tried is appended (the caller's
+        timeout names the last)."""
         tried: set[str] = set()
         last: OpenAIError | None = None
         body = req.model_dump_json(exclude_none=True)
@@ -178,8 +180,8 @@ class Dispatcher:
                 break
             if attempt:
                 self.metrics.retries.labels(role).inc()
-                await asyncio.sleep(self.s.backoff(attempt))
-            w = self.policies[role].choose(candidates)
+                await asyncio.sleep(backoff(self.s.retry_backoff, attempt))
+            w = first if attempt == 0 and first in candidates else self.policies[role].choose(candidates)
             tried.add(w.url)
             if attempts is not None:
                 attempts.append(w)
@@ -287,27 +289,23 @@ class Dispatcher:
 
 
 def _raise_if_failed(chunk: GenerateChunk, who: str) -> None:
-    if chunk.finish_reason == "error":
-        raise OpenAIError(502, f"{who} failed: {chunk.error}", code="upstream_error")
+    if chunk.finish_reason != "error":
+        return
+    f = chunk.transfer_error
+    if f is not None:
+        raise OpenAIError(502, f"KV transfer failed at stage {f.stage}: {f.reason}", code="kv_transfer_failed")
+    raise OpenAIError(502, f"{who} failed: {chunk.error}", code="upstream_error")
 
 
-class _Joiner:
-    """Keeps what was already yielded, so overlapping streams (decode repeats the first token)
-    join without repeating anything."""
+class _Offsets:
+    """Where the request's output stands: each chunk must continue exactly there (no gap, no overlap)."""
 
     def __init__(self) -> None:
         self.tokens = 0
         self.text = 0
 
-    def take(self, c: GenerateChunk) -> GenerateChunk | None:
-        if c.token_offset > self.tokens or c.text_offset > self.text:
-            raise OpenAIError(502, "a worker's stream skipped output (protocol error)", code="upstream_error")
-        k, j = self.tokens - c.token_offset, self.text - c.text_offset
-        ids, text = c.token_ids[k:], c.text[j:]
-        logprobs = c.logprobs[k:] if c.logprobs is not None else None
-        if not ids and not text and c.finish_reason is None:
-            return None
-        out = c.model_copy(update={"token_offset": self.tokens, "token_ids": ids, "text_offset": self.text, "text": text, "logprobs": logprobs})
-        self.tokens += len(ids)
-        self.text += len(text)
-        return out
+    def advance(self, c: GenerateChunk) -> None:
+        if c.token_offset != self.tokens or c.text_offset != self.text:
+            raise OpenAIError(502, "a worker's stream does not continue where the output stands (protocol error)", code="upstream_error")
+        self.tokens += len(c.token_ids)
+        self.text += len(c.text)

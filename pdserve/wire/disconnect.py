@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pdserve.server.errors import OpenAIError
+from pdserve.wire.errors import OpenAIError
 
 T = TypeVar("T")
 CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, the metrics count it

@@ -19,14 +19,15 @@ from typing import Any, Literal
 import httpx
 from pydantic import ValidationError
 
-from pdserve.server.breaker import BreakerState, CircuitBreaker
-from pdserve.server.metrics import RouterMetrics
-from pdserve.server.protocol import WorkerHealth, WorkerInfo
+from pdserve.router.breaker import BreakerState, CircuitBreaker
+from pdserve.router.metrics import RouterMetrics
+from pdserve.wire.protocol import WorkerHealth, WorkerInfo
 
 log = logging.getLogger("pdserve.router")
 
-PoolRole = Literal["prefill", "decode", "both"]
+PoolRole = Literal["prefill", "decode", "colocated"]
 PROBE_TIMEOUT_S = 5.0
+DOWN_PROBE_INTERVAL_S = 1.0
 
 
 @dataclass
@@ -82,7 +83,7 @@ class WorkerPool:
         def make(url: str, role: PoolRole) -> Worker:
             return Worker(_clean(url), role, breaker=CircuitBreaker(breaker_failures, breaker_cooldown_s))
 
-        self.workers = [make(u, "prefill") for u in prefill] + [make(u, "decode") for u in decode] + [make(u, "both") for u in colocated]
+        self.workers = [make(u, "prefill") for u in prefill] + [make(u, "decode") for u in decode] + [make(u, "colocated") for u in colocated]
         self.metrics = metrics
         for w in self.workers:
             self._export(w)
@@ -102,7 +103,7 @@ class WorkerPool:
         return bool(self.available("prefill")) and bool(self.available("decode"))
 
     def can_serve(self) -> bool:
-        return self.can_pd() or bool(self.available("both"))
+        return self.can_pd() or bool(self.available("colocated"))
 
     def max_model_len(self) -> int | None:
         """The smallest context any known worker allows (a request must fit wherever it lands)."""
@@ -140,9 +141,12 @@ class WorkerPool:
 
     # -- probing --
     async def run(self, client: httpx.AsyncClient, interval: float, headers: dict[str, str]) -> None:
+        """Probe every `interval` seconds; while a worker is down, at least every second (a worker
+        that is starting or restarting is taken back as soon as it can serve)."""
         while True:
             await self.probe_all(client, headers)
-            await asyncio.sleep(interval)
+            down = any(not w.healthy for w in self.workers)
+            await asyncio.sleep(min(interval, DOWN_PROBE_INTERVAL_S) if down else interval)
 
     async def probe_all(self, client: httpx.AsyncClient, headers: dict[str, str]) -> None:
         await asyncio.gather(*(self.probe(client, w, headers) for w in self.workers))

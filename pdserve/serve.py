@@ -1,0 +1,165 @@
+"""`pdserve serve`: run one component - a worker (prefill | decode | colocated) or the router.
+
+    flags, or --config FILE (what `pdserve launch` writes) -> ServeConfig (pdserve/config.py)
+        -> worker.build.build_worker | router.app.build_router_app -> uvicorn
+
+Flags only collect what was given: every default, limit and choice is the config model's, so the
+flags, a cluster YAML and a config file mean the same thing and fail with the same messages.
+Workers bind 127.0.0.1 unless told otherwise, and refuse to bind elsewhere without a cluster
+secret (every route but /health and /metrics needs it then). A decode worker fetches transfer
+metadata only from its --peer workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+import yaml
+from pydantic import TypeAdapter, ValidationError
+
+from pdserve.config import DEFAULT_PORTS, RouterServeConfig, ServeConfig, WorkerServeConfig
+
+log = logging.getLogger("pdserve.serve")
+
+# flag dest -> where it goes in the ServeConfig; "@" is the role's own section (worker | router)
+WORKER_FLAGS = {
+    "device": "worker.device", "dtype": "worker.dtype", "tensor_parallel_size": "worker.tp_size",
+    "kv_block_size": "worker.kv_block_size", "num_kv_blocks": "worker.num_kv_blocks",
+    "max_num_seqs": "worker.max_num_seqs", "max_num_batched_tokens": "worker.max_num_batched_tokens",
+    "engine_id": "worker.engine_id", "lease_seconds": "worker.lease_seconds",
+    "max_open_requests": "worker.max_open_requests", "peer": "peers",
+    "transfer_backend": "transfer.backend", "transfer_timeout": "transfer.timeout",
+    "metadata_timeout": "transfer.metadata_timeout", "kv_load_failure_policy": "transfer.kv_load_failure_policy",
+}  # fmt: skip
+ROUTER_FLAGS = {
+    "prefill": "prefill", "decode": "decode", "colocated": "colocated", "served_model_name": "served_model_name",
+    "prefill_policy": "router.prefill_policy", "decode_policy": "router.decode_policy", "api_key": "router.api_key",
+    "health_interval": "router.health_interval", "request_timeout": "router.request_timeout",
+    "first_token_timeout": "router.first_token_timeout", "prefill_timeout": "router.prefill_timeout",
+    "max_queued_requests": "router.max_queued_requests", "max_attempts": "router.max_attempts",
+    "retry_backoff": "router.retry_backoff", "breaker_failures": "router.breaker_failures",
+    "breaker_cooldown": "router.breaker_cooldown",
+}  # fmt: skip
+COMMON_FLAGS = {"role": "role", "model": "model", "cluster_secret": "cluster_secret", "host": "@.host", "port": "@.port", "max_model_len": "@.max_model_len"}
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    # SUPPRESS: a flag not given leaves no attribute, so the config model's default applies
+    add = functools.partial(p.add_argument, default=argparse.SUPPRESS)
+    p.add_argument("--config", dest="config_file", metavar="FILE", help="a component's ServeConfig (JSON or YAML; pdserve launch writes these)")
+    add("--role", help="prefill | decode | colocated | router")
+    add("--host", help="bind address (default 127.0.0.1)")
+    add("--port", help="default: router 8000, prefill 30000, decode 30001, colocated 30002")
+    add("--model", metavar="DIR", help="checkpoint folder (the router reads its tokenizer)")
+    add("--cluster-secret", help="shared secret for /internal/* (required when a worker binds beyond loopback)")
+    add("--max-model-len", help="context length (router: an extra cap on the workers')")
+    w = functools.partial(p.add_argument_group("worker").add_argument, default=argparse.SUPPRESS)
+    w("--device", help="cpu | cuda | cuda:N")
+    w("--dtype", help="auto | float32 | bfloat16 | float16")
+    w("--tensor-parallel-size", "-tp", help="ranks of this worker: GPUs from --device on, or gloo processes on cpu")
+    w("--kv-block-size")
+    w("--num-kv-blocks")
+    w("--max-num-seqs")
+    w("--max-num-batched-tokens")
+    w("--engine-id", help="transfer agent name (default <role>-<port>)")
+    w("--lease-seconds", help="prefill keeps a request's KV this long for decode")
+    w("--transfer-backend", help="nixl")
+    w("--transfer-timeout", help="seconds for one request's KV read")
+    w("--metadata-timeout", help="seconds for decode to fetch a prefill peer's transfer metadata")
+    w("--peer", action="append", metavar="URL", help="a worker whose transfer metadata may be fetched (repeatable)")
+    w("--kv-load-failure-policy", help="decode: a failed KV read fails the request (fail) or computes the prompt here (recompute)")
+    w("--max-open-requests", help="requests admitted at once before 429 (default max(8 x max-num-seqs, 256))")
+    r = functools.partial(p.add_argument_group("router").add_argument, default=argparse.SUPPRESS)
+    r("--prefill", action="append", metavar="URL")
+    r("--decode", action="append", metavar="URL")
+    r("--colocated", action="append", metavar="URL", help="a colocated (prefill + decode in one) worker")
+    r("--prefill-policy", help="round_robin | least_load | power_of_two")
+    r("--decode-policy", help="round_robin | least_load | power_of_two")
+    r("--api-key", help="clients must send Authorization: Bearer <key>")
+    r("--served-model-name", help="the model name clients use (default: --model as given)")
+    r("--health-interval", help="seconds between worker probes")
+    r("--request-timeout", help="seconds a request may take in all")
+    r("--first-token-timeout", help="seconds until a request's first token")
+    r("--prefill-timeout", help="seconds a prefill worker has to return the first token and KV")
+    r("--max-queued-requests", help="concurrent requests before 429")
+    r("--max-attempts", help="workers of a role tried when one refuses, before the first token")
+    r("--retry-backoff", help="seconds before the second try; doubles each try")
+    r("--breaker-failures", help="consecutive failed requests that open a worker's circuit breaker")
+    r("--breaker-cooldown", help="seconds an open breaker waits before a trial request")
+
+
+def config_from_args(args: argparse.Namespace) -> WorkerServeConfig | RouterServeConfig:
+    """The validated ServeConfig; raises ValueError with every problem (pydantic's messages)."""
+    given = {k: v for k, v in vars(args).items() if k != "config_file"}
+    if getattr(args, "config_file", None):
+        if given:
+            raise ValueError(f"--config takes the whole component; drop {', '.join('--' + k.replace('_', '-') for k in given)}")
+        data = yaml.safe_load(Path(args.config_file).read_text())
+    else:
+        data = _nest(given)
+    try:
+        return TypeAdapter(ServeConfig).validate_python(data)
+    except ValidationError as err:
+        lines = [f"  {'.'.join(str(p) for p in e['loc'][1:]) or '(top level)'}: {e['msg']}" for e in err.errors()]
+        raise ValueError("invalid settings:\n" + "\n".join(lines)) from None
+
+
+def _nest(given: dict[str, Any]) -> dict[str, Any]:
+    role = given.get("role")
+    if role is None:
+        raise ValueError("--role is required: prefill | decode | colocated | router")
+    section = "router" if role == "router" else "worker"
+    flags = {**COMMON_FLAGS, **(ROUTER_FLAGS if role == "router" else WORKER_FLAGS)}
+    unknown = [k for k in given if k not in flags]
+    if unknown:
+        raise ValueError(f"not a {role} flag: {', '.join('--' + k.replace('_', '-') for k in unknown)}")
+    data: dict[str, Any] = {section: {"port": DEFAULT_PORTS.get(role, 0)}}
+    for dest, value in given.items():
+        *parents, leaf = flags[dest].replace("@", section).split(".")
+        node = data
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return data
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per upstream call drowns the log
+    role = getattr(args, "role", "?")
+    try:
+        cfg = config_from_args(args)
+        role = cfg.role
+        if isinstance(cfg, RouterServeConfig):
+            from pdserve.router.app import build_router_app
+
+            app, host, port = build_router_app(cfg), cfg.router.host, cfg.router.port
+        else:
+            from pdserve.worker.build import build_worker
+
+            app, host, port = build_worker(cfg), cfg.worker.host, cfg.worker.port
+    except (ValueError, FileNotFoundError, RuntimeError, yaml.YAMLError) as e:
+        print(f"pdserve serve --role {role}: {e}", file=sys.stderr)
+        return 2
+    # keep-alive longer than any client's idle expiry (httpx: 5 s, uvicorn's default here too): else
+    # the server closes an idle connection just as the router reuses it, and the POST gets ReadError
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on", timeout_graceful_shutdown=5, timeout_keep_alive=75)
+    log.info("pdserve %s listening on http://%s:%d", role, host, port)
+    uvicorn.Server(config).run()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pdserve serve")
+    add_serve_args(p)
+    return run_serve(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

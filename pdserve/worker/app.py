@@ -1,0 +1,161 @@
+"""A worker: one engine behind HTTP, in role prefill, decode or colocated.
+
+Public: GET /health (200 only while the model is loaded and the engine loop alive), GET /metrics.
+Internal (pdserve.wire.protocol): /internal/generate, /internal/abort, /internal/kv_metadata,
+/internal/info - guarded by the cluster secret when one is configured.
+
+/internal/generate takes the engine's Request as its body and hands it to the engine as it is (a
+decode worker first fetches the prefill peer's transfer metadata, on the event loop: peers.py).
+The engine's cumulative outputs go out as NDJSON deltas of new output only; a decode worker's
+start after the first token and the text the client already has (Request.first_token). If the
+reader goes away before the request finished (however the response ends, even before it
+started), the request is aborted, which frees its blocks (and, on prefill, any KV it holds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+
+from pdserve.engine.request import Request
+from pdserve.outputs import RequestOutput, to_entries
+from pdserve.wire.disconnect import GuardedStreamingResponse
+from pdserve.wire.errors import OpenAIError, install_error_handlers, too_busy
+from pdserve.wire.http import BodyLimit, TokenGuard
+from pdserve.wire.metrics import CONTENT_TYPE, render
+from pdserve.wire.protocol import SECRET_HEADER, Ack, GenerateChunk, RequestRef, WorkerHealth, WorkerInfo
+from pdserve.worker.async_engine import AsyncEngine, RequestStream
+from pdserve.worker.metrics import WorkerMetrics
+from pdserve.worker.peers import PeerMetadataFetcher
+
+PUBLIC_PATHS = ("/health", "/metrics")  # probes and scrapers; with a secret, every other path needs it
+MAX_BODY_BYTES = 32 << 20  # token ids of a long prompt are a few MB of JSON at most
+
+
+@dataclass
+class WorkerState:
+    engine: AsyncEngine
+    info: WorkerInfo
+    metrics: WorkerMetrics
+    max_open_requests: int  # admitted and unfinished; beyond this /internal/generate answers 429
+    kv_metadata: bytes | None  # the connector's peer_metadata() (prefill and decode roles)
+    peers: PeerMetadataFetcher | None  # decode role
+
+
+def build_worker_app(state: WorkerState, cluster_secret: str | None) -> FastAPI:
+    app = FastAPI(title=f"pdserve {state.info.role} worker", docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    app.state.worker = state
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        stats = state.engine.stats()
+        ok = state.engine.alive
+        body = WorkerHealth(
+            status="ok" if ok else "unhealthy",
+            role=state.info.role,
+            engine_id=state.info.engine_id,
+            reason=None if ok else (state.engine.error or "engine stopped"),
+            num_requests_running=stats.num_running,
+            num_requests_waiting=stats.num_waiting,
+            kv_blocks_used=stats.kv_blocks_used,
+            kv_blocks_total=stats.kv_blocks_total,
+        )
+        return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(render(state.metrics.registry), media_type=CONTENT_TYPE)
+
+    @app.get("/internal/info")
+    async def info() -> WorkerInfo:
+        return state.info
+
+    @app.get("/internal/kv_metadata")
+    async def kv_metadata() -> Response:
+        if state.kv_metadata is None:
+            raise OpenAIError(404, f"this {state.info.role} worker has no KV connector")
+        return Response(state.kv_metadata, media_type="application/json")
+
+    @app.post("/internal/abort")
+    async def abort(ref: RequestRef) -> Ack:
+        state.engine.abort(ref.request_id)
+        return Ack()
+
+    @app.post("/internal/generate")
+    async def generate(req: Request) -> GuardedStreamingResponse:
+        _check_role(state.info.role, req)
+        if state.engine.num_open >= state.max_open_requests:
+            raise too_busy(f"worker {state.info.engine_id}")
+        peer = await state.peers.fetch(req.kv_handle) if req.kv_handle is not None and state.peers is not None else None
+        try:
+            stream = state.engine.add(req, peer)
+        except ValueError as e:
+            raise OpenAIError(400, str(e), code="invalid_request") from None
+        except RuntimeError as e:
+            raise OpenAIError(503, str(e), code="engine_unavailable") from None
+        chunks = _chunks(state, req, stream)
+
+        async def abort_unless_finished() -> None:
+            if not stream.finished:
+                state.engine.abort(req.request_id)
+
+        return GuardedStreamingResponse(_ndjson(chunks), abort_unless_finished, media_type="application/x-ndjson")
+
+    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
+    if cluster_secret:
+        app.add_middleware(
+            TokenGuard, token=cluster_secret, header=SECRET_HEADER, protects=lambda p: p not in PUBLIC_PATHS, what="cluster secret"
+        )
+    return app
+
+
+def _check_role(role: str, req: Request) -> None:
+    if req.role != role:
+        raise OpenAIError(400, f"a {role} worker does not serve {req.role} requests (hold_kv: prefill; kv_handle + first_token: decode; neither: colocated)")
+
+
+async def _ndjson(chunks: AsyncIterator[GenerateChunk]) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in chunks:
+            yield chunk.model_dump_json(exclude_none=True).encode() + b"\n"
+    finally:
+        await chunks.aclose()
+
+
+async def _chunks(state: WorkerState, req: Request, stream: RequestStream) -> AsyncIterator[GenerateChunk]:
+    """Deltas of the engine's cumulative outputs, from where the client's output stands."""
+    first = req.first_token
+    sent_tokens, sent_text = (1, first.text_offset) if first is not None else (0, 0)
+    metrics = state.metrics
+    async for out in stream:
+        chunk = _delta(out, req, sent_tokens, sent_text)
+        if req.first_token is None and sent_tokens == 0 and chunk.token_ids:
+            metrics.prompt_tokens.inc(len(req.prompt_token_ids))
+        metrics.generation_tokens.inc(len(chunk.token_ids))
+        sent_tokens = chunk.token_offset + len(chunk.token_ids)
+        sent_text = chunk.text_offset + len(chunk.text)
+        if chunk.token_ids or chunk.text or out.finished:
+            yield chunk
+
+
+def _delta(out: RequestOutput, req: Request, sent_tokens: int, sent_text: int) -> GenerateChunk:
+    comp = out.outputs[0]
+    logprobs = [to_entries(lp) for lp in comp.logprobs[sent_tokens:]] if comp.logprobs is not None else None
+    return GenerateChunk(
+        request_id=out.request_id,
+        token_offset=sent_tokens,
+        token_ids=comp.token_ids[sent_tokens:],
+        text_offset=sent_text,
+        text=comp.text[sent_text:],
+        logprobs=logprobs,
+        finish_reason=comp.finish_reason if out.finished else None,
+        stop_reason=comp.stop_reason,
+        kv_handle=out.kv_handle,
+        error=out.error,
+        transfer_error=out.transfer_error,
+        num_prompt_tokens=len(req.prompt_token_ids),
+    )

@@ -1,0 +1,103 @@
+"""Assemble one worker from its validated config: connector, engine, async loop, HTTP app.
+
+    WorkerServeConfig -> make_connector (prefill, decode) -> LLMEngine -> AsyncEngine -> build_worker_app
+
+The model is loaded here, before the port is bound, so a port that answers is a worker that can
+serve. On loopback the transfer listeners stay on loopback too (UCX_NET_DEVICES=lo unless set).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from pdserve import __version__
+from pdserve.config import LOOPBACK, WorkerServeConfig
+from pdserve.disagg.base import KVConnector
+from pdserve.disagg.factory import ConnectorSettings, make_connector
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.wire.protocol import SECRET_HEADER, WorkerInfo
+from pdserve.worker.app import WorkerState, build_worker_app
+from pdserve.worker.async_engine import AsyncEngine
+from pdserve.worker.metrics import WorkerMetrics
+from pdserve.worker.peers import PeerMetadataFetcher
+
+log = logging.getLogger("pdserve.worker")
+
+
+def build_worker(cfg: WorkerServeConfig) -> FastAPI:
+    w, t = cfg.worker, cfg.transfer
+    engine_config = w.engine_config(cfg.model)
+    connector = _connector(cfg) if cfg.role != "colocated" else None
+    log.info("loading %s on %s for role %s", cfg.model, w.device, cfg.role)
+    engine = LLMEngine(engine_config, connector, kv_load_failure_policy=t.kv_load_failure_policy)
+    headers = {SECRET_HEADER: cfg.cluster_secret} if cfg.cluster_secret else None
+    info = WorkerInfo(
+        role=cfg.role,
+        engine_id=cfg.engine_id,
+        model=os.path.basename(os.path.abspath(cfg.model)),
+        max_model_len=engine.max_model_len,
+        kv_block_size=engine_config.kv_block_size,
+        num_kv_blocks=engine.num_kv_blocks,
+        max_num_seqs=engine_config.max_num_seqs,
+        device=engine_config.device,
+        dtype=engine_config.resolved_dtype(),
+        transfer_backend=t.backend if connector is not None else None,
+        pdserve_version=__version__,
+    )
+    metrics = WorkerMetrics()
+    state = WorkerState(
+        engine=AsyncEngine(engine, metrics),
+        info=info,
+        metrics=metrics,
+        max_open_requests=w.max_open_requests or max(8 * engine_config.max_num_seqs, 256),
+        kv_metadata=connector.peer_metadata() if connector is not None else None,
+        # the handshake is part of the transfer's time: never longer than the transfer timeout
+        peers=PeerMetadataFetcher(cfg.peers, min(t.metadata_timeout, t.timeout), headers) if cfg.role == "decode" else None,
+    )
+    app = build_worker_app(state, cfg.cluster_secret)
+    app.router.lifespan_context = _lifespan(state, connector)
+    return app
+
+
+def _connector(cfg: WorkerServeConfig) -> KVConnector:
+    w, t = cfg.worker, cfg.transfer
+    if w.host in LOOPBACK:
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")  # UCX listens on every interface otherwise
+    host = "127.0.0.1" if w.host in ("0.0.0.0", "::", "") else w.host
+    settings = ConnectorSettings(
+        model_id=_model_id(cfg.model),
+        metadata_url=f"http://{host}:{w.port}/internal/kv_metadata",
+        lease_s=w.lease_seconds,
+        transfer_timeout_s=t.timeout,
+        options=t.options,
+    )
+    return make_connector(t.backend, cfg.engine_id, settings)
+
+
+def _lifespan(state: WorkerState, connector: KVConnector | None):
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.engine.start()
+        try:
+            yield
+        finally:
+            state.engine.stop()
+            state.engine.shutdown()  # tensor-parallel ranks
+            if state.peers is not None:
+                await state.peers.aclose()
+            if connector is not None:
+                connector.shutdown()
+
+    return lifespan
+
+
+def _model_id(model_dir: str) -> str:
+    """What the KV compatibility hash calls the model: a digest of its config.json (the same
+    checkpoint at different paths on different hosts must match)."""
+    with open(os.path.join(model_dir, "config.json"), "rb") as f:
+        return "config-sha256:" + hashlib.sha256(f.read()).hexdigest()[:16]

@@ -1,0 +1,65 @@
+"""A worker's Prometheus metrics.
+
+pdserve_num_requests_running / _waiting / _holding_kv   pdserve_kv_transfer_bytes_total
+pdserve_kv_blocks_used / pdserve_kv_blocks_total        pdserve_kv_transfer_seconds
+pdserve_prefill_step_seconds, pdserve_decode_step_seconds  pdserve_kv_transfer_failures_total
+pdserve_decode_batch_size                               pdserve_kv_lease_expirations_total
+pdserve_prompt_tokens_total, pdserve_generation_tokens_total  pdserve_kv_load_recomputes_total
+pdserve_request_success_total{finish_reason}
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pdserve.disagg.stats import TransferStats
+from pdserve.wire.metrics import BATCH_BUCKETS, STEP_BUCKETS
+
+
+class WorkerMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.running = Gauge("pdserve_num_requests_running", "Requests in the running batch", registry=r)
+        self.waiting = Gauge("pdserve_num_requests_waiting", "Requests waiting (incl. for remote KV)", registry=r)
+        self.held = Gauge("pdserve_num_requests_holding_kv", "Prefill: requests whose KV waits for a decode worker", registry=r)
+        self.blocks_used = Gauge("pdserve_kv_blocks_used", "KV cache blocks in use", registry=r)
+        self.blocks_total = Gauge("pdserve_kv_blocks_total", "KV cache blocks in the pool", registry=r)
+        self.prefill_step = Histogram("pdserve_prefill_step_seconds", "Engine steps that ran prompt tokens", buckets=STEP_BUCKETS, registry=r)
+        self.decode_step = Histogram("pdserve_decode_step_seconds", "Engine steps that only decoded", buckets=STEP_BUCKETS, registry=r)
+        self.decode_batch = Histogram("pdserve_decode_batch_size", "Sequences in a decode-only step", buckets=BATCH_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens prefilled here", registry=r)
+        self.generation_tokens = Counter("pdserve_generation_tokens", "Tokens sampled here", registry=r)
+        self.finished = Counter("pdserve_request_success", "Finished requests by finish reason", ["finish_reason"], registry=r)
+        self.transfer_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes read from prefill workers", registry=r)
+        self.transfer_time = Histogram("pdserve_kv_transfer_seconds", "One request's KV read, post to completion", buckets=STEP_BUCKETS, registry=r)
+        self.transfer_failures = Counter("pdserve_kv_transfer_failures", "Failed KV reads", registry=r)
+        self.lease_expirations = Counter("pdserve_kv_lease_expirations", "Prefill leases that expired unread", registry=r)
+        self.recomputes = Counter("pdserve_kv_load_recomputes", "Failed KV loads recomputed here (kv_load_failure_policy recompute)", registry=r)
+        self._seen = TransferStats()  # what has been exported of the connector's counters
+        self._seen_recomputes = 0
+
+    def observe_step(self, seconds: float, is_prefill: bool, batch_size: int) -> None:
+        if is_prefill:
+            self.prefill_step.observe(seconds)
+        else:
+            self.decode_step.observe(seconds)
+            self.decode_batch.observe(batch_size)
+
+    def sync_recomputes(self, total: int) -> None:
+        self.recomputes.inc(total - self._seen_recomputes)
+        self._seen_recomputes = total
+
+    def sync_transfer(self, stats: TransferStats) -> None:
+        """Export what the connector counted since the last call (same thread as the connector)."""
+        seen = self._seen
+        self.transfer_bytes.inc(stats.bytes_transferred - seen.bytes_transferred)
+        self.transfer_failures.inc(stats.transfers_failed - seen.transfers_failed)
+        self.lease_expirations.inc(stats.lease_expirations - seen.lease_expirations)
+        new = stats.transfers_done - seen.transfers_done
+        if new > 0:
+            for s in list(stats.recent_transfer_seconds)[-new:]:
+                self.transfer_time.observe(s)
+        seen.bytes_transferred = stats.bytes_transferred
+        seen.transfers_failed = stats.transfers_failed
+        seen.lease_expirations = stats.lease_expirations
+        seen.transfers_done = stats.transfers_done
