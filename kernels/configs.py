@@ -43,6 +43,8 @@ class MoEConfig:
     num_warps: int
     num_stages: int
     block_n2: int = 0  # BN of the w2 kernel (0: block_n)
+    # FP4 MoE only: `tl.dot_scaled` (the compiler upcasts e2m1) instead of the register dequant
+    dot_scaled: bool = False
 
     @property
     def w2_block_n(self) -> int:
@@ -99,6 +101,19 @@ MOE_FP8 = {
     CPU: {10**9: MoEConfig(16, 32, 32, 4, 1)},
 }
 
+# FP4 MoE (e2m1 weights, ue8m0 scale per 32 values): block_k = K values per loop step (a multiple
+# of 32; the register path runs one 32-value group at a time inside it). Not yet swept: sm_90
+# starts from the bf16 / fp8 winners (BN 64-128, 3 stages); sm_120 entries are compiled for the
+# target and their shared memory read back by scripts/check_sm120_configs.py.
+MOE_FP4 = {
+    90: {16: MoEConfig(16, 64, 128, 4, 3), 64: MoEConfig(32, 64, 128, 4, 3),
+         10**9: MoEConfig(64, 64, 128, 4, 3)},
+    120: {16: MoEConfig(16, 64, 128, 4, 3), 64: MoEConfig(32, 64, 128, 4, 3),
+          10**9: MoEConfig(64, 64, 64, 4, 3)},
+    CPU: {10**9: MoEConfig(16, 32, 64, 4, 1)},
+}
+MOE_FP4_FP32 = MoEConfig(16, 32, 32, 4, 2)  # float32 x (parity checks only)
+
 INDEXER = {
     90: IndexerConfig(block_c=64, num_warps=4, num_stages=3),
     120: IndexerConfig(block_c=64, num_warps=4, num_stages=2),
@@ -130,6 +145,13 @@ def moe_config(cc: int, rows_per_expert: float) -> MoEConfig:
 
 def moe_fp8_config(cc: int, rows_per_expert: float) -> MoEConfig:
     table = MOE_FP8[_family(cc)]
+    return table[min(k for k in table if rows_per_expert <= k)]
+
+
+def moe_fp4_config(cc: int, rows_per_expert: float, fp32: bool = False) -> MoEConfig:
+    if fp32 and cc != CPU:
+        return MOE_FP4_FP32
+    table = MOE_FP4[_family(cc)]
     return table[min(k for k in table if rows_per_expert <= k)]
 
 

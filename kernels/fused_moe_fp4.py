@@ -1,0 +1,251 @@
+"""Fused MoE with FP4 (e2m1) expert weights and ue8m0 scales per 32 values: DeepSeek-V4's routed
+experts. Activations stay in x's dtype (bf16/fp16; fp32 for tests): the weights are dequantized
+in registers, since sm_90 has no FP4 tensor cores.
+
+Legend: T tokens, k experts per token, P = T * k pairs, E experts, I expert intermediate size,
+hidden model width, BM/BN/BK tile (BK: K values per loop step, a multiple of the 32-value scale
+group), G = ceil(K / 32) scale groups of a weight row.
+
+Weights (layout and helpers in `ref_fp4.py`): w13 [E, 2I, hidden/2] and w2 [E, hidden, I/2] packed
+two e2m1 codes a byte along K (even element in the low nibble), scales [E, 2I, G] / [E, hidden, G]
+uint8 exponents (2**(b - 127)). Same expert-sorted, block-aligned grouped GEMMs as `fused_moe.py`
+(same `moe_align`); per 32-value group g of a K step:
+
+    bytes [16, BN] -> lo = codes of the even k, hi = codes of the odd k
+    d = x[:, even k] @ e2m1(lo) + x[:, odd k] @ e2m1(hi)          (two K = 16 dots)
+    acc += d * scale[n, g]                                         (one scale per column)
+
+so no weight is ever interleaved or multiplied by its scale in registers: the nibble becomes an
+fp16 bit pattern in three integer ops (`_e2m1_bits`: the value times 2**-14, exact, an fp16
+subnormal for code 1), and 2**14 is folded into the scale. x's even and odd columns are two
+strided loads of the (small, cached) activation tile. DeepSeek-V4's `swiglu_limit` clamps gate
+(above) and up (both sides) before SiLU-and-mul when given.
+
+`MoEConfig.dot_scaled` (GPU, bf16/fp16 only) instead hands the packed tile and its scales to
+`tl.dot_scaled` (x as "bf16"/"fp16", the weight as "e2m1" with its ue8m0 scales [BN, BK/32]), so
+the compiler does the upcast: on sm_90 it dequantizes to bf16 in registers as well; on sm_120
+Triton may use the FP4 block-scaled MMA. The register path is the default and the one the CPU
+tests check; the GPU tests check both. Reference: `ref_fp4.fused_moe_fp4_ref`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve_kernels import configs
+from pdserve_kernels._launch import capability, interpreting
+from pdserve_kernels.fused_moe import MAX_KERNEL_ALIGN_PAIRS, moe_align, moe_align_fast
+
+GROUP = 32  # values per ue8m0 scale
+_FP4_DTYPES = tuple(d for d in (torch.uint8, torch.int8, getattr(torch, "float4_e2m1fn_x2", None)) if d)
+_SCALE_DTYPES = tuple(d for d in (torch.uint8, getattr(torch, "float8_e8m0fnu", None)) if d)
+
+
+@triton.jit
+def _e2m1_bits(code, DTYPE: tl.constexpr):
+    """4-bit e2m1 codes (uint8, in [0, 16)) -> their values times 2**-14 in DTYPE, exactly: the
+    magnitude bits land in fp16's low exponent bits and top mantissa bit (code 1, 0.5, becomes
+    the fp16 subnormal 2**-15), the sign bit in fp16's sign."""
+    c = code.to(tl.uint16)
+    bits = ((c & 7) << 9) | ((c & 8) << 12)
+    return bits.to(tl.float16, bitcast=True).to(DTYPE)
+
+
+@triton.jit
+def _ue8m0_x2p14(s):
+    """ue8m0 exponent bytes -> 2**(s - 127) * 2**14 in float32 (the 2**14 undoes `_e2m1_bits`)."""
+    return ((s.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _group_dot(a_e, a_o, w_ptrs, w_mask, s_ptrs, s_mask, FP32_DOT: tl.constexpr):
+    """One 32-value group: a_e/a_o [BM, 16] x's even/odd columns, w_ptrs [16, BN] packed bytes,
+    s_ptrs [BN] scales -> (a @ W)[BM, BN] float32."""
+    b = tl.load(w_ptrs, mask=w_mask, other=0)
+    lo = _e2m1_bits(b & 0xF, a_e.dtype)
+    hi = _e2m1_bits(b >> 4, a_e.dtype)
+    if FP32_DOT:
+        d = tl.dot(a_e, lo, input_precision="ieee")
+        d = tl.dot(a_o, hi, d, input_precision="ieee")
+    else:
+        d = tl.dot(a_e, lo)
+        d = tl.dot(a_o, hi, d)
+    s = tl.load(s_ptrs, mask=s_mask, other=0)
+    return d * _ue8m0_x2p14(s)[None, :]
+
+
+@triton.jit
+def _fp4_step(acc, a_row, a_ok, k0, K, w_base, s_base, offs_n, n_ok, s_wn, s_sn,
+              BLOCK_K: tl.constexpr, DOT_SCALED: tl.constexpr, A_FMT: tl.constexpr,
+              FP32_DOT: tl.constexpr):
+    """acc[BM, BN] += a[:, k0:k0+BK] @ W[k0:k0+BK, offs_n]: a_row [BM] row pointers of the
+    activations (x's dtype), w_base / s_base the expert's packed weight and scale rows."""
+    if DOT_SCALED:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_row[:, None] + offs_k[None, :], mask=a_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        w = tl.load(w_base + offs_n[None, :] * s_wn + offs_b[:, None],
+                    mask=(offs_b < K // 2)[:, None] & n_ok[None, :], other=0)
+        offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        s = tl.load(s_base + offs_n[:, None] * s_sn + offs_g[None, :],
+                    mask=n_ok[:, None] & (offs_g * 32 < K)[None, :], other=127)
+        acc = tl.dot_scaled(a, None, A_FMT, w, s, "e2m1", acc)
+    else:
+        offs_i = tl.arange(0, 16)
+        for g in tl.static_range(BLOCK_K // 32):
+            kk = k0 + g * 32 + 2 * offs_i  # the even k of each byte (K is even)
+            a_mask = a_ok[:, None] & (kk < K)[None, :]
+            a_e = tl.load(a_row[:, None] + kk[None, :], mask=a_mask, other=0.0)
+            a_o = tl.load(a_row[:, None] + kk[None, :] + 1, mask=a_mask, other=0.0)
+            kb = k0 // 2 + g * 16 + offs_i
+            w_ptrs = w_base + offs_n[None, :] * s_wn + kb[:, None]
+            w_mask = (kb < K // 2)[:, None] & n_ok[None, :]
+            s_ptrs = s_base + offs_n * s_sn + (k0 // 32 + g)
+            acc += _group_dot(a_e, a_o, w_ptrs, w_mask, s_ptrs, n_ok & (k0 + g * 32 < K), FP32_DOT)
+    return acc
+
+
+@triton.jit
+def _w13_fp4_kernel(
+    x_ptr, w_ptr, ws_ptr, act_ptr, pairs_ptr, bexp_ptr, P, INTER, HIDDEN, limit,
+    s_xt, s_we, s_wn, s_se, s_sn, s_at,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, DOT_SCALED: tl.constexpr, A_FMT: tl.constexpr, FP32_DOT: tl.constexpr,
+    INTERPRET: tl.constexpr, HIDDEN_C: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(bexp_ptr + pid_m)
+    pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = (pairs < P) & (e >= 0)
+    x_row = x_ptr + (pairs // TOP_K).to(tl.int64) * s_xt
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < INTER
+    e64 = tl.maximum(e, 0).to(tl.int64)
+    g_w, g_s = w_ptr + e64 * s_we, ws_ptr + e64 * s_se  # gate rows n, up rows INTER + n
+    u_w, u_s = g_w + INTER * s_wn, g_s + INTER * s_sn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    k_end = tl.where(e >= 0, HIDDEN, 0)  # unused block: no weight traffic
+    for k0 in range(0, HIDDEN_C if INTERPRET else k_end, BLOCK_K):
+        acc_g = _fp4_step(acc_g, x_row, row_ok, k0, HIDDEN, g_w, g_s, offs_n, n_ok, s_wn, s_sn,
+                          BLOCK_K, DOT_SCALED, A_FMT, FP32_DOT)
+        acc_u = _fp4_step(acc_u, x_row, row_ok, k0, HIDDEN, u_w, u_s, offs_n, n_ok, s_wn, s_sn,
+                          BLOCK_K, DOT_SCALED, A_FMT, FP32_DOT)
+    if HAS_LIMIT:  # DeepSeek-V4: gate <= limit, -limit <= up <= limit
+        acc_g = tl.minimum(acc_g, limit)
+        acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    out = act_ptr + pairs.to(tl.int64)[:, None] * s_at + offs_n[None, :]
+    tl.store(out, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _w2_fp4_kernel(
+    act_ptr, w_ptr, ws_ptr, topw_ptr, y_ptr, pairs_ptr, bexp_ptr, P, HIDDEN, INTER,
+    s_at, s_we, s_wn, s_se, s_sn, s_yp,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_SCALED: tl.constexpr, A_FMT: tl.constexpr, FP32_DOT: tl.constexpr,
+    INTERPRET: tl.constexpr, INTER_C: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(bexp_ptr + pid_m)
+    pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = (pairs < P) & (e >= 0)
+    rows = pairs.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < HIDDEN
+    e64 = tl.maximum(e, 0).to(tl.int64)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    k_end = tl.where(e >= 0, INTER, 0)
+    for k0 in range(0, INTER_C if INTERPRET else k_end, BLOCK_K):
+        acc = _fp4_step(acc, act_ptr + rows * s_at, row_ok, k0, INTER, w_ptr + e64 * s_we,
+                        ws_ptr + e64 * s_se, offs_n, n_ok, s_wn, s_sn, BLOCK_K, DOT_SCALED, A_FMT, FP32_DOT)
+    w = tl.load(topw_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    out = y_ptr + rows[:, None] * s_yp + offs_n[None, :]
+    tl.store(out, acc * w[:, None], mask=row_ok[:, None] & n_ok[None, :])
+
+
+def _check(x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids):
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError("x must be [T, hidden], w13 [E, 2I, hidden/2], w2 [E, hidden, I/2]")
+    T, hidden = x.shape
+    E, two_i, _ = w13.shape
+    inter = two_i // 2
+    if hidden % 2 or two_i % 2 or inter % 2:
+        raise ValueError(f"hidden ({hidden}) and I ({two_i / 2}) must be even (two FP4 values a byte)")
+    if tuple(w13.shape) != (E, two_i, hidden // 2) or tuple(w2.shape) != (E, hidden, inter // 2):
+        raise ValueError(f"shapes disagree: x {tuple(x.shape)}, w13 {tuple(w13.shape)} (want "
+                         f"[E, 2I, {hidden // 2}]), w2 {tuple(w2.shape)} (want [E, {hidden}, I/2])")
+    if w13.dtype not in _FP4_DTYPES or w2.dtype not in _FP4_DTYPES:
+        raise ValueError(f"FP4 weights are packed bytes (uint8/int8/float4_e2m1fn_x2), got "
+                         f"{w13.dtype}, {w2.dtype}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
+    want13 = (E, two_i, triton.cdiv(hidden, GROUP))
+    want2 = (E, hidden, triton.cdiv(inter, GROUP))
+    for name, s, want in (("w13_scale", w13_scale, want13), ("w2_scale", w2_scale, want2)):
+        if s is None or tuple(s.shape) != want or s.dtype not in _SCALE_DTYPES:
+            got = None if s is None else (tuple(s.shape), s.dtype)
+            raise ValueError(f"{name} must be ue8m0 (uint8 / float8_e8m0fnu) {want}, got {got}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != T:
+        raise ValueError(f"topk_ids and topk_weights must both be [T={T}, k]")
+    for name, t in (("x", x), ("w13", w13), ("w2", w2), ("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs a contiguous last dim")
+
+
+def fused_moe_fp4(
+    x: torch.Tensor,  # [T, hidden] bf16/fp16 (fp32 for tests)
+    w13: torch.Tensor,  # [E, 2I, hidden/2] packed e2m1 (uint8/int8/float4_e2m1fn_x2), gate then up
+    w2: torch.Tensor,  # [E, hidden, I/2] packed e2m1
+    w13_scale: torch.Tensor,  # [E, 2I, ceil(hidden/32)] ue8m0 (uint8 / float8_e8m0fnu)
+    w2_scale: torch.Tensor,  # [E, hidden, ceil(I/32)] ue8m0
+    topk_weights: torch.Tensor,  # [T, k] float
+    topk_ids: torch.Tensor,  # [T, k] int, in [0, E)
+    *,
+    swiglu_limit: float | None = None,  # DeepSeek-V4's clamp of gate / up (config.swiglu_limit)
+    config: configs.MoEConfig | None = None,  # tile override (benchmark sweeps)
+) -> torch.Tensor:
+    """y [T, hidden] in x's dtype; same contract as `ref_fp4.fused_moe_fp4_ref`."""
+    _check(x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids)
+    T, hidden = x.shape
+    E, two_i, _ = w13.shape
+    inter = two_i // 2
+    top_k = topk_ids.shape[1]
+    P = T * top_k
+    if P == 0:
+        return torch.zeros(T, hidden, dtype=x.dtype, device=x.device)
+    fp32 = x.dtype == torch.float32
+    cfg = config or configs.moe_fp4_config(capability(x.device), P / E, fp32)
+    if cfg.block_k % GROUP or cfg.block_k < GROUP:
+        raise ValueError(f"block_k {cfg.block_k} must be a multiple of the {GROUP}-value scale group")
+    if cfg.dot_scaled and (fp32 or not x.is_cuda):
+        raise ValueError("dot_scaled configs need bf16/fp16 x on a GPU (the interpreter has no dot_scaled)")
+    align = moe_align_fast if P <= MAX_KERNEL_ALIGN_PAIRS else moe_align
+    pairs, bexp = align(topk_ids, E, cfg.block_m)
+    blocks = bexp.numel()
+    act = torch.empty(P, inter, dtype=x.dtype, device=x.device)
+    y_pair = torch.empty(P, hidden, dtype=torch.float32, device=x.device)
+    interp = interpreting()
+    b13, b2 = w13.view(torch.uint8), w2.view(torch.uint8)
+    s13, s2 = w13_scale.view(torch.uint8), w2_scale.view(torch.uint8)
+    common = dict(BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, DOT_SCALED=cfg.dot_scaled,
+                  A_FMT="fp16" if x.dtype == torch.float16 else "bf16", FP32_DOT=fp32,
+                  INTERPRET=interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _w13_fp4_kernel[(blocks, triton.cdiv(inter, cfg.block_n))](
+        x, b13, s13, act, pairs, bexp, P, inter, hidden,
+        float(swiglu_limit) if swiglu_limit is not None else 0.0,
+        x.stride(0), b13.stride(0), b13.stride(1), s13.stride(0), s13.stride(1), act.stride(0),
+        TOP_K=top_k, BLOCK_N=cfg.block_n, HAS_LIMIT=swiglu_limit is not None,
+        HIDDEN_C=hidden if interp else 0, **common,
+    )
+    _w2_fp4_kernel[(blocks, triton.cdiv(hidden, cfg.w2_block_n))](
+        act, b2, s2, topk_weights.reshape(-1).contiguous(), y_pair, pairs, bexp, P, hidden, inter,
+        act.stride(0), b2.stride(0), b2.stride(1), s2.stride(0), s2.stride(1), y_pair.stride(0),
+        BLOCK_N=cfg.w2_block_n, INTER_C=inter if interp else 0, **common,
+    )
+    return y_pair.view(T, top_k, hidden).sum(1).to(x.dtype)
