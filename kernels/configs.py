@@ -97,7 +97,7 @@ MOE_FP8 = {
     90: {16: MoEConfig(16, 128, 128, 4, 3), 64: MoEConfig(32, 64, 128, 4, 4),
          10**9: MoEConfig(64, 128, 128, 8, 3)},
     120: {16: MoEConfig(16, 64, 128, 4, 3), 64: MoEConfig(32, 64, 128, 4, 2),
-          10**9: MoEConfig(64, 64, 128, 4, 2)},
+          10**9: MoEConfig(64, 32, 128, 4, 3)},
     CPU: {10**9: MoEConfig(16, 32, 32, 4, 1)},
 }
 
@@ -109,7 +109,7 @@ MOE_FP4 = {
     90: {16: MoEConfig(16, 64, 128, 4, 3), 64: MoEConfig(32, 64, 128, 4, 3),
          10**9: MoEConfig(64, 64, 128, 4, 3)},
     120: {16: MoEConfig(16, 64, 128, 4, 3), 64: MoEConfig(32, 64, 128, 4, 3),
-          10**9: MoEConfig(64, 64, 64, 4, 3)},
+          10**9: MoEConfig(64, 32, 64, 4, 3)},
     CPU: {10**9: MoEConfig(16, 32, 64, 4, 1)},
 }
 MOE_FP4_FP32 = MoEConfig(16, 32, 32, 4, 2)  # float32 x (parity checks only)

@@ -223,7 +223,7 @@ def fused_moe_fp4(
     cfg = config or configs.moe_fp4_config(capability(x.device), P / E, fp32)
     if cfg.block_k % GROUP or cfg.block_k < GROUP:
         raise ValueError(f"block_k {cfg.block_k} must be a multiple of the {GROUP}-value scale group")
-    if cfg.dot_scaled and (fp32 or not x.is_cuda):
+    if cfg.dot_scaled and (fp32 or interpreting()):
         raise ValueError("dot_scaled configs need bf16/fp16 x on a GPU (the interpreter has no dot_scaled)")
     align = moe_align_fast if P <= MAX_KERNEL_ALIGN_PAIRS else moe_align
     pairs, bexp = align(topk_ids, E, cfg.block_m)
