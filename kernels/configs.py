@@ -107,8 +107,8 @@ MOE_FP8 = {
 # target and their shared memory read back by scripts/check_sm120_configs.py.
 MOE_FP4 = {
     90: {16: MoEConfig(16, 64, 128, 4, 3), 64: MoEConfig(32, 64, 128, 4, 3),
-         10**9: MoEConfig(64, 64, 128, 4, 3)},
-    120: {16: MoEConfig(16, 64, 128, 4, 3), 64: MoEConfig(32, 64, 128, 4, 3),
+         10**9: MoEConfig(64, 64, 64, 4, 3)},
+    120: {16: MoEConfig(16, 64, 128, 4, 3), 64: MoEConfig(32, 64, 64, 4, 3),
           10**9: MoEConfig(64, 32, 64, 4, 3)},
     CPU: {10**9: MoEConfig(16, 32, 64, 4, 1)},
 }

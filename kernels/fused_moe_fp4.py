@@ -60,50 +60,52 @@ def _ue8m0_x2p14(s):
 
 
 @triton.jit
-def _group_dot(a_e, a_o, w_ptrs, w_mask, s_ptrs, s_mask, FP32_DOT: tl.constexpr):
-    """One 32-value group: a_e/a_o [BM, 16] x's even/odd columns, w_ptrs [16, BN] packed bytes,
-    s_ptrs [BN] scales -> (a @ W)[BM, BN] float32."""
-    b = tl.load(w_ptrs, mask=w_mask, other=0)
-    lo = _e2m1_bits(b & 0xF, a_e.dtype)
-    hi = _e2m1_bits(b >> 4, a_e.dtype)
+def _group_dot(w_ptrs, w_mask, b_e, b_o, s_ptrs, s_mask, FP32_DOT: tl.constexpr):
+    """One 32-value group: w_ptrs [BN, 16] packed bytes, b_e/b_o [16, BM] x's even/odd columns
+    (transposed), s_ptrs [BN] scales -> (W @ x^T)[BN, BM] float32."""
+    w = tl.load(w_ptrs, mask=w_mask, other=0)
+    lo = _e2m1_bits(w & 0xF, b_e.dtype)
+    hi = _e2m1_bits(w >> 4, b_e.dtype)
     if FP32_DOT:
-        d = tl.dot(a_e, lo, input_precision="ieee")
-        d = tl.dot(a_o, hi, d, input_precision="ieee")
+        d = tl.dot(lo, b_e, input_precision="ieee")
+        d = tl.dot(hi, b_o, d, input_precision="ieee")
     else:
-        d = tl.dot(a_e, lo)
-        d = tl.dot(a_o, hi, d)
+        d = tl.dot(lo, b_e)
+        d = tl.dot(hi, b_o, d)
     s = tl.load(s_ptrs, mask=s_mask, other=0)
-    return d * _ue8m0_x2p14(s)[None, :]
+    return d * _ue8m0_x2p14(s)[:, None]
 
 
 @triton.jit
 def _fp4_step(acc, a_row, a_ok, k0, K, w_base, s_base, offs_n, n_ok, s_wn, s_sn,
               BLOCK_K: tl.constexpr, DOT_SCALED: tl.constexpr, A_FMT: tl.constexpr,
               FP32_DOT: tl.constexpr):
-    """acc[BM, BN] += a[:, k0:k0+BK] @ W[k0:k0+BK, offs_n]: a_row [BM] row pointers of the
-    activations (x's dtype), w_base / s_base the expert's packed weight and scale rows."""
+    """acc[BN, BM] += W[offs_n, k0:k0+BK] @ a[:, k0:k0+BK]^T: weights are the M side of the dot
+    (rows n: 16 contiguous packed bytes per group, the operand a warpgroup MMA can take from
+    registers), the BM rows (tokens) its N side. a_row [BM] row pointers of the activations (x's
+    dtype), w_base / s_base the expert's packed weight and scale rows."""
     if DOT_SCALED:
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_row[:, None] + offs_k[None, :], mask=a_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+        b = tl.load(a_row[None, :] + offs_k[:, None], mask=a_ok[None, :] & (offs_k < K)[:, None], other=0.0)
         offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        w = tl.load(w_base + offs_n[None, :] * s_wn + offs_b[:, None],
-                    mask=(offs_b < K // 2)[:, None] & n_ok[None, :], other=0)
+        w = tl.load(w_base + offs_n[:, None] * s_wn + offs_b[None, :],
+                    mask=n_ok[:, None] & (offs_b < K // 2)[None, :], other=0)
         offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
         s = tl.load(s_base + offs_n[:, None] * s_sn + offs_g[None, :],
                     mask=n_ok[:, None] & (offs_g * 32 < K)[None, :], other=127)
-        acc = tl.dot_scaled(a, None, A_FMT, w, s, "e2m1", acc)
+        acc = tl.dot_scaled(w, s, "e2m1", b, None, A_FMT, acc)
     else:
         offs_i = tl.arange(0, 16)
         for g in tl.static_range(BLOCK_K // 32):
             kk = k0 + g * 32 + 2 * offs_i  # the even k of each byte (K is even)
-            a_mask = a_ok[:, None] & (kk < K)[None, :]
-            a_e = tl.load(a_row[:, None] + kk[None, :], mask=a_mask, other=0.0)
-            a_o = tl.load(a_row[:, None] + kk[None, :] + 1, mask=a_mask, other=0.0)
+            b_mask = a_ok[None, :] & (kk < K)[:, None]
+            b_e = tl.load(a_row[None, :] + kk[:, None], mask=b_mask, other=0.0)
+            b_o = tl.load(a_row[None, :] + kk[:, None] + 1, mask=b_mask, other=0.0)
             kb = k0 // 2 + g * 16 + offs_i
-            w_ptrs = w_base + offs_n[None, :] * s_wn + kb[:, None]
-            w_mask = (kb < K // 2)[:, None] & n_ok[None, :]
+            w_ptrs = w_base + offs_n[:, None] * s_wn + kb[None, :]
+            w_mask = n_ok[:, None] & (kb < K // 2)[None, :]
             s_ptrs = s_base + offs_n * s_sn + (k0 // 32 + g)
-            acc += _group_dot(a_e, a_o, w_ptrs, w_mask, s_ptrs, n_ok & (k0 + g * 32 < K), FP32_DOT)
+            acc += _group_dot(w_ptrs, w_mask, b_e, b_o, s_ptrs, n_ok & (k0 + g * 32 < K), FP32_DOT)
     return acc
 
 
@@ -126,8 +128,8 @@ def _w13_fp4_kernel(
     e64 = tl.maximum(e, 0).to(tl.int64)
     g_w, g_s = w_ptr + e64 * s_we, ws_ptr + e64 * s_se  # gate rows n, up rows INTER + n
     u_w, u_s = g_w + INTER * s_wn, g_s + INTER * s_sn
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # transposed: [n, pair]
+    acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     k_end = tl.where(e >= 0, HIDDEN, 0)  # unused block: no weight traffic
     for k0 in range(0, HIDDEN_C if INTERPRET else k_end, BLOCK_K):
         acc_g = _fp4_step(acc_g, x_row, row_ok, k0, HIDDEN, g_w, g_s, offs_n, n_ok, s_wn, s_sn,
@@ -138,8 +140,8 @@ def _w13_fp4_kernel(
         acc_g = tl.minimum(acc_g, limit)
         acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    out = act_ptr + pairs.to(tl.int64)[:, None] * s_at + offs_n[None, :]
-    tl.store(out, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    out = act_ptr + pairs.to(tl.int64)[None, :] * s_at + offs_n[:, None]
+    tl.store(out, act.to(act_ptr.dtype.element_ty), mask=row_ok[None, :] & n_ok[:, None])
 
 
 @triton.jit
@@ -159,14 +161,14 @@ def _w2_fp4_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < HIDDEN
     e64 = tl.maximum(e, 0).to(tl.int64)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # transposed: [n, pair]
     k_end = tl.where(e >= 0, INTER, 0)
     for k0 in range(0, INTER_C if INTERPRET else k_end, BLOCK_K):
         acc = _fp4_step(acc, act_ptr + rows * s_at, row_ok, k0, INTER, w_ptr + e64 * s_we,
                         ws_ptr + e64 * s_se, offs_n, n_ok, s_wn, s_sn, BLOCK_K, DOT_SCALED, A_FMT, FP32_DOT)
     w = tl.load(topw_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    out = y_ptr + rows[:, None] * s_yp + offs_n[None, :]
-    tl.store(out, acc * w[:, None], mask=row_ok[:, None] & n_ok[None, :])
+    out = y_ptr + rows[None, :] * s_yp + offs_n[:, None]
+    tl.store(out, acc * w[None, :], mask=row_ok[None, :] & n_ok[:, None])
 
 
 def _check(x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids):
