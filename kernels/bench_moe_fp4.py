@@ -29,10 +29,11 @@ from pdserve_kernels.fused_moe_fp4 import fused_moe_fp4
 from pdserve_kernels.fused_moe_fp8 import fused_moe_fp8
 
 M = configs.MoEConfig
-SWEEP = [M(16, 64, 128, 4, 3, dot_scaled=True), M(16, 64, 256, 4, 3), M(16, 64, 64, 4, 4),
-         M(16, 128, 128, 8, 3), M(16, 64, 128, 4, 5), M(16, 128, 128, 4, 3), M(16, 64, 128, 8, 3)]
-SWEEP_BIG = [M(32, 64, 128, 4, 3, dot_scaled=True), M(32, 128, 128, 8, 3), M(64, 64, 64, 4, 3),
-             M(64, 128, 64, 8, 3), M(64, 64, 128, 8, 3)]
+SWEEP = [M(16, 64, 128, 4, 3, split_k=1), M(16, 64, 128, 4, 3, split_k=2), M(16, 64, 128, 4, 3, split_k=4),
+         M(16, 64, 128, 4, 3, split_k=8), M(16, 64, 256, 4, 3), M(16, 64, 128, 4, 3, dot_scaled=True, split_k=1),
+         M(16, 64, 128, 4, 3, dot_scaled=True, split_k=8), M(16, 128, 128, 8, 3, dot_scaled=True)]
+SWEEP_BIG = [M(32, 128, 128, 8, 3), M(64, 64, 64, 4, 3), M(32, 64, 128, 4, 3, split_k=2),
+             M(32, 64, 128, 4, 3, dot_scaled=True, split_k=2), M(64, 64, 128, 4, 3, dot_scaled=True)]
 V4_LIMIT = 10.0  # DeepSeek-V4-Flash's swiglu_limit
 
 
@@ -81,9 +82,11 @@ def run(args) -> dict:
         want_free = ref_fp4.fused_moe_fp4_ref(x, q13, q2, s13, s2, tw, ids).float()
         shape = f"V4-Flash T={T} ({used} experts)"
         sweep = [] if args.no_sweep or T not in (1, 64) else (SWEEP if T == 1 else SWEEP_BIG)
-        for label, cfg, limit in [("fp4", None, V4_LIMIT), ("fp4 no-clamp", None, None),
-                                  *((f"fp4 {c}", c, V4_LIMIT) for c in sweep)]:
-            if args.smoke and cfg is not None and cfg.dot_scaled:
+        default = configs.moe_fp4_config(90, T * top_k / E)
+        cands = [("fp4", None, V4_LIMIT), ("fp4 dot_scaled", dataclasses.replace(default, dot_scaled=True), V4_LIMIT)]
+        cands += [("fp4 no-clamp", None, None)] if T == 1 else []
+        for label, cfg, limit in cands + [(f"fp4 {c}", c, V4_LIMIT) for c in sweep]:
+            if args.smoke and cfg is not None and (cfg.dot_scaled or cfg.block_k > 128):
                 continue
             fn = lambda c=cfg, lim=limit: fused_moe_fp4(x, q13, q2, s13, s2, tw, ids, swiglu_limit=lim, config=c)  # noqa: E731
             try:

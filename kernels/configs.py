@@ -45,6 +45,7 @@ class MoEConfig:
     block_n2: int = 0  # BN of the w2 kernel (0: block_n)
     # FP4 MoE only: `tl.dot_scaled` (the compiler upcasts e2m1) instead of the register dequant
     dot_scaled: bool = False
+    split_k: int = 0  # FP4 MoE only: K splits per GEMM (0: from the SM count when the grid is small)
 
     @property
     def w2_block_n(self) -> int:

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from pdserve_kernels import configs
-from pdserve_kernels._launch import capability, interpreting
+from pdserve_kernels._launch import capability, interpreting, sm_count
 from pdserve_kernels.fused_moe import MAX_KERNEL_ALIGN_PAIRS, moe_align, moe_align_fast
 
 GROUP = 32  # values per ue8m0 scale
@@ -80,20 +80,21 @@ def _group_dot(w_ptrs, w_mask, b_e, b_o, s_ptrs, s_mask, FP32_DOT: tl.constexpr)
 def _fp4_step(acc, a_row, a_ok, k0, K, w_base, s_base, offs_n, n_ok, s_wn, s_sn,
               BLOCK_K: tl.constexpr, DOT_SCALED: tl.constexpr, A_FMT: tl.constexpr,
               FP32_DOT: tl.constexpr):
-    """acc[BN, BM] += W[offs_n, k0:k0+BK] @ a[:, k0:k0+BK]^T: weights are the M side of the dot
+    """acc[BN, BM] += W[offs_n, k0:k0+BK] @ a[:, k0:k0+BK]^T (DOT_SCALED: acc[BM, BN] += a @ W^T,
+    measured faster that way round on the H200): weights are the M side of the dot
     (rows n: 16 contiguous packed bytes per group, the operand a warpgroup MMA can take from
     registers), the BM rows (tokens) its N side. a_row [BM] row pointers of the activations (x's
     dtype), w_base / s_base the expert's packed weight and scale rows."""
-    if DOT_SCALED:
+    if DOT_SCALED:  # acc is [BM, BN] here: the compiler's own decomposition swaps the operands
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        b = tl.load(a_row[None, :] + offs_k[:, None], mask=a_ok[None, :] & (offs_k < K)[:, None], other=0.0)
+        a = tl.load(a_row[:, None] + offs_k[None, :], mask=a_ok[:, None] & (offs_k < K)[None, :], other=0.0)
         offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        w = tl.load(w_base + offs_n[:, None] * s_wn + offs_b[None, :],
-                    mask=n_ok[:, None] & (offs_b < K // 2)[None, :], other=0)
+        w = tl.load(w_base + offs_n[None, :] * s_wn + offs_b[:, None],
+                    mask=(offs_b < K // 2)[:, None] & n_ok[None, :], other=0)
         offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
         s = tl.load(s_base + offs_n[:, None] * s_sn + offs_g[None, :],
                     mask=n_ok[:, None] & (offs_g * 32 < K)[None, :], other=127)
-        acc = tl.dot_scaled(w, s, "e2m1", b, None, A_FMT, acc)
+        acc = tl.dot_scaled(a, None, A_FMT, w, s, "e2m1", acc)
     else:
         offs_i = tl.arange(0, 16)
         for g in tl.static_range(BLOCK_K // 32):
@@ -110,15 +111,26 @@ def _fp4_step(acc, a_row, a_ok, k0, K, w_base, s_base, offs_n, n_ok, s_wn, s_sn,
 
 
 @triton.jit
+def _swiglu(g, u, limit, HAS_LIMIT: tl.constexpr):
+    if HAS_LIMIT:  # DeepSeek-V4: gate <= limit, -limit <= up <= limit
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    return g / (1.0 + tl.exp(-g)) * u
+
+
+@triton.jit
 def _w13_fp4_kernel(
-    x_ptr, w_ptr, ws_ptr, act_ptr, pairs_ptr, bexp_ptr, P, INTER, HIDDEN, limit,
-    s_xt, s_we, s_wn, s_se, s_sn, s_at,
+    x_ptr, w_ptr, ws_ptr, out_ptr, pairs_ptr, bexp_ptr, P, INTER, HIDDEN, K_SPLIT, limit,
+    s_xt, s_we, s_wn, s_se, s_sn, s_os, s_op,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_LIMIT: tl.constexpr, DOT_SCALED: tl.constexpr, A_FMT: tl.constexpr, FP32_DOT: tl.constexpr,
-    INTERPRET: tl.constexpr, HIDDEN_C: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_SCALED: tl.constexpr, A_FMT: tl.constexpr,
+    FP32_DOT: tl.constexpr, INTERPRET: tl.constexpr, KS_C: tl.constexpr,
 ):
+    """Grid (R / BM, I / BN, SPLIT). SPLIT == 1: out = act [P, I] in x's dtype. Else program k
+    sums hidden[k * K_SPLIT, (k + 1) * K_SPLIT) and writes float32 gate | up to out[k] [P, 2I]."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     e = tl.load(bexp_ptr + pid_m)
     pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = (pairs < P) & (e >= 0)
@@ -128,32 +140,61 @@ def _w13_fp4_kernel(
     e64 = tl.maximum(e, 0).to(tl.int64)
     g_w, g_s = w_ptr + e64 * s_we, ws_ptr + e64 * s_se  # gate rows n, up rows INTER + n
     u_w, u_s = g_w + INTER * s_wn, g_s + INTER * s_sn
-    acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # transposed: [n, pair]
-    acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    k_end = tl.where(e >= 0, HIDDEN, 0)  # unused block: no weight traffic
-    for k0 in range(0, HIDDEN_C if INTERPRET else k_end, BLOCK_K):
+    if DOT_SCALED:
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    else:
+        acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # transposed: [n, pair]
+        acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    k_lo = pid_k * K_SPLIT
+    k_end = tl.where(e >= 0, tl.minimum(k_lo + K_SPLIT, HIDDEN), k_lo)  # unused block: no traffic
+    for kk in range(0, KS_C if INTERPRET else k_end - k_lo, BLOCK_K):
+        k0 = k_lo + kk
         acc_g = _fp4_step(acc_g, x_row, row_ok, k0, HIDDEN, g_w, g_s, offs_n, n_ok, s_wn, s_sn,
                           BLOCK_K, DOT_SCALED, A_FMT, FP32_DOT)
         acc_u = _fp4_step(acc_u, x_row, row_ok, k0, HIDDEN, u_w, u_s, offs_n, n_ok, s_wn, s_sn,
                           BLOCK_K, DOT_SCALED, A_FMT, FP32_DOT)
-    if HAS_LIMIT:  # DeepSeek-V4: gate <= limit, -limit <= up <= limit
-        acc_g = tl.minimum(acc_g, limit)
-        acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
-    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    out = act_ptr + pairs.to(tl.int64)[None, :] * s_at + offs_n[:, None]
-    tl.store(out, act.to(act_ptr.dtype.element_ty), mask=row_ok[None, :] & n_ok[:, None])
+    if DOT_SCALED:
+        acc_g = tl.trans(acc_g)
+        acc_u = tl.trans(acc_u)
+    out = out_ptr + pid_k * s_os + pairs.to(tl.int64)[None, :] * s_op + offs_n[:, None]
+    mask = row_ok[None, :] & n_ok[:, None]
+    if SPLIT == 1:
+        tl.store(out, _swiglu(acc_g, acc_u, limit, HAS_LIMIT).to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out, acc_g, mask=mask)
+        tl.store(out + INTER, acc_u, mask=mask)
+
+
+@triton.jit
+def _swiglu_kernel(part_ptr, act_ptr, P, INTER, limit, s_ps, s_pp, s_at,
+                   SPLIT: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid (P, I / BLOCK): act[p] = silu(clamp(sum_k gate_k[p])) * clamp(sum_k up_k[p])."""
+    p = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < INTER
+    g = tl.zeros([BLOCK], tl.float32)
+    u = tl.zeros([BLOCK], tl.float32)
+    for k in tl.static_range(SPLIT):
+        row = part_ptr + k * s_ps + p * s_pp
+        g += tl.load(row + offs, mask=ok, other=0.0)
+        u += tl.load(row + INTER + offs, mask=ok, other=0.0)
+    act = _swiglu(g, u, limit, HAS_LIMIT)
+    tl.store(act_ptr + p * s_at + offs, act.to(act_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def _w2_fp4_kernel(
-    act_ptr, w_ptr, ws_ptr, topw_ptr, y_ptr, pairs_ptr, bexp_ptr, P, HIDDEN, INTER,
-    s_at, s_we, s_wn, s_se, s_sn, s_yp,
+    act_ptr, w_ptr, ws_ptr, topw_ptr, y_ptr, pairs_ptr, bexp_ptr, P, HIDDEN, INTER, K_SPLIT,
+    s_at, s_we, s_wn, s_se, s_sn, s_ys, s_yp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_SCALED: tl.constexpr, A_FMT: tl.constexpr, FP32_DOT: tl.constexpr,
-    INTERPRET: tl.constexpr, INTER_C: tl.constexpr,
+    INTERPRET: tl.constexpr, KS_C: tl.constexpr,
 ):
+    """Grid (R / BM, hidden / BN, SPLIT): y[k, p] = topk_weight[p] * the K-slice k of act[p] @ w2^T."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     e = tl.load(bexp_ptr + pid_m)
     pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = (pairs < P) & (e >= 0)
@@ -161,14 +202,30 @@ def _w2_fp4_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < HIDDEN
     e64 = tl.maximum(e, 0).to(tl.int64)
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # transposed: [n, pair]
-    k_end = tl.where(e >= 0, INTER, 0)
-    for k0 in range(0, INTER_C if INTERPRET else k_end, BLOCK_K):
+    if DOT_SCALED:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # transposed: [n, pair]
+    k_lo = pid_k * K_SPLIT
+    k_end = tl.where(e >= 0, tl.minimum(k_lo + K_SPLIT, INTER), k_lo)
+    for kk in range(0, KS_C if INTERPRET else k_end - k_lo, BLOCK_K):
+        k0 = k_lo + kk
         acc = _fp4_step(acc, act_ptr + rows * s_at, row_ok, k0, INTER, w_ptr + e64 * s_we,
                         ws_ptr + e64 * s_se, offs_n, n_ok, s_wn, s_sn, BLOCK_K, DOT_SCALED, A_FMT, FP32_DOT)
+    if DOT_SCALED:
+        acc = tl.trans(acc)
     w = tl.load(topw_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    out = y_ptr + rows[None, :] * s_yp + offs_n[:, None]
+    out = y_ptr + pid_k * s_ys + rows[None, :] * s_yp + offs_n[:, None]
     tl.store(out, acc * w[None, :], mask=row_ok[None, :] & n_ok[:, None])
+
+
+def split_k(programs: int, K: int, block_k: int, cfg: configs.MoEConfig, device) -> tuple[int, int]:
+    """(splits, K per split, a multiple of block_k). Auto (cfg.split_k == 0): split only when the
+    grid is under 2 programs per SM (decode at small T), aiming at 4 per SM, at most 8 splits."""
+    sms = sm_count(device)
+    want = cfg.split_k or (1 if programs >= 2 * sms else min(8, triton.cdiv(4 * sms, programs)))
+    k_split = triton.cdiv(triton.cdiv(K, max(1, want)), block_k) * block_k
+    return triton.cdiv(K, k_split), k_split
 
 
 def _check(x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids):
@@ -230,24 +287,37 @@ def fused_moe_fp4(
     align = moe_align_fast if P <= MAX_KERNEL_ALIGN_PAIRS else moe_align
     pairs, bexp = align(topk_ids, E, cfg.block_m)
     blocks = bexp.numel()
+    n13, n2 = triton.cdiv(inter, cfg.block_n), triton.cdiv(hidden, cfg.w2_block_n)
+    sp13, ks13 = split_k(blocks * n13, hidden, cfg.block_k, cfg, x.device)
+    sp2, ks2 = split_k(blocks * n2, inter, cfg.block_k, cfg, x.device)
     act = torch.empty(P, inter, dtype=x.dtype, device=x.device)
-    y_pair = torch.empty(P, hidden, dtype=torch.float32, device=x.device)
+    # split w13: float32 gate | up partials, summed and activated by `_swiglu_kernel`
+    h13 = act if sp13 == 1 else torch.empty(sp13, P, two_i, dtype=torch.float32, device=x.device)
+    y_part = torch.empty(sp2, P, hidden, dtype=torch.float32, device=x.device)
     interp = interpreting()
     b13, b2 = w13.view(torch.uint8), w2.view(torch.uint8)
     s13, s2 = w13_scale.view(torch.uint8), w2_scale.view(torch.uint8)
+    limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
     common = dict(BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, DOT_SCALED=cfg.dot_scaled,
                   A_FMT="fp16" if x.dtype == torch.float16 else "bf16", FP32_DOT=fp32,
                   INTERPRET=interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    _w13_fp4_kernel[(blocks, triton.cdiv(inter, cfg.block_n))](
-        x, b13, s13, act, pairs, bexp, P, inter, hidden,
-        float(swiglu_limit) if swiglu_limit is not None else 0.0,
-        x.stride(0), b13.stride(0), b13.stride(1), s13.stride(0), s13.stride(1), act.stride(0),
-        TOP_K=top_k, BLOCK_N=cfg.block_n, HAS_LIMIT=swiglu_limit is not None,
-        HIDDEN_C=hidden if interp else 0, **common,
+    _w13_fp4_kernel[(blocks, n13, sp13)](
+        x, b13, s13, h13, pairs, bexp, P, inter, hidden, ks13, limit,
+        x.stride(0), b13.stride(0), b13.stride(1), s13.stride(0), s13.stride(1),
+        h13.stride(0) if sp13 > 1 else 0, h13.stride(-2),
+        TOP_K=top_k, BLOCK_N=cfg.block_n, SPLIT=sp13, HAS_LIMIT=swiglu_limit is not None,
+        KS_C=ks13 if interp else 0, **common,
     )
-    _w2_fp4_kernel[(blocks, triton.cdiv(hidden, cfg.w2_block_n))](
-        act, b2, s2, topk_weights.reshape(-1).contiguous(), y_pair, pairs, bexp, P, hidden, inter,
-        act.stride(0), b2.stride(0), b2.stride(1), s2.stride(0), s2.stride(1), y_pair.stride(0),
-        BLOCK_N=cfg.w2_block_n, INTER_C=inter if interp else 0, **common,
+    if sp13 > 1:
+        block = min(1024, triton.next_power_of_2(inter))
+        _swiglu_kernel[(P, triton.cdiv(inter, block))](
+            h13, act, P, inter, limit, h13.stride(0), h13.stride(1), act.stride(0),
+            SPLIT=sp13, HAS_LIMIT=swiglu_limit is not None, BLOCK=block, num_warps=4,
+        )
+    _w2_fp4_kernel[(blocks, n2, sp2)](
+        act, b2, s2, topk_weights.reshape(-1).contiguous(), y_part, pairs, bexp, P, hidden, inter, ks2,
+        act.stride(0), b2.stride(0), b2.stride(1), s2.stride(0), s2.stride(1), y_part.stride(0),
+        y_part.stride(1), BLOCK_N=cfg.w2_block_n, KS_C=ks2 if interp else 0, **common,
     )
-    return y_pair.view(T, top_k, hidden).sum(1).to(x.dtype)
+    y = y_part[0].view(T, top_k, hidden).sum(1) if sp2 == 1 else y_part.view(sp2, T, top_k, hidden).sum((0, 2))
+    return y.to(x.dtype)

@@ -161,6 +161,17 @@ def test_empty_experts_and_one_hot_expert(dtype):
     check(*make(T, E, k, 64, 32, dtype, gen, ids=ids))
 
 
+@pytest.mark.parametrize("splits", [1, 2, 3])
+def test_split_k_matches_reference(splits):
+    """K split over programs (decode's small grids): w13's float32 gate | up partials summed by
+    `_swiglu_kernel` (clamp included), w2's partials summed with the top-k sum; uneven last
+    splits (hidden 200 = 3 x 64 + 8, I = 96 = 64 + 32) and one split (the fused epilogue)."""
+    gen = torch.Generator().manual_seed(20 + splits)
+    dtype = torch.float16 if splits == 2 else torch.float32
+    cfg = configs.MoEConfig(16, 32, 64, 4, 1, split_k=splits)
+    check(*make(5, 4, 2, 200, 96, dtype, gen), limit=0.5, config=cfg)
+
+
 def test_checkpoint_dtypes_are_taken_as_their_bytes():
     """transformers stores the packed experts as int8 and ue8m0 scales as float8_e8m0fnu."""
     gen = torch.Generator().manual_seed(2)
