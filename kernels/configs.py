@@ -103,9 +103,10 @@ MOE_FP8 = {
 }
 
 # FP4 MoE (e2m1 weights, ue8m0 scale per 32 values): block_k = K values per loop step (a multiple
-# of 32; the register path runs one 32-value group at a time inside it). Not yet swept: sm_90
-# starts from the bf16 / fp8 winners (BN 64-128, 3 stages); sm_120 entries are compiled for the
-# target and their shared memory read back by scripts/check_sm120_configs.py.
+# of 32; the register path runs one 32-value group at a time inside it). sm_90: the H200 sweeps
+# (docs/kernels.md, runs 2-3) found none faster among BN 64-128, BK 64-256, 3-5 stages, 4-8 warps,
+# BM 32-64 (run 1, before the transposed layout, BN 32 was 7% faster at T = 1);
+# sm_120 entries are the ones scripts/check_sm120_configs.py compiles without register spills.
 MOE_FP4 = {
     90: {16: MoEConfig(16, 64, 128, 4, 3), 64: MoEConfig(32, 64, 128, 4, 3),
          10**9: MoEConfig(64, 64, 64, 4, 3)},
