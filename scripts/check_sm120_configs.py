@@ -39,10 +39,10 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMEM_LIMIT = {90: 232448, 120: 101376}  # bytes per block, opt-in maximum
-SM_COUNT = {90: 132, 120: 188}
-# sm_120 keeps the sm_90 FP4 variants that use `tl.dot_scaled` out of the engine: compiled here for
-# the record (Triton may lower them to the FP4 block-scaled MMA on sm_120)
+SM_COUNT = {90: 132, 120: 188}  # H200; RTX PRO 6000 (the wrappers size split counts from it)
 MODULES = ("sparse_mla", "indexer", "fused_moe", "fused_moe_fp8", "fused_moe_fp4")
+# moe_fp4_dot_scaled: the FP4 configs with `MoEConfig.dot_scaled` (not the default): compiled for
+# the record, since on sm_120 Triton may lower them to the FP4 block-scaled MMA
 FAMILIES = ("mla", "indexer", "moe", "moe_fp8", "moe_fp4", "moe_fp4_dot_scaled")
 
 

@@ -172,6 +172,19 @@ def test_split_k_matches_reference(splits):
     check(*make(5, 4, 2, 200, 96, dtype, gen), limit=0.5, config=cfg)
 
 
+def test_split_rule_splits_only_small_grids():
+    """K is split when the grid has under 2 programs per SM, into whole K steps; a config's
+    split_k wins. sm_count is 4 on the CPU."""
+    from pdserve_kernels.fused_moe_fp4 import split_k
+
+    auto = configs.MoEConfig(16, 64, 128, 4, 3)
+    assert split_k(8, 4096, 128, auto, torch.device("cpu")) == (1, 4096)  # 2 per SM already
+    sp, ks = split_k(2, 4096, 128, auto, torch.device("cpu"))  # 0.5 per SM: 8 splits
+    assert (sp, ks) == (8, 512)
+    assert split_k(2, 200, 64, auto, torch.device("cpu")) == (4, 64)  # no more splits than steps
+    assert split_k(1000, 4096, 128, dataclasses.replace(auto, split_k=3), torch.device("cpu")) == (3, 1408)
+
+
 def test_checkpoint_dtypes_are_taken_as_their_bytes():
     """transformers stores the packed experts as int8 and ue8m0 scales as float8_e8m0fnu."""
     gen = torch.Generator().manual_seed(2)
