@@ -11,11 +11,12 @@ import importlib
 
 from pdserve_kernels.ref import fused_moe_ref, indexer_topk_ref, sparse_mla_decode_ref
 
-_LAZY = {  # name -> module; fused_moe_fp8_ref, quant_block_fp8 are in pdserve_kernels.ref_fp8
+_LAZY = {  # name -> module; fp8 / fp4 references and quantizers: pdserve_kernels.ref_fp8 / ref_fp4
     "sparse_mla_decode": "pdserve_kernels.sparse_mla",
     "sparse_mla_decode_fp8": "pdserve_kernels.sparse_mla",
     "fused_moe": "pdserve_kernels.fused_moe",
     "fused_moe_fp8": "pdserve_kernels.fused_moe_fp8",
+    "fused_moe_fp4": "pdserve_kernels.fused_moe_fp4",
     "indexer_topk": "pdserve_kernels.indexer",
 }
 

@@ -43,6 +43,9 @@ class MoEConfig:
     num_warps: int
     num_stages: int
     block_n2: int = 0  # BN of the w2 kernel (0: block_n)
+    # FP4 MoE only: `tl.dot_scaled` (the compiler upcasts e2m1) instead of the register dequant
+    dot_scaled: bool = False
+    split_k: int = 0  # FP4 MoE only: K splits per GEMM (0: from the SM count when the grid is small)
 
     @property
     def w2_block_n(self) -> int:
@@ -95,9 +98,23 @@ MOE_FP8 = {
     90: {16: MoEConfig(16, 128, 128, 4, 3), 64: MoEConfig(32, 64, 128, 4, 4),
          10**9: MoEConfig(64, 128, 128, 8, 3)},
     120: {16: MoEConfig(16, 64, 128, 4, 3), 64: MoEConfig(32, 64, 128, 4, 2),
-          10**9: MoEConfig(64, 64, 128, 4, 2)},
+          10**9: MoEConfig(64, 32, 128, 4, 3)},
     CPU: {10**9: MoEConfig(16, 32, 32, 4, 1)},
 }
+
+# FP4 MoE (e2m1 weights, ue8m0 scale per 32 values): block_k = K values per loop step (a multiple
+# of 32; the register path runs one 32-value group at a time inside it). sm_90: the H200 sweeps
+# (docs/kernels.md, runs 2-3) found none faster among BN 64-128, BK 64-256, 3-5 stages, 4-8 warps,
+# BM 32-64 (run 1, before the transposed layout, BN 32 was 7% faster at T = 1);
+# sm_120 entries are the ones scripts/check_sm120_configs.py compiles without register spills.
+MOE_FP4 = {
+    90: {16: MoEConfig(16, 64, 128, 4, 3), 64: MoEConfig(32, 64, 128, 4, 3),
+         10**9: MoEConfig(64, 64, 64, 4, 3)},
+    120: {16: MoEConfig(16, 64, 128, 4, 3), 64: MoEConfig(32, 64, 64, 4, 3),
+          10**9: MoEConfig(64, 32, 64, 4, 3)},
+    CPU: {10**9: MoEConfig(16, 32, 64, 4, 1)},
+}
+MOE_FP4_FP32 = MoEConfig(16, 32, 32, 4, 2)  # float32 x (parity checks only)
 
 INDEXER = {
     90: IndexerConfig(block_c=64, num_warps=4, num_stages=3),
@@ -130,6 +147,13 @@ def moe_config(cc: int, rows_per_expert: float) -> MoEConfig:
 
 def moe_fp8_config(cc: int, rows_per_expert: float) -> MoEConfig:
     table = MOE_FP8[_family(cc)]
+    return table[min(k for k in table if rows_per_expert <= k)]
+
+
+def moe_fp4_config(cc: int, rows_per_expert: float, fp32: bool = False) -> MoEConfig:
+    if fp32 and cc != CPU:
+        return MOE_FP4_FP32
+    table = MOE_FP4[_family(cc)]
     return table[min(k for k in table if rows_per_expert <= k)]
 
 

@@ -1,0 +1,222 @@
+"""Compile every decode kernel at its sm_120 tile configs for the sm_120 target (RTX PRO 6000
+Blackwell: 101,376 bytes of shared memory per block) and read back what the compiler allocated:
+Triton's shared memory (`metadata.shared`, plus any static shared memory in the cubin) and the
+registers / stack from the cubin (`cuobjdump --dump-resource-usage`, shipped with Triton). No GPU
+is needed: Triton compiles ahead of time for any target (`triton.compile(ASTSource, target=
+GPUTarget("cuda", 120, 32))`) with its bundled ptxas.
+
+How: each kernel wrapper (`sparse_mla_decode`, `fused_moe`, ...) is called with CPU tensors at the
+model's real dims while `capability()` reports the target, so the wrapper picks the target's
+config for each bucket exactly as it would on that card; `JITFunction.run` is replaced by a
+recorder, so nothing launches; each recorded launch is then specialized by Triton's own binder
+(pointer alignment, strides equal to 1, divisibility by 16: what a real launch would compile)
+and compiled for the target.
+
+    python scripts/check_sm120_configs.py [--arch 120 90] [--only moe_fp4 ...] [--json PATH]
+
+Prints one row per compiled kernel and writes JSON (default docs/bench/sm120_configs.json);
+exits 1 if an entry does not fit. Run without TRITON_INTERPRET.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import JITFunction, create_function_from_signature
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMEM_LIMIT = {90: 232448, 120: 101376}  # bytes per block, opt-in maximum
+SM_COUNT = {90: 132, 120: 188}  # H200; RTX PRO 6000 (the wrappers size split counts from it)
+MODULES = ("sparse_mla", "indexer", "fused_moe", "fused_moe_fp8", "fused_moe_fp4")
+# moe_fp4_dot_scaled: the FP4 configs with `MoEConfig.dot_scaled` (not the default): compiled for
+# the record, since on sm_120 Triton may lower them to the FP4 block-scaled MMA
+FAMILIES = ("mla", "indexer", "moe", "moe_fp8", "moe_fp4", "moe_fp4_dot_scaled")
+
+
+@contextlib.contextmanager
+def as_target(cc: int):
+    """Wrappers see compute capability `cc` and its SM count; launches are recorded, not run."""
+    launches = []
+    mods = [importlib.import_module(f"pdserve_kernels.{m}") for m in MODULES]
+    saved = [(m, n, getattr(m, n)) for m in mods for n in ("capability", "sm_count") if hasattr(m, n)]
+    orig_run = JITFunction.run
+
+    def record(self, *args, grid, warmup, **kwargs):
+        launches.append((self, args, kwargs))
+        return None
+
+    for m, n, _ in saved:
+        setattr(m, n, (lambda dev: cc) if n == "capability" else (lambda dev: SM_COUNT[cc]))
+    JITFunction.run = record
+    try:
+        yield launches
+    finally:
+        JITFunction.run = orig_run
+        for m, n, f in saved:
+            setattr(m, n, f)
+
+
+def compile_launch(fn: JITFunction, args, kwargs, cc: int):
+    """What `fn[grid](*args, **kwargs)` would compile on a device of capability cc."""
+    target = GPUTarget("cuda", cc, 32)
+    backend = make_backend(target)
+    kwargs = dict(kwargs, debug=False, instrumentation_mode="")
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, spec, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, options)
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                          options=options.__dict__)
+
+
+def resource_usage(cubin: bytes) -> dict:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
+    if not m:
+        return {}
+    return dict(zip(("regs", "stack", "static_shared", "local"), map(int, m.groups())))
+
+
+def _e(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, dtype=dtype)
+
+
+def cases(families):
+    """(family, label, call) with CPU tensors at DeepSeek dims; each call picks its configs."""
+    from pdserve_kernels import configs, kv_fp8
+    from pdserve_kernels.fused_moe import fused_moe
+    from pdserve_kernels.fused_moe_fp4 import fused_moe_fp4
+    from pdserve_kernels.fused_moe_fp8 import fused_moe_fp8
+    from pdserve_kernels.indexer import indexer_topk
+    from pdserve_kernels.sparse_mla import sparse_mla_decode, sparse_mla_decode_fp8
+
+    out = []
+    idx = lambda B, K: torch.zeros(B, 1, K, dtype=torch.int32)  # noqa: E731
+    if "mla" in families:
+        rec = kv_fp8.record_bytes(512, 64)
+        for B, H, size in ((1, 16, "small"), (64, 64, "large")):  # V3.2: D = 576, d_v = 512
+            q = _e(B, 1, H, 576)
+            out.append(("mla", f"bf16 {size} (V3.2 B={B} H={H})",
+                        lambda q=q, B=B: sparse_mla_decode(q, _e(4096, 576), idx(B, 2048), 0.1, 512)))
+            out.append(("mla", f"fp8 {size} (V3.2 B={B} H={H})",
+                        lambda q=q, B=B: sparse_mla_decode_fp8(q, _e(4096, rec, dtype=torch.uint8),
+                                                               idx(B, 2048), 0.1, 512)))
+        out.append(("mla", "bf16 (V4-Flash B=1 H=64, sinks)",
+                    lambda: sparse_mla_decode(_e(1, 1, 64, 512), _e(4096, 512), idx(1, 640), 0.1, 512,
+                                              sink=_e(64, dtype=torch.float32))))
+    if "indexer" in families:
+        out.append(("indexer", "V3.2 H=64 D=128",
+                    lambda: indexer_topk(_e(4, 64, 128), _e(4096, 128), _e(4, 64, dtype=torch.float32),
+                                         torch.zeros(4, 2048, dtype=torch.int32), 512)))
+    E, k, hidden, inter = 8, 6, 4096, 2048  # V4-Flash expert dims; E small: rows per expert = 6T/8
+    routed = lambda T: (_e(T, k, dtype=torch.float32), torch.zeros(T, k, dtype=torch.int32))  # noqa: E731
+    for T in (1, 32, 128):  # the three rows-per-expert buckets: <= 16, <= 64, more
+        tag = f"T={T} ({T * k / E:g} rows/expert)"
+        if "moe" in families:
+            out.append(("moe", f"bf16 {tag}", lambda T=T: fused_moe(
+                _e(T, hidden), _e(E, 2 * inter, hidden), _e(E, hidden, inter), *routed(T))))
+        if "moe_fp8" in families:
+            f8 = torch.float8_e4m3fn
+            out.append(("moe_fp8", f"fp8 {tag}", lambda T=T: fused_moe_fp8(
+                _e(T, hidden), _e(E, 2 * inter, hidden, dtype=f8), _e(E, hidden, inter, dtype=f8),
+                _e(E, 2 * inter // 128, hidden // 128, dtype=torch.float32),
+                _e(E, hidden // 128, inter // 128, dtype=torch.float32), *routed(T))))
+        for fam, dot_scaled in (("moe_fp4", False), ("moe_fp4_dot_scaled", True)):
+            if fam not in families:
+                continue
+
+            def call(T=T, dot_scaled=dot_scaled):
+                from pdserve_kernels import fused_moe_fp4 as mod
+
+                cfg = configs.moe_fp4_config(mod.capability(None), T * k / E)
+                u8 = torch.uint8
+                fused_moe_fp4(_e(T, hidden), _e(E, 2 * inter, hidden // 2, dtype=u8),
+                              _e(E, hidden, inter // 2, dtype=u8), _e(E, 2 * inter, hidden // 32, dtype=u8),
+                              _e(E, hidden, inter // 32, dtype=u8), *routed(T), swiglu_limit=10.0,
+                              config=dataclasses.replace(cfg, dot_scaled=dot_scaled))
+
+            out.append((fam, f"fp4{' dot_scaled' if dot_scaled else ''} {tag}", call))
+    return out
+
+
+def _config_str(const: dict) -> str:
+    keys = ("BLOCK_H", "BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_C", "BLOCK_DV", "BLOCK_P")
+    return " ".join(f"{k[6:]}={const[k]}" for k in keys if k in const)
+
+
+def check(arch: int, families) -> list[dict]:
+    rows, seen = [], set()
+    for fam, label, call in cases(families):
+        with as_target(arch) as launches:
+            call()
+        for fn, args, kwargs in launches:
+            const = {k: v for k, v in kwargs.items() if k.isupper()}
+            key = (fn.__name__, tuple(sorted(const.items())), kwargs.get("num_warps"), kwargs.get("num_stages"))
+            if key in seen:
+                continue
+            seen.add(key)
+            row = dict(arch=arch, family=fam, case=label, kernel=fn.__name__, config=_config_str(const),
+                       num_warps=kwargs.get("num_warps", 4), num_stages=kwargs.get("num_stages", 3))
+            try:
+                k = compile_launch(fn, args, kwargs, arch)
+                row.update(resource_usage(k.asm["cubin"]), shared=k.metadata.shared)
+                row["shared_total"] = row["shared"] + row.get("static_shared", 0)
+                row["fits"] = row["shared_total"] <= SMEM_LIMIT[arch]
+            except Exception as e:  # a config the compiler rejects is a finding, not a crash
+                row.update(error=f"{type(e).__name__}: {str(e)[:300]}", fits=False)
+            rows.append(row)
+            print(_fmt(row), flush=True)
+    return rows
+
+
+HEADER = "| arch | kernel | case | tile | warps | stages | smem B | regs | stack | fits |"
+
+
+def _fmt(r: dict) -> str:
+    if "error" in r:
+        return (f"| sm_{r['arch']} | {r['kernel']} | {r['case']} | {r['config']} | {r['num_warps']} | "
+                f"{r['num_stages']} | - | - | - | no: {r['error'][:80]} |")
+    return (f"| sm_{r['arch']} | {r['kernel']} | {r['case']} | {r['config']} | {r['num_warps']} | "
+            f"{r['num_stages']} | {r['shared_total']} | {r.get('regs', '?')} | {r.get('stack', '?')} | "
+            f"{'yes' if r['fits'] else 'NO'} |")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", type=int, nargs="+", default=[120], choices=sorted(SMEM_LIMIT))
+    ap.add_argument("--only", nargs="+", choices=FAMILIES, default=list(FAMILIES))
+    ap.add_argument("--json", default=os.path.join(ROOT, "docs", "bench", "sm120_configs.json"))
+    a = ap.parse_args(argv)
+    if triton.knobs.runtime.interpret:
+        sys.exit("run without TRITON_INTERPRET: this compiles for a GPU target")
+    print(HEADER + "\n| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |", flush=True)
+    rows = [r for arch in a.arch for r in check(arch, a.only)]
+    meta = dict(triton=triton.__version__, torch=torch.__version__, limits=SMEM_LIMIT,
+                method="triton.compile for GPUTarget('cuda', arch, 32) on the wrappers' own launches; "
+                       "shared = metadata.shared + static; regs/stack from cuobjdump --dump-resource-usage")
+    os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+    with open(a.json, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    bad = [r for r in rows if not r["fits"]]
+    print(f"{len(rows)} kernels compiled, {len(bad)} do not fit; JSON: {a.json}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
