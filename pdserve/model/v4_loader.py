@@ -71,7 +71,7 @@ def load_v4_model(
     config = ModelConfig.from_model_dir(model_dir)
     if config.v4 is None:
         raise CheckpointError(f"{model_dir} holds a {config.model_type} model, not deepseek_v4")
-    files = weight_files(model_dir)
+    files = _readable(model_dir)
     with torch.device("meta"):
         model = DeepseekV4ForCausalLM(config)
     _materialize(model, dtype, torch.device(device))
@@ -100,6 +100,20 @@ def load_v4_model(
         _check_unused_scales(names, files)
     sink.check_complete(model_dir)
     return model.eval()
+
+
+def _readable(model_dir: Path) -> dict[str, Path]:
+    """weight_files, with unreadable safetensors files reported as CheckpointError."""
+    try:
+        files = weight_files(model_dir)
+        for f in sorted(set(files.values())):
+            with safe_open(str(f), framework="pt"):
+                pass
+    except (OSError, CheckpointError):
+        raise
+    except Exception as e:  # safetensors' own error types
+        raise CheckpointError(f"cannot read the weight files of {model_dir}: {e}") from e
+    return files
 
 
 def _is_mtp(name: str, config: ModelConfig) -> bool:
