@@ -19,6 +19,7 @@ from pdserve.model.config import ConfigError, ModelConfig
 from pdserve.model.fp4 import dequantize_fp4, quantize_fp4, scales_to_float
 from pdserve.model.fp8 import dequantize_block_fp8
 from pdserve.model.loader import CheckpointError, load_model
+from pdserve.model.v4_cache import cache_bytes
 from pdserve.model.v4_loader import load_v4_model
 from pdserve.tiny_model import make_tiny_model
 
@@ -297,3 +298,5 @@ def test_release_config_fields():
     assert (r.rope_type, r.theta, r.factor, r.attention_factor, r.original_max_position_embeddings) == (
         "yarn", 160000, 16, 1.0, 65536)  # fmt: skip
     assert (c.quant.scale_fmt, c.quant.expert_dtype, c.index_topk) == ("ue8m0", "fp4", 512)
+    # the cache-state sizes deepseek_v4.py's docstring quotes (bf16)
+    assert cache_bytes(c) == {"per_token": 6880, "window": 5_592_064, "running_max": 5_739_520}

@@ -1,23 +1,26 @@
 """DeepSeek-V4 (V4-Flash) causal LM over a flat batch of new tokens and explicit per-sequence state.
 
-Legend: T new tokens of the step (all sequences), B sequences, N hc_mult streams, V vocab.
+Legend: T new tokens of the step (all sequences), B sequences, N hc_mult streams, V vocab,
+n tokens of a sequence so far, D head_dim, Di index_head_dim, W sliding_window.
 
-Cache state (v4_cache.py), what the engine must page and transfer, per sequence and layer:
-  - every layer: the sliding window, K=V records of the last W-1 positions ([W-1, D]);
-  - CSA layers: compressed entries [n/4, D] and indexer keys [n/4, Di], plus the compressor and
-    indexer running state (pending group [n % 4, 2D] and [n % 4, 2Di] for kv and for gate, and
-    the overlap [4, D] / [4, Di] for kv and gate);
-  - HCA layers: compressed entries [n/128, D] plus the pending group [n % 128, D] for kv and gate.
-For the released V4-Flash config (43 layers: 2 sliding, 21 CSA at rate 4, 20 HCA at rate 128,
-D 512, Di 128, W 128), in bf16 (2 bytes a value), computed:
-  - growing with the sequence: CSA (512 + 128) / 4 = 160 values = 320 B/token/layer, HCA
-    512 / 128 = 4 values = 8 B/token/layer; in all 21 * 320 + 20 * 8 = 6,880 B/token
-    (FP8 entry records, as FlashMLA's 584 B per 512-dim record, would make it about half);
-  - fixed per sequence: windows 43 * 127 * 512 * 2 B = 5.59 MB; CSA running state at most
-    (3*2*1024 + 2*4*512 + 3*2*256 + 2*4*128) * 2 B = 25.6 KB per layer, 538 KB for 21 layers;
-    HCA pending group at most 127 * 2 * 512 * 2 B = 260 KB per layer, 5.2 MB for 20 layers.
-    (The HCA pending group could be folded into an online-softmax accumulator of 3 * 512 values
-    per layer; kept raw here so that the result equals transformers' bit for bit in order.)
+Cache state (SequenceState in v4_cache.py: what the engine pages and transfers), per sequence
+and layer (LayerState), by layer kind:
+  - every layer: `window` [min(n, W-1), D], K=V records of the last positions (normed, roped);
+  - CSA layers (rate 4): `compressor.entries` [n // 4, D] and `indexer.entries` [n // 4, Di]
+    (the indexer keys), plus their running state: pending group [n % 4, 2D] / [n % 4, 2Di] for
+    kv and for gate logits, and the overlap (last group's Ca) [4, D] / [4, Di] for kv and gate;
+  - HCA layers (rate 128): `compressor.entries` [n // 128, D], pending group [n % 128, D] kv + gate.
+Entry e pools positions e*m .. e*m+m-1 (CSA: and the m before) and is visible from positions
+p >= e*m + m - 1; window row j holds position n - len(window) + j.
+Sizes for the released V4-Flash config (43 layers: 2 sliding, 21 CSA, 20 HCA; D 512, Di 128,
+W 128) in bf16, computed by v4_cache.cache_bytes (and checked in tests/test_v4_loader.py):
+  - growing: CSA (512 + 128) / 4 values = 320 B/token/layer, HCA 512 / 128 = 8 B/token/layer;
+    21 * 320 + 20 * 8 = 6,880 B per token for the whole model (FP8 records like FlashMLA's
+    584 B per 512 values would make it about 0.57x);
+  - fixed per sequence: windows 43 * 127 * 512 * 2 B = 5.59 MB; running state at most 5.74 MB
+    (CSA 25.6 KB a layer; HCA's pending group 127 * 2 * 512 * 2 B = 260 KB a layer: it could be
+    folded into an online-softmax accumulator of 3 * 512 values; kept raw here, so that the
+    pooling runs in transformers' order of operations).
 
 Forward: `forward(input_ids, lens, states)` runs the new tokens of B sequences (prefill
 chunks and decode tokens alike) concatenated; sequence b's tokens take positions

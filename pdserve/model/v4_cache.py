@@ -80,3 +80,22 @@ class SequenceState:
                 st.indexer = CompressorState.empty(config.index_head_dim, rate, True, dtype, device)
             layers.append(st)
         return cls(num_tokens=0, layers=layers)
+
+
+def cache_bytes(config: ModelConfig, bytes_per_value: int = 2) -> dict[str, int | float]:
+    """Cache-state sizes of one sequence over all layers, at `bytes_per_value` (2: bf16):
+    "per_token": growth per token (compressed entries and indexer keys), "window": the sliding
+    windows (fixed once n >= W-1), "running_max": the compressors' running state at its largest."""
+    v4, D, Di = config.v4, config.v4.head_dim, config.index_head_dim
+    per_token = window = running = 0.0
+    for i, kind in enumerate(v4.layer_types):
+        window += (v4.sliding_window - 1) * D
+        m = v4.compress_rate(i)
+        if kind == HCA:
+            per_token += D / m
+            running += (m - 1) * 2 * D  # pending kv + gate
+        elif kind == CSA:
+            per_token += (D + Di) / m
+            running += (m - 1) * 2 * (2 * D + 2 * Di) + m * 2 * (D + Di)  # pending (two series) + overlap
+    b = bytes_per_value
+    return {"per_token": per_token * b, "window": int(window * b), "running_max": int(running * b)}
