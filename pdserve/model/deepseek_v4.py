@@ -24,7 +24,8 @@ W 128) in bf16, computed by v4_cache.cache_bytes (and checked in tests/test_v4_l
 
 Forward: `forward(input_ids, lens, states)` runs the new tokens of B sequences (prefill
 chunks and decode tokens alike) concatenated; sequence b's tokens take positions
-states[b].num_tokens onwards, and its state advances in place. Whole-prompt prefill, chunked
+states[b].num_tokens onwards, and its state advances in place (layer by layer: after an
+exception the states are half-advanced and must be dropped). Whole-prompt prefill, chunked
 prefill and one-token decode give the same results.
 
 Module and parameter names are transformers' (model.layers.N.self_attn.compressor.indexer...,
