@@ -23,7 +23,7 @@ from pdserve.engine.config import DType, EngineConfig, KVLoadFailurePolicy, chec
 # configs/ sits beside the package in the source tree (the repo is installed editable).
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = "tiny-cpu"
-TINY_ARCHS = ("deepseek_v3", "deepseek_v32")
+TINY_ARCHS = ("deepseek_v3", "deepseek_v32", "deepseek_v4")
 TINY_PREFIX = "tiny:"  # model "tiny:<arch>": the tiny random checkpoint, made in the cache on first use
 WorkerRole = Literal["prefill", "decode", "colocated"]
 PolicyName = Literal["round_robin", "least_load", "power_of_two"]  # router/policies.py

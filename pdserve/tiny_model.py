@@ -1,4 +1,4 @@
-"""`make_tiny_model`: a small random DeepSeek-V3 / V3.2 checkpoint folder.
+"""`make_tiny_model`: a small random DeepSeek-V3 / V3.2 / V4 checkpoint folder.
 
 No weights can be downloaded where pdserve is tested, so this writes a checkpoint that
 both pdserve and transformers 5.24 load: config.json, model.safetensors (float32, named as
@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-ARCHS = ("deepseek_v3", "deepseek_v32")
+ARCHS = ("deepseek_v3", "deepseek_v32", "deepseek_v4")
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
@@ -98,8 +98,13 @@ def make_tiny_model(out_dir: str | Path, arch: str = "deepseek_v3", seed: int = 
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     vocab_size = math.ceil(tokenizer.get_vocab_size() / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    config = tiny_config(arch, vocab_size)
-    save_file(tiny_weights(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    if arch == "deepseek_v4":
+        config = tiny_v4_config(vocab_size)
+        weights = tiny_v4_weights(config, seed)
+    else:
+        config = tiny_config(arch, vocab_size)
+        weights = tiny_weights(config, seed)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n", encoding="utf-8")
     _write_json(out / "config.json", config)
     _write_json(out / "tokenizer_config.json", _tokenizer_config())
@@ -253,6 +258,96 @@ def _moe(config: dict, normal) -> dict[str, torch.Tensor]:
         w.update({f"experts.{e}.{k}": v for k, v in _mlp(hidden, inter, normal).items()})
     shared = _mlp(hidden, inter * config["n_shared_experts"], normal)
     w.update({f"shared_experts.{k}": v for k, v in shared.items()})
+    return w
+
+
+def tiny_v4_config(vocab_size: int) -> dict:
+    """config.json for a 5-layer DeepSeek-V4: sliding, HCA, CSA, HCA, CSA attention; the first two
+    MoE layers hash-routed; 4 residual streams. A window of 8 and compress rates 4 (CSA) and 16
+    (HCA) make short prompts cross the window and close entries of both compressors, and
+    index_topk 4 makes the indexer drop entries from about 20 tokens on."""
+    return {
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "model_type": "deepseek_v4",
+        "vocab_size": vocab_size,
+        "hidden_size": 128,
+        "moe_intermediate_size": 64,
+        "num_hidden_layers": 5,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "partial_rotary_factor": 0.25,  # 16 rope dims
+        "q_lora_rank": 64,
+        "o_groups": 2,
+        "o_lora_rank": 32,
+        "layer_types": [
+            "sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention",
+            "heavily_compressed_attention", "compressed_sparse_attention",
+        ],  # fmt: skip
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+        "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe", "moe"],
+        "sliding_window": 8,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "scoring_func": "sqrtsoftplus",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.5,
+        "swiglu_limit": 10.0,
+        "hc_mult": 4,
+        "hc_sinkhorn_iters": 20,
+        "hc_eps": 1e-6,
+        # 16 index heads: with few heads an all-zero ReLU'd score is common and ties make top-k arbitrary
+        "index_n_heads": 16,
+        "index_head_dim": 32,
+        "index_topk": 4,
+        "num_nextn_predict_layers": 0,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "compress_rope_theta": 160000.0,
+        # YaRN on the compressed layers, as V4-Flash ships it (factor 4 over a 1024-token original context)
+        "rope_parameters": {
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 32.0,
+            "beta_slow": 1.0,
+        },  # fmt: skip
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": None,
+        "use_cache": True,
+        "dtype": "float32",
+    }
+
+
+def tiny_v4_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Random float32 weights for a V4 `config`, named as transformers 5.24 saves them (pdserve's
+    V4 module names are transformers', so the names come from the model built on meta)."""
+    from pdserve.model.config import ModelConfig
+    from pdserve.model.deepseek_v4 import DeepseekV4ForCausalLM
+
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(ModelConfig.from_dict(config))
+    gen = torch.Generator().manual_seed(seed)
+    std, experts, top_k = config["initializer_range"], config["n_routed_experts"], config["num_experts_per_tok"]
+
+    def normal(shape, scale: float = std) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float32) * scale
+
+    w: dict[str, torch.Tensor] = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if name.endswith("tid2eid"):  # k distinct experts per token id
+            w[name] = torch.rand(config["vocab_size"], experts, generator=gen).argsort(-1)[:, :top_k].contiguous()
+        elif name.endswith(("norm.weight", "scale", "hc_scale")):
+            w[name] = torch.ones(t.shape)
+        elif name.endswith(("sinks", "position_bias", "base", "hc_base", "e_score_correction_bias")):
+            w[name] = normal(t.shape, 0.5)  # non-zero: sinks, position bias and routing bias matter
+        else:
+            w[name] = normal(t.shape)
     return w
 
 

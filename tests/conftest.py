@@ -6,3 +6,10 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+# Without CUDA the Triton kernels run only interpreted, and TRITON_INTERPRET must be set before
+# anything imports triton (the model reaches the kernels too), whichever test file comes first.
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

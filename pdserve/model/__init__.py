@@ -1,4 +1,4 @@
-"""DeepSeek-V3 / V3.2 in plain PyTorch: config, layers, model and checkpoint loader.
+"""DeepSeek-V3 / V3.2 / V4 in plain PyTorch: config, layers, models and checkpoint loaders.
 
 Exports load lazily, so importing pdserve.model.batch does not pull in safetensors or the model.
 """
@@ -14,6 +14,8 @@ _EXPORTS = {
     "DeepseekForCausalLM": "pdserve.model.deepseek",
     "load_model": "pdserve.model.loader",
     "CheckpointError": "pdserve.model.loader",
+    "DeepseekV4ForCausalLM": "pdserve.model.deepseek_v4",
+    "load_v4_model": "pdserve.model.v4_loader",
 }
 
 __all__ = list(_EXPORTS)
@@ -21,7 +23,9 @@ __all__ = list(_EXPORTS)
 if TYPE_CHECKING:
     from pdserve.model.config import ConfigError, ModelConfig
     from pdserve.model.deepseek import DeepseekForCausalLM
+    from pdserve.model.deepseek_v4 import DeepseekV4ForCausalLM
     from pdserve.model.loader import CheckpointError, load_model
+    from pdserve.model.v4_loader import load_v4_model
 
 
 def __getattr__(name: str):

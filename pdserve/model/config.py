@@ -1,8 +1,9 @@
-"""ModelConfig: the architecture read from a Hugging Face config.json (DeepSeek-V3 / V3.2).
+"""ModelConfig: the architecture read from a Hugging Face config.json (DeepSeek-V3 / V3.2 / V4).
 
 Defaults are transformers 5.24's (DeepseekV3Config / DeepseekV32Config), so a config.json that
 omits a key means what it means to transformers. RoPE parameters come from `rope_parameters`
-(transformers 5) or the older `rope_scaling` + top-level `rope_theta`.
+(transformers 5) or the older `rope_scaling` + top-level `rope_theta`. V4's own fields live in
+`ModelConfig.v4` (see config_v4.py).
 """
 
 from __future__ import annotations
@@ -10,40 +11,35 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from pdserve.model.config_base import ConfigError, RopeConfig, parse_rope_params
+from pdserve.model.config_v4 import V4_DEFAULTS, parse_v4
+
+if TYPE_CHECKING:
+    from pdserve.model.config_v4 import V4Config
 
 
-class ConfigError(ValueError):
-    """config.json describes something pdserve cannot run (or is malformed)."""
-
-
-ARCHITECTURES = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}
+ARCHITECTURES = {
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "deepseek_v32": "DeepseekV32ForCausalLM",
+    "deepseek_v4": "DeepseekV4ForCausalLM",
+}
 
 # transformers' defaults where V3 and V3.2 differ
 _ARCH_DEFAULTS = {
     "deepseek_v3": {"max_position_embeddings": 4096},
     "deepseek_v32": {"max_position_embeddings": 163840},
+    "deepseek_v4": {},  # filled from config_v4.V4_DEFAULTS
 }
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    rope_type: str = "default"  # "default" or "yarn"
-    theta: float = 10000.0
-    factor: float = 1.0
-    original_max_position_embeddings: int = 4096
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    attention_factor: float | None = None  # explicit cos/sin scale; inferred from mscales when None
-    truncate: bool = True
 
 
 @dataclass(frozen=True)
 class QuantConfig:
     method: str  # only "fp8" (e4m3, block-scaled, dequantized at load)
     weight_block_size: tuple[int, int] = (128, 128)
+    scale_fmt: str = "float"  # "float" (fp32 scales, V3) or "ue8m0" (power-of-two byte scales, V4)
+    expert_dtype: str = "fp8"  # "fp8", or "fp4" (e2m1, one ue8m0 scale per 32 values: V4's routed experts)
 
 
 @dataclass(frozen=True)
@@ -81,6 +77,7 @@ class ModelConfig:
     index_head_dim: int = 0
     index_topk: int = 0
     quant: QuantConfig | None = None
+    v4: "V4Config | None" = None  # DeepSeek-V4 only
 
     @property
     def qk_head_dim(self) -> int:
@@ -126,6 +123,9 @@ def _parse(d: dict[str, Any], source: str = "config.json") -> ModelConfig:
 
     defaults = {f: getattr(ModelConfig, f) for f in ModelConfig.__dataclass_fields__ if hasattr(ModelConfig, f)}
     defaults.update(_ARCH_DEFAULTS[model_type])
+    if model_type == "deepseek_v4":
+
+        defaults.update(V4_DEFAULTS)
     kw: dict[str, Any] = {key: d[key] if d.get(key) is not None else defaults[key] for key in _PLAIN_KEYS}
     # keys where null is meaningful: no q LoRA, no BOS
     kw["q_lora_rank"] = d.get("q_lora_rank", defaults["q_lora_rank"])
@@ -134,6 +134,8 @@ def _parse(d: dict[str, Any], source: str = "config.json") -> ModelConfig:
     # absent: transformers' default; explicit null: no grouping
     kw["n_group"] = int(d.get("n_group", defaults["n_group"]) or 1)
     kw["topk_group"] = int(d.get("topk_group", defaults["topk_group"]) or kw["n_group"])
+    if model_type == "deepseek_v4":
+        return _parse_v4(d, kw, source)
     kw["mlp_layer_types"] = _mlp_layer_types(d, model_type, num_layers, source)
     kw["rope"] = _parse_rope(d, kw["max_position_embeddings"], source)
     # V3.2's MLA always uses interleaved rope (transformers ignores the flag there)
@@ -149,6 +151,28 @@ def _parse(d: dict[str, Any], source: str = "config.json") -> ModelConfig:
     cfg = ModelConfig(model_type=model_type, **kw)
     _validate(cfg, source)
     return cfg
+
+
+def _parse_v4(d: dict[str, Any], kw: dict[str, Any], source: str) -> ModelConfig:
+
+    n = kw["num_hidden_layers"]
+    v4, kw["qk_rope_head_dim"] = parse_v4(d, n, kw["max_position_embeddings"], source)
+    kw.update(
+        mlp_layer_types=("sparse",) * n,  # MoE everywhere; hash or routed: v4.mlp_layer_types
+        intermediate_size=kw["moe_intermediate_size"],  # the shared expert's width
+        n_group=1,
+        topk_group=1,
+        rope=v4.main_rope,
+        eos_token_ids=_eos_ids(d.get("eos_token_id", 1)),
+        quant=_parse_quant(d.get("quantization_config"), source, d.get("expert_dtype")),
+        index_n_heads=int(d.get("index_n_heads") or 64),
+        index_head_dim=int(d.get("index_head_dim") or 128),
+        index_topk=int(d.get("index_topk") or 512),
+        v4=v4,
+    )
+    if kw["q_lora_rank"] is None:
+        raise ConfigError(f"{source}: deepseek_v4 needs q_lora_rank (queries and indexer read the q LoRA)")
+    return ModelConfig(model_type="deepseek_v4", **kw)
 
 
 _PLAIN_KEYS = (
@@ -173,26 +197,8 @@ def _mlp_layer_types(d: dict[str, Any], model_type: str, num_layers: int, source
 
 def _parse_rope(d: dict[str, Any], max_pos: int, source: str) -> RopeConfig:
     p = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-    rope_type = p.get("rope_type", p.get("type", "default"))
-    theta = float(p.get("rope_theta", d.get("rope_theta", 10000.0)))
-    if rope_type == "default":
-        return RopeConfig(theta=theta)
-    if rope_type != "yarn":
-        raise ConfigError(f"{source}: unsupported rope type {rope_type!r}; pdserve supports 'default' and 'yarn'")
-    orig = int(d.get("original_max_position_embeddings") or p.get("original_max_position_embeddings") or max_pos)
-    factor = p.get("factor")
-    return RopeConfig(
-        rope_type="yarn",
-        theta=theta,
-        factor=float(factor) if factor is not None else max_pos / orig,
-        original_max_position_embeddings=orig,
-        beta_fast=float(p.get("beta_fast") or 32),
-        beta_slow=float(p.get("beta_slow") or 1),
-        mscale=p.get("mscale"),
-        mscale_all_dim=p.get("mscale_all_dim"),
-        attention_factor=p.get("attention_factor"),
-        truncate=bool(p.get("truncate", True)),
-    )
+    p.setdefault("rope_theta", d.get("rope_theta", 10000.0))
+    return parse_rope_params(p, max_pos, source, d.get("original_max_position_embeddings"))
 
 
 def _eos_ids(eos: int | list[int] | None) -> tuple[int, ...]:
@@ -201,7 +207,7 @@ def _eos_ids(eos: int | list[int] | None) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
-def _parse_quant(q: dict[str, Any] | None, source: str) -> QuantConfig | None:
+def _parse_quant(q: dict[str, Any] | None, source: str, expert_dtype: str | None = None) -> QuantConfig | None:
     if not q:
         return None
     method = q.get("quant_method")
@@ -214,7 +220,15 @@ def _parse_quant(q: dict[str, Any] | None, source: str) -> QuantConfig | None:
     block = q.get("weight_block_size")
     if not block or len(block) != 2:
         raise ConfigError(f"{source}: fp8 quantization needs weight_block_size [rows, cols], got {block!r}")
-    return QuantConfig(method="fp8", weight_block_size=(int(block[0]), int(block[1])))
+    scale_fmt = q.get("scale_fmt") or "float"
+    expert_dtype = q.get("expert_dtype") or expert_dtype or "fp8"
+    if scale_fmt not in ("float", "ue8m0") or expert_dtype not in ("fp8", "fp4"):
+        raise ConfigError(
+            f"{source}: unsupported fp8 scale_fmt {scale_fmt!r} / expert_dtype {expert_dtype!r}; "
+            "pdserve reads scale_fmt 'float' or 'ue8m0' and expert_dtype 'fp8' or 'fp4'"
+        )
+    block_size = (int(block[0]), int(block[1]))
+    return QuantConfig(method="fp8", weight_block_size=block_size, scale_fmt=scale_fmt, expert_dtype=expert_dtype)
 
 
 def _validate(c: ModelConfig, source: str) -> None:

@@ -52,6 +52,11 @@ def load_model(
 ) -> DeepseekForCausalLM:
     model_dir = Path(model_dir)
     config = ModelConfig.from_model_dir(model_dir)
+    if config.v4 is not None:
+        raise CheckpointError(
+            f"{model_dir} is a deepseek_v4 checkpoint: load it with pdserve.model.v4_loader.load_v4_model "
+            "(the serving engine does not run DeepSeek-V4 yet)"
+        )
     files = weight_files(model_dir)
     with torch.device("meta"):
         model = DeepseekForCausalLM(config, tp)

@@ -1,0 +1,144 @@
+"""DeepSeek-V4 (V4-Flash) causal LM over a flat batch of new tokens and explicit per-sequence state.
+
+Legend: T new tokens of the step (all sequences), B sequences, N hc_mult streams, V vocab,
+n tokens of a sequence so far, D head_dim, Di index_head_dim, W sliding_window.
+
+Cache state (SequenceState in v4_cache.py: what the engine pages and transfers), per sequence
+and layer (LayerState), by layer kind:
+  - every layer: `window` [min(n, W-1), D], K=V records of the last positions (normed, roped);
+  - CSA layers (rate 4): `compressor.entries` [n // 4, D] and `indexer.entries` [n // 4, Di]
+    (the indexer keys), plus their running state: pending group [n % 4, 2D] / [n % 4, 2Di] for
+    kv and for gate logits, and the overlap (last group's Ca) [4, D] / [4, Di] for kv and gate;
+  - HCA layers (rate 128): `compressor.entries` [n // 128, D], pending group [n % 128, D] kv + gate.
+Entry e pools positions e*m .. e*m+m-1 (CSA: and the m before) and is visible from positions
+p >= e*m + m - 1; window row j holds position n - len(window) + j.
+Sizes for the released V4-Flash config (43 layers: 2 sliding, 21 CSA, 20 HCA; D 512, Di 128,
+W 128) in bf16, computed by v4_cache.cache_bytes (and checked in tests/test_v4_loader.py):
+  - growing: CSA (512 + 128) / 4 values = 320 B/token/layer, HCA 512 / 128 = 8 B/token/layer;
+    21 * 320 + 20 * 8 = 6,880 B per token for the whole model (FP8 records like FlashMLA's
+    584 B per 512 values would make it about 0.57x);
+  - fixed per sequence: windows 43 * 127 * 512 * 2 B = 5.59 MB; running state at most 5.74 MB
+    (CSA 25.6 KB a layer; HCA's pending group 127 * 2 * 512 * 2 B = 260 KB a layer: it could be
+    folded into an online-softmax accumulator of 3 * 512 values; kept raw here, so that the
+    pooling runs in transformers' order of operations).
+
+Forward: `forward(input_ids, lens, states)` runs the new tokens of B sequences (prefill
+chunks and decode tokens alike) concatenated; sequence b's tokens take positions
+states[b].num_tokens onwards, and its state advances in place (layer by layer: after an
+exception the states are half-advanced and must be dropped). Whole-prompt prefill, chunked
+prefill and one-token decode give the same results.
+
+Module and parameter names are transformers' (model.layers.N.self_attn.compressor.indexer...,
+mlp.experts.gate_up_proj, attn_hc.fn, model.hc_head.hc_fn, ...), so a transformers-format
+checkpoint maps one to one; v4_loader.py also maps DeepSeek's release names. MTP layers are not
+part of this model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pdserve.model.config import ModelConfig
+from pdserve.model.hyper_connections import HyperConnection, HyperHead, hc_residual
+from pdserve.model.rope import RotaryEmbedding
+from pdserve.model.v4_attention import V4Attention, V4Step
+from pdserve.model.v4_cache import LayerState, SequenceState
+from pdserve.model.v4_moe import V4MoE
+from pdserve.model.v4_ops import V4RMSNorm
+
+# Parameters kept in float32 whatever the model dtype (transformers' _keep_in_fp32_modules_strict).
+FP32_PARAM_PATTERNS = (
+    "attn_hc.", "ffn_hc.", "hc_head.", "sinks", "position_bias", "e_score_correction_bias", "q_a_norm.",
+    "kv_norm.", "input_layernorm.", "post_attention_layernorm.", "model.norm.",
+)  # fmt: skip
+
+
+class V4DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        v4, hidden, eps = config.v4, config.hidden_size, config.rms_norm_eps
+        self.self_attn = V4Attention(config, layer_idx)
+        self.mlp = V4MoE(config, layer_idx)
+        self.input_layernorm = V4RMSNorm(hidden, eps)
+        self.post_attention_layernorm = V4RMSNorm(hidden, eps)
+        self.attn_hc = HyperConnection(hidden, v4.hc_mult, v4.hc_sinkhorn_iters, v4.hc_eps, eps)
+        self.ffn_hc = HyperConnection(hidden, v4.hc_mult, v4.hc_sinkhorn_iters, v4.hc_eps, eps)
+
+    def forward(self, h: torch.Tensor, step: V4Step, states: list[LayerState]) -> torch.Tensor:
+        """h [T, N, hidden] -> [T, N, hidden]."""
+        post, comb, x = self.attn_hc(h)
+        h = hc_residual(h, self.self_attn(self.input_layernorm(x), step, states), post, comb)
+        post, comb, x = self.ffn_hc(h)
+        return hc_residual(h, self.mlp(self.post_attention_layernorm(x), step.input_ids), post, comb)
+
+
+class DeepseekV4Model(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        v4 = config.v4
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(V4DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = V4RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hc_head = HyperHead(config.hidden_size, v4.hc_mult, v4.hc_eps, config.rms_norm_eps)
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if config.v4 is None:
+            raise ValueError(f"DeepseekV4ForCausalLM needs a deepseek_v4 config, got {config.model_type!r}")
+        self.config = config
+        self.num_layers = config.num_hidden_layers
+        self.model = DeepseekV4Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = {
+            "main": RotaryEmbedding(config.v4.main_rope, config.qk_rope_head_dim),
+            "compress": RotaryEmbedding(config.v4.compress_rope, config.qk_rope_head_dim),
+        }
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def new_state(self, dtype: torch.dtype | None = None, device=None) -> SequenceState:
+        """An empty cache state for one new sequence, in the model's dtype and device."""
+        ref = self.model.embed_tokens.weight
+        return SequenceState.empty(self.config, dtype or ref.dtype, device or ref.device)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, lens: list[int], states: list[SequenceState]) -> torch.Tensor:
+        """input_ids [T] (B sequences' new tokens, concatenated; lens [B] of them) -> final-normed
+        hidden [T, hidden]. Advances every states[b] by lens[b] tokens."""
+        if len(lens) != len(states) or sum(lens) != input_ids.shape[0] or min(lens, default=1) < 1:
+            raise ValueError(f"lens {lens}: one >= 1 per state ({len(states)}), summing to {input_ids.shape[0]}")
+        step = self._step(input_ids, lens, states)
+        h = self.model.embed_tokens(input_ids)  # [T, hidden]
+        h = h.unsqueeze(1).expand(-1, self.config.v4.hc_mult, -1).contiguous()  # [T, N, hidden]
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, step, [st.layers[i] for st in states])
+        for st, n in zip(states, lens):
+            st.num_tokens += n
+        return self.model.norm(self.model.hc_head(h))
+
+    def _step(self, input_ids: torch.Tensor, lens: list[int], states: list[SequenceState]) -> V4Step:
+        device = input_ids.device
+        starts = torch.tensor([st.num_tokens for st in states], device=device)
+        lens_t = torch.tensor(lens, device=device)
+        first_row = torch.cumsum(lens_t, 0) - lens_t  # [B]
+        seq = torch.repeat_interleave(torch.arange(len(lens), device=device), lens_t)  # [T]
+        positions = starts[seq] + torch.arange(input_ids.shape[0], device=device) - first_row[seq]
+        bounds = [0, *torch.cumsum(lens_t, 0).tolist()]
+        return V4Step(
+            input_ids=input_ids,
+            positions=positions,
+            rows=[slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])],
+            rope={kind: rotary(positions) for kind, rotary in self.rotary.items()},
+            compress_rotary=self.rotary["compress"],
+        )
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, V] float32."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,57 @@
+"""FP4 (e2m1) weights with power-of-two block scales, as DeepSeek-V4 ships its routed experts.
+
+A weight W [N, K] is stored packed, two e2m1 codes per byte ([N, K/2] int8 / uint8 /
+float4_e2m1fn_x2; element 2j in the low nibble, 2j+1 in the high one), with one ue8m0 scale per
+32 consecutive values of a row ([N, K/32]: float8_e8m0fnu, or raw uint8 exponents meaning
+2^(b - 127), or plain floats). The real weight is code value * scale.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP4_BLOCK = 32
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+FP4_PACKED_DTYPES = (torch.int8, torch.uint8, *[getattr(torch, n) for n in ("float4_e2m1fn_x2",) if hasattr(torch, n)])
+
+
+def is_fp4(t: torch.Tensor) -> bool:
+    return t.dtype in FP4_PACKED_DTYPES
+
+
+def scales_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """ue8m0 scales (float8_e8m0fnu or uint8 exponents) or float scales -> float32."""
+    if scale.dtype == torch.uint8:
+        return torch.exp2(scale.float() - 127.0)
+    return scale.float()
+
+
+def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """packed [N, K/2], scale [N, K/32] -> float32 [N, K]. Raises ValueError on shapes that do
+    not fit."""
+    if packed.dim() != 2:
+        raise ValueError(f"fp4 weights must be 2-D, got shape {tuple(packed.shape)}")
+    N, K = packed.shape[0], 2 * packed.shape[1]
+    if K % FP4_BLOCK or tuple(scale.shape) != (N, K // FP4_BLOCK):
+        raise ValueError(
+            f"fp4 scale shape {tuple(scale.shape)} does not fit packed weight {tuple(packed.shape)} "
+            f"({K} values a row, one scale per {FP4_BLOCK}): expected {(N, K // FP4_BLOCK)}"
+        )
+    codes = packed.contiguous().view(torch.uint8)
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    values = torch.stack([lut[(codes & 0xF).long()], lut[(codes >> 4).long()]], dim=-1).view(N, K)
+    return values * scales_to_float(scale).repeat_interleave(FP4_BLOCK, dim=1)
+
+
+def quantize_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (packed [N, K/2] int8, scale [N, K/32] float8_e8m0fnu): round to nearest
+    e2m1 after dividing by a power-of-two scale that puts the block's max at or under 6."""
+    N, K = w.shape
+    blocks = w.float().view(N, K // FP4_BLOCK, FP4_BLOCK)
+    amax = blocks.abs().amax(-1).clamp(min=2.0**-126)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / 6.0)))  # [N, K/32]
+    scaled = (blocks / scale[..., None]).reshape(N, K)
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    codes = (scaled[..., None] - lut).abs().argmin(-1).to(torch.uint8)  # [N, K]
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).view(torch.int8)
+    return packed, scale.to(torch.float8_e8m0fnu)

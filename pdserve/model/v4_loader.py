@@ -1,0 +1,206 @@
+"""Load a DeepSeek-V4 checkpoint folder into DeepseekV4ForCausalLM.
+
+Names: transformers' in-memory ones (model.layers.N.self_attn.compressor.kv_proj
+.weight, mlp.experts.gate_up_proj [E, 2I, hidden], ...) or DeepSeek's release names
+(layers.N.attn.compressor.wkv.weight, layers.N.ffn.experts.E.w1.weight, embed.weight, ...), mapped
+by the table below, which follows transformers' deepseek_v4 conversion mapping. Release scales are
+`<module>.scale`, transformers' `<module>.weight_scale_inv`.
+Dtypes: bf16 / fp16 / fp32 as they are; FP8 e4m3 with 128x128 block scales (float or ue8m0),
+and FP4 e2m1 routed experts (two values a byte, one ue8m0 scale per 32 values), dequantized at
+load. MTP layers (mtp.*, or layer index >= num_hidden_layers) are skipped, with one log line.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from pdserve.model.config import ModelConfig
+from pdserve.model.deepseek_v4 import FP32_PARAM_PATTERNS, DeepseekV4ForCausalLM
+from pdserve.model.fp4 import dequantize_fp4, is_fp4, scales_to_float
+from pdserve.model.fp8 import dequantize_block_fp8, is_fp8
+from pdserve.model.loader import CheckpointError, weight_files
+
+log = logging.getLogger(__name__)
+
+# DeepSeek release name -> transformers name, applied in order (regex, replacement).
+RELEASE_RENAMES = (
+    (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."), (r"\.indexer\.compressor\.", ".compressor.indexer."),
+    (r"^embed\.weight$", "embed_tokens.weight"), (r"^head\.weight$", "lm_head.weight"),
+    (r"^hc_head_fn$", "hc_head.hc_fn"), (r"^hc_head_base$", "hc_head.hc_base"), (r"^hc_head_scale$", "hc_head.hc_scale"),
+    (r"\.attn_norm\.", ".input_layernorm."), (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.hc_attn_fn$", ".attn_hc.fn"), (r"\.hc_attn_base$", ".attn_hc.base"), (r"\.hc_attn_scale$", ".attn_hc.scale"),
+    (r"\.hc_ffn_fn$", ".ffn_hc.fn"), (r"\.hc_ffn_base$", ".ffn_hc.base"), (r"\.hc_ffn_scale$", ".ffn_hc.scale"),
+    (r"\.attn_sink$", ".sinks"), (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
+    (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."), (r"\.norm\.", ".kv_norm."), (r"\.ape$", ".position_bias"),
+    (r"\.wq_a\.", ".q_a_proj."), (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."), (r"\.wkv\.", ".kv_proj."),
+    (r"\.wgate\.", ".gate_proj."), (r"\.wo_a\.", ".o_a_proj."), (r"\.wo_b\.", ".o_b_proj."),
+    (r"\.q_norm\.", ".q_a_norm."), (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
+    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."), (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
+    (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."), (r"(?<!_hc)\.scale$", ".weight_scale_inv"),
+)  # fmt: skip
+_SCALE = "_scale_inv"
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
+_IGNORED = re.compile(r"rotary_emb\.|inv_freq$")
+
+
+def hf_name(name: str) -> str:
+    """transformers' in-memory name of checkpoint tensor `name`. Accepts the release's names,
+    transformers' in-memory names and what its save_pretrained writes (release names under a
+    `model.` prefix: it applies the mapping in reverse), as transformers' loader does: the table
+    applies to the name without its `model.` prefix, and leaves in-memory names unchanged."""
+    if name.startswith("lm_head."):
+        return name
+    name = name.removeprefix("model.")
+    for pattern, repl in RELEASE_RENAMES:
+        name = re.sub(pattern, repl, name)
+    return name if name.startswith("lm_head.") else "model." + name
+
+
+def load_v4_model(
+    model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"
+) -> DeepseekV4ForCausalLM:
+    model_dir = Path(model_dir)
+    config = ModelConfig.from_model_dir(model_dir)
+    if config.v4 is None:
+        raise CheckpointError(f"{model_dir} holds a {config.model_type} model, not deepseek_v4")
+    files = _readable(model_dir)
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(config)
+    _materialize(model, dtype, torch.device(device))
+    names = {hf_name(n): n for n in files}
+    skipped = sorted(n for n in names if _is_mtp(n, config))
+    if skipped:
+        log.info("skipping %d MTP tensors (num_nextn_predict_layers=%d): pdserve does not run multi-token "
+                 "prediction", len(skipped), config.v4.num_nextn_predict_layers)  # fmt: skip
+    sink = _WeightSink(model)
+    with ExitStack() as stack:
+        handles = {f: stack.enter_context(safe_open(str(f), framework="pt")) for f in sorted(set(files.values()))}
+
+        def read(hf: str) -> torch.Tensor:
+            name = names[hf]
+            try:
+                return handles[files[name]].get_tensor(name)
+            except Exception as e:  # safetensors raises its own error types
+                raise CheckpointError(f"cannot read tensor {name} from {files[name]}: {e}") from e
+
+        for hf in sorted(names):
+            if hf.endswith(_SCALE) or _IGNORED.search(hf) or hf in skipped:
+                continue
+            if hf == "lm_head.weight" and config.tie_word_embeddings:
+                continue
+            sink.put(hf, _dequantized(hf, read(hf), names, files, read, config), files[names[hf]])
+        _check_unused_scales(names, files)
+    sink.check_complete(model_dir)
+    return model.eval()
+
+
+def _readable(model_dir: Path) -> dict[str, Path]:
+    """weight_files, with unreadable safetensors files reported as CheckpointError."""
+    try:
+        files = weight_files(model_dir)
+        for f in sorted(set(files.values())):
+            with safe_open(str(f), framework="pt"):
+                pass
+    except (OSError, CheckpointError):
+        raise
+    except Exception as e:  # safetensors' own error types
+        raise CheckpointError(f"cannot read the weight files of {model_dir}: {e}") from e
+    return files
+
+
+def _is_mtp(name: str, config: ModelConfig) -> bool:
+    m = _LAYER.match(name)
+    return name.startswith("model.mtp.") or (m is not None and int(m.group(1)) >= config.num_hidden_layers)
+
+
+def _dequantized(hf: str, tensor: torch.Tensor, names, files, read, config: ModelConfig) -> torch.Tensor:
+    """The float tensor of checkpoint tensor `hf`: FP8 / FP4 ones are dequantized with their scale."""
+    if not (is_fp8(tensor) or is_fp4(tensor)) or hf.endswith("tid2eid"):
+        return tensor
+    where = f"{names[hf]} in {files[names[hf]].name}"
+    if config.quant is None:
+        raise CheckpointError(f"{where} is {tensor.dtype} but config.json has no quantization_config")
+    scale_name = (hf[: -len(".weight")] if hf.endswith(".weight") else hf) + ".weight" + _SCALE
+    if scale_name not in names:
+        raise CheckpointError(f"{where} is {tensor.dtype} but its scale ({scale_name} / .scale) is missing")
+    scale = read(scale_name)
+    try:
+        if is_fp8(tensor):
+            return dequantize_block_fp8(tensor, scales_to_float(scale), config.quant.weight_block_size)
+        return dequantize_fp4(tensor, scale)
+    except ValueError as e:
+        raise CheckpointError(f"{where}: {e}") from e
+
+
+def _check_unused_scales(names: dict[str, str], files) -> None:
+    for hf in names:
+        if hf.endswith(_SCALE) and hf[: -len(_SCALE)] not in names and not _IGNORED.search(hf):
+            raise CheckpointError(f"{names[hf]} in {files[names[hf]].name} has no weight it scales")
+
+
+def _materialize(model: DeepseekV4ForCausalLM, dtype: torch.dtype, device: torch.device) -> None:
+    """Every meta parameter becomes an uninitialized one in its final dtype (float32 for the
+    parameters transformers keeps in float32) and device; buffers keep their dtype."""
+    for mod_name, mod in model.named_modules():
+        for pname, p in list(mod._parameters.items()):
+            full = f"{mod_name}.{pname}" if mod_name else pname
+            if p is None or (full == "lm_head.weight" and model.config.tie_word_embeddings):
+                continue
+            dt = torch.float32 if any(k in full for k in FP32_PARAM_PATTERNS) else dtype
+            mod._parameters[pname] = nn.Parameter(torch.empty(p.shape, dtype=dt, device=device), requires_grad=False)
+        for bname, b in list(mod._buffers.items()):
+            mod._buffers[bname] = torch.zeros(b.shape, dtype=b.dtype, device=device)
+    model.tie_weights()
+
+
+class _WeightSink:
+    """Copies tensors into parameters / buffers; release per-expert w1 / w3 / w2 fill the rows of
+    the stacked gate_up_proj (gate then up) and down_proj."""
+
+    def __init__(self, model: DeepseekV4ForCausalLM) -> None:
+        self.targets = dict(model.named_parameters())
+        self.targets.update(dict(model.named_buffers()))
+        self.num_experts, self.inter = model.config.n_routed_experts, model.config.moe_intermediate_size
+        self.pending = {n: None for n in self.targets}  # name -> None (whole) or set of expert parts
+        for n, t in self.targets.items():
+            if n.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                self.pending[n] = set(range(t.shape[0] * (2 if n.endswith("gate_up_proj") else 1)))
+
+    def put(self, name: str, tensor: torch.Tensor, file: Path) -> None:
+        m = _EXPERT.match(name)
+        if m:
+            prefix, e, w = m.group(1), int(m.group(2)), m.group(3)
+            if e >= self.num_experts:
+                raise CheckpointError(f"unexpected tensor {name} in {file}: expert {e} >= {self.num_experts} experts")
+            target = f"{prefix}.down_proj" if w == "w2" else f"{prefix}.gate_up_proj"
+            I = self.inter  # noqa: E741
+            rows = slice(None) if w == "w2" else slice(0, I) if w == "w1" else slice(I, 2 * I)
+            dst, part = self.targets[target][e, rows], (e if w == "w2" else 2 * e + (w == "w3"))
+        elif name in self.targets:
+            target, dst, part = name, self.targets[name], None
+        else:
+            raise CheckpointError(f"unexpected tensor {name} in {file}: no such parameter in this model")
+        if tuple(dst.shape) != tuple(tensor.shape):
+            want, got = tuple(dst.shape), tuple(tensor.shape)
+            raise CheckpointError(f"shape mismatch for {name} in {file}: expected {want}, got {got}")
+        dst.copy_(tensor)
+        if part is None or self.pending.get(target) is None:
+            self.pending.pop(target, None)
+        else:
+            self.pending[target].discard(part)
+            if not self.pending[target]:
+                del self.pending[target]
+
+    def check_complete(self, model_dir: Path) -> None:
+        if self.pending:
+            missing = sorted(self.pending)
+            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise CheckpointError(f"missing tensor(s) in {model_dir}: {', '.join(missing[:5])}{more}")

@@ -1,0 +1,95 @@
+"""DeepSeek-V4 MoE: routed experts (learned top-k or hash-routed) plus one shared expert.
+
+Legend: T tokens, E routed experts, k experts per token, I moe_intermediate_size.
+
+scores = sqrtsoftplus(x W_g^T) (or sigmoid). A routed ("moe") layer picks the top-k of
+scores + e_score_correction_bias (the bias only selects); a "hash_moe" layer takes the k experts
+of a frozen table tid2eid[token id]. The weights are the chosen unbiased scores, normalized to
+sum 1, times routed_scaling_factor. Experts and the shared expert are SwiGLU with
+swiglu_limit: gate clamped to <= limit, up to [-limit, limit]. Experts are stacked as transformers
+holds them: gate_up_proj [E, 2I, hidden] (gate rows, then up rows), down_proj [E, hidden, I].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.model.config import ModelConfig
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+class Router(nn.Module):
+    """weight [E, hidden]; e_score_correction_bias [E] (routed) or tid2eid [vocab, k] (hash)."""
+
+    def __init__(self, config: ModelConfig, hashed: bool) -> None:
+        super().__init__()
+        E, self.top_k, self.hashed = config.n_routed_experts, config.num_experts_per_tok, hashed
+        self.scaling, self.scoring = config.routed_scaling_factor, config.v4.scoring_func
+        self.weight = nn.Parameter(torch.zeros(E, config.hidden_size))
+        if hashed:
+            self.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.top_k, dtype=torch.int64))
+        else:
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32))  # kept float32
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden], input_ids [T] -> weights [T, k], expert ids [T, k]."""
+        logits = F.linear(x, self.weight)  # [T, E]
+        scores = F.softplus(logits).sqrt() if self.scoring == "sqrtsoftplus" else torch.sigmoid(logits)
+        if self.hashed:
+            ids = self.tid2eid[input_ids]
+        else:
+            ids = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, ids
+
+
+class Experts(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        E, I, hidden = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
+        self.limit = config.v4.swiglu_limit
+        self.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * I, hidden))
+        self.down_proj = nn.Parameter(torch.zeros(E, hidden, I))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden], weights/ids [T, k] -> [T, hidden]."""
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():
+            tok, slot = torch.where(ids == e)
+            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(_swiglu(gate, up, self.limit), self.down_proj[e]) * weights[tok, slot, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        return out
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, hidden: int, inter: int, limit: float) -> None:
+        super().__init__()
+        self.limit = limit
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+
+
+class V4MoE(nn.Module):
+    """gate (Router), experts, shared_experts: the checkpoint's names under `mlp.`."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.gate = Router(config, hashed=config.v4.mlp_layer_types[layer_idx] == "hash_moe")
+        self.experts = Experts(config)
+        # one shared expert of width I, whatever n_shared_experts says (as transformers builds it)
+        self.shared_experts = SharedExpert(config.hidden_size, config.moe_intermediate_size, config.v4.swiglu_limit)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x, input_ids)
+        return self.experts(x, weights, ids) + self.shared_experts(x)

@@ -1,0 +1,199 @@
+"""Parity of pdserve's DeepSeek-V4 with transformers 5.24's deepseek_v4 (the oracle), float32 on CPU.
+
+Tiny random models are made by transformers itself (every bias, sink and position bias made
+non-zero, hash tables random), saved with save_pretrained and loaded with pdserve's V4 loader.
+pdserve runs them incrementally (flat batches of several sequences, explicit cache state);
+transformers runs each prompt alone, as a whole.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+from pdserve.model.config_v4 import CSA, HCA, SLIDING
+from pdserve.model.v4_loader import load_v4_model
+from pdserve.tiny_model import make_tiny_model
+
+pytestmark = pytest.mark.timeout(120)
+
+VOCAB = 300
+BASE = dict(
+    vocab_size=VOCAB, hidden_size=64, moe_intermediate_size=32, num_attention_heads=4, head_dim=32,
+    q_lora_rank=48, n_routed_experts=8, num_experts_per_tok=2, index_n_heads=16, index_head_dim=16,
+    initializer_range=0.1, max_position_embeddings=512, eos_token_id=1, bos_token_id=0,
+)  # fmt: skip
+YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64, beta_fast=32, beta_slow=1)
+CONFIGS = {
+    # 2 streams, window 8, CSA 4 / HCA 8, top-3 index, YaRN on the compressed layers, clamping SwiGLU
+    "w8_csa4_hca8": dict(
+        num_hidden_layers=4, layer_types=[SLIDING, CSA, HCA, CSA], mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+        compress_rates={CSA: 4, HCA: 8}, hc_mult=2, sliding_window=8, o_groups=2, o_lora_rank=16, index_topk=3,
+        partial_rotary_factor=8 / 32, rope_parameters=YARN, swiglu_limit=0.4,
+    ),
+    # 3 streams, window 6, CSA 4 / HCA 16, sigmoid scores, 4 output groups, tied embeddings, plain rope
+    "w6_csa4_hca16": dict(
+        num_hidden_layers=5, layer_types=[HCA, CSA, SLIDING, HCA, CSA],
+        mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe", "moe"], compress_rates={CSA: 4, HCA: 16}, hc_mult=3,
+        sliding_window=6, o_groups=4, o_lora_rank=8, index_topk=5, partial_rotary_factor=16 / 32,
+        scoring_func="sigmoid", tie_word_embeddings=True, hc_sinkhorn_iters=7,
+    ),
+}  # fmt: skip
+# just below, at and above multiples of the compress rates (4, 8, 16) and the windows (6, 8)
+PROMPT_LENS = (3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 31, 33)
+PROMPT = torch.randint(4, VOCAB, (45,), generator=torch.Generator().manual_seed(1))
+
+
+def _hf_model(extra: dict, seed: int = 0) -> DeepseekV4ForCausalLM:
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(DeepseekV4Config(**BASE, **extra, attn_implementation="eager")).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 or name.endswith("position_bias"):  # norms, sinks, hc base/scale, position bias
+                p.add_(torch.randn_like(p) * 0.3)
+        for layer in model.model.layers:
+            gate = layer.mlp.gate
+            if hasattr(gate, "tid2eid"):
+                gate.tid2eid.copy_(torch.rand(VOCAB, gate.num_experts).argsort(-1)[:, : gate.top_k])
+            else:
+                gate.e_score_correction_bias.normal_(0, 0.1)
+    model.generation_config.eos_token_id = None  # random models emit EOS by chance; run every step
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def pair(request, tmp_path_factory):
+    """(transformers model, pdserve model) with the same weights, through a saved checkpoint."""
+    ref = _hf_model(CONFIGS[request.param])
+    path = tmp_path_factory.mktemp(request.param)
+    ref.save_pretrained(path)
+    return ref, load_v4_model(path, dtype=torch.float32)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def _run(model, pieces: list[list[int]], state) -> torch.Tensor:
+    """Feed `pieces` of one sequence one forward each; logits of every token [sum, V]."""
+    out = [model.compute_logits(model(torch.tensor(p), [len(p)], [state])) for p in pieces]
+    return torch.cat(out)
+
+
+def test_prefill_logits_match_transformers(pair):
+    ref, model = pair
+    with torch.no_grad():
+        expected = ref(PROMPT[None]).logits[0]
+    state = model.new_state()
+    got = _run(model, [PROMPT.tolist()], state)
+    assert _rel(got, expected) < 1e-4
+    # the state holds what the docs say: window W-1, one entry per complete group, the rest pending
+    W, n = model.config.v4.sliding_window, len(PROMPT)
+    for i, layer in enumerate(state.layers):
+        assert layer.window.shape[0] == W - 1
+        if layer.compressor is not None:
+            m = model.config.v4.compress_rate(i)
+            assert layer.compressor.entries.shape[0] == n // m and layer.compressor.pending_kv.shape[0] == n % m
+    assert state.num_tokens == n
+
+
+def test_chunked_prefill_matches_whole_prefill(pair):
+    ref, model = pair
+    with torch.no_grad():
+        expected = ref(PROMPT[None]).logits[0]
+    ids = PROMPT.tolist()
+    whole = _run(model, [ids], model.new_state())
+    for cuts in ((1, 2, 3, 9, 16, 17, 30), (5, 13, 21, 29, 37), tuple(range(1, 45))):
+        bounds = (0, *cuts, len(ids))
+        chunked = _run(model, [ids[a:b] for a, b in zip(bounds[:-1], bounds[1:])], model.new_state())
+        assert _rel(chunked, whole) < 1e-5
+        assert _rel(chunked, expected) < 1e-4
+
+
+def test_indexer_drops_entries(pair):
+    """The sparse path is taken: with a top-k covering every entry, the logits change."""
+    _, model = pair
+    logits = _run(model, [PROMPT.tolist()], model.new_state())
+    indexers = [layer.self_attn.compressor.indexer for layer in model.model.layers if layer.self_attn.kind == CSA]
+    for ix in indexers:
+        ix.topk = 1000
+    try:
+        dense = _run(model, [PROMPT.tolist()], model.new_state())
+    finally:
+        for ix in indexers:
+            ix.topk = model.config.index_topk
+    assert _rel(dense, logits) > 1e-3
+
+
+def test_batched_greedy_matches_transformers_generate(pair):
+    """Prompts of 12 lengths, 4 to 11 new tokens each: the first half prefilled together, the
+    second half joining two steps later (in chunks, beside the others' decode tokens); every
+    step is one flat forward over all running sequences."""
+    ref, model = pair
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(4, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    new_tokens = [4 + (i * 5) % 8 for i in range(len(prompts))]
+    expected = []
+    for p, n in zip(prompts, new_tokens):
+        out = ref.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        expected.append(out[0, len(p) :].tolist())
+
+    states = [model.new_state() for _ in prompts]
+    generated: list[list[int]] = [[] for _ in prompts]
+    todo = {i: list(p) for i, p in enumerate(prompts)}  # prompt tokens not yet fed
+    half = len(prompts) // 2
+    for step in range(40):
+        work = []  # (sequence, tokens fed this step)
+        for i in range(len(prompts)):
+            if i >= half and step < 2 or len(generated[i]) == new_tokens[i]:
+                continue
+            if todo[i]:
+                take = todo[i] if i < half else todo[i][:7]  # late joiners: chunks of 7
+                todo[i] = todo[i][len(take) :]
+                work.append((i, take))
+            else:
+                work.append((i, [generated[i][-1]]))
+        if not work:
+            break
+        ids = torch.tensor([t for _, toks in work for t in toks])
+        hidden = model(ids, [len(toks) for _, toks in work], [states[i] for i, _ in work])
+        last_rows = torch.cumsum(torch.tensor([len(toks) for _, toks in work]), 0) - 1
+        next_ids = model.compute_logits(hidden[last_rows]).argmax(-1).tolist()
+        for (i, _), tok in zip(work, next_ids):
+            if not todo[i]:  # the whole prompt is in: this token is sampled
+                generated[i].append(tok)
+    assert generated == expected
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_v4"), arch="deepseek_v4", seed=0)
+
+
+def test_tiny_model_loads_in_transformers_and_pdserve(tiny):
+    ref, info = transformers.AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32, output_loading_info=True)
+    assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
+    assert info["mismatched_keys"] == set() and info["error_msgs"] == []
+    assert type(ref).__name__ == "DeepseekV4ForCausalLM"
+    c = ref.config
+    assert set(c.layer_types) == {SLIDING, CSA, HCA} and set(c.mlp_layer_types) == {"hash_moe", "moe"}
+    assert c.hc_mult > 1 and c.sliding_window == 8 and c.compress_rates == {CSA: 4, HCA: 16}
+    model = load_v4_model(tiny, dtype=torch.float32)
+    ids = torch.arange(4, 60)
+    with torch.no_grad():
+        expected = ref.eval()(ids[None]).logits[0]
+    assert _rel(_run(model, [ids.tolist()], model.new_state()), expected) < 1e-4
+    tok = transformers.AutoTokenizer.from_pretrained(tiny)
+    prompt = tok("The capital of France is", return_tensors="pt")
+    out = ref.generate(**prompt, max_new_tokens=16, do_sample=False)
+    assert len(set(out[0, prompt.input_ids.shape[1] :].tolist())) > 2
+
+
+def test_tiny_model_is_deterministic(tmp_path):
+    a = make_tiny_model(tmp_path / "a", arch="deepseek_v4", seed=3)
+    b = make_tiny_model(tmp_path / "b", arch="deepseek_v4", seed=3)
+    for name in ("config.json", "model.safetensors"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
