@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-# Names the workers export (pdserve/server/metrics.py).
+# Names the workers export (pdserve/worker/metrics.py).
 DECODE_STEP = "pdserve_decode_step_seconds"  # histogram
 PREFILL_STEP = "pdserve_prefill_step_seconds"  # histogram
 DECODE_BATCH = "pdserve_decode_batch_size"  # histogram

@@ -35,7 +35,7 @@ class FakeFabric:
         self.engines.pop(engine_id, None)
 
 
-# connectors made without an explicit fabric meet here (the factory builds them that way)
+# connectors made without an explicit fabric meet here
 DEFAULT_FABRIC = FakeFabric()
 
 
