@@ -1,15 +1,19 @@
 """What a worker's KV pool looks like from outside, and the byte ranges a request's blocks occupy.
 
 The pool (pdserve.model.kv_cache.KVCache) is a few layer-major regions, each one tensor
-`[L, N, bs, dim]`. Block b of layer l of a region is the contiguous byte range
+`[Lr, N, rpb, dim]` over the Lr model layers it serves (`layers`), all paged by the same token
+blocks. What a block holds is the region's spec, not the model type: `records_per_block` records
+of `record_bytes` each, a record covering `tokens_per_record` tokens (1: per token; m: one
+compressed entry per m tokens; 0: one record per block, per-sequence state in a sequence's first
+block). Block b of region layer l is the contiguous byte range
 
-    base + (l * N + b) * block_bytes,   block_bytes = bs * dim * itemsize
+    base + (l * N + b) * block_bytes,   block_bytes = rpb * record_bytes
 
 so a request's transfer is one descriptor per (region, layer, run of consecutive block ids).
 Runs are merged only where both sides are consecutive: prefill blocks [4, 5, 6] read into decode
 blocks [9, 10, 11] are one descriptor per layer, into [9, 11, 12] they are two.
 
-Legend: L layers, N blocks in the pool, bs tokens per block, R regions.
+Legend: Lr layers of a region, N blocks in the pool, bs tokens per block, rpb records per block.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from pydantic import BaseModel, ConfigDict
 
 from pdserve.model.kv_cache import KVCache
 
-KV_LAYOUT_VERSION = 1
+KV_LAYOUT_VERSION = 2
 
 # (address, length in bytes, device id): NIXL's transfer descriptor
 Descriptor = tuple[int, int, int]
@@ -32,12 +36,16 @@ class KVRegionLayout(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     name: str
-    num_layers: int
+    num_layers: int  # Lr: len(layers)
+    layers: list[int]  # the model layers this region serves, in region-row order
     num_blocks: int
     block_size: int  # tokens per block
-    dim: int  # values per token per layer
-    dtype: str  # torch dtype name, e.g. "bfloat16"
-    bytes: int  # whole region: L * N * bs * dim * itemsize
+    tokens_per_record: int  # 1: per token, m: per m tokens (compressed), 0: one record per block
+    records_per_block: int
+    dim: int  # values per record
+    dtype: str  # torch dtype name of the values, e.g. "bfloat16"
+    record_bytes: int  # the record's byte format: dim values of dtype
+    bytes: int  # whole region: Lr * N * rpb * record_bytes
 
     @property
     def block_bytes(self) -> int:
@@ -57,15 +65,20 @@ class KVLayout(BaseModel):
     def from_kv_cache(cls, kv: KVCache) -> "KVLayout":
         regions = []
         for name, t in kv.regions.items():
-            num_layers, num_blocks, block_size, dim = t.shape
+            num_layers, num_blocks, rpb, dim = t.shape
+            spec = kv.specs[name]
             regions.append(
                 KVRegionLayout(
                     name=name,
                     num_layers=num_layers,
+                    layers=list(spec.layer_ids(kv.num_layers)),
                     num_blocks=num_blocks,
-                    block_size=block_size,
+                    block_size=kv.block_size,
+                    tokens_per_record=spec.tokens_per_record,
+                    records_per_block=rpb,
                     dim=dim,
                     dtype=str(t.dtype).removeprefix("torch."),
+                    record_bytes=dim * t.element_size(),
                     bytes=t.numel() * t.element_size(),
                 )
             )
