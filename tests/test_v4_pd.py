@@ -58,7 +58,17 @@ def test_pd_hand_off_continues_exactly(tiny, prompts, colocated, chunked):
     kw = dict(kv_block_size=4, max_num_batched_tokens=10) if chunked else {}
     final, prefill, decode, conn = _pd(tiny, prompts, kw, dict(kw, num_kv_blocks=300))
     assert [final[str(i)].outputs[0].token_ids for i in range(len(prompts))] == colocated
-    assert conn.stats.bytes_transferred > 0
+    # what moved is what the layout says a later step reads: every entry and indexer key, the window's
+    # last W-1 positions, the state in the first block; never the window blocks behind the window
+    want = [conn.layout.request_bytes(len(p)) for p in prompts]
+    assert conn.stats.bytes_transferred == sum(sum(w.values()) for w in want)
+    win, W = conn.layout.regions[0], decode.runner.model.config.v4.sliding_window
+    assert win.name == "window" and win.last_tokens == W - 1
+    per_block = win.block_bytes * win.num_layers
+    blocks = [-(-len(p) // win.block_size) for p in prompts]
+    assert [w["window"] for w in want] == [(b - max(0, len(p) - W + 1) // win.block_size) * per_block for p, b in zip(prompts, blocks)]
+    assert sum(w["window"] for w in want) < sum(blocks) * per_block  # blocks behind the window stayed
+    assert [w["hca_state"] for w in want] == [conn.kv.regions["hca_state"][:, 0].numel() * 4] * len(prompts)
     assert prefill.get_stats().kv_blocks_used == 0 and not prefill.has_held_kv()
     assert decode.get_stats().kv_blocks_used == 0
 

@@ -14,6 +14,8 @@ What a block's records hold is the region's `KVRegionSpec`:
                           m must divide bs or bs divide m
   tokens_per_record = 0   one record per block (PER_BLOCK): per-sequence state kept in the
                           sequence's first block (block_table[0])
+  last_tokens = K         (per-token regions) only the last K positions' records are ever read
+                          again: a sliding window; a transfer moves only the blocks holding them
 
 Records (float32 / bf16 values; the record's byte format is the spec's `dim` x the pool dtype):
   DeepSeek-V3/V3.2: latent (kv_lora_rank + qk_rope_head_dim = 576 values per token) and, for
@@ -36,6 +38,7 @@ class KVRegionSpec:
     dim: int  # values per record
     layers: tuple[int, ...] | None = None  # model layers with this region (None: all of them)
     tokens_per_record: int = 1  # 1: per token; m: per m tokens; PER_BLOCK (0): one per block
+    last_tokens: int | None = None  # a later step reads only the records of the last this many tokens
 
     def layer_ids(self, num_layers: int) -> tuple[int, ...]:
         return tuple(range(num_layers)) if self.layers is None else self.layers

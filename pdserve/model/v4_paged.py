@@ -52,7 +52,7 @@ def v4_kv_specs(config: ModelConfig) -> list[KVRegionSpec]:
     v4, D, Di = config.v4, config.v4.head_dim, config.index_head_dim
     csa = tuple(i for i, t in enumerate(v4.layer_types) if t == CSA)
     hca = tuple(i for i, t in enumerate(v4.layer_types) if t == HCA)
-    specs = [KVRegionSpec("window", D)]
+    specs = [KVRegionSpec("window", D, last_tokens=v4.sliding_window - 1)]
     if csa:
         mc = v4.csa_rate
         specs += [
@@ -171,3 +171,13 @@ class PagedDeepseekV4(nn.Module):
             flat[kv.slots(name, table, e0, e1).to(flat.device)] = st.entries[e0:e1]
         if state_name in kv.specs:
             kv.layer(state_name, layer)[int(table[0])] = _pack(st, spec.dim, m, overlap)
+
+
+def region_bytes(config: ModelConfig, block_size: int, itemsize: int) -> dict[str, dict[str, int]]:
+    """Per region of the V4 pool: "block" (bytes of one block over the region's layers) and
+    "record" (bytes of one record of one layer) at `itemsize` bytes per value."""
+    out = {}
+    for s in v4_kv_specs(config):
+        layers = len(s.layer_ids(config.num_hidden_layers))
+        out[s.name] = {"record": s.dim * itemsize, "block": layers * s.records_per_block(block_size) * s.dim * itemsize}
+    return out
