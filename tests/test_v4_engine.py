@@ -14,7 +14,10 @@ import torch
 import transformers
 
 from pdserve.disagg.layout import KVLayout
+from pdserve.model.config import ModelConfig
 from pdserve.model.config_v4 import CSA, HCA
+from pdserve.model.kv_cache import KVCache
+from pdserve.model.v4_paged import v4_kv_specs
 from helpers_v4 import NEW_TOKENS, PROMPT_LENS, engine, requests, run
 from pdserve.tiny_model import make_tiny_model
 
@@ -103,3 +106,29 @@ def test_layout_describes_every_cache_kind(tiny):
         assert eng.kv_cache.regions[r.name].shape == (r.num_layers, 10, r.records_per_block, r.dim)
     with pytest.raises(ValueError, match="tokens per record does not fit blocks of 12"):
         engine(tiny, kv_block_size=12)
+
+
+def test_v4_flash_bytes_by_kind():
+    """The numbers README's V4 section quotes: V4-Flash's released config, bf16, blocks of 128."""
+    c = ModelConfig.from_dict({
+        "model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"], "num_hidden_layers": 43,
+        "compress_ratios": [0, 0] + [4, 128] * 20 + [4], "qk_rope_head_dim": 64,
+    })  # fmt: skip
+    layout = KVLayout.from_kv_cache(KVCache(v4_kv_specs(c), 43, 1, 128, torch.bfloat16, "meta"))
+    per_block = {r.name: r.block_bytes * r.num_layers for r in layout.regions}
+    assert per_block == {
+        "window": 5_636_096, "csa_kv": 688_128, "csa_index_k": 172_032, "csa_state": 430_080,
+        "csa_index_state": 107_520, "hca_kv": 20_480, "hca_state": 5_201_920,
+    }  # fmt: skip
+    assert sum(per_block.values()) == 12_256_256
+    assert [r.record_bytes for r in layout.regions] == [1024, 1024, 256, 20_480, 5_120, 1024, 260_096]
+    for n, total in ((256, 13_136_896), (8192, 67_736_576), (65536, 462_263_296)):
+        moved = layout.request_bytes(n)
+        assert sum(moved.values()) == total
+        assert moved["csa_kv"] + moved["csa_index_k"] + moved["hca_kv"] == n * (21 * 320 + 20 * 8)  # cache_bytes' 6,880 B/token
+        assert moved["window"] == 5_636_096 and moved["hca_state"] + moved["csa_state"] + moved["csa_index_state"] == 5_739_520
+
+
+def test_v4_refuses_tensor_parallel(tiny):
+    with pytest.raises(ValueError, match="tensor_parallel_size 1 only"):
+        engine(tiny, tensor_parallel_size=2)
