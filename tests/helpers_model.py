@@ -42,9 +42,10 @@ class PagedHarness:
     def step(self, work: list[tuple[Seq, list[int]]]) -> list[torch.Tensor]:
         """One forward over new tokens of several sequences (flat batch). Returns logits
         [len(new), V] per sequence, for every new token."""
-        ids, pos, slot_map, ctx_rows = [], [], [], []
+        ids, pos, slot_map, ctx_rows, starts = [], [], [], [], []
         for seq, new in work:
             start, end = len(seq.tokens), len(seq.tokens) + len(new)
+            starts.append(start)
             slots = self._slots(seq, end)
             ids += new
             pos += range(start, end)
@@ -56,12 +57,16 @@ class PagedHarness:
         for i, r in enumerate(ctx_rows):
             ctx[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
         T = len(ids)
+        nb = max(len(s.blocks) for s, _ in work)
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64),
             positions=torch.tensor(pos, dtype=torch.int64),
             slot_mapping=torch.tensor(slot_map, dtype=torch.int64),
             context_slots=ctx,
             logits_indices=torch.arange(T, dtype=torch.int64),
+            starts=torch.tensor(starts, dtype=torch.int64),
+            lens=torch.tensor([len(new) for _, new in work], dtype=torch.int64),
+            block_tables=torch.tensor([s.blocks + [0] * (nb - len(s.blocks)) for s, _ in work], dtype=torch.int64),
         )
         hidden = self.model(batch, self.kv)
         logits = self.model.compute_logits(hidden[batch.logits_indices])

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from pdserve.disagg.base import KVHandle, PeerMetadata, TransferError, TransferStage
 from pdserve.disagg.lease_table import DEFAULT_LEASE_S, release_message
+from pdserve.disagg.layout import Runs
 from pdserve.disagg.leasing_connector import LeasingConnector
 from pdserve.model.kv_cache import KVCache
 
@@ -43,6 +44,7 @@ DEFAULT_FABRIC = FakeFabric()
 class _Load:
     handle: KVHandle
     local_block_ids: list[int]
+    runs: Runs  # per region: (remote start, local start, count), as NIXL would read them
     num_descs: int  # what the NIXL connector would post: one per (region, layer, run)
     started: float  # monotonic
     deadline: float  # monotonic
@@ -98,10 +100,10 @@ class FakeConnector(LeasingConnector):
             self._fail_now(handle.request_id, TransferStage.HANDSHAKE, f"engine {handle.engine_id} is not reachable")
         return remote, remote.layout.num_blocks
 
-    def _post(self, handle: KVHandle, remote: FakeConnector, local_block_ids: list[int], runs: list[tuple[int, int, int]]) -> _Load:
+    def _post(self, handle: KVHandle, remote: FakeConnector, local_block_ids: list[int], runs: Runs) -> _Load:
         now = time.monotonic()
-        num_descs = len(runs) * sum(r.num_layers for r in self.layout.regions)
-        return _Load(handle, local_block_ids, num_descs, now, now + self.transfer_timeout_s)
+        num_descs = sum(len(runs[r.name]) * r.num_layers for r in self.layout.regions)
+        return _Load(handle, local_block_ids, runs, num_descs, now, now + self.transfer_timeout_s)
 
     def poll_loads(self) -> tuple[list[str], list[TransferError]]:
         done = []
@@ -139,11 +141,14 @@ class FakeConnector(LeasingConnector):
 
     # -- helpers --
     def _copy(self, peer: FakeConnector, load: _Load) -> int:
-        # src/dst: [L, N, bs, dim] per region; index the block axis on both sides
-        src_ids, dst_ids = load.handle.block_ids, load.local_block_ids
-        for name, dst in self.kv.regions.items():
-            dst[:, dst_ids] = peer.kv.regions[name][:, src_ids].to(dst.device)
-        return len(dst_ids) * sum(r.block_bytes * r.num_layers for r in self.layout.regions)
+        # src/dst: [Lr, N, rpb, dim] per region; each run is a slice of the block axis on both sides
+        nbytes = 0
+        for r in self.layout.regions:
+            src, dst = peer.kv.regions[r.name], self.kv.regions[r.name]
+            for s, d, n in load.runs[r.name]:
+                dst[:, d : d + n] = src[:, s : s + n].to(dst.device)
+                nbytes += n * r.block_bytes * r.num_layers
+        return nbytes
 
     def _notify(self, engine_id: str, rid: str) -> None:
         peer = self.fabric.engines.get(engine_id)

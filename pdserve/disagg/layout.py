@@ -1,15 +1,21 @@
 """What a worker's KV pool looks like from outside, and the byte ranges a request's blocks occupy.
 
 The pool (pdserve.model.kv_cache.KVCache) is a few layer-major regions, each one tensor
-`[L, N, bs, dim]`. Block b of layer l of a region is the contiguous byte range
+`[Lr, N, rpb, dim]` over the Lr model layers it serves (`layers`), all paged by the same token
+blocks. What a block holds is the region's spec, not the model type: `records_per_block` records
+of `record_bytes` each, a record covering `tokens_per_record` tokens (1: per token; m: one
+compressed entry per m tokens; 0: one record per block, per-sequence state in a sequence's first
+block). Block b of region layer l is the contiguous byte range
 
-    base + (l * N + b) * block_bytes,   block_bytes = bs * dim * itemsize
+    base + (l * N + b) * block_bytes,   block_bytes = rpb * record_bytes
 
-so a request's transfer is one descriptor per (region, layer, run of consecutive block ids).
+so a request's transfer is one descriptor per (region, layer, run of consecutive block ids), over
+the blocks of the request that a later step reads in that region (`needed_blocks`: every block;
+the first one for per-block state; the blocks of the last `last_tokens` positions for a window).
 Runs are merged only where both sides are consecutive: prefill blocks [4, 5, 6] read into decode
 blocks [9, 10, 11] are one descriptor per layer, into [9, 11, 12] they are two.
 
-Legend: L layers, N blocks in the pool, bs tokens per block, R regions.
+Legend: Lr layers of a region, N blocks in the pool, bs tokens per block, rpb records per block.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from pydantic import BaseModel, ConfigDict
 
 from pdserve.model.kv_cache import KVCache
 
-KV_LAYOUT_VERSION = 1
+KV_LAYOUT_VERSION = 2
 
 # (address, length in bytes, device id): NIXL's transfer descriptor
 Descriptor = tuple[int, int, int]
@@ -32,12 +38,26 @@ class KVRegionLayout(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     name: str
-    num_layers: int
+    num_layers: int  # Lr: len(layers)
+    layers: list[int]  # the model layers this region serves, in region-row order
     num_blocks: int
     block_size: int  # tokens per block
-    dim: int  # values per token per layer
-    dtype: str  # torch dtype name, e.g. "bfloat16"
-    bytes: int  # whole region: L * N * bs * dim * itemsize
+    tokens_per_record: int  # 1: per token, m: per m tokens (compressed), 0: one record per block
+    records_per_block: int
+    dim: int  # values per record
+    dtype: str  # torch dtype name of the values, e.g. "bfloat16"
+    record_bytes: int  # the record's byte format: dim values of dtype
+    last_tokens: int | None = None  # only the last this many positions' records are read (sliding window)
+    bytes: int  # whole region: Lr * N * rpb * record_bytes
+
+    def needed_blocks(self, num_blocks: int, num_tokens: int) -> range:
+        """Indices into a sequence's block list (num_blocks blocks, num_tokens tokens) whose
+        records of this region a later step of the sequence reads."""
+        if self.tokens_per_record == 0:  # per-sequence state: in the first block
+            return range(min(1, num_blocks))
+        if self.last_tokens is not None:
+            return range(min(num_blocks, max(0, num_tokens - self.last_tokens) // self.block_size), num_blocks)
+        return range(num_blocks)
 
     @property
     def block_bytes(self) -> int:
@@ -57,15 +77,21 @@ class KVLayout(BaseModel):
     def from_kv_cache(cls, kv: KVCache) -> "KVLayout":
         regions = []
         for name, t in kv.regions.items():
-            num_layers, num_blocks, block_size, dim = t.shape
+            num_layers, num_blocks, rpb, dim = t.shape
+            spec = kv.specs[name]
             regions.append(
                 KVRegionLayout(
                     name=name,
                     num_layers=num_layers,
+                    layers=list(spec.layer_ids(kv.num_layers)),
                     num_blocks=num_blocks,
-                    block_size=block_size,
+                    block_size=kv.block_size,
+                    tokens_per_record=spec.tokens_per_record,
+                    records_per_block=rpb,
                     dim=dim,
                     dtype=str(t.dtype).removeprefix("torch."),
+                    record_bytes=dim * t.element_size(),
+                    last_tokens=spec.last_tokens,
                     bytes=t.numel() * t.element_size(),
                 )
             )
@@ -74,6 +100,11 @@ class KVLayout(BaseModel):
     @property
     def num_blocks(self) -> int:
         return self.regions[0].num_blocks if self.regions else 0
+
+    def request_bytes(self, num_tokens: int) -> dict[str, int]:
+        """Bytes a transfer of a num_tokens-token request moves, per region."""
+        nb = -(-num_tokens // self.regions[0].block_size) if self.regions else 0
+        return {r.name: len(r.needed_blocks(nb, num_tokens)) * r.block_bytes * r.num_layers for r in self.regions}
 
     def record_signature(self) -> list[dict]:
         """What two workers must share to exchange blocks: everything but the pool size."""
@@ -112,6 +143,20 @@ def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, i
     return runs
 
 
+Runs = dict[str, list[tuple[int, int, int]]]  # region name -> (src_start, dst_start, count) runs
+
+
+def region_runs(layout: KVLayout, src_ids: list[int], dst_ids: list[int], num_tokens: int) -> Runs:
+    """block_runs of each region over the blocks a later step reads there (see needed_blocks)."""
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
+    out = {}
+    for r in layout.regions:
+        idx = r.needed_blocks(len(src_ids), num_tokens)
+        out[r.name] = block_runs([src_ids[i] for i in idx], [dst_ids[i] for i in idx])
+    return out
+
+
 def check_block_ids(block_ids: list[int], num_blocks: int, side: str) -> None:
     bad = [b for b in block_ids if not 0 <= b < num_blocks]
     if bad:
@@ -119,18 +164,20 @@ def check_block_ids(block_ids: list[int], num_blocks: int, side: str) -> None:
 
 
 def build_descriptors(
-    layout: KVLayout, base_addrs: dict[str, int], dev_id: int, runs: list[tuple[int, int, int]], side: int
+    layout: KVLayout, base_addrs: dict[str, int], dev_id: int, runs: Runs | list[tuple[int, int, int]], side: int
 ) -> list[Descriptor]:
     """One descriptor per (region, layer, run), in that order, for one side of a transfer.
 
-    side: 0 for the run's source block ids (the prefill pool), 1 for its destination (decode).
-    Both sides built from the same runs have equal lengths entry by entry."""
+    runs: per region (region_runs), or one list for every region. side: 0 for the run's source
+    block ids (the prefill pool), 1 for its destination (decode). Both sides built from the same
+    runs have equal lengths entry by entry."""
     descs: list[Descriptor] = []
     for r in layout.regions:
         base, bb = base_addrs[r.name], r.block_bytes
+        mine = runs[r.name] if isinstance(runs, dict) else runs
         for layer in range(r.num_layers):
             layer_base = base + layer * r.num_blocks * bb
-            for run in runs:
+            for run in mine:
                 descs.append((layer_base + run[side] * bb, run[2] * bb, dev_id))
     return descs
 

@@ -7,6 +7,7 @@ messages, so both derive from LeasingConnector and fill in three hooks:
     _registered(kv_cache)              the pool is known: register it with the transport
     _connect(handle, peer) -> remote   the prefill engine the handle names, ready to read from
     _post(handle, remote, local_block_ids, runs) -> load    start the read; kept in self._loads
+                                       (runs: per region, over the blocks that region needs)
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any, NoReturn
 
 from pdserve import __version__
 from pdserve.disagg.base import KVConnector, KVHandle, PeerMetadata, TransferError, TransferStage
-from pdserve.disagg.layout import KVLayout, block_runs, check_block_ids, compat_hash
+from pdserve.disagg.layout import KVLayout, Runs, check_block_ids, compat_hash, region_runs
 from pdserve.disagg.lease_table import LeaseTable, parse_release
 from pdserve.disagg.stats import TransferStats
 from pdserve.model.kv_cache import KVCache
@@ -109,7 +110,7 @@ class LeasingConnector(KVConnector):
         try:
             check_block_ids(handle.block_ids, remote_blocks, "prefill")
             check_block_ids(local_block_ids, self.layout.num_blocks, "decode")
-            runs = block_runs(handle.block_ids, local_block_ids)
+            runs = region_runs(self.layout, handle.block_ids, local_block_ids, handle.num_tokens)
         except ValueError as e:
             self._fail_now(rid, TransferStage.PENDING, str(e))
         self._loads[rid] = self._post(handle, remote, list(local_block_ids), runs)
@@ -124,8 +125,8 @@ class LeasingConnector(KVConnector):
         """(the remote engine, its pool's block count); raises TransferError (HANDSHAKE)."""
 
     @abstractmethod
-    def _post(self, handle: KVHandle, remote: Any, local_block_ids: list[int], runs: list[tuple[int, int, int]]) -> Any:
-        """Start reading `runs` (remote start, local start, length) from remote; the load record."""
+    def _post(self, handle: KVHandle, remote: Any, local_block_ids: list[int], runs: Runs) -> Any:
+        """Start reading `runs` (per region: remote start, local start, length) from remote; the load record."""
 
     # -- helpers --
     def _mismatch(self, engine_id: str, theirs: str) -> str:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pdserve.disagg.base import KVHandle, PeerMetadata, TransferError, TransferStage
-from pdserve.disagg.layout import KVLayout, build_descriptors, device_id, region_addrs
+from pdserve.disagg.layout import KVLayout, Runs, build_descriptors, device_id, region_addrs
 from pdserve.disagg.lease_table import DEFAULT_LEASE_S, release_message
 from pdserve.disagg.leasing_connector import LeasingConnector
 from pdserve.model.kv_cache import KVCache
@@ -195,10 +195,10 @@ class NixlConnector(LeasingConnector):
         peer_ = self._peers[handle.engine_id]
         return peer_, peer_.info.layout.num_blocks
 
-    def _post(self, handle: KVHandle, peer: _Peer, local_block_ids: list[int], runs: list[tuple[int, int, int]]) -> _Load:
+    def _post(self, handle: KVHandle, peer: _Peer, local_block_ids: list[int], runs: Runs) -> _Load:
         """Build both descriptor lists and post the READ; NIXL sends the release notif when it is done."""
         rid, info = handle.request_id, peer.info
-        if not runs:  # nothing to read: let prefill free its lease now
+        if not any(runs.values()):  # nothing to read: let prefill free its lease now
             self._notify(peer.agent_name, rid)
             load = _Load(handle, peer.agent_name, None, time.monotonic(), 0.0, 0, 0)
             load.finish()

@@ -62,9 +62,7 @@ class ModelRunner:
             torch.set_num_threads(config.cpu_threads)
         self.dtype = getattr(torch, config.resolved_dtype())
         if model is None:
-            from pdserve.model.loader import load_model
-
-            model = load_model(config.model, self.dtype, self.device, progress=self.tp.is_driver, tp=self.tp)
+            model = _load(config, self.dtype, self.device, self.tp)
         self.model = model
         self.block_size = config.kv_block_size
         max_pos = model.config.max_position_embeddings
@@ -187,6 +185,20 @@ class ModelRunner:
         self.tp.destroy()
 
 
+def _load(config: EngineConfig, dtype: torch.dtype, device: torch.device, tp: TPGroup) -> torch.nn.Module:
+    """The checkpoint in config.model, as a model with the DeepseekForCausalLM interface."""
+    from pdserve.model.config import ModelConfig
+
+    if ModelConfig.from_model_dir(config.model).v4 is None:
+        from pdserve.model.loader import load_model
+
+        return load_model(config.model, dtype, device, progress=tp.is_driver, tp=tp)
+    from pdserve.model.v4_loader import load_v4_model
+    from pdserve.model.v4_paged import PagedDeepseekV4
+
+    return PagedDeepseekV4(load_v4_model(config.model, dtype, device))
+
+
 def _check_shardable(config: EngineConfig) -> None:
     """Fail before starting processes if the model's dims do not split into tensor_parallel_size
     (builds rank 0's shards on the meta device: the same checks the real build makes)."""
@@ -194,6 +206,8 @@ def _check_shardable(config: EngineConfig) -> None:
     from pdserve.model.deepseek import DeepseekForCausalLM
 
     model_config = ModelConfig.from_model_dir(config.model)
+    if model_config.v4 is not None:
+        raise ValueError("DeepSeek-V4 runs with tensor_parallel_size 1 only (its layers are not sharded yet)")
     with torch.device("meta"):
         DeepseekForCausalLM(model_config, TPGroup(rank=0, size=config.tensor_parallel_size))
     if config.device.startswith("cuda"):

@@ -35,6 +35,9 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [T] int64, slot each token's KV record is written to
     context_slots: torch.Tensor  # [T, C] int32, slots of positions 0..pos (own included), -1 padded
     logits_indices: torch.Tensor  # [N] int64, rows of the hidden states to compute logits for
+    starts: torch.Tensor  # [B] int64, tokens of each sequence already in the cache
+    lens: torch.Tensor  # [B] int64, new tokens of each sequence (its rows, in order)
+    block_tables: torch.Tensor  # [B, W] int64, zero padded (DeepSeek-V4 pages its state by these)
 
     @classmethod
     def build(cls, step: StepInputs, block_size: int) -> "ForwardBatch":
@@ -55,6 +58,9 @@ class ForwardBatch:
             slot_mapping=seq_slots[seq_idx, positions],
             context_slots=context.to(torch.int32),
             logits_indices=last_rows[step.samples],
+            starts=starts,
+            lens=lens,
+            block_tables=tables,
         )
 
     @property

@@ -55,7 +55,7 @@ def load_model(
     if config.v4 is not None:
         raise CheckpointError(
             f"{model_dir} is a deepseek_v4 checkpoint: load it with pdserve.model.v4_loader.load_v4_model "
-            "(the serving engine does not run DeepSeek-V4 yet)"
+            "(the engine does so: ModelRunner pages it with model/v4_paged.py)"
         )
     files = weight_files(model_dir)
     with torch.device("meta"):
