@@ -38,16 +38,28 @@ LOG2E = 1.4426950408889634
 def _tile(
     acc, m_i, l_i, q_a, q_b, k_rows, kr_rows, v_rows, start_n, offs_m_pos, key_end,
     s_kn, s_krn, s_vn, offs_a, offs_b, offs_v, a_ok, b_ok, v_ok, scale_log2,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, FP32_DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, FP32_DOT: tl.constexpr, EVEN: tl.constexpr,
 ):
     """One key tile: scores, online-softmax update, p @ v. MASKED applies the causal mask
-    (key j visible to the query at position p when j <= p) and the sequence's key bound."""
+    (key j visible to the query at position p when j <= p) and the sequence's key bound; EVEN
+    (head dims equal to their power-of-two tiles) lets the unmasked tiles load without masks."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_ok = offs_n < key_end
-    ld_ok = n_ok[:, None] if MASKED else tl.full([BLOCK_N, 1], 1, tl.int1)
-    k_a = tl.load(k_rows + offs_n[:, None] * s_kn + offs_a[None, :], mask=ld_ok & a_ok[None, :], other=0.0)
-    k_b = tl.load(kr_rows + offs_n[:, None] * s_krn + offs_b[None, :], mask=ld_ok & b_ok[None, :], other=0.0)
-    v = tl.load(v_rows + offs_n[:, None] * s_vn + offs_v[None, :], mask=ld_ok & v_ok[None, :], other=0.0)
+    k_a_ptrs = k_rows + offs_n[:, None] * s_kn + offs_a[None, :]
+    k_b_ptrs = kr_rows + offs_n[:, None] * s_krn + offs_b[None, :]
+    v_ptrs = v_rows + offs_n[:, None] * s_vn + offs_v[None, :]
+    if MASKED:
+        k_a = tl.load(k_a_ptrs, mask=n_ok[:, None] & a_ok[None, :], other=0.0)
+        k_b = tl.load(k_b_ptrs, mask=n_ok[:, None] & b_ok[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=n_ok[:, None] & v_ok[None, :], other=0.0)
+    elif EVEN:
+        k_a = tl.load(k_a_ptrs)
+        k_b = tl.load(k_b_ptrs)
+        v = tl.load(v_ptrs)
+    else:
+        k_a = tl.load(k_a_ptrs, mask=a_ok[None, :], other=0.0)
+        k_b = tl.load(k_b_ptrs, mask=b_ok[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=v_ok[None, :], other=0.0)
     if FP32_DOT:
         s = tl.dot(q_a, tl.trans(k_a), input_precision="ieee")
         s += tl.dot(q_b, tl.trans(k_b), input_precision="ieee")
@@ -79,7 +91,8 @@ def _mla_prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr,
     INTERPRET: tl.constexpr, TILES_C: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest (last) query tiles start first
+    EVEN: tl.constexpr = (D_A == BLOCK_A) & (D_B == BLOCK_B) & (D_V == BLOCK_V)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2)
     q_start = tl.load(cu_q_ptr + b).to(tl.int64)
@@ -114,20 +127,20 @@ def _mla_prefill_kernel(
                 if i < n_full:
                     acc, m_i, l_i = _tile(acc, m_i, l_i, q_a, q_b, k_rows, kr_rows, v_rows, i * BLOCK_N,
                                           pos, key_end, s_kn, s_krn, s_vn, offs_a, offs_b, offs_v,
-                                          a_ok, b_ok, v_ok, scale_log2, BLOCK_N, False, FP32_DOT)
+                                          a_ok, b_ok, v_ok, scale_log2, BLOCK_N, False, FP32_DOT, EVEN)
                 elif i < n_end:
                     acc, m_i, l_i = _tile(acc, m_i, l_i, q_a, q_b, k_rows, kr_rows, v_rows, i * BLOCK_N,
                                           pos, key_end, s_kn, s_krn, s_vn, offs_a, offs_b, offs_v,
-                                          a_ok, b_ok, v_ok, scale_log2, BLOCK_N, True, FP32_DOT)
+                                          a_ok, b_ok, v_ok, scale_log2, BLOCK_N, True, FP32_DOT, EVEN)
         else:
             for i in range(0, n_full):
                 acc, m_i, l_i = _tile(acc, m_i, l_i, q_a, q_b, k_rows, kr_rows, v_rows, i * BLOCK_N,
                                       pos, key_end, s_kn, s_krn, s_vn, offs_a, offs_b, offs_v,
-                                      a_ok, b_ok, v_ok, scale_log2, BLOCK_N, False, FP32_DOT)
+                                      a_ok, b_ok, v_ok, scale_log2, BLOCK_N, False, FP32_DOT, EVEN)
             for i in range(n_full, n_end):
                 acc, m_i, l_i = _tile(acc, m_i, l_i, q_a, q_b, k_rows, kr_rows, v_rows, i * BLOCK_N,
                                       pos, key_end, s_kn, s_krn, s_vn, offs_a, offs_b, offs_v,
-                                      a_ok, b_ok, v_ok, scale_log2, BLOCK_N, True, FP32_DOT)
+                                      a_ok, b_ok, v_ok, scale_log2, BLOCK_N, True, FP32_DOT, EVEN)
 
         m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
         lse2 = m_safe + tl.log2(l_i)
