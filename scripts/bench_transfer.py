@@ -248,12 +248,12 @@ def drive(args: argparse.Namespace) -> None:
                 rows += json.load(f)
             os.remove(out)
             print(f"{setting} {layout}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+            if args.json:  # after every pair: a run cut short keeps what it measured
+                meta = dict(device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+                            date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), args=vars(args))
+                with open(args.json, "w") as f:
+                    json.dump(dict(meta=meta, rows=rows), f, indent=1)
     print_table(rows, args)
-    if args.json:
-        meta = dict(device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-                    date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), args=vars(args))
-        with open(args.json, "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
 
 
 def run_one(args: argparse.Namespace, counts: list[int], per_block: int) -> list[dict]:
