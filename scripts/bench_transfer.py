@@ -95,7 +95,7 @@ def run_peer(args: argparse.Namespace) -> None:
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    replies.write(f"http://127.0.0.1:{server.server_address[1]}/metadata\n")
+    replies.write(f"URL http://127.0.0.1:{server.server_address[1]}/metadata\n")  # UCX may print to fd 1 too
     replies.flush()
     sys.stdin.read()  # until the decode side closes our stdin
     conn.shutdown()
@@ -271,7 +271,11 @@ def run_one(args: argparse.Namespace, counts: list[int], per_block: int) -> list
     rows = []
     layers_per_desc = 1 if args.layout == "block" else args.layers
     try:
-        url = peer.stdout.readline().strip()
+        url = ""
+        for line in peer.stdout:  # lines UCX itself printed come first, if any
+            if line.startswith("URL "):
+                url = line.split()[1]
+                break
         if not url:
             raise SystemExit(f"the prefill peer exited with {peer.wait()}")
         sys.stdout, console = sys.stderr, sys.stdout  # nixl logs to stdout; keep it for the table
