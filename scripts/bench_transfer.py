@@ -19,7 +19,7 @@ descriptor per run) as a one-layer pool of L*bs-token blocks: the same bytes per
 --settings runs the whole measurement once per UCX setting, each in fresh processes (UCX reads
 its variables once): `default` (no UCX variables), `zcopy` (UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y),
 `zcopy+moddir` (and UCX_MODULE_DIR = the NIXL wheel's UCX folder), `pdserve` (none set by hand:
-the connector's own GPU defaults). `dev copy` is one contiguous device copy of the same bytes.
+the connector's own GPU defaults); `default` runs the first size only, 2 reps (UCX uses tcp there). `dev copy` is one contiguous device copy of the same bytes.
 With --peer-device (e.g. --device cuda:0 --peer-device cuda:1) the prefill peer's pool is on that
 device: NIXL reads VRAM to VRAM across GPUs, and the reference copy is a peer-to-peer copy_.
 """
@@ -228,16 +228,17 @@ def drive(args: argparse.Namespace) -> None:
     from pdserve.disagg.nixl_connector import ucx_module_dir
 
     rows, base = [], {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
-    keep = ["--sizes", args.sizes, "--layers", str(args.layers), "--device", args.device,
+    keep = ["--layers", str(args.layers), "--device", args.device,
             "--threads", str(args.threads), "--mean-run", str(args.mean_run)]
     if args.peer_device:
         keep += ["--peer-device", args.peer_device]
     for setting in args.settings.split(","):
         env = dict(base, **{k: v or ucx_module_dir() or "" for k, v in SETTINGS[setting].items()})
         reps = min(args.reps, 2) if setting == "default" else args.reps  # tcp: slow, and known
+        sizes = args.sizes.split(",")[0] if setting == "default" else args.sizes
         for layout in args.layouts.split(","):
             out = f"/tmp/bench_transfer_{os.getpid()}_{setting}_{layout}.json"
-            cmd = [sys.executable, os.path.abspath(__file__), *keep, "--reps", str(reps),
+            cmd = [sys.executable, os.path.abspath(__file__), *keep, "--sizes", sizes, "--reps", str(reps),
                    "--setting", setting, "--layout", layout, "--rows-out", out]
             t0 = time.perf_counter()
             done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=900)
