@@ -129,7 +129,7 @@ MOE_FP4_FP32 = MoEConfig(16, 32, 32, 4, 2)  # float32 x (parity checks only)
 # sm_90 from the H200 sweep (docs/pd-gpu.md); sm_120 the largest that compiles under 99 KB
 # without spills (scripts/check_sm120_configs.py).
 PREFILL = {
-    90: PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
+    90: PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
     120: PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=2),
     CPU: PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1),
 }

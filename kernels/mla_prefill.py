@@ -151,6 +151,11 @@ def _mla_prefill_kernel(
         tl.store(lse_ptr + (q_start + offs_m) * H + h, lse2 * 0.6931471805599453, mask=m_ok)
 
 
+def _dot_dim(n: int) -> int:
+    """A head dim's tile: a power of two, and at least 16 (tl.dot's smallest K on a GPU)."""
+    return max(16, next_pow2(n))
+
+
 def mla_prefill_attention(
     q: torch.Tensor,  # [T, H, Dn + R], last dim contiguous
     k_nope: torch.Tensor,  # [S, H, Dn], last dim contiguous (a view of kv_b_proj's output is fine)
@@ -190,7 +195,7 @@ def mla_prefill_attention(
         q, k_nope, k_rope, v, out, lse, cu_seqlens_q, cu_seqlens_k, sm_scale * LOG2E, H,
         q.stride(0), q.stride(1), k_nope.stride(0), k_nope.stride(1), k_rope.stride(0),
         v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        D_A=Dn, D_B=R, D_V=Dv, BLOCK_A=next_pow2(Dn), BLOCK_B=next_pow2(R), BLOCK_V=next_pow2(Dv),
+        D_A=Dn, D_B=R, D_V=Dv, BLOCK_A=_dot_dim(Dn), BLOCK_B=_dot_dim(R), BLOCK_V=_dot_dim(Dv),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, FP32_DOT=q.dtype == torch.float32,
         INTERPRET=interp, TILES_C=tiles_c, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

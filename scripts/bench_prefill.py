@@ -39,7 +39,7 @@ VARIANTS = {  # (block_m, block_n, warps, stages)
 
 
 def ceilings() -> tuple[float, float]:
-    """bf16 matmul TFLOP/s (8192^3, random data) and copy TB/s (read + written)."""
+    """bf16 matmul TFLOP/s (8192^3, random data) and copy TB/s (read + written)."""  # ms: 1e9 B/ms = TB/s
     n = 8192
     a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     ms = do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median")
@@ -192,7 +192,7 @@ def main() -> None:
     a = ap.parse_args()
     torch.manual_seed(0)
     peak, copy = ceilings()
-    print(f"{torch.cuda.get_device_name(0)}: bf16 matmul {peak:.0f} TFLOP/s, copy {copy:.0f} GB/s", flush=True)
+    print(f"{torch.cuda.get_device_name(0)}: bf16 matmul {peak:.0f} TFLOP/s, copy {copy:.2f} TB/s", flush=True)
     checks, rows = [], []
     heads = [int(h) for h in a.heads.split(",")]
     for H in heads:
@@ -210,7 +210,7 @@ def main() -> None:
             print(f"| {r['T']} | {r['H']} | {r['variant']} | {r['ms']:.3f} | {r['floor_ms']:.3f} | {r['x_floor']:.2f} | {r['tflops']:.0f} |")
     if a.json:
         meta = dict(device=torch.cuda.get_device_name(0), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                    torch=torch.__version__, triton=triton.__version__, matmul_tflops=peak, copy_gbs=copy)
+                    torch=torch.__version__, triton=triton.__version__, matmul_tflops=peak, copy_tbs=copy)
         with open(a.json, "w") as f:
             json.dump(dict(meta=meta, checks=checks, rows=rows), f, indent=1)
 
