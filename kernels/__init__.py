@@ -1,4 +1,4 @@
-"""pdserve_kernels: Triton decode kernels for sparse MLA and fused MoE, with PyTorch references.
+"""pdserve_kernels: Triton kernels for MLA (sparse decode, dense prefill) and fused MoE, with PyTorch references.
 
 Every kernel has a reference in `ref.py` with the same signature; the engine picks one through
 `pdserve.model.ops`. The Triton kernels are imported on first use, so `import pdserve_kernels`
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 
-from pdserve_kernels.ref import fused_moe_ref, indexer_topk_ref, sparse_mla_decode_ref
+from pdserve_kernels.ref import fused_moe_ref, indexer_topk_ref, mla_prefill_attention_ref, sparse_mla_decode_ref
 
 _LAZY = {  # name -> module; fp8 / fp4 references and quantizers: pdserve_kernels.ref_fp8 / ref_fp4
     "sparse_mla_decode": "pdserve_kernels.sparse_mla",
@@ -18,9 +18,10 @@ _LAZY = {  # name -> module; fp8 / fp4 references and quantizers: pdserve_kernel
     "fused_moe_fp8": "pdserve_kernels.fused_moe_fp8",
     "fused_moe_fp4": "pdserve_kernels.fused_moe_fp4",
     "indexer_topk": "pdserve_kernels.indexer",
+    "mla_prefill_attention": "pdserve_kernels.mla_prefill",
 }
 
-__all__ = ["fused_moe_ref", "indexer_topk_ref", "sparse_mla_decode_ref", *_LAZY]
+__all__ = ["fused_moe_ref", "indexer_topk_ref", "mla_prefill_attention_ref", "sparse_mla_decode_ref", *_LAZY]
 
 
 def __getattr__(name: str):

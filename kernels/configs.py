@@ -53,6 +53,14 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class PrefillConfig:
+    block_m: int  # query rows per program (one head)
+    block_n: int  # key rows per tile
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
 class IndexerConfig:
     block_c: int  # candidate keys per program
     num_warps: int
@@ -116,6 +124,17 @@ MOE_FP4 = {
 }
 MOE_FP4_FP32 = MoEConfig(16, 32, 32, 4, 2)  # float32 x (parity checks only)
 
+# MLA prefill (non-absorbed, qk 192 = 128 + 64, v 128): keyed by family. Per stage a K tile
+# (BN x (128 + 64)) and a V tile (BN x 128) in bf16; q (BM x 192) and p (BM x BN) staged once.
+# sm_90 from the H200 sweep (docs/pd-gpu.md); sm_120 the largest that compiles under 99 KB
+# without spills (scripts/check_sm120_configs.py).
+PREFILL = {
+    90: PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
+    120: PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=2),
+    CPU: PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1),
+}
+PREFILL_FP32 = PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=2)  # parity runs only
+
 INDEXER = {
     90: IndexerConfig(block_c=64, num_warps=4, num_stages=3),
     120: IndexerConfig(block_c=64, num_warps=4, num_stages=2),
@@ -155,6 +174,13 @@ def moe_fp4_config(cc: int, rows_per_expert: float, fp32: bool = False) -> MoECo
         return MOE_FP4_FP32
     table = MOE_FP4[_family(cc)]
     return table[min(k for k in table if rows_per_expert <= k)]
+
+
+def prefill_config(cc: int, dtype: object = None) -> PrefillConfig:
+    """dtype: the query dtype (torch.float32 picks the small parity tile on a GPU)."""
+    if cc != CPU and str(dtype) == "torch.float32":
+        return PREFILL_FP32
+    return PREFILL[_family(cc)]
 
 
 def indexer_config(cc: int) -> IndexerConfig:

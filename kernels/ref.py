@@ -95,3 +95,35 @@ def indexer_topk_ref(
     top = scores.topk(k, dim=-1)
     picked = torch.gather(candidates, 1, top.indices)
     return torch.where(torch.isinf(top.values), torch.full_like(picked, -1), picked).to(torch.int32)
+
+
+def mla_prefill_attention_ref(
+    q: torch.Tensor,  # [T, H, Dn + R]
+    k_nope: torch.Tensor,  # [S, H, Dn]
+    k_rope: torch.Tensor,  # [S, R], shared by every head
+    v: torch.Tensor,  # [S, H, Dv]
+    cu_seqlens_q: torch.Tensor,  # [B + 1] chunk boundaries in q
+    cu_seqlens_k: torch.Tensor,  # [B + 1] context (prefix + chunk) boundaries in k / v
+    max_seqlen_q: int,
+    sm_scale: float,
+    **_: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-absorbed MLA prefill (kernel: mla_prefill.py): the chunk's query i, at position
+    P + i (P = len_k - len_q, the cached prefix), attends to keys 0..P + i of its sequence.
+    Returns (out [T, H, Dv] in q's dtype, lse [T, H] float32, natural log)."""
+    T, H, _ = q.shape
+    out = torch.zeros(T, H, v.shape[2], dtype=_up(q).dtype, device=q.device)
+    lse = torch.zeros(T, H, dtype=out.dtype, device=q.device)
+    for b in range(cu_seqlens_q.numel() - 1):
+        q0, q1 = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+        k0, k1 = int(cu_seqlens_k[b]), int(cu_seqlens_k[b + 1])
+        if q1 == q0:
+            continue
+        k_h = torch.cat([_up(k_nope[k0:k1]), _up(k_rope[k0:k1, None, :]).expand(-1, H, -1)], -1)  # [Lk, H, Dq]
+        scores = torch.einsum("qhd,khd->hqk", _up(q[q0:q1]), k_h) * sm_scale
+        pos = (k1 - k0) - (q1 - q0) + torch.arange(q1 - q0, device=q.device)  # [Lq]
+        seen = torch.arange(k1 - k0, device=q.device)[None, :] <= pos[:, None]  # [Lq, Lk]
+        scores = scores.masked_fill(~seen, float("-inf"))
+        lse[q0:q1] = torch.logsumexp(scores, -1).transpose(0, 1)
+        out[q0:q1] = torch.einsum("hqk,khv->qhv", torch.softmax(scores, -1), _up(v[k0:k1]))
+    return out.to(q.dtype), lse.float()

@@ -1,5 +1,6 @@
-"""Compile every decode kernel at its sm_120 tile configs for the sm_120 target (RTX PRO 6000
-Blackwell: 101,376 bytes of shared memory per block) and read back what the compiler allocated:
+"""Compile every kernel (decode, and the MLA prefill) at its sm_120 tile configs for the sm_120
+target (RTX PRO 6000 Blackwell: 101,376 bytes of shared memory per block) and read back what
+the compiler allocated:
 Triton's shared memory (`metadata.shared`, plus any static shared memory in the cubin) and the
 registers / stack from the cubin (`cuobjdump --dump-resource-usage`, shipped with Triton). No GPU
 is needed: Triton compiles ahead of time for any target (`triton.compile(ASTSource, target=
@@ -40,10 +41,10 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMEM_LIMIT = {90: 232448, 120: 101376}  # bytes per block, opt-in maximum
 SM_COUNT = {90: 132, 120: 188}  # H200; RTX PRO 6000 (the wrappers size split counts from it)
-MODULES = ("sparse_mla", "indexer", "fused_moe", "fused_moe_fp8", "fused_moe_fp4")
+MODULES = ("sparse_mla", "mla_prefill", "indexer", "fused_moe", "fused_moe_fp8", "fused_moe_fp4")
 # moe_fp4_dot_scaled: the FP4 configs with `MoEConfig.dot_scaled` (not the default): compiled for
 # the record, since on sm_120 Triton may lower them to the FP4 block-scaled MMA
-FAMILIES = ("mla", "indexer", "moe", "moe_fp8", "moe_fp4", "moe_fp4_dot_scaled")
+FAMILIES = ("mla", "mla_prefill", "indexer", "moe", "moe_fp8", "moe_fp4", "moe_fp4_dot_scaled")
 
 
 @contextlib.contextmanager
@@ -120,6 +121,13 @@ def cases(families):
         out.append(("mla", "bf16 (V4-Flash B=1 H=64, sinks)",
                     lambda: sparse_mla_decode(_e(1, 1, 64, 512), _e(4096, 512), idx(1, 640), 0.1, 512,
                                               sink=_e(64, dtype=torch.float32))))
+    if "mla_prefill" in families:  # V3 / V3.2 dims: qk 192 = 128 + 64, v 128, 128 heads
+        from pdserve_kernels.mla_prefill import mla_prefill_attention
+
+        def prefill(T=512):
+            kv, cu = _e(T, 128, 256), torch.tensor([0, T], dtype=torch.int32)
+            mla_prefill_attention(_e(T, 128, 192), kv[..., :128], _e(T, 64), kv[..., 128:], cu, cu, T, 0.1)
+        out.append(("mla_prefill", "bf16 (V3 H=128, 512 tokens)", prefill))
     if "indexer" in families:
         out.append(("indexer", "V3.2 H=64 D=128",
                     lambda: indexer_topk(_e(4, 64, 128), _e(4096, 128), _e(4, 64, dtype=torch.float32),

@@ -7,6 +7,7 @@ metadata over HTTP) and play the decode worker in this process.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import select
@@ -232,6 +233,32 @@ def test_make_connector_rejects_unknown_backends_and_options():
         make_connector("nixl", "e", ConnectorSettings(model_id="m", options={"progress_threads": False}))
 
 
+def test_ucx_module_dir_is_the_installed_wheels_plugin_folder():
+    from nixl_meta_utils import detect_cuda_major
+
+    from pdserve.disagg.nixl_connector import ucx_module_dir
+
+    folder = ucx_module_dir()
+    major = detect_cuda_major()
+    want = f"nixl_cu{major}.libs" if major else "nixl_cu13.libs"  # nixl's own choice; cu13 first without CUDA
+    assert folder is not None and os.path.basename(os.path.dirname(folder)) == want, folder
+    assert any(f.startswith("libuct_cuda.so") for f in os.listdir(folder)), os.listdir(folder)
+    if importlib.util.find_spec("nixl_cu12") is not None:
+        assert ucx_module_dir(cuda_major=12).endswith(os.path.join("nixl_cu12.libs", "ucx"))
+
+
+def test_ucx_gpu_defaults_leave_the_users_settings_alone():
+    from pdserve.disagg.nixl_connector import apply_ucx_gpu_defaults, ucx_module_dir
+
+    env = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "n"}
+    applied = apply_ucx_gpu_defaults(env)
+    assert env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "n"  # the user's value wins
+    assert applied == {"UCX_MODULE_DIR": ucx_module_dir()} == {"UCX_MODULE_DIR": env["UCX_MODULE_DIR"]}
+    env = {"UCX_MODULE_DIR": "/mine"}
+    assert apply_ucx_gpu_defaults(env) == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+    assert env["UCX_MODULE_DIR"] == "/mine"
+
+
 # ---------------------------------------------------------------- real NIXL, two processes
 
 
@@ -318,6 +345,7 @@ def decode(peer):
 
 
 def test_nixl_read_is_byte_exact_and_notification_releases_the_lease(peer, decode):
+    assert decode.ucx_env_applied == {}  # a pool in host memory gets no GPU defaults
     src_ids, dst_ids = [3, 4, 5, 9, 20, 21], [7, 8, 9, 0, 30, 31]
     handle = peer.prefill("r1", src_ids)
     before = {n: t.clone() for n, t in decode.kv.regions.items()}

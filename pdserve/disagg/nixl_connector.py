@@ -14,14 +14,22 @@
 Every NIXL failure becomes a TransferError naming the request, the stage and the reason. On CPU,
 UCX picks cma for data and tcp for messages; no UCX variables are needed. Over cma a large READ
 completes inside transfer() (seen from ~1 MiB up), so start_load then costs the copy itself.
+
+A pool on the GPU gets UCX defaults before the agent (and UCX) is created: `UCX_GPU_DEFAULTS`
+(cuda_ipc GET zero-copy: without it UCX reads VRAM over tcp at 0.5 GB/s) and `UCX_MODULE_DIR` set
+to the UCX plugin folder of the installed NIXL wheel (`ucx_module_dir()`), each only where the
+environment does not set it already (docs/pd-gpu.md has the measurements).
 """
 
 from __future__ import annotations
 
 import base64
+import importlib.util
 import logging
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -35,6 +43,47 @@ log = logging.getLogger("pdserve.disagg.nixl")
 
 PEER_INFO_VERSION = 2
 
+# set for a pool on the GPU unless the environment sets them (H200, 2026-12-03: 0.5 GB/s without)
+UCX_GPU_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+NIXL_BACKEND_PACKAGES = ("nixl_cu13", "nixl_cu12", "nixl")  # wheels that ship <name>.libs/ucx
+
+
+def _cuda_major() -> int | None:
+    try:  # the nixl meta package's own choice of backend wheel (a plain module: loads no UCX)
+        from nixl_meta_utils import detect_cuda_major
+    except ImportError:
+        return None
+    return detect_cuda_major()
+
+
+def ucx_module_dir(cuda_major: int | None = None) -> str | None:
+    """The UCX plugin folder (`<package>.libs/ucx`) of the NIXL backend wheel that `import nixl`
+    loads: nixl_cu<major> for the CUDA major of this process (torch's), else the first installed
+    of NIXL_BACKEND_PACKAGES. Found on disk, without importing nixl. None when there is none."""
+    major = _cuda_major() if cuda_major is None else cuda_major
+    names = ((f"nixl_cu{major}",) if major else ()) + NIXL_BACKEND_PACKAGES
+    for name in names:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        folder = Path(next(iter(spec.submodule_search_locations))).parent / f"{name}.libs" / "ucx"
+        if folder.is_dir():
+            return str(folder)
+    return None
+
+
+def apply_ucx_gpu_defaults(environ: dict | None = None) -> dict[str, str]:
+    """Set UCX_GPU_DEFAULTS and UCX_MODULE_DIR in `environ` (os.environ) where unset, before UCX
+    loads; returns what was set (the user's own values always win)."""
+    env = os.environ if environ is None else environ
+    wanted = dict(UCX_GPU_DEFAULTS)
+    module_dir = ucx_module_dir()
+    if module_dir is not None:
+        wanted["UCX_MODULE_DIR"] = module_dir
+    applied = {k: v for k, v in wanted.items() if k not in env}
+    env.update(applied)
+    return applied
+
 
 class NixlOptions(BaseModel):
     """The nixl backend's own settings (ConnectorSettings.options; transfer.options in a cluster YAML)."""
@@ -42,6 +91,8 @@ class NixlOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     progress_thread: bool = True  # NIXL's UCX progress thread; off: transfers advance only when polled
+    # a pool on the GPU: set UCX_GPU_DEFAULTS and UCX_MODULE_DIR where the environment does not
+    ucx_gpu_defaults: bool = True
 
 
 class NixlPeerInfo(BaseModel):
@@ -101,33 +152,50 @@ class NixlConnector(LeasingConnector):
         lease_margin_s: float = 1.0,
         version: str | None = None,
         progress_thread: bool = True,
+        ucx_gpu_defaults: bool = True,
     ) -> None:
         """See LeasingConnector for the common arguments.
         progress_thread: NIXL's own UCX progress thread; without it transfers advance only inside
-        poll_loads / poll_releases calls."""
-        try:
-            from nixl._api import nixl_agent, nixl_agent_config
-        except ImportError as e:
-            raise RuntimeError(f"transfer backend 'nixl' needs the nixl package (pip install nixl==1.5.1): {e}") from e
+        poll_loads / poll_releases calls.
+        ucx_gpu_defaults: for a pool on the GPU, set the UCX defaults above (unless set already).
+        The NIXL agent is created by register_kv_cache, once the pool's device is known."""
+        if importlib.util.find_spec("nixl") is None:
+            raise RuntimeError("transfer backend 'nixl' needs the nixl package (pip install nixl==1.5.1)")
         super().__init__(
             engine_id, model_id=model_id, metadata_url=metadata_url, lease_s=lease_s,
             transfer_timeout_s=transfer_timeout_s, lease_margin_s=lease_margin_s, version=version,
         )  # fmt: skip
-        # one agent per worker; UCX needs tcp for its messages, so no transport is narrowed here
-        self.agent = nixl_agent(engine_id, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
-        if "UCX" not in self.agent.backends:
-            raise RuntimeError("NIXL's UCX backend plugin is missing from this nixl install")
+        self._progress_thread, self._ucx_gpu_defaults = progress_thread, ucx_gpu_defaults
+        self.agent = None
+        self.ucx_env_applied: dict[str, str] = {}
         self._reg = None
         self._metadata = b""
         self._peers: dict[str, _Peer] = {}
         self._zombies: list[object] = []  # xfer handles NIXL could not cancel yet
 
     # -- registration --
+    def _make_agent(self) -> None:
+        """One agent per worker; UCX needs tcp for its messages, so no transport is narrowed.
+        UCX reads its variables when NIXL loads it, so the GPU defaults go in first."""
+        if self.mem_type == "VRAM" and self._ucx_gpu_defaults:
+            self.ucx_env_applied = apply_ucx_gpu_defaults()
+            if self.ucx_env_applied:
+                log.info("UCX defaults for a GPU pool: %s", self.ucx_env_applied)
+        try:
+            from nixl._api import nixl_agent, nixl_agent_config
+        except ImportError as e:
+            raise RuntimeError(f"transfer backend 'nixl' needs the nixl package (pip install nixl==1.5.1): {e}") from e
+        config = nixl_agent_config(enable_prog_thread=self._progress_thread, backends=["UCX"])
+        self.agent = nixl_agent(self.engine_id, config)
+        if "UCX" not in self.agent.backends:
+            raise RuntimeError("NIXL's UCX backend plugin is missing from this nixl install")
+
     def _registered(self, kv_cache: KVCache) -> None:
         self._addrs = region_addrs(kv_cache)
         self._dev_id = device_id(kv_cache)
         first = next(iter(kv_cache.regions.values()))
         self.mem_type = "DRAM" if first.device.type == "cpu" else "VRAM"
+        self._make_agent()
         self._reg = self.agent.register_memory(list(kv_cache.regions.values()))
         info = NixlPeerInfo(
             engine_id=self.engine_id,
@@ -150,7 +218,8 @@ class NixlConnector(LeasingConnector):
 
     # -- prefill side --
     def poll_releases(self) -> list[str]:
-        return self._released(msg for msgs in self.agent.get_new_notifs().values() for msg in msgs)
+        notifs = self.agent.get_new_notifs() if self.agent is not None else {}
+        return self._released(msg for msgs in notifs.values() for msg in msgs)
 
     # -- decode side --
     def add_peer(self, metadata: bytes, engine_id: str | None = None, instance_id: str | None = None) -> NixlPeerInfo:
@@ -276,6 +345,8 @@ class NixlConnector(LeasingConnector):
             self._notify(load.agent_name, request_id)
 
     def shutdown(self) -> None:
+        if self.agent is None:  # never registered
+            return
         for rid in list(self._loads):
             self.cancel_load(rid)
         self._retry_zombies()

@@ -1,6 +1,6 @@
 """One switch between the Triton kernels (CUDA) and their PyTorch references (everywhere else).
 
-Model code calls only these three functions; which implementation runs is decided by the device of
+Model code calls only these functions; which implementation runs is decided by the device of
 the inputs, unless `set_backend("torch"|"triton")` forces one (tests, benchmarks).
 """
 
@@ -49,3 +49,12 @@ def indexer_topk(q, k_cache, weights, candidates, topk: int):
 
         return kernel(q, k_cache, weights, candidates, topk)
     return ref.indexer_topk_ref(q, k_cache, weights, candidates, topk)
+
+
+def mla_prefill_attention(q, k_nope, k_rope, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, sm_scale: float,
+                          max_seqlen_k: int | None = None):
+    if _use_triton(q):
+        from pdserve_kernels import mla_prefill_attention as kernel
+
+        return kernel(q, k_nope, k_rope, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, sm_scale, max_seqlen_k=max_seqlen_k)
+    return ref.mla_prefill_attention_ref(q, k_nope, k_rope, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, sm_scale)
