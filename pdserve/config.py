@@ -29,6 +29,7 @@ WorkerRole = Literal["prefill", "decode", "colocated"]
 PolicyName = Literal["round_robin", "least_load", "power_of_two"]  # router/policies.py
 DEFAULT_PORTS = {"router": 8000, "prefill": 30000, "decode": 30001, "colocated": 30002}
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+RestartPolicy = Literal["on-failure", "always", "never"]  # what `pdserve launch` does when the process exits
 
 
 class ConfigError(ValueError):
@@ -55,6 +56,7 @@ class RouterConfig(_Strict):
     retry_backoff: float = Field(0.05, ge=0)  # seconds before the second try; doubles each try
     breaker_failures: int = Field(5, ge=1)  # consecutive failed requests that open a worker's breaker
     breaker_cooldown: float = Field(10.0, gt=0)  # seconds an open breaker waits before a trial
+    restart: RestartPolicy = "on-failure"  # launch: restart the router when it dies
 
 
 class WorkerConfig(_Strict):
@@ -74,6 +76,7 @@ class WorkerConfig(_Strict):
     lease_seconds: float = Field(60.0, gt=0)  # prefill keeps KV this long for decode to pull
     engine_id: str | None = None  # default: "<role>-<index>-<port>" (launch), "<role>-<port>" (serve)
     max_open_requests: int | None = Field(None, ge=1)  # admitted at once before 429 (default max(8 x max_num_seqs, 256))
+    restart: RestartPolicy = "on-failure"  # launch: restart this worker when it dies
 
     @field_validator("device")
     @classmethod
@@ -163,9 +166,13 @@ class ClusterConfig(_Strict):
     colocated: list[WorkerConfig] = Field(default_factory=list)
     transfer: TransferConfig = Field(default_factory=TransferConfig)
     cluster_secret: str | None = None  # shared by router and workers; None: a fresh one per launch
-    log_dir: str = "logs"
+    log_dir: str | None = None  # None: a new folder per launch under <cache>/logs (kept)
     startup_timeout: float = Field(900.0, gt=0)  # seconds for every process to report healthy
     stop_grace_seconds: float = Field(10.0, gt=0)  # SIGTERM, then SIGKILL after this long
+    max_restarts: int = Field(5, ge=0)  # restarts of one process within restart_window before launch gives up on it
+    restart_window: float = Field(300.0, gt=0)  # seconds
+    restart_backoff: float = Field(1.0, ge=0)  # seconds before the first restart; doubles with each restart in the window
+    max_restart_backoff: float = Field(30.0, ge=0)
 
     @field_validator("model")
     @classmethod

@@ -91,13 +91,13 @@ class Router:
         known = self.pool.max_model_len()
         limits = [n for n in (known, self.s.max_model_len) if n is not None]
         if not limits:
-            raise OpenAIError(503, "no worker has reported its context length yet (none healthy?)", code="no_healthy_workers")
+            raise self.pool.unavailable()
         return min(limits)
 
     # -- serving one request --
     async def serve(self, fmt: Formatter, prep: Prepared, stream: bool, receive: Receive) -> Response:
         if self.dispatcher is None or not self.pool.can_serve():
-            raise OpenAIError(503, "no healthy workers: need a prefill and a decode worker, or a colocated one", code="no_healthy_workers")
+            raise self.pool.unavailable()
         self.admission.enter()
         t0 = time.monotonic()
         deadline = t0 + self.s.request_timeout
@@ -204,6 +204,7 @@ def build_router_app(config: RouterServeConfig) -> FastAPI:
             "healthy_prefill": len(pool.healthy("prefill")),
             "healthy_decode": len(pool.healthy("decode")),
             "healthy_colocated": len(pool.healthy("colocated")),
+            "reason": None if ok else pool.missing(),
         }
         return JSONResponse(body, status_code=200 if ok else 503)
 

@@ -117,3 +117,4 @@ class RouterHealth(BaseModel):
     healthy_prefill: int
     healthy_decode: int
     healthy_colocated: int
+    reason: str | None = None  # when unhealthy: which role has no available worker
