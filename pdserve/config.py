@@ -77,6 +77,7 @@ class WorkerConfig(_Strict):
     engine_id: str | None = None  # default: "<role>-<index>-<port>" (launch), "<role>-<port>" (serve)
     max_open_requests: int | None = Field(None, ge=1)  # admitted at once before 429 (default max(8 x max_num_seqs, 256))
     restart: RestartPolicy = "on-failure"  # launch: restart this worker when it dies
+    stall_timeout: float = Field(60.0, gt=0)  # seconds without a finished engine step, with requests open, before /health is 503
 
     @field_validator("device")
     @classmethod

@@ -33,7 +33,7 @@ WORKER_FLAGS = {
     "kv_block_size": "worker.kv_block_size", "num_kv_blocks": "worker.num_kv_blocks",
     "max_num_seqs": "worker.max_num_seqs", "max_num_batched_tokens": "worker.max_num_batched_tokens",
     "engine_id": "worker.engine_id", "lease_seconds": "worker.lease_seconds",
-    "max_open_requests": "worker.max_open_requests", "peer": "peers",
+    "max_open_requests": "worker.max_open_requests", "stall_timeout": "worker.stall_timeout", "peer": "peers",
     "transfer_backend": "transfer.backend", "transfer_timeout": "transfer.timeout",
     "metadata_timeout": "transfer.metadata_timeout", "kv_load_failure_policy": "transfer.kv_load_failure_policy",
 }  # fmt: skip
@@ -75,6 +75,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     w("--peer", action="append", metavar="URL", help="a worker whose transfer metadata may be fetched (repeatable)")
     w("--kv-load-failure-policy", help="decode: a failed KV read fails the request (fail) or computes the prompt here (recompute)")
     w("--max-open-requests", help="requests admitted at once before 429 (default max(8 x max-num-seqs, 256))")
+    w("--stall-timeout", help="seconds without a finished engine step, while requests are open, before /health says 503 (default 60)")
     r = functools.partial(p.add_argument_group("router").add_argument, default=argparse.SUPPRESS)
     r("--prefill", action="append", metavar="URL")
     r("--decode", action="append", metavar="URL")

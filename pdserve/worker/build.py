@@ -51,7 +51,7 @@ def build_worker(cfg: WorkerServeConfig) -> FastAPI:
     )
     metrics = WorkerMetrics()
     state = WorkerState(
-        engine=AsyncEngine(engine, metrics),
+        engine=AsyncEngine(engine, metrics, stall_s=w.stall_timeout),
         info=info,
         metrics=metrics,
         max_open_requests=w.max_open_requests or max(8 * engine_config.max_num_seqs, 256),
