@@ -40,6 +40,9 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+WILDCARD = ("0.0.0.0", "::", "")
+
+
 class RouterConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
@@ -61,7 +64,8 @@ class RouterConfig(_Strict):
 
 class WorkerConfig(_Strict):
     port: int = Field(ge=1, le=65535)
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # bind address
+    advertise_host: str | None = None  # where other hosts reach it (KV handles, metadata URL); default: advertised()
     device: str = "cpu"  # cpu | cuda (launch: with gpus) | cuda:N (serve)
     gpus: list[int] = Field(default_factory=list)
     tp_size: int = Field(1, ge=1)  # the worker's tensor_parallel_size: one rank per GPU of gpus; on cpu, gloo processes
@@ -123,6 +127,21 @@ class WorkerConfig(_Strict):
         if self.cpus is not None and self.numa_node is None:
             raise ValueError("cpus narrows a NUMA node: set numa_node too")
         return self
+
+    def advertised(self) -> str:
+        """The address peers use for this worker: advertise_host, else the bind host, else (bound
+        to every address) this host's name."""
+        if self.advertise_host:
+            return self.advertise_host
+        if self.host in WILDCARD:
+            import socket
+
+            return socket.gethostname()
+        return self.host
+
+    def advertised_url(self) -> str:
+        host = self.advertised()
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
 
     def engine_config(self, model: str) -> EngineConfig:
         return EngineConfig(

@@ -100,6 +100,11 @@ def _url(host: str, port: int) -> str:
     return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{port}"
 
 
+def _worker_url(w: WorkerConfig) -> str:
+    """Where the router reaches a worker: its advertised address when one is set, else as local."""
+    return w.advertised_url() if w.advertise_host else _url(w.host, w.port)
+
+
 def worker_spec(name: str, w: WorkerConfig, cfg: ClusterConfig, model: str, secret: str) -> ProcSpec:
     role = name.rsplit("-", 1)[0]
     peers = {"prefill": cfg.decode, "decode": cfg.prefill}.get(role, [])
@@ -108,7 +113,7 @@ def worker_spec(name: str, w: WorkerConfig, cfg: ClusterConfig, model: str, secr
         model=model,
         worker=w.model_copy(update={"engine_id": w.engine_id or f"{name}-{w.port}"}),
         transfer=cfg.transfer,
-        peers=[_url(p.host, p.port) for p in peers],
+        peers=[p.advertised_url() for p in peers],  # what their KV handles' metadata URLs say
         cluster_secret=secret,
     )
     pin = plan_pinning(w.numa_node, w.gpus, w.cpus)
@@ -128,9 +133,9 @@ def router_spec(cfg: ClusterConfig, model: str, secret: str) -> ProcSpec:
         model=model,
         served_model_name=cfg.served_model_name,
         router=r,
-        prefill=[_url(w.host, w.port) for w in cfg.prefill],
-        decode=[_url(w.host, w.port) for w in cfg.decode],
-        colocated=[_url(w.host, w.port) for w in cfg.colocated],
+        prefill=[_worker_url(w) for w in cfg.prefill],
+        decode=[_worker_url(w) for w in cfg.decode],
+        colocated=[_worker_url(w) for w in cfg.colocated],
         cluster_secret=secret,
     )
     auth = {"Authorization": f"Bearer {r.api_key}"} if r.api_key else {}

@@ -32,7 +32,7 @@ WORKER_FLAGS = {
     "device": "worker.device", "dtype": "worker.dtype", "tensor_parallel_size": "worker.tp_size",
     "kv_block_size": "worker.kv_block_size", "num_kv_blocks": "worker.num_kv_blocks",
     "max_num_seqs": "worker.max_num_seqs", "max_num_batched_tokens": "worker.max_num_batched_tokens",
-    "engine_id": "worker.engine_id", "lease_seconds": "worker.lease_seconds",
+    "engine_id": "worker.engine_id", "advertise_host": "worker.advertise_host", "lease_seconds": "worker.lease_seconds",
     "max_open_requests": "worker.max_open_requests", "stall_timeout": "worker.stall_timeout", "peer": "peers",
     "transfer_backend": "transfer.backend", "transfer_timeout": "transfer.timeout",
     "metadata_timeout": "transfer.metadata_timeout", "kv_load_failure_policy": "transfer.kv_load_failure_policy",
@@ -68,6 +68,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     w("--max-num-seqs")
     w("--max-num-batched-tokens")
     w("--engine-id", help="transfer agent name (default <role>-<port>)")
+    w("--advertise-host", help="the address other hosts reach this worker on, put in its KV handles (default: --host, or this host's name when --host is 0.0.0.0/::)")
     w("--lease-seconds", help="prefill keeps a request's KV this long for decode")
     w("--transfer-backend", help="nixl")
     w("--transfer-timeout", help="seconds for one request's KV read")
