@@ -41,7 +41,10 @@ class NixlOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    progress_thread: bool = True  # NIXL's UCX progress thread; off: transfers advance only when polled
+    # NIXL's own UCX progress thread busy-polls (nixl's Python agent sets its delay to 0): ~90% of a
+    # core per idle worker. Off (default), transfers advance when the engine loop polls them, which
+    # it does every millisecond while a load is in flight and every 20 ms while prefill holds KV.
+    progress_thread: bool = False
 
 
 class NixlPeerInfo(BaseModel):
@@ -104,7 +107,8 @@ class NixlConnector(LeasingConnector):
     ) -> None:
         """See LeasingConnector for the common arguments.
         progress_thread: NIXL's own UCX progress thread; without it transfers advance only inside
-        poll_loads / poll_releases calls."""
+        poll_loads / poll_releases calls, so a peer must poll while it holds KV (as the engine
+        loop does). Workers take NixlOptions' default (off); on here for a caller that never polls."""
         try:
             from nixl._api import nixl_agent, nixl_agent_config
         except ImportError as e:
