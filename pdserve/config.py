@@ -11,6 +11,8 @@ Defaults and limits live here and nowhere else; `load_config` accepts a path or 
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -228,7 +230,7 @@ class WorkerServeConfig(_Strict):
     """One worker process (`pdserve serve --role prefill|decode|colocated`)."""
 
     role: WorkerRole
-    model: str  # checkpoint folder (tiny:<arch> is resolved before this is built)
+    model: str  # checkpoint folder (or tiny:<arch>: `pdserve serve` resolves it before building)
     worker: WorkerConfig
     transfer: TransferConfig = Field(default_factory=TransferConfig)
     peers: list[str] = Field(default_factory=list)  # workers whose transfer metadata may be fetched (decode: the prefill workers)
@@ -269,6 +271,35 @@ class RouterServeConfig(_Strict):
 
 
 ServeConfig = Annotated[Union[WorkerServeConfig, RouterServeConfig], Field(discriminator="role")]
+
+
+def cache_dir() -> Path:
+    """Where pdserve keeps what it makes: tiny checkpoints, launch logs ($PDSERVE_CACHE, else ~/.cache/pdserve)."""
+    return Path(os.environ.get("PDSERVE_CACHE") or Path.home() / ".cache" / "pdserve")
+
+
+def resolve_model(spec: str) -> str:
+    """A checkpoint folder, or 'tiny:<arch>' -> the tiny model in the cache (<cache>/tiny-<arch>-seed0),
+    made on first use. Everything that takes a model folder takes this: launch, serve, LLM."""
+    if not spec.startswith(TINY_PREFIX):
+        if not os.path.isfile(os.path.join(spec, "config.json")):
+            raise ConfigError(f"model folder {spec!r} has no config.json (pass a checkpoint folder or 'tiny:deepseek_v3')")
+        return os.path.abspath(spec)
+    arch = spec[len(TINY_PREFIX) :]
+    if arch not in TINY_ARCHS:
+        raise ConfigError(f"unknown tiny model {spec!r}; choose one of {[TINY_PREFIX + a for a in TINY_ARCHS]}")
+    target = cache_dir() / f"tiny-{arch}-seed0"
+    if not (target / "config.json").is_file():
+        from pdserve.tiny_model import make_tiny_model
+
+        print(f"making the tiny {arch} model in {target}", flush=True)
+        tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+        make_tiny_model(str(tmp), arch, 0)
+        try:
+            tmp.rename(target)  # atomic: a concurrent maker sees all of it or none
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)  # another one made it first
+    return str(target)
 
 
 def find_config(name_or_path: str) -> Path:

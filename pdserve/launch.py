@@ -28,7 +28,6 @@ import ctypes
 import json
 import os
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -40,7 +39,7 @@ from typing import TextIO
 
 import httpx
 
-from pdserve.config import TINY_PREFIX, ClusterConfig, RestartPolicy, RouterServeConfig, WorkerConfig, WorkerServeConfig
+from pdserve.config import ClusterConfig, RestartPolicy, RouterServeConfig, WorkerConfig, WorkerServeConfig, cache_dir, resolve_model
 from pdserve.health_cli import format_table
 from pdserve.numa import PinPlan, format_cpulist, plan_pinning, process_cpus
 
@@ -50,31 +49,6 @@ PR_SET_PDEATHSIG = 1
 
 class LaunchError(RuntimeError):
     """The cluster could not start or stopped working; the message names the process and why."""
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("PDSERVE_CACHE") or Path.home() / ".cache" / "pdserve")
-
-
-def resolve_model(spec: str) -> str:
-    """A checkpoint folder, or 'tiny:<arch>' -> the tiny model in the cache, made if absent."""
-    if not spec.startswith(TINY_PREFIX):
-        if not os.path.isfile(os.path.join(spec, "config.json")):
-            raise LaunchError(f"model folder {spec!r} has no config.json (pass --model DIR or 'tiny:deepseek_v3')")
-        return os.path.abspath(spec)
-    arch = spec[len(TINY_PREFIX) :]
-    target = cache_dir() / f"tiny-{arch}-seed0"
-    if not (target / "config.json").is_file():
-        from pdserve.tiny_model import make_tiny_model
-
-        print(f"making the tiny {arch} model in {target}", flush=True)
-        tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
-        make_tiny_model(str(tmp), arch, 0)
-        try:
-            tmp.rename(target)  # atomic: a concurrent launch sees all of it or none
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)  # another launch made it first
-    return str(target)
 
 
 @dataclass

@@ -17,13 +17,13 @@ import functools
 import logging
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import uvicorn
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
-from pdserve.config import DEFAULT_PORTS, RouterServeConfig, ServeConfig, WorkerServeConfig
+from pdserve.config import DEFAULT_PORTS, RouterServeConfig, ServeConfig, WorkerServeConfig, resolve_model
 
 log = logging.getLogger("pdserve.serve")
 
@@ -56,7 +56,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     add("--role", help="prefill | decode | colocated | router")
     add("--host", help="bind address (default 127.0.0.1)")
     add("--port", help="default: router 8000, prefill 30000, decode 30001, colocated 30002")
-    add("--model", metavar="DIR", help="checkpoint folder (the router reads its tokenizer)")
+    add("--model", metavar="DIR", help="checkpoint folder, or tiny:<arch> (the router reads its tokenizer)")
     add("--cluster-secret", help="shared secret for /internal/* (required when a worker binds beyond loopback)")
     add("--max-model-len", help="context length (router: an extra cap on the workers')")
     w = functools.partial(p.add_argument_group("worker").add_argument, default=argparse.SUPPRESS)
@@ -137,6 +137,7 @@ def run_serve(args: argparse.Namespace) -> int:
     role = getattr(args, "role", "?")
     try:
         cfg = config_from_args(args)
+        cfg = cfg.model_copy(update={"model": resolve_model(cfg.model)})  # tiny:<arch> -> its folder
         role = cfg.role
         if isinstance(cfg, RouterServeConfig):
             from pdserve.router.app import build_router_app
@@ -153,8 +154,22 @@ def run_serve(args: argparse.Namespace) -> int:
     # the server closes an idle connection just as the router reuses it, and the POST gets ReadError
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on", timeout_graceful_shutdown=5, timeout_keep_alive=75)
     log.info("pdserve %s listening on http://%s:%d", role, host, port)
-    uvicorn.Server(config).run()
+    _Server(config, getattr(app.state, "on_exit", None)).run()
     return 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling the app when a stop signal arrives (the router then ends its open
+    streams with an error event at once, rather than when the graceful-shutdown time runs out)."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None] | None) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self._on_exit is not None:
+            self._on_exit()
+        super().handle_exit(sig, frame)
 
 
 def main(argv: list[str] | None = None) -> int:
