@@ -35,6 +35,8 @@ def _launch(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"pdserve launch: {err}", file=sys.stderr)
         return 2
+    if args.router_host:
+        cfg = cfg.model_copy(update={"router": cfg.router.model_copy(update={"host": args.router_host})})
     return launch(cfg, model=args.model, log_dir=args.log_dir)
 
 
@@ -61,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     lp = sub.add_parser("launch", help="start router + workers from a cluster config and supervise them")
     lp.add_argument("--config", default=DEFAULT_CONFIG, help=f"a YAML file or a name in configs/ (default {DEFAULT_CONFIG})")
     lp.add_argument("--model", help="checkpoint folder (or tiny:<arch>), overrides the config's model")
-    lp.add_argument("--log-dir", help="per-process logs (default: the config's log_dir, ./logs)")
+    lp.add_argument("--log-dir", help="per-process logs (default: the config's log_dir, else a new folder per launch under ~/.cache/pdserve/logs, kept; logs/latest points at the newest)")
+    lp.add_argument("--router-host", metavar="ADDR", help="bind the router here (e.g. 0.0.0.0 in a container), overrides the config's router.host")
     lp.set_defaults(run=_launch)
 
     # serve and bench parse their own flags (see _serve, _bench); listed here for --help.

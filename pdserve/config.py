@@ -11,6 +11,8 @@ Defaults and limits live here and nowhere else; `load_config` accepts a path or 
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -29,6 +31,7 @@ WorkerRole = Literal["prefill", "decode", "colocated"]
 PolicyName = Literal["round_robin", "least_load", "power_of_two"]  # router/policies.py
 DEFAULT_PORTS = {"router": 8000, "prefill": 30000, "decode": 30001, "colocated": 30002}
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+RestartPolicy = Literal["on-failure", "always", "never"]  # what `pdserve launch` does when the process exits
 
 
 class ConfigError(ValueError):
@@ -37,6 +40,9 @@ class ConfigError(ValueError):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+WILDCARD = ("0.0.0.0", "::", "")
 
 
 class RouterConfig(_Strict):
@@ -55,11 +61,13 @@ class RouterConfig(_Strict):
     retry_backoff: float = Field(0.05, ge=0)  # seconds before the second try; doubles each try
     breaker_failures: int = Field(5, ge=1)  # consecutive failed requests that open a worker's breaker
     breaker_cooldown: float = Field(10.0, gt=0)  # seconds an open breaker waits before a trial
+    restart: RestartPolicy = "on-failure"  # launch: restart the router when it dies
 
 
 class WorkerConfig(_Strict):
     port: int = Field(ge=1, le=65535)
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # bind address
+    advertise_host: str | None = None  # where other hosts reach it (KV handles, metadata URL); default: advertised()
     device: str = "cpu"  # cpu | cuda (launch: with gpus) | cuda:N (serve)
     gpus: list[int] = Field(default_factory=list)
     tp_size: int = Field(1, ge=1)  # the worker's tensor_parallel_size: one rank per GPU of gpus; on cpu, gloo processes
@@ -74,6 +82,8 @@ class WorkerConfig(_Strict):
     lease_seconds: float = Field(60.0, gt=0)  # prefill keeps KV this long for decode to pull
     engine_id: str | None = None  # default: "<role>-<index>-<port>" (launch), "<role>-<port>" (serve)
     max_open_requests: int | None = Field(None, ge=1)  # admitted at once before 429 (default max(8 x max_num_seqs, 256))
+    restart: RestartPolicy = "on-failure"  # launch: restart this worker when it dies
+    stall_timeout: float = Field(60.0, gt=0)  # seconds without a finished engine step, with requests open, before /health is 503
 
     @field_validator("device")
     @classmethod
@@ -120,6 +130,21 @@ class WorkerConfig(_Strict):
             raise ValueError("cpus narrows a NUMA node: set numa_node too")
         return self
 
+    def advertised(self) -> str:
+        """The address peers use for this worker: advertise_host, else the bind host, else (bound
+        to every address) this host's name."""
+        if self.advertise_host:
+            return self.advertise_host
+        if self.host in WILDCARD:
+            import socket
+
+            return socket.gethostname()
+        return self.host
+
+    def advertised_url(self) -> str:
+        host = self.advertised()
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+
     def engine_config(self, model: str) -> EngineConfig:
         return EngineConfig(
             model=model,
@@ -163,9 +188,13 @@ class ClusterConfig(_Strict):
     colocated: list[WorkerConfig] = Field(default_factory=list)
     transfer: TransferConfig = Field(default_factory=TransferConfig)
     cluster_secret: str | None = None  # shared by router and workers; None: a fresh one per launch
-    log_dir: str = "logs"
+    log_dir: str | None = None  # None: a new folder per launch under <cache>/logs (kept)
     startup_timeout: float = Field(900.0, gt=0)  # seconds for every process to report healthy
     stop_grace_seconds: float = Field(10.0, gt=0)  # SIGTERM, then SIGKILL after this long
+    max_restarts: int = Field(5, ge=0)  # restarts of one process within restart_window before launch gives up on it
+    restart_window: float = Field(300.0, gt=0)  # seconds
+    restart_backoff: float = Field(1.0, ge=0)  # seconds before the first restart; doubles with each restart in the window
+    max_restart_backoff: float = Field(30.0, ge=0)
 
     @field_validator("model")
     @classmethod
@@ -201,7 +230,7 @@ class WorkerServeConfig(_Strict):
     """One worker process (`pdserve serve --role prefill|decode|colocated`)."""
 
     role: WorkerRole
-    model: str  # checkpoint folder (tiny:<arch> is resolved before this is built)
+    model: str  # checkpoint folder (or tiny:<arch>: `pdserve serve` resolves it before building)
     worker: WorkerConfig
     transfer: TransferConfig = Field(default_factory=TransferConfig)
     peers: list[str] = Field(default_factory=list)  # workers whose transfer metadata may be fetched (decode: the prefill workers)
@@ -242,6 +271,35 @@ class RouterServeConfig(_Strict):
 
 
 ServeConfig = Annotated[Union[WorkerServeConfig, RouterServeConfig], Field(discriminator="role")]
+
+
+def cache_dir() -> Path:
+    """Where pdserve keeps what it makes: tiny checkpoints, launch logs ($PDSERVE_CACHE, else ~/.cache/pdserve)."""
+    return Path(os.environ.get("PDSERVE_CACHE") or Path.home() / ".cache" / "pdserve")
+
+
+def resolve_model(spec: str) -> str:
+    """A checkpoint folder, or 'tiny:<arch>' -> the tiny model in the cache (<cache>/tiny-<arch>-seed0),
+    made on first use. Everything that takes a model folder takes this: launch, serve, LLM."""
+    if not spec.startswith(TINY_PREFIX):
+        if not os.path.isfile(os.path.join(spec, "config.json")):
+            raise ConfigError(f"model folder {spec!r} has no config.json (pass a checkpoint folder or 'tiny:deepseek_v3')")
+        return os.path.abspath(spec)
+    arch = spec[len(TINY_PREFIX) :]
+    if arch not in TINY_ARCHS:
+        raise ConfigError(f"unknown tiny model {spec!r}; choose one of {[TINY_PREFIX + a for a in TINY_ARCHS]}")
+    target = cache_dir() / f"tiny-{arch}-seed0"
+    if not (target / "config.json").is_file():
+        from pdserve.tiny_model import make_tiny_model
+
+        print(f"making the tiny {arch} model in {target}", flush=True)
+        tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+        make_tiny_model(str(tmp), arch, 0)
+        try:
+            tmp.rename(target)  # atomic: a concurrent maker sees all of it or none
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)  # another one made it first
+    return str(target)
 
 
 def find_config(name_or_path: str) -> Path:

@@ -2,11 +2,14 @@
 
 Exit codes: 0 every URL healthy, 1 some unhealthy or unreachable, 2 usage error.
 A router started with --api-key guards /health too: pass the key (--api-key or PDSERVE_API_KEY).
+With the status file of a `pdserve launch` (default: the newest launch's, <cache>/logs/latest),
+each process's restarts and its last exit are shown too.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -52,12 +55,32 @@ def format_table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def default_status_file() -> str:
+    cache = os.environ.get("PDSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pdserve")
+    return os.path.join(cache, "logs", "latest", "status.json")
+
+
+def launch_restarts(status_file: str) -> dict[str, str]:
+    """/health URL -> 'restarts N (last: why)' from a launcher's status.json; {} when there is none."""
+    try:
+        with open(status_file) as f:
+            procs = json.load(f)["processes"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    return {
+        health_url(p["url"]): f"restarts {p['restarts']}" + (f" (last: {p['exits'][-1]})" if p.get("exits") else "") + f", {p['state']}"
+        for p in procs
+    }
+
+
 def add_health_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", action="append", metavar="URL",
                    help=f"a server to check (repeatable; default: {', '.join(DEFAULT_URLS)})")
     p.add_argument("--timeout", type=float, default=5.0, metavar="S", help="seconds per request (default 5)")
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"), metavar="KEY",
                    help="sent as Authorization: Bearer KEY (a router with --api-key needs it; default $PDSERVE_API_KEY)")
+    p.add_argument("--status", default=None, metavar="FILE",
+                   help="a pdserve launch's status.json, for restart counts (default: the newest launch's, if any)")
 
 
 def run_health(args: argparse.Namespace, out: TextIO | None = None) -> int:
@@ -68,6 +91,7 @@ def run_health(args: argparse.Namespace, out: TextIO | None = None) -> int:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
     with httpx.Client(trust_env=False, headers=headers) as client:  # never route 127.0.0.1 through a proxy
         results = [check(u, args.timeout, client) for u in urls]
-    rows = [[r.url, "ok" if r.healthy else "DOWN", r.status, f"{r.seconds * 1000:.0f} ms", r.detail] for r in results]
-    print(format_table(["url", "health", "status", "time", "detail"], rows), file=out or sys.stdout)
+    launched = launch_restarts(args.status or default_status_file())
+    rows = [[r.url, "ok" if r.healthy else "DOWN", r.status, f"{r.seconds * 1000:.0f} ms", r.detail, launched.get(r.url, "-")] for r in results]
+    print(format_table(["url", "health", "status", "time", "detail", "launch"], rows), file=out or sys.stdout)
     return 0 if all(r.healthy for r in results) else 1

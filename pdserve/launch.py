@@ -1,13 +1,21 @@
 """`pdserve launch`: run a cluster config's workers and router as supervised child processes.
 
     plan (argv, env, NUMA pinning per process) -> check ports free -> start workers -> wait for
-    their /health -> start router -> wait -> print table -> watch -> stop all on signal or death
+    their /health -> start router -> wait -> print table -> supervise -> stop all on signal
 
 Each child is `python -m pdserve serve --config <log_dir>/<name>.json` (its validated ServeConfig,
 mode 0600: no secret in argv) in its own process group (so a stop reaches anything
 it spawned, such as a tensor-parallel worker's rank processes), logs to <log_dir>/<name>.log, and
-gets SIGTERM from the kernel if the launcher dies. Stop: SIGTERM every group, wait
-stop_grace_seconds, SIGKILL what is left.
+gets SIGTERM from the kernel if the launcher dies. The log folder is new for every launch (under
+<cache>/logs unless given) and kept; <cache>/logs/latest points at the newest.
+
+Supervision: once the cluster is up, a child that exits is restarted by its `restart` policy
+(on-failure, always, never) after a backoff that doubles with each restart in `restart_window`;
+the other processes keep running (the router answers 503 while no pair can serve). More than
+`max_restarts` in the window is a crash loop: launch says so and leaves that process down. Each
+exit is reported with its cause and log tail, and <log_dir>/status.json (read by `pdserve health`)
+and <log_dir>/metrics.prom (`pdserve_launch_restarts_total`, Prometheus text format) count them.
+Stop: SIGTERM every group, wait stop_grace_seconds, SIGKILL what is left.
 
 A worker with tp_size N is one `serve --tensor-parallel-size N` process that starts its other
 N-1 ranks itself: on CUDA it sees exactly its `gpus` (CUDA_VISIBLE_DEVICES, in config order) and
@@ -17,9 +25,9 @@ rank r uses the r-th; on CPU its ranks are gloo processes sharing its pinned CPU
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -31,7 +39,7 @@ from typing import TextIO
 
 import httpx
 
-from pdserve.config import TINY_PREFIX, ClusterConfig, RouterServeConfig, WorkerConfig, WorkerServeConfig
+from pdserve.config import ClusterConfig, RestartPolicy, RouterServeConfig, WorkerConfig, WorkerServeConfig, cache_dir, resolve_model
 from pdserve.health_cli import format_table
 from pdserve.numa import PinPlan, format_cpulist, plan_pinning, process_cpus
 
@@ -41,31 +49,6 @@ PR_SET_PDEATHSIG = 1
 
 class LaunchError(RuntimeError):
     """The cluster could not start or stopped working; the message names the process and why."""
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("PDSERVE_CACHE") or Path.home() / ".cache" / "pdserve")
-
-
-def resolve_model(spec: str) -> str:
-    """A checkpoint folder, or 'tiny:<arch>' -> the tiny model in the cache, made if absent."""
-    if not spec.startswith(TINY_PREFIX):
-        if not os.path.isfile(os.path.join(spec, "config.json")):
-            raise LaunchError(f"model folder {spec!r} has no config.json (pass --model DIR or 'tiny:deepseek_v3')")
-        return os.path.abspath(spec)
-    arch = spec[len(TINY_PREFIX) :]
-    target = cache_dir() / f"tiny-{arch}-seed0"
-    if not (target / "config.json").is_file():
-        from pdserve.tiny_model import make_tiny_model
-
-        print(f"making the tiny {arch} model in {target}", flush=True)
-        tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
-        make_tiny_model(str(tmp), arch, 0)
-        try:
-            tmp.rename(target)  # atomic: a concurrent launch sees all of it or none
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)  # another launch made it first
-    return str(target)
 
 
 @dataclass
@@ -79,6 +62,7 @@ class ProcSpec:
     pin: PinPlan
     gpus: list[int] = field(default_factory=list)
     headers: dict[str, str] = field(default_factory=dict)  # for its /health (the router's API key)
+    restart: RestartPolicy = "on-failure"
 
     @property
     def url(self) -> str:
@@ -90,6 +74,11 @@ def _url(host: str, port: int) -> str:
     return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{port}"
 
 
+def _worker_url(w: WorkerConfig) -> str:
+    """Where the router reaches a worker: its advertised address when one is set, else as local."""
+    return w.advertised_url() if w.advertise_host else _url(w.host, w.port)
+
+
 def worker_spec(name: str, w: WorkerConfig, cfg: ClusterConfig, model: str, secret: str) -> ProcSpec:
     role = name.rsplit("-", 1)[0]
     peers = {"prefill": cfg.decode, "decode": cfg.prefill}.get(role, [])
@@ -98,7 +87,7 @@ def worker_spec(name: str, w: WorkerConfig, cfg: ClusterConfig, model: str, secr
         model=model,
         worker=w.model_copy(update={"engine_id": w.engine_id or f"{name}-{w.port}"}),
         transfer=cfg.transfer,
-        peers=[_url(p.host, p.port) for p in peers],
+        peers=[p.advertised_url() for p in peers],  # what their KV handles' metadata URLs say
         cluster_secret=secret,
     )
     pin = plan_pinning(w.numa_node, w.gpus, w.cpus)
@@ -108,7 +97,7 @@ def worker_spec(name: str, w: WorkerConfig, cfg: ClusterConfig, model: str, secr
     if pin.cpus and "OMP_NUM_THREADS" not in os.environ:
         # torch's default counts every core, not ours; the worker's ranks share its cores
         env["OMP_NUM_THREADS"] = str(max(1, len(pin.cpus) // w.tp_size))
-    return ProcSpec(name, role, w.host, w.port, config, env, pin, list(w.gpus))
+    return ProcSpec(name, role, w.host, w.port, config, env, pin, list(w.gpus), restart=w.restart)
 
 
 def router_spec(cfg: ClusterConfig, model: str, secret: str) -> ProcSpec:
@@ -118,13 +107,13 @@ def router_spec(cfg: ClusterConfig, model: str, secret: str) -> ProcSpec:
         model=model,
         served_model_name=cfg.served_model_name,
         router=r,
-        prefill=[_url(w.host, w.port) for w in cfg.prefill],
-        decode=[_url(w.host, w.port) for w in cfg.decode],
-        colocated=[_url(w.host, w.port) for w in cfg.colocated],
+        prefill=[_worker_url(w) for w in cfg.prefill],
+        decode=[_worker_url(w) for w in cfg.decode],
+        colocated=[_worker_url(w) for w in cfg.colocated],
         cluster_secret=secret,
     )
     auth = {"Authorization": f"Bearer {r.api_key}"} if r.api_key else {}
-    return ProcSpec("router", "router", r.host, r.port, config, {"CUDA_VISIBLE_DEVICES": ""}, PinPlan("none", None, (), "router"), headers=auth)
+    return ProcSpec("router", "router", r.host, r.port, config, {"CUDA_VISIBLE_DEVICES": ""}, PinPlan("none", None, (), "router"), headers=auth, restart=r.restart)
 
 
 def plan(cfg: ClusterConfig, model: str) -> list[ProcSpec]:
@@ -194,18 +183,38 @@ def _child_setup(pin: PinPlan, parent: int):
 
 
 @dataclass
+class Restarts:
+    """How launch restarts a child that died (the cluster config's restart settings)."""
+
+    max_restarts: int = 5
+    window_s: float = 300.0
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+
+    @classmethod
+    def of(cls, cfg: ClusterConfig) -> "Restarts":
+        return cls(cfg.max_restarts, cfg.restart_window, cfg.restart_backoff, cfg.max_restart_backoff)
+
+
+@dataclass
 class Child:
     spec: ProcSpec
     popen: subprocess.Popen
     log: Path
     healthy: bool = False
+    state: str = "starting"  # starting | healthy | waiting to restart | stopped | gave up
+    restarts: int = 0
+    recent: list[float] = field(default_factory=list)  # monotonic times of restarts in the window
+    restart_at: float | None = None
+    exits: list[str] = field(default_factory=list)  # why each earlier run ended
 
 
 class Cluster:
-    """Starts, watches and stops the child processes of one launch."""
+    """Starts, watches, restarts and stops the child processes of one launch."""
 
-    def __init__(self, log_dir: Path, out: TextIO):
+    def __init__(self, log_dir: Path, out: TextIO, restarts: Restarts | None = None):
         self.log_dir, self.out = log_dir, out
+        self.restarts = restarts or Restarts()
         self.children: list[Child] = []
         self.stop_signal: int | None = None
 
@@ -213,10 +222,15 @@ class Cluster:
         print(msg, file=self.out, flush=True)
 
     def start(self, spec: ProcSpec) -> Child:
+        child = Child(spec, self._spawn(spec), self.log_dir / f"{spec.name}.log")
+        self.children.append(child)
+        return child
+
+    def _spawn(self, spec: ProcSpec, header: str = "") -> subprocess.Popen:
         log = self.log_dir / f"{spec.name}.log"
         argv = spec.pin.command_prefix() + [sys.executable, "-m", "pdserve", "serve", "--config", str(write_serve_config(spec, self.log_dir))]
-        with open(log, "wb") as f:
-            f.write(f"# {' '.join(argv)}\n".encode())
+        with open(log, "ab") as f:  # a restart appends: the crashed run's log stays above it
+            f.write(f"{header}# {' '.join(argv)}\n".encode())
             f.flush()
             popen = subprocess.Popen(
                 argv, env={**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}, stdin=subprocess.DEVNULL,
@@ -224,9 +238,7 @@ class Cluster:
             )  # fmt: skip
         pinned = f"{spec.pin.method} node {spec.pin.node}" if spec.pin.method != "none" else f"unpinned ({spec.pin.reason})"
         self.say(f"started {spec.name} ({spec.role}) pid {popen.pid} on {spec.url}, {pinned}, log {log}")
-        child = Child(spec, popen, log)
-        self.children.append(child)
-        return child
+        return popen
 
     def dead_child_error(self, c: Child, when: str) -> LaunchError:
         return LaunchError(
@@ -275,14 +287,75 @@ class Cluster:
             rows.append([c.spec.name, c.spec.role, str(c.spec.port), str(c.popen.pid), gpus, node, cpus, health])
         return format_table(["process", "role", "port", "pid", "gpus", "numa", "cpus", "health"], rows)
 
-    def watch(self) -> Child | None:
-        """Block until a stop signal (None) or a child exits (that child)."""
-        while self.stop_signal is None:
-            for c in self.children:
-                if c.popen.poll() is not None:
-                    return c
-            time.sleep(0.25)
-        return None
+    def supervise(self) -> None:
+        """Until a stop signal: restart children that exit (by policy), take them back when healthy."""
+        with httpx.Client(trust_env=False, timeout=1.0) as client:
+            while self.stop_signal is None:
+                for c in self.children:
+                    self._tend(c, client)
+                self.write_status()
+                time.sleep(0.25)
+
+    def _tend(self, c: Child, client: httpx.Client) -> None:
+        if c.restart_at is not None:
+            if time.monotonic() >= c.restart_at:
+                self._restart(c)
+        elif c.state in ("starting", "healthy") and c.popen.poll() is not None:
+            self._exited(c)
+        elif c.state == "starting" and self._probe(c, client):
+            c.state = "healthy"
+            self.say(f"{c.spec.name} is healthy again (restart {c.restarts})")
+
+    def _probe(self, c: Child, client: httpx.Client) -> bool:
+        try:
+            c.healthy = client.get(c.spec.url + "/health", headers=c.spec.headers).status_code == 200
+        except httpx.HTTPError:
+            c.healthy = False
+        return c.healthy
+
+    def _exited(self, c: Child) -> None:
+        rc = c.popen.returncode
+        _signal_group(c.popen.pid, signal.SIGKILL)  # what it spawned (TP ranks) goes with it
+        c.healthy = False
+        cause = f"{c.spec.name} (pid {c.popen.pid}) {_exit_text(rc)}"
+        c.exits.append(_exit_text(rc))
+        tail = f"last lines of {c.log}:\n{log_tail(c.log)}"
+        if c.spec.restart == "never" or (c.spec.restart == "on-failure" and rc == 0):
+            c.state = "stopped"
+            self.say(f"{cause}; not restarted (restart: {c.spec.restart}); {tail}")
+            return
+        now = time.monotonic()
+        c.recent = [t for t in c.recent if now - t < self.restarts.window_s]
+        if len(c.recent) >= self.restarts.max_restarts:
+            c.state = "gave up"
+            self.say(
+                f"{cause}; crash loop: {len(c.recent)} restarts within {self.restarts.window_s:.0f} s "
+                f"(max_restarts {self.restarts.max_restarts}), giving up - it stays down; {tail}"
+            )
+            return
+        delay = min(self.restarts.backoff_s * 2 ** len(c.recent), self.restarts.max_backoff_s)
+        c.state, c.restart_at = "waiting to restart", now + delay
+        self.say(f"{cause}; restarting in {delay:.1f} s (restart {c.restarts + 1}); {tail}")
+
+    def _restart(self, c: Child) -> None:
+        c.restarts += 1
+        c.recent.append(time.monotonic())
+        c.restart_at = None
+        header = f"# ---- restart {c.restarts} after: {c.exits[-1]} ----\n"
+        c.popen = self._spawn(c.spec, header)
+        c.state = "starting"
+
+    def write_status(self) -> None:
+        """status.json (for `pdserve health`) and metrics.prom (Prometheus text format)."""
+        procs = [
+            {"name": c.spec.name, "role": c.spec.role, "url": c.spec.url, "pid": c.popen.pid, "state": c.state,
+             "restarts": c.restarts, "exits": c.exits[-5:]}
+            for c in self.children
+        ]  # fmt: skip
+        _write_atomic(self.log_dir / "status.json", json.dumps({"launcher_pid": os.getpid(), "processes": procs}, indent=1))
+        lines = ["# HELP pdserve_launch_restarts_total Restarts of each process by pdserve launch.", "# TYPE pdserve_launch_restarts_total counter"]
+        lines += [f'pdserve_launch_restarts_total{{process="{c.spec.name}",role="{c.spec.role}"}} {c.restarts}' for c in self.children]
+        _write_atomic(self.log_dir / "metrics.prom", "\n".join(lines) + "\n")
 
     def stop(self, grace: float) -> None:
         """SIGTERM every child's group (router first), SIGKILL what is left after `grace` seconds."""
@@ -302,6 +375,12 @@ class Cluster:
             c.healthy = False
 
 
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def _exit_text(rc: int) -> str:
     return f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"
 
@@ -317,10 +396,29 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
+def new_log_dir(given: str | None) -> Path:
+    """The given folder, else a new one per launch under <cache>/logs; <cache>/logs/latest points at it."""
+    if given:
+        folder = Path(given).resolve()
+    else:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        folder = cache_dir() / "logs" / f"{stamp}-{os.getpid()}"
+    folder.mkdir(parents=True, exist_ok=True)
+    latest = cache_dir() / "logs" / "latest"
+    try:
+        latest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = latest.with_name(f"latest.{os.getpid()}")
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(folder)
+        tmp.replace(latest)
+    except OSError:
+        pass  # the link is a convenience for `pdserve health`
+    return folder
+
+
 def launch(cfg: ClusterConfig, model: str | None = None, log_dir: str | None = None, out: TextIO | None = None) -> int:
-    """Run the cluster until SIGINT/SIGTERM (exit 0) or a failure (exit 1, reason printed)."""
-    cluster = Cluster(Path(log_dir or cfg.log_dir), out or sys.stdout)
-    cluster.log_dir.mkdir(parents=True, exist_ok=True)
+    """Run and supervise the cluster until SIGINT/SIGTERM (exit 0), or fail to start (exit 1)."""
+    cluster = Cluster(new_log_dir(log_dir or cfg.log_dir), out or sys.stdout, Restarts.of(cfg))
 
     def on_signal(signum: int, _frame: object) -> None:
         cluster.stop_signal = signum
@@ -335,11 +433,11 @@ def launch(cfg: ClusterConfig, model: str | None = None, log_dir: str | None = N
         if cluster.wait_healthy(workers, cfg.startup_timeout):
             router = cluster.start(specs[-1])
             if cluster.wait_healthy([router], cfg.startup_timeout):
+                for c in cluster.children:
+                    c.state = "healthy"
                 cluster.say(cluster.table())
-                cluster.say(f"pdserve is up: OpenAI API on {router.spec.url}/v1 (Ctrl-C stops everything)")
-                dead = cluster.watch()
-                if dead is not None:
-                    raise cluster.dead_child_error(dead, "unexpectedly")
+                cluster.say(f"pdserve is up: OpenAI API on {router.spec.url}/v1 (Ctrl-C stops everything); logs in {cluster.log_dir}")
+                cluster.supervise()
         cluster.say(f"stopping on {signal.Signals(cluster.stop_signal).name}")
         return 0
     except (LaunchError, ValueError) as err:
@@ -352,4 +450,7 @@ def launch(cfg: ClusterConfig, model: str | None = None, log_dir: str | None = N
         for s, handler in previous.items():
             signal.signal(s, handler)
         if cluster.children:
+            for c in cluster.children:
+                c.state = "stopped"
+            cluster.write_status()
             cluster.say("all processes stopped")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Sequence
 
+from pdserve.config import resolve_model
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import Request
@@ -32,9 +33,10 @@ class LLM:
         seed: int = 0,
         **engine_kwargs: Any,
     ) -> None:
-        """engine_kwargs: any other EngineConfig field (num_kv_blocks, max_model_len, ...)."""
+        """model: a checkpoint folder, or 'tiny:<arch>' (the tiny random model, made in the cache on
+        first use). engine_kwargs: any other EngineConfig field (num_kv_blocks, max_model_len, ...)."""
         config = EngineConfig(
-            model=model,
+            model=resolve_model(model),
             device=device,
             dtype=dtype,
             max_num_seqs=max_num_seqs,

@@ -17,13 +17,13 @@ import functools
 import logging
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import uvicorn
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
-from pdserve.config import DEFAULT_PORTS, RouterServeConfig, ServeConfig, WorkerServeConfig
+from pdserve.config import DEFAULT_PORTS, RouterServeConfig, ServeConfig, WorkerServeConfig, resolve_model
 
 log = logging.getLogger("pdserve.serve")
 
@@ -32,8 +32,8 @@ WORKER_FLAGS = {
     "device": "worker.device", "dtype": "worker.dtype", "tensor_parallel_size": "worker.tp_size",
     "kv_block_size": "worker.kv_block_size", "num_kv_blocks": "worker.num_kv_blocks",
     "max_num_seqs": "worker.max_num_seqs", "max_num_batched_tokens": "worker.max_num_batched_tokens",
-    "engine_id": "worker.engine_id", "lease_seconds": "worker.lease_seconds",
-    "max_open_requests": "worker.max_open_requests", "peer": "peers",
+    "engine_id": "worker.engine_id", "advertise_host": "worker.advertise_host", "lease_seconds": "worker.lease_seconds",
+    "max_open_requests": "worker.max_open_requests", "stall_timeout": "worker.stall_timeout", "peer": "peers",
     "transfer_backend": "transfer.backend", "transfer_timeout": "transfer.timeout",
     "metadata_timeout": "transfer.metadata_timeout", "kv_load_failure_policy": "transfer.kv_load_failure_policy",
 }  # fmt: skip
@@ -56,7 +56,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     add("--role", help="prefill | decode | colocated | router")
     add("--host", help="bind address (default 127.0.0.1)")
     add("--port", help="default: router 8000, prefill 30000, decode 30001, colocated 30002")
-    add("--model", metavar="DIR", help="checkpoint folder (the router reads its tokenizer)")
+    add("--model", metavar="DIR", help="checkpoint folder, or tiny:<arch> (the router reads its tokenizer)")
     add("--cluster-secret", help="shared secret for /internal/* (required when a worker binds beyond loopback)")
     add("--max-model-len", help="context length (router: an extra cap on the workers')")
     w = functools.partial(p.add_argument_group("worker").add_argument, default=argparse.SUPPRESS)
@@ -68,6 +68,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     w("--max-num-seqs")
     w("--max-num-batched-tokens")
     w("--engine-id", help="transfer agent name (default <role>-<port>)")
+    w("--advertise-host", help="the address other hosts reach this worker on, put in its KV handles (default: --host, or this host's name when --host is 0.0.0.0/::)")
     w("--lease-seconds", help="prefill keeps a request's KV this long for decode")
     w("--transfer-backend", help="nixl")
     w("--transfer-timeout", help="seconds for one request's KV read")
@@ -75,6 +76,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     w("--peer", action="append", metavar="URL", help="a worker whose transfer metadata may be fetched (repeatable)")
     w("--kv-load-failure-policy", help="decode: a failed KV read fails the request (fail) or computes the prompt here (recompute)")
     w("--max-open-requests", help="requests admitted at once before 429 (default max(8 x max-num-seqs, 256))")
+    w("--stall-timeout", help="seconds without a finished engine step, while requests are open, before /health says 503 (default 60)")
     r = functools.partial(p.add_argument_group("router").add_argument, default=argparse.SUPPRESS)
     r("--prefill", action="append", metavar="URL")
     r("--decode", action="append", metavar="URL")
@@ -135,6 +137,7 @@ def run_serve(args: argparse.Namespace) -> int:
     role = getattr(args, "role", "?")
     try:
         cfg = config_from_args(args)
+        cfg = cfg.model_copy(update={"model": resolve_model(cfg.model)})  # tiny:<arch> -> its folder
         role = cfg.role
         if isinstance(cfg, RouterServeConfig):
             from pdserve.router.app import build_router_app
@@ -151,8 +154,22 @@ def run_serve(args: argparse.Namespace) -> int:
     # the server closes an idle connection just as the router reuses it, and the POST gets ReadError
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on", timeout_graceful_shutdown=5, timeout_keep_alive=75)
     log.info("pdserve %s listening on http://%s:%d", role, host, port)
-    uvicorn.Server(config).run()
+    _Server(config, getattr(app.state, "on_exit", None)).run()
     return 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling the app when a stop signal arrives (the router then ends its open
+    streams with an error event at once, rather than when the graceful-shutdown time runs out)."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None] | None) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self._on_exit is not None:
+            self._on_exit()
+        super().handle_exit(sig, frame)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -70,10 +70,21 @@ def main() -> None:
     p.add_argument("--lease-s", type=float, default=60.0)
     args = p.parse_args()
 
-    conn = NixlConnector(args.engine_id, model_id=args.model_id, lease_s=args.lease_s)
+    conn = NixlConnector(args.engine_id, model_id=args.model_id, lease_s=args.lease_s, progress_thread=False)  # as a worker runs it
     conn.register_kv_cache(make_kv(getattr(torch, args.dtype), args.seed, args.num_blocks))
     server = serve_metadata(conn.peer_metadata())
     conn.metadata_url = f"http://127.0.0.1:{server.server_address[1]}/metadata"
+
+    # what a prefill worker's engine loop does while it holds KV: poll the connector every 20 ms
+    # (with NIXL's progress thread off, that is what advances the peer's side of a read)
+    lock, released, stop = threading.Lock(), [], threading.Event()
+
+    def poller() -> None:
+        while not stop.wait(0.02):
+            with lock:
+                released.extend(conn.poll_releases())
+
+    threading.Thread(target=poller, daemon=True).start()
 
     def reply(doc: dict) -> None:
         replies.write(json.dumps(doc) + "\n")
@@ -83,24 +94,22 @@ def main() -> None:
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "prefill":
-            handle = conn.on_prefill_finished(cmd["request_id"], cmd["block_ids"], cmd["num_tokens"])
+            with lock:
+                handle = conn.on_prefill_finished(cmd["request_id"], cmd["block_ids"], cmd["num_tokens"])
             reply({"handle": handle.model_dump()})
         elif cmd["op"] == "poll":
-            released = conn.poll_releases()
-            s = conn.stats
-            reply(
-                {
-                    "released": released,
-                    "leases": len(conn.leases),
-                    "leases_released": s.leases_released,
-                    "lease_expirations": s.lease_expirations,
-                }
-            )
+            with lock:
+                released.extend(conn.poll_releases())
+                done, released[:] = list(released), []
+                s = conn.stats
+                reply({"released": done, "leases": len(conn.leases), "leases_released": s.leases_released, "lease_expirations": s.lease_expirations})
         elif cmd["op"] == "exit":
             break
         else:
             reply({"error": f"unknown op {cmd['op']!r}"})
-    conn.shutdown()
+    stop.set()
+    with lock:
+        conn.shutdown()
     server.shutdown()
     reply({"bye": True})
 

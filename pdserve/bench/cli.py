@@ -1,7 +1,7 @@
 """`pdserve bench`: sweep concurrency levels against an OpenAI-compatible server,
 plot result files, or advise on PD vs colocated.
 
-    pdserve bench --base-url URL --concurrency 1,8,16 --num-prompts 6,24,32 --out r.json [--plot r.png]
+    pdserve bench [--base-url URL] --concurrency 1,8,16 --num-prompts 6,24,32 [--out r.json] [--plot r.png]
     pdserve bench plot a.json b.json -o out.png
     pdserve bench advise colocated.json pd.json [--colocated-gpus N --pd-gpus M] [--live --metrics-url URL ...]
 """
@@ -18,6 +18,8 @@ from typing import Any, Callable
 
 from pdserve.bench import advisor, dataset, report, workers
 from pdserve.bench.client import fetch_models, run_level
+
+DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 
 
 def _int_list(text: str) -> list[int]:
@@ -43,7 +45,7 @@ def run_parser() -> argparse.ArgumentParser:
         description="Benchmark an OpenAI-compatible server over concurrency levels.",
         epilog="Also: `pdserve bench plot A.json B.json -o out.png` and `pdserve bench advise colocated.json pd.json`.",
     )
-    p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
+    p.add_argument("--base-url", default=DEFAULT_BASE_URL, help=f"server root (default {DEFAULT_BASE_URL}, where `pdserve launch` serves)")
     p.add_argument("--model", help="model name to request (default: the first of /v1/models)")
     p.add_argument("--dataset", nargs="+", default=["random"], metavar="NAME [FILE]", help="random (token ids), or sharegpt FILE")
     p.add_argument("--input-len", type=int, default=256, help="prompt tokens (random dataset)")
@@ -59,12 +61,26 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-url", action="append", default=[], help="a worker's /metrics to record per level (repeatable)")
     p.add_argument("--timeout", type=_positive_float, default=600.0, help="seconds a request may wait for its next byte")
     p.add_argument("--disable-tqdm", action="store_true")
-    p.add_argument("--out", required=True, help="results JSON file")
-    p.add_argument("--plot", default=None, help="also write this PNG")
+    p.add_argument("--out", default=None, help="results JSON file (default: pdserve-bench-<UTC time>.json here)")
+    p.add_argument("--plot", default=None, help="also write this PNG (needs matplotlib: pip install 'pdserve[bench]')")
     return p
 
 
+def default_out() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("pdserve-bench-%Y%m%d-%H%M%S.json")
+
+
+def check_plotting() -> None:
+    """Before any work: plotting needs matplotlib, an optional extra."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError("plotting needs matplotlib, which is not installed: pip install 'pdserve[bench]' (or pip install matplotlib)") from None
+
+
 def _check(args: argparse.Namespace) -> None:
+    if args.plot:
+        check_plotting()
     if len(args.concurrency) != len(args.num_prompts):
         raise ValueError(f"--concurrency has {len(args.concurrency)} levels but --num-prompts has {len(args.num_prompts)}")
     if args.input_len <= 0 or args.output_len <= 0:
@@ -141,6 +157,7 @@ def _try_scrape(urls: list[str]) -> list[workers.Scrape] | str:
 
 def bench(argv: list[str]) -> int:
     args = run_parser().parse_args(argv)
+    args.out = args.out or default_out()
     try:
         _check(args)
         slo = report.parse_slo(args.slo)
@@ -182,6 +199,11 @@ def plot_main(argv: list[str]) -> int:
     p.add_argument("-o", "--out", required=True, help="PNG to write")
     p.add_argument("--title", default=None)
     args = p.parse_args(argv)
+    try:
+        check_plotting()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     from pdserve.bench.plot import plot_runs, run_label
 
     try:

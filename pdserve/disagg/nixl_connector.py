@@ -90,7 +90,10 @@ class NixlOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    progress_thread: bool = True  # NIXL's UCX progress thread; off: transfers advance only when polled
+    # NIXL's own UCX progress thread busy-polls (nixl's Python agent sets its delay to 0): ~90% of a
+    # core per idle worker. Off (default), transfers advance when the engine loop polls them, which
+    # it does every millisecond while a load is in flight and every 20 ms while prefill holds KV.
+    progress_thread: bool = False
     # a pool on the GPU: set UCX_GPU_DEFAULTS and UCX_MODULE_DIR where the environment does not
     ucx_gpu_defaults: bool = True
 
@@ -156,7 +159,8 @@ class NixlConnector(LeasingConnector):
     ) -> None:
         """See LeasingConnector for the common arguments.
         progress_thread: NIXL's own UCX progress thread; without it transfers advance only inside
-        poll_loads / poll_releases calls.
+        poll_loads / poll_releases calls, so a peer must poll while it holds KV (as the engine
+        loop does). Workers take NixlOptions' default (off); on here for a caller that never polls.
         ucx_gpu_defaults: for a pool on the GPU, set the UCX defaults above (unless set already).
         The NIXL agent is created by register_kv_cache, once the pool's device is known."""
         if importlib.util.find_spec("nixl") is None:

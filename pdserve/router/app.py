@@ -86,18 +86,26 @@ class Router:
         self.admission = _Admission(config.router.max_queued_requests, metrics)
         self.dispatcher: Dispatcher | None = None  # made in the lifespan, with the HTTP client
         self.headers = {SECRET_HEADER: config.cluster_secret} if config.cluster_secret else {}
+        self.draining: asyncio.Event | None = None  # set on SIGTERM/SIGINT: open streams end with an error event
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start_draining(self) -> None:
+        """From the signal handler (any thread): end every open stream with an error event now,
+        instead of leaving clients without one when the server's grace period runs out."""
+        if self._loop is not None and self.draining is not None:
+            self._loop.call_soon_threadsafe(self.draining.set)
 
     def max_model_len(self) -> int:
         known = self.pool.max_model_len()
         limits = [n for n in (known, self.s.max_model_len) if n is not None]
         if not limits:
-            raise OpenAIError(503, "no worker has reported its context length yet (none healthy?)", code="no_healthy_workers")
+            raise self.pool.unavailable()
         return min(limits)
 
     # -- serving one request --
     async def serve(self, fmt: Formatter, prep: Prepared, stream: bool, receive: Receive) -> Response:
         if self.dispatcher is None or not self.pool.can_serve():
-            raise OpenAIError(503, "no healthy workers: need a prefill and a decode worker, or a colocated one", code="no_healthy_workers")
+            raise self.pool.unavailable()
         self.admission.enter()
         t0 = time.monotonic()
         deadline = t0 + self.s.request_timeout
@@ -126,19 +134,25 @@ class Router:
         return JSONResponse(fmt.response())
 
     async def _collect(self, fmt: Formatter, first: tuple[int, GenerateChunk] | None, merged: AsyncIterator, deadline: float) -> None:
-        item = first
-        while item is not None:
-            fmt.choices[item[0]].add(item[1])
-            item = await _next(merged, deadline)
+        drain = asyncio.ensure_future(self.draining.wait()) if self.draining is not None else None
+        try:
+            item = first
+            while item is not None:
+                fmt.choices[item[0]].add(item[1])
+                item = await _next_unless(drain, merged, deadline)
+        finally:
+            if drain is not None:
+                drain.cancel()
 
     async def _events(self, fmt: Formatter, first: tuple[int, GenerateChunk] | None, merged: AsyncIterator, t0: float, deadline: float) -> AsyncIterator[bytes]:
+        drain = asyncio.ensure_future(self.draining.wait()) if self.draining is not None else None
         try:
             item = first
             while item is not None:
                 data = fmt.chunk(*item)
                 if data is not None:
                     yield data
-                item = await _next(merged, deadline)
+                item = await _next_unless(drain, merged, deadline)
             if fmt.include_usage:
                 yield fmt.usage_chunk()
             self._done(fmt, t0)
@@ -146,6 +160,9 @@ class Router:
         except OpenAIError as e:
             yield sse_error(e)
             yield DONE
+        finally:
+            if drain is not None:
+                drain.cancel()
 
     def _done(self, fmt: Formatter, t0: float) -> None:
         self.metrics.e2e.observe(time.monotonic() - t0)
@@ -169,6 +186,7 @@ def build_router_app(config: RouterServeConfig) -> FastAPI:
             router.dispatcher = Dispatcher(
                 pool, client, make_policy(settings.prefill_policy), make_policy(settings.decode_policy), router.headers, metrics, settings
             )
+            router.draining, router._loop = asyncio.Event(), asyncio.get_running_loop()
             prober = asyncio.create_task(pool.run(client, settings.health_interval, router.headers))
             try:
                 yield
@@ -179,6 +197,7 @@ def build_router_app(config: RouterServeConfig) -> FastAPI:
     app = FastAPI(title="pdserve router", version="1", lifespan=lifespan)
     install_error_handlers(app)
     app.state.router = router
+    app.state.on_exit = router.start_draining  # serve.py calls it when a stop signal arrives
 
     @app.post("/v1/completions", responses=COMPLETION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -204,6 +223,7 @@ def build_router_app(config: RouterServeConfig) -> FastAPI:
             "healthy_prefill": len(pool.healthy("prefill")),
             "healthy_decode": len(pool.healthy("decode")),
             "healthy_colocated": len(pool.healthy("colocated")),
+            "reason": None if ok else pool.missing(),
         }
         return JSONResponse(body, status_code=200 if ok else 503)
 
@@ -256,6 +276,28 @@ async def _next(it: AsyncIterator, deadline: float, code: str = "timeout"):
     except TimeoutError:
         what = "the request timed out" if code == "timeout" else "no first token before the first-token timeout"
         raise OpenAIError(504, what, code=code) from None
+
+
+async def _next_unless(drain: asyncio.Future | None, it: AsyncIterator, deadline: float):
+    """_next, unless the server starts shutting down first: then OpenAIError 503."""
+    if drain is None:
+        return await _next(it, deadline)
+    if drain.done():
+        raise _shutting_down()
+    nxt = asyncio.ensure_future(_next(it, deadline))
+    try:
+        await asyncio.wait({nxt, drain}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not nxt.done():
+            nxt.cancel()
+            await asyncio.gather(nxt, return_exceptions=True)
+    if nxt.cancelled():
+        raise _shutting_down()
+    return nxt.result()
+
+
+def _shutting_down() -> OpenAIError:
+    return OpenAIError(503, "the server is shutting down; this request was stopped", code="server_shutting_down")
 
 
 async def _anext(it: AsyncIterator):

@@ -84,7 +84,7 @@ class Dispatcher:
         elif self.pool.available("colocated"):
             source = self._colocated(req)
         else:
-            raise OpenAIError(503, "no healthy workers: need a prefill and a decode worker, or a colocated one", code="no_healthy_workers")
+            raise self.pool.unavailable()
         offsets = _Offsets()
         try:
             async for chunk in source:

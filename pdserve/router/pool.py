@@ -21,6 +21,7 @@ from pydantic import ValidationError
 
 from pdserve.router.breaker import BreakerState, CircuitBreaker
 from pdserve.router.metrics import RouterMetrics
+from pdserve.wire.errors import OpenAIError
 from pdserve.wire.protocol import WorkerHealth, WorkerInfo
 
 log = logging.getLogger("pdserve.router")
@@ -28,6 +29,7 @@ log = logging.getLogger("pdserve.router")
 PoolRole = Literal["prefill", "decode", "colocated"]
 PROBE_TIMEOUT_S = 5.0
 DOWN_PROBE_INTERVAL_S = 1.0
+RETRY_AFTER_S = 2  # what a 503 for "no worker can serve now" tells clients
 
 
 @dataclass
@@ -104,6 +106,19 @@ class WorkerPool:
 
     def can_serve(self) -> bool:
         return self.can_pd() or bool(self.available("colocated"))
+
+    def missing(self) -> str:
+        """Why no request can be served now, naming the roles that have no available worker."""
+        roles = [r for r in ("prefill", "decode", "colocated") if any(w.role == r for w in self.workers)]
+        down = [r for r in roles if not self.available(r)]
+        return "no available " + " or ".join(f"{r} worker" for r in down) if down else "no available worker"
+
+    def unavailable(self) -> OpenAIError:
+        """The 503 for a request that arrives while no (prefill, decode) pair or colocated worker can serve."""
+        return OpenAIError(
+            503, f"{self.missing()}: the cluster cannot serve now (restarting?); retry shortly",
+            code="no_healthy_workers", headers={"Retry-After": str(RETRY_AFTER_S)},
+        )  # fmt: skip
 
     def max_model_len(self) -> int | None:
         """The smallest context any known worker allows (a request must fit wherever it lands)."""

@@ -104,6 +104,7 @@ class WorkerHealth(BaseModel):
     role: Role
     engine_id: str
     reason: str | None = None
+    engine_heartbeat_age_s: float = 0.0  # seconds since the engine loop last turned (grows during a step)
     num_requests_running: int = 0
     num_requests_waiting: int = 0
     kv_blocks_used: int = 0
@@ -117,3 +118,4 @@ class RouterHealth(BaseModel):
     healthy_prefill: int
     healthy_decode: int
     healthy_colocated: int
+    reason: str | None = None  # when unhealthy: which role has no available worker

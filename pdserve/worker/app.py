@@ -1,6 +1,7 @@
 """A worker: one engine behind HTTP, in role prefill, decode or colocated.
 
-Public: GET /health (200 only while the model is loaded and the engine loop alive), GET /metrics.
+Public: GET /health (200 only while the model is loaded and the engine loop alive and not stalled:
+a step unfinished for longer than the stall timeout while requests are open is 503), GET /metrics.
 Internal (pdserve.wire.protocol): /internal/generate, /internal/abort, /internal/kv_metadata,
 /internal/info - guarded by the cluster secret when one is configured.
 
@@ -53,12 +54,14 @@ def build_worker_app(state: WorkerState, cluster_secret: str | None) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         stats = state.engine.stats()
-        ok = state.engine.alive
+        stalled = state.engine.stalled()
+        ok = state.engine.alive and stalled is None
         body = WorkerHealth(
             status="ok" if ok else "unhealthy",
             role=state.info.role,
             engine_id=state.info.engine_id,
-            reason=None if ok else (state.engine.error or "engine stopped"),
+            reason=None if ok else (state.engine.error or stalled or "engine stopped"),
+            engine_heartbeat_age_s=round(state.engine.heartbeat_age(), 3),
             num_requests_running=stats.num_running,
             num_requests_waiting=stats.num_waiting,
             kv_blocks_used=stats.kv_blocks_used,

@@ -7,7 +7,9 @@ Outputs are cumulative, so a stream keeps only the latest one: a slow reader nev
 grow, it just reads a bigger delta. The thread sleeps while there is nothing to do, polls often
 while KV loads are in flight, and now and then while prefill holds KV (to see releases and lease
 expiries). If step() raises, the engine is dead: every open stream gets an error output, `alive`
-turns False, and /health reports it.
+turns False, and /health reports it. The thread beats (`last_beat`) at every turn of its loop, so
+a step that hangs (a stopped rank, a stuck collective) shows as a beat that grows old while
+requests are open: `stalled()` says so once it is older than the stall timeout, and /health is 503.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ log = logging.getLogger("pdserve.worker")
 IDLE_WAIT_S = 0.5  # nothing to do: wake at least this often (liveness)
 HELD_POLL_S = 0.02  # prefill holds KV: look for release notifications this often
 LOAD_POLL_S = 0.001  # decode waits for KV reads only: poll the transfers this often
+DEFAULT_STALL_S = 60.0
 
 
 class RequestStream:
@@ -58,9 +61,10 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: WorkerMetrics | None = None) -> None:
+    def __init__(self, engine: LLMEngine, metrics: WorkerMetrics | None = None, stall_s: float = DEFAULT_STALL_S) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.stall_s = stall_s
         self._streams: dict[str, RequestStream] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -81,6 +85,17 @@ class AsyncEngine:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None and not self._stop.is_set()
+
+    def heartbeat_age(self) -> float:
+        """Seconds since the engine thread last went round its loop (idle, it does every IDLE_WAIT_S)."""
+        return time.monotonic() - self.last_beat
+
+    def stalled(self) -> str | None:
+        """Why this engine cannot serve although its thread lives: a step that does not finish."""
+        age = self.heartbeat_age()
+        if age <= self.stall_s or not self._streams:
+            return None
+        return f"engine step not finished for {age:.1f} s with {len(self._streams)} requests open (stall_timeout {self.stall_s:g} s)"
 
     @property
     def num_open(self) -> int:
@@ -123,6 +138,7 @@ class AsyncEngine:
                 self.last_beat = time.monotonic()
                 if self.engine.has_unfinished_requests():
                     self._step()
+                    self.last_beat = time.monotonic()
                     self._pause_if_only_loading()
                 elif self.engine.has_held_kv():
                     self._wait(HELD_POLL_S)

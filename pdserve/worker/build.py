@@ -4,11 +4,14 @@
 
 The model is loaded here, before the port is bound, so a port that answers is a worker that can
 serve. On loopback the transfer listeners stay on loopback too (UCX_NET_DEVICES=lo unless set).
+KV handles carry the advertised address (`advertise_host`, not the bind address): the metadata URL a
+decode worker on another host fetches.
 """
 
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import logging
 import os
 from contextlib import asynccontextmanager
@@ -51,7 +54,7 @@ def build_worker(cfg: WorkerServeConfig) -> FastAPI:
     )
     metrics = WorkerMetrics()
     state = WorkerState(
-        engine=AsyncEngine(engine, metrics),
+        engine=AsyncEngine(engine, metrics, stall_s=w.stall_timeout),
         info=info,
         metrics=metrics,
         max_open_requests=w.max_open_requests or max(8 * engine_config.max_num_seqs, 256),
@@ -66,17 +69,23 @@ def build_worker(cfg: WorkerServeConfig) -> FastAPI:
 
 def _connector(cfg: WorkerServeConfig) -> KVConnector:
     w, t = cfg.worker, cfg.transfer
-    if w.host in LOOPBACK:
+    if w.host in LOOPBACK or _is_loopback(w.advertised()):
         os.environ.setdefault("UCX_NET_DEVICES", "lo")  # UCX listens on every interface otherwise
-    host = "127.0.0.1" if w.host in ("0.0.0.0", "::", "") else w.host
     settings = ConnectorSettings(
         model_id=_model_id(cfg.model),
-        metadata_url=f"http://{host}:{w.port}/internal/kv_metadata",
+        metadata_url=f"{w.advertised_url()}/internal/kv_metadata",
         lease_s=w.lease_seconds,
         transfer_timeout_s=t.timeout,
         options=t.options,
     )
     return make_connector(t.backend, cfg.engine_id, settings)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _lifespan(state: WorkerState, connector: KVConnector | None):
