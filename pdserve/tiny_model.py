@@ -90,6 +90,20 @@ If something goes wrong, the user should get a clear error message, never a wron
 """
 
 
+# the config.json keys every tiny architecture shares (transformers' names and values)
+_HF_COMMON = {
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "initializer_range": 0.02,
+    "tie_word_embeddings": False,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "pad_token_id": None,
+    "use_cache": True,
+    "dtype": "float32",
+}
+
+
 def make_tiny_model(out_dir: str | Path, arch: str = "deepseek_v3", seed: int = 0) -> Path:
     """Write a tiny random `arch` checkpoint into `out_dir` (created if missing); return its path."""
     if arch not in ARCHS:
@@ -172,15 +186,7 @@ def tiny_config(arch: str, vocab_size: int) -> dict:
             "mscale": 1.0,
             "mscale_all_dim": 1.0,
         },
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
-        "tie_word_embeddings": False,
-        "bos_token_id": 0,
-        "eos_token_id": 1,
-        "pad_token_id": None,
-        "use_cache": True,
-        "dtype": "float32",
+        **_HF_COMMON,
     }
     if arch == "deepseek_v3":
         config.update(rope_interleave=True, num_nextn_predict_layers=0)
@@ -312,15 +318,7 @@ def tiny_v4_config(vocab_size: int) -> dict:
             "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 32.0,
             "beta_slow": 1.0,
         },  # fmt: skip
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
-        "tie_word_embeddings": False,
-        "bos_token_id": 0,
-        "eos_token_id": 1,
-        "pad_token_id": None,
-        "use_cache": True,
-        "dtype": "float32",
+        **_HF_COMMON,
     }
 
 

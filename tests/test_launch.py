@@ -77,22 +77,32 @@ def stop_group(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+def start_launch(config: Path, tmp: Path) -> tuple[subprocess.Popen, Path]:
+    """`pdserve launch --config` in its own session, output to tmp/launch.out, cache in tmp/cache."""
+    out = tmp / "launch.out"
+    with open(out, "wb") as f:
+        proc = pdserve("launch", "--config", str(config), env={"PDSERVE_CACHE": str(tmp / "cache")},
+                       stdout=f, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    return proc, out
+
+
+def wait_up(proc: subprocess.Popen, out: Path) -> None:
+    deadline = time.monotonic() + STARTUP_S + 30
+    while "pdserve is up" not in out.read_text():
+        assert proc.poll() is None, f"launcher exited {proc.returncode}:\n{out.read_text()}"
+        assert time.monotonic() < deadline, f"launcher not up:\n{out.read_text()}"
+        time.sleep(0.5)
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("launch")
     ports = free_ports(3)
     config = write_config(tmp, ports)
-    out = tmp / "launch.out"
-    with open(out, "wb") as f:
-        proc = pdserve("launch", "--config", str(config), env={"PDSERVE_CACHE": str(tmp / "cache")},
-                       stdout=f, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    proc, out = start_launch(config, tmp)
     pids: dict[str, int] = {}
     try:
-        deadline = time.monotonic() + STARTUP_S + 30
-        while "pdserve is up" not in out.read_text():
-            assert proc.poll() is None, f"launcher exited {proc.returncode}:\n{out.read_text()}"
-            assert time.monotonic() < deadline, f"launcher not up:\n{out.read_text()}"
-            time.sleep(0.5)
+        wait_up(proc, out)
         pids = table_pids(out.read_text())
         yield {"proc": proc, "ports": ports, "pids": pids, "out": out, "tmp": tmp}
     finally:

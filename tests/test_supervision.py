@@ -20,7 +20,7 @@ import pytest
 
 from pdserve.config import parse_config
 from pdserve.launch import Child, Cluster, Restarts, new_log_dir, plan
-from tests.test_launch import STARTUP_S, free_ports, pdserve, stop_group, table_pids, write_config
+from tests.test_launch import free_ports, start_launch, stop_group, wait_up, write_config
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -34,16 +34,9 @@ def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("supervised")
     ports = free_ports(3)
     config = write_config(tmp, ports, served_model_name=MODEL, restart_backoff=0.5, router={"port": ports[0], "health_interval": 0.5})
-    out = tmp / "launch.out"
-    with open(out, "wb") as f:
-        proc = pdserve("launch", "--config", str(config), env={"PDSERVE_CACHE": str(tmp / "cache")},
-                       stdout=f, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    proc, out = start_launch(config, tmp)
     try:
-        deadline = time.monotonic() + STARTUP_S + 30
-        while "pdserve is up" not in out.read_text():
-            assert proc.poll() is None, f"launcher exited {proc.returncode}:\n{out.read_text()}"
-            assert time.monotonic() < deadline, f"launcher not up:\n{out.read_text()}"
-            time.sleep(0.5)
+        wait_up(proc, out)
         yield {"proc": proc, "ports": ports, "out": out, "logs": tmp / "logs"}
     finally:
         stop_group(proc)
