@@ -284,7 +284,7 @@ class CopyConnector(KVConnector):
     def peer_metadata(self) -> bytes:
         return self.engine_id.encode()
 
-    def on_prefill_finished(self, request_id, block_ids, num_tokens) -> KVHandle:
+    def on_prefill_finished(self, request_id, block_ids, num_tokens, window_block_ids=None, state_slot=-1) -> KVHandle:
         self.leases[request_id] = list(block_ids)
         return KVHandle(request_id=request_id, engine_id=self.engine_id, instance_id="i", metadata_url="inproc://", block_ids=list(block_ids),
                         num_tokens=num_tokens, compat_hash="h", lease_expires_at=0.0)
@@ -296,7 +296,7 @@ class CopyConnector(KVConnector):
     def release(self, request_id) -> None:
         self.leases.pop(request_id, None)
 
-    def start_load(self, handle, local_block_ids, peer=None) -> None:
+    def start_load(self, handle, local_block_ids, peer=None, local_window_block_ids=None, local_state_slot=-1) -> None:
         if handle.compat_hash != "h":
             raise TransferError(handle.request_id, TransferStage.HANDSHAKE, "compatibility hash mismatch")
         if self.fail_reads:
@@ -413,7 +413,7 @@ def test_pd_decode_waits_for_blocks(model_dir):
 class SlowConnector(CopyConnector):
     """CopyConnector whose reads never finish (test double): a load stays in flight."""
 
-    def start_load(self, handle, local_block_ids, peer=None) -> None:
+    def start_load(self, handle, local_block_ids, peer=None, local_window_block_ids=None, local_state_slot=-1) -> None:
         self.in_flight = handle.request_id
 
     def cancel_load(self, request_id) -> None:

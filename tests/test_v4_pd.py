@@ -43,6 +43,9 @@ def _pd(tiny, prompts, prefill_kw, decode_kw) -> tuple[dict, LLMEngine, LLMEngin
     decode.step()  # decode's pool is partly taken: the request's blocks land on other ids
     firsts = run(prefill, requests(prompts, hold_kv=True))
     assert prefill.has_held_kv() and prefill.get_stats().kv_blocks_used > 0
+    for seq in prefill.scheduler.held.values():  # held for decode: only the window's blocks, W - 1 = 7 positions
+        n, bs = seq.num_computed_tokens, prefill.block_manager.block_size
+        assert [i for i, b in enumerate(seq.window_table) if b >= 0] == list(range(max(0, n - 7) // bs, -(-n // bs)))
     handoff = []
     for i, p in enumerate(prompts):
         out = firsts[str(i)]
@@ -71,6 +74,7 @@ def test_pd_hand_off_continues_exactly(tiny, prompts, colocated, chunked):
     assert [w["hca_state"] for w in want] == [conn.kv.regions["hca_state"][:, 0].numel() * 4] * len(prompts)
     assert prefill.get_stats().kv_blocks_used == 0 and not prefill.has_held_kv()
     assert decode.get_stats().kv_blocks_used == 0
+    assert prefill.get_stats().kv_window_blocks_used == 0 and decode.get_stats().kv_window_blocks_used == 0
 
 
 def test_pd_refuses_another_block_size(tiny, prompts):

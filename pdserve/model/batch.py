@@ -26,6 +26,8 @@ class StepInputs:
     starts: torch.Tensor  # [B] int64, position of each chunk's first token in its sequence
     samples: torch.Tensor  # [B] bool, does the chunk end at a token that samples
     block_tables: torch.Tensor  # [B, W] int64, zero padded
+    window_tables: torch.Tensor  # [B, W] int64, window-space blocks (-1: none; block_manager.py)
+    state_slots: torch.Tensor  # [B] int64, each sequence's state-space slot (-1: none)
 
 
 @dataclass
@@ -38,6 +40,8 @@ class ForwardBatch:
     starts: torch.Tensor  # [B] int64, tokens of each sequence already in the cache
     lens: torch.Tensor  # [B] int64, new tokens of each sequence (its rows, in order)
     block_tables: torch.Tensor  # [B, W] int64, zero padded (DeepSeek-V4 pages its state by these)
+    window_tables: torch.Tensor  # [B, W] int64, -1 padded (DeepSeek-V4's sliding-window records)
+    state_slots: torch.Tensor  # [B] int64 (DeepSeek-V4's compressor state)
 
     @classmethod
     def build(cls, step: StepInputs, block_size: int) -> "ForwardBatch":
@@ -61,6 +65,8 @@ class ForwardBatch:
             starts=starts,
             lens=lens,
             block_tables=tables,
+            window_tables=step.window_tables,
+            state_slots=step.state_slots,
         )
 
     @property
