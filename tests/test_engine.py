@@ -25,6 +25,7 @@ from pdserve.engine.request import FirstToken, Request
 from pdserve.model.kv_cache import KVCache, KVRegionSpec
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.model.batch import ForwardBatch
+from pdserve_kernels.ref import paged_slots
 from pdserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
@@ -63,14 +64,15 @@ class FakeModel(torch.nn.Module):
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         record = self.emb[batch.input_ids] + self.pos[batch.positions]  # [T, D]
+        context = paged_slots(batch.block_tables, batch.seq_ids, batch.context_lens, batch.block_size, batch.max_context)
         summary = torch.zeros_like(record)
         for layer in range(self.num_layers):
             cache = kv_cache.layer("latent", layer)
             cache[batch.slot_mapping] = record * (layer + 1)
-            ctx = cache[batch.context_slots.clamp(min=0).long()]  # [T, C, D]
-            ctx = ctx * (batch.context_slots >= 0)[..., None]
+            ctx = cache[context.clamp(min=0).long()]  # [T, C, D]
+            ctx = ctx * (context >= 0)[..., None]
             summary = summary + ctx.sum(dim=1) / (layer + 1)
-        n = (batch.context_slots >= 0).sum(dim=1, keepdim=True)  # [T, 1]
+        n = (context >= 0).sum(dim=1, keepdim=True)  # [T, 1]
         return torch.tanh(summary / (2 * n.sqrt()) + self.emb[batch.input_ids])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

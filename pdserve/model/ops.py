@@ -58,3 +58,19 @@ def mla_prefill_attention(q, k_nope, k_rope, v, cu_seqlens_q, cu_seqlens_k, max_
 
         return kernel(q, k_nope, k_rope, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, sm_scale, max_seqlen_k=max_seqlen_k)
     return ref.mla_prefill_attention_ref(q, k_nope, k_rope, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, sm_scale)
+
+
+def paged_mla_decode(q, kv, block_tables, seq_ids, context_lens, page: int, max_len: int, sm_scale: float, d_v: int, sink=None):
+    if _use_triton(q):
+        from pdserve_kernels import paged_mla_decode as kernel
+
+        return kernel(q, kv, block_tables, seq_ids, context_lens, page, max_len, sm_scale, d_v, sink=sink)
+    return ref.paged_mla_decode_ref(q, kv, block_tables, seq_ids, context_lens, page, max_len, sm_scale, d_v, sink=sink)
+
+
+def indexer_topk_paged(q, k_cache, weights, block_tables, seq_ids, context_lens, page: int, max_len: int, topk: int):
+    if _use_triton(q):
+        from pdserve_kernels import indexer_topk_paged as kernel
+
+        return kernel(q, k_cache, weights, block_tables, seq_ids, context_lens, page, max_len, topk)
+    return ref.indexer_topk_paged_ref(q, k_cache, weights, block_tables, seq_ids, context_lens, page, max_len, topk)
