@@ -71,11 +71,15 @@ def _mla_split_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
 
+    start = pid_s * tiles_per_split * BLOCK_N
+    n_tiles = tiles_per_split
     if PAGED:
         seq = tl.load(seq_ptr + pid_b).to(tl.int64)
         ctx = tl.load(len_ptr + pid_b)
-    start = pid_s * tiles_per_split * BLOCK_N
-    for i in range(0, TILES_C if INTERPRET else tiles_per_split):  # see _launch.interpreting
+        # only the tiles below this query's context: the grid is sized for the longest one (or
+        # for a CUDA graph's bound), so shorter queries leave their splits early
+        n_tiles = tl.minimum(tiles_per_split, tl.maximum(ctx - start + BLOCK_N - 1, 0) // BLOCK_N)
+    for i in range(0, TILES_C if INTERPRET else n_tiles):  # see _launch.interpreting
         offs_n = start + i * BLOCK_N + tl.arange(0, BLOCK_N)
         if PAGED:  # offs_n are positions of the query's sequence
             seen = offs_n < ctx

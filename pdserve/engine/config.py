@@ -48,6 +48,10 @@ class EngineConfig(BaseModel):
     # "raw_logprobs": log_softmax of the model's logits before penalties/temperature/filters
     # (vLLM V1's default); "processed_logprobs": of the logits the token was sampled from.
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
+    # CUDA graphs for decode steps (engine/cuda_graphs.py); enforce_eager turns them off (vLLM's
+    # name), cuda_graph_max_bs is the largest batch captured (SGLang's; default min(max_num_seqs, 256))
+    enforce_eager: bool = False
+    cuda_graph_max_bs: int | None = Field(None, ge=1)
 
     @field_validator("device")
     @classmethod

@@ -21,6 +21,7 @@ import torch
 
 from pdserve.engine import tp_protocol as protocol
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.cuda_graphs import CudaGraphRunner
 from pdserve.distributed.group import TPGroup
 from pdserve.engine.config import DEFAULT_CPU_KV_GB, EngineConfig
 from pdserve.model.kv_cache import STATE, WINDOW, KVCache, KVRegionSpec
@@ -90,9 +91,18 @@ class ModelRunner:
                 f"but only {self.num_kv_blocks} fit; lower max_model_len or raise num_kv_blocks / kv_cache_memory_gb"
             )
         self.max_model_len = config.max_model_len or min(max_pos, capacity)
-        self.kv_cache = KVCache(
-            specs, model.num_layers, self.num_kv_blocks, self.block_size, self.dtype, self.device, self.num_window_blocks, self.num_state_slots
+        use_graphs = (
+            self.device.type == "cuda" and not config.enforce_eager and self.tp.size == 1 and getattr(model, "supports_cuda_graphs", False)
         )
+        pool_blocks = self.num_kv_blocks + (1 if use_graphs else 0)  # + the graphs' scratch block (cuda_graphs.py)
+        self.kv_cache = KVCache(
+            specs, model.num_layers, pool_blocks, self.block_size, self.dtype, self.device, self.num_window_blocks, self.num_state_slots
+        )
+        self.graphs: CudaGraphRunner | None = None
+        if use_graphs:
+            max_bs = config.cuda_graph_max_bs or min(config.max_num_seqs, 256)
+            self.graphs = CudaGraphRunner(model, self.kv_cache, max_bs=max_bs, max_len=self.max_model_len, scratch_block=self.num_kv_blocks)
+            self.graphs.capture()
         self.eos_token_ids = set(model.config.eos_token_ids) | _ids(config.generation_config().get("eos_token_id"))
         self.sampler = Sampler(self.device, config.seed, sorted(self.eos_token_ids), config.logprobs_mode)
 
@@ -126,6 +136,8 @@ class ModelRunner:
         step, sampling = self.prepare(sched)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # per thread: the engine loop's thread starts on cuda:0
+        if self.graphs is not None and self.graphs.fits(step):  # decode only: every row samples
+            return self.sampler(self.model.compute_logits(self.graphs.run(step)), sampling)
         if self.ranks is not None:
             self.ranks.check_alive()
             protocol.send_forward(self.tp, step)

@@ -54,6 +54,7 @@ class DeepseekModel(nn.Module):
 
 
 class DeepseekForCausalLM(nn.Module):
+    supports_cuda_graphs = True  # decode forward: no host sync, shapes from the batch size alone
     def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = config
