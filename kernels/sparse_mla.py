@@ -389,8 +389,13 @@ def sparse_mla_decode_fp8(
     fp32 scale, rounded to q's dtype before the dots). Same outputs as `sparse_mla_decode`;
     reference: `kv_fp8.sparse_mla_decode_fp8_ref`."""
     _check(q, indices, sm_scale, d_v, sink)
+    _check_fp8_records(q, kv, d_v)
+    return _run(q, kv, kv.stride(0), 1, indices, sm_scale, d_v, sink, "fp8", config)
+
+
+def _check_fp8_records(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> None:
     if q.dtype == torch.float32:
-        raise ValueError("sparse_mla_decode_fp8 takes bf16 or fp16 q")
+        raise ValueError("FP8 KV records take bf16 or fp16 q")
     D = q.shape[3]
     need = kv_fp8.record_bytes(d_v, D - d_v)
     if kv.dtype != torch.uint8 or kv.dim() != 2 or kv.shape[1] != need or kv.stride(1) != 1:
@@ -400,12 +405,11 @@ def sparse_mla_decode_fp8(
         raise ValueError(f"fp8 records need d_v a power of two and a multiple of {kv_fp8.GROUP}")
     if kv.stride(0) % 16 or kv.data_ptr() % 16:
         raise ValueError("fp8 records must start on 16-byte boundaries (row stride and base)")
-    return _run(q, kv, kv.stride(0), 1, indices, sm_scale, d_v, sink, "fp8", config)
 
 
 def paged_mla_decode(
     q: torch.Tensor,  # [T, 1, H, D] bf16/fp16 (fp32 for tests): one query row per token
-    kv: torch.Tensor,  # [N, D] same dtype as q, any row stride; V = kv[:, :d_v]
+    kv: torch.Tensor,  # [N, D] same dtype as q, any row stride (V = kv[:, :d_v]), or [N, R] uint8 FP8 records
     block_tables: torch.Tensor,  # [B, W] int32 block ids of each sequence
     seq_ids: torch.Tensor,  # [T] int32, the sequence (row of block_tables) of each query
     context_lens: torch.Tensor,  # [T] int32, keys of each query: its sequence's positions 0..len-1
@@ -422,7 +426,10 @@ def paged_mla_decode(
     T = q.shape[0]
     if q.dim() != 4 or q.shape[1] != 1:
         raise ValueError(f"q must be [T, 1, H, D], got {tuple(q.shape)}")
-    if kv.dim() != 2 or kv.shape[1] != q.shape[3] or kv.dtype != q.dtype or kv.device != q.device:
+    fp8 = kv.dtype == torch.uint8
+    if fp8:
+        _check_fp8_records(q, kv, d_v)
+    elif kv.dim() != 2 or kv.shape[1] != q.shape[3] or kv.dtype != q.dtype or kv.device != q.device:
         raise ValueError(f"kv must be [N, D={q.shape[3]}] {q.dtype} on {q.device}, got {kv.dtype} {tuple(kv.shape)} on {kv.device}")
     for name, t, shape in (("seq_ids", seq_ids, (T,)), ("context_lens", context_lens, (T,))):
         if t.dtype != torch.int32 or tuple(t.shape) != shape or t.device != q.device:
@@ -433,5 +440,5 @@ def paged_mla_decode(
         raise ValueError(f"page must be >= 1 and max_len >= 0, got {page}, {max_len}")
     empty_idx = torch.empty(T, 1, 0, dtype=torch.int32, device=q.device)
     _check(q, empty_idx, sm_scale, d_v, sink)
-    return _run(q, kv, kv.stride(0), kv.stride(1), empty_idx, sm_scale, d_v, sink, "bf16", config,
-                paged=(block_tables, seq_ids, context_lens, page, max_len))
+    return _run(q, kv, kv.stride(0), 1 if fp8 else kv.stride(1), empty_idx, sm_scale, d_v, sink,
+                "fp8" if fp8 else "bf16", config, paged=(block_tables, seq_ids, context_lens, page, max_len))

@@ -149,3 +149,21 @@ def test_tiny_models_run_through_the_kernels(tiny_model):
 
     want, got = run("torch"), run("triton")
     assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+
+
+def test_paged_decode_reads_fp8_records():
+    """The paged mode over 656-byte FP8 records (V3.2 layout: 512 e4m3 + scales + 64 bf16 rope)."""
+    from pdserve_kernels import kv_fp8
+
+    gen = torch.Generator().manual_seed(11)
+    lens, page, H = [40, 3, 17], 16, 16
+    n_blocks = sum(-(-n // page) for n in lens) + 2
+    tables, seq_ids, ctx = paged_batch(lens, page, n_blocks, gen)
+    q = torch.randn(len(seq_ids), 1, H, 576, generator=gen).to(DEVICE, torch.float16)
+    records = kv_fp8.pack_kv_fp8(torch.randn(n_blocks * page, 576, generator=gen), 512).to(DEVICE)
+    with poisoned_empty():
+        out, lse = paged_mla_decode(q, records, tables, seq_ids, ctx, page, max(lens), 576**-0.5, 512)
+    idx = paged_slots(tables, seq_ids, ctx, page, max(lens))[:, None]
+    want, want_lse = kv_fp8.sparse_mla_decode_fp8_ref(q.double(), records, idx, 576**-0.5, 512)
+    assert_close(out, want, torch.float16)
+    torch.testing.assert_close(lse.double(), want_lse.double(), atol=2e-3, rtol=0)

@@ -49,7 +49,8 @@ class KVRegionLayout(BaseModel):
     records_per_block: int
     dim: int  # values per record
     dtype: str  # torch dtype name of the values, e.g. "bfloat16"
-    record_bytes: int  # the record's byte format: dim values of dtype
+    record_bytes: int  # bytes of one record
+    record: str = "values"  # its format: dim values of dtype, or a named byte format ("fp8_ds_mla")
     last_tokens: int | None = None  # only the last this many positions' records are read (sliding window)
     bytes: int  # whole region: Lr * N * rpb * record_bytes
 
@@ -101,6 +102,7 @@ class KVLayout(BaseModel):
                     dim=dim,
                     dtype=str(t.dtype).removeprefix("torch."),
                     record_bytes=dim * t.element_size(),
+                    record=spec.record,
                     last_tokens=spec.last_tokens,
                     bytes=t.numel() * t.element_size(),
                 )

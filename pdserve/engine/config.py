@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 DType = Literal["float32", "bfloat16", "float16", "auto"]
 # decode: what a failed KV load does (vLLM's name): fail the request, or compute the prompt here
 KVLoadFailurePolicy = Literal["fail", "recompute"]
+KVCacheDType = Literal["auto", "fp8"]
 
 
 def check_device(d: str) -> str:
@@ -52,6 +53,9 @@ class EngineConfig(BaseModel):
     # name), cuda_graph_max_bs is the largest batch captured (SGLang's; default min(max_num_seqs, 256))
     enforce_eager: bool = False
     cuda_graph_max_bs: int | None = Field(None, ge=1)
+    # the KV records (vLLM's name): "auto" = the model dtype; "fp8" = FP8 e4m3 latent records with
+    # per-128 scales (656 bytes a token-layer for V3 / V3.2, kernels/kv_fp8.py)
+    kv_cache_dtype: KVCacheDType = "auto"
 
     @field_validator("device")
     @classmethod

@@ -74,7 +74,7 @@ class ModelRunner:
         max_pos = model.config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > max_pos:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings {max_pos}")
-        specs = model.kv_cache_specs()
+        specs = model.kv_cache_specs(config.kv_cache_dtype)
         self.window_tokens, self.num_window_blocks, self.num_state_slots = _side_spaces(specs, config.max_num_seqs, self.block_size)
         side_bytes = sum(
             n * KVCache.bytes_per_block(specs, model.num_layers, self.block_size, self.dtype, space)

@@ -112,7 +112,10 @@ class MLA(nn.Module):
     def _expanded(self, q_nope, q_pe, kv, chunks: PrefillChunks) -> torch.Tensor:
         """Non-absorbed causal attention of the prefill chunks' tokens over their contexts: [Tp, H, Dv]."""
         H, C, Dn = self.n_heads, self.kv_lora_rank, self.nope_dim
-        latent, k_rope = kv[chunks.k_slots].to(q_nope.dtype).split([C, self.rope_dim], dim=-1)  # [S, C], [S, R]
+        records = kv[chunks.k_slots]
+        if kv.dtype == torch.uint8:  # FP8 records: dequantize the context once, here
+            records = ops.unpack_kv_fp8(records, C, C + self.rope_dim)
+        latent, k_rope = records.to(q_nope.dtype).split([C, self.rope_dim], dim=-1)  # [S, C], [S, R]
         kv_heads = self.kv_b_proj(latent).view(-1, H, Dn + self.v_dim)  # [S, H, Dn+Dv]
         q = torch.cat([q_nope, q_pe], dim=-1)  # [Tp, H, Dn+R]
         out, _ = ops.mla_prefill_attention(
@@ -135,6 +138,6 @@ class MLA(nn.Module):
 
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([C, R], dim=-1)  # [T, C], [T, R]
         record = torch.cat([self.kv_a_layernorm(latent), apply_rope(k_pe, cos, sin, self.interleave)], dim=-1)
-        kv = kv_cache.layer("latent", self.layer_idx)  # [N, C+R]
-        kv[slot_mapping] = record.to(kv.dtype)
+        kv = kv_cache.layer("latent", self.layer_idx)  # [N, C+R] values, or [N, 656] FP8 records
+        kv[slot_mapping] = ops.pack_kv_fp8(record, C) if kv.dtype == torch.uint8 else record.to(kv.dtype)
         return q_nope, q_pe, q_resid, kv

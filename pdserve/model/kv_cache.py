@@ -22,9 +22,11 @@ What a block's records hold is the region's `KVRegionSpec`:
                           window are freed while the sequence runs, and a transfer moves only
                           the blocks holding the last K positions
 
-Records (float32 / bf16 values; the record's byte format is the spec's `dim` x the pool dtype):
-  DeepSeek-V3/V3.2: latent (kv_lora_rank + qk_rope_head_dim = 576 values per token) and, for
-  V3.2, index_k (the DSA indexer key, index_head_dim per token), every layer.
+Records: `dim` values of the pool dtype (`record` "values"), or a byte format of `dim` uint8
+(`record` names it; `--kv-cache-dtype fp8`):
+  DeepSeek-V3/V3.2: latent (kv_lora_rank + qk_rope_head_dim = 576 values per token; with fp8 the
+  656-byte "fp8_ds_mla" record of pdserve_kernels.kv_fp8: 512 e4m3 + 4 fp32 scales + 64 bf16
+  rope) and, for V3.2, index_k (the DSA indexer key, index_head_dim values per token), every layer.
   DeepSeek-V4: see v4_paged.py (window, compressed entries, indexer keys, compressor state).
 """
 
@@ -45,6 +47,11 @@ class KVRegionSpec:
     layers: tuple[int, ...] | None = None  # model layers with this region (None: all of them)
     tokens_per_record: int = 1  # 1: per token; m: per m tokens; PER_SEQUENCE (0): one per sequence
     last_tokens: int | None = None  # a later step reads only the records of the last this many tokens
+    record: str = "values"  # "values": dim values of the pool dtype; else a byte format of dim uint8 ("fp8_ds_mla")
+
+    @property
+    def byte_record(self) -> bool:
+        return self.record != "values"
 
     @property
     def space(self) -> str:
@@ -103,7 +110,8 @@ class KVCache:
         # zeros, not empty: a slot nobody wrote must never hold NaN that a masked lane could read
         self.regions: dict[str, torch.Tensor] = {
             s.name: torch.zeros(
-                len(s.layer_ids(num_layers)), self.blocks_of(s), s.records_per_block(block_size), s.dim, dtype=dtype, device=device
+                len(s.layer_ids(num_layers)), self.blocks_of(s), s.records_per_block(block_size), s.dim,
+                dtype=torch.uint8 if s.byte_record else dtype, device=device,
             )
             for s in specs
         }
@@ -134,4 +142,4 @@ class KVCache:
         """Bytes of one block (one slot, for STATE) of a block space over all its regions."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         mine = [s for s in specs if s.space == space]
-        return sum(s.dim * len(s.layer_ids(num_layers)) * s.records_per_block(block_size) for s in mine) * itemsize
+        return sum(s.dim * len(s.layer_ids(num_layers)) * s.records_per_block(block_size) * (1 if s.byte_record else itemsize) for s in mine)

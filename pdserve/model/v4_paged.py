@@ -108,7 +108,9 @@ class PagedDeepseekV4(nn.Module):
         self.config = model.config
         self.num_layers = model.num_layers
 
-    def kv_cache_specs(self) -> list[KVRegionSpec]:
+    def kv_cache_specs(self, kv_cache_dtype: str = "auto") -> list[KVRegionSpec]:
+        if kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not built for DeepSeek-V4 yet (its records are the model dtype)")
         return v4_kv_specs(self.config)
 
     @torch.no_grad()
