@@ -59,7 +59,7 @@ class FakeModel(torch.nn.Module):
         self.pos = torch.randn(self.config.max_position_embeddings, DIM, generator=g)
         self.out = torch.randn(VOCAB, DIM, generator=g) * 3
 
-    def kv_cache_specs(self) -> list[KVRegionSpec]:
+    def kv_cache_specs(self, kv_cache_dtype: str = "auto") -> list[KVRegionSpec]:
         return [KVRegionSpec("latent", DIM)]
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
