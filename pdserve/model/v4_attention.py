@@ -65,6 +65,7 @@ class GroupedLinear(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.n, in_per_group))
 
     def shard_weight(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """weight [G*Ro, in/G] -> this rank's groups' rows [G/tp*Ro, in/G]."""
         return narrow_shard(full, 0, self.start, self.n, self.tp.size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -103,7 +104,9 @@ class V4Attention(nn.Module):
             self.compressor = CSACompressor(hidden, D, rate, eps, indexer)
 
     def shard_weight(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """sinks [H] -> this rank's heads [H/tp] (the module's only own parameter)."""
+        """sinks [H] -> this rank's heads [H/tp] (its other parameters live in its submodules)."""
+        if name != "sinks":
+            return full
         return narrow_shard(full, 0, self.head_start, self.heads, self.tp.size)
 
     def forward(self, x: torch.Tensor, step: V4Step, states: list[LayerState]) -> torch.Tensor:
