@@ -110,8 +110,7 @@ class V4Attention(nn.Module):
         return narrow_shard(full, 0, self.head_start, self.heads, self.tp.size)
 
     def forward(self, x: torch.Tensor, step: V4Step, states: list[LayerState]) -> torch.Tensor:
-        """x [T, hidden] (normed) -> [T, hidden] (all-reduced over the ranks); reads and advances
-        each sequence's LayerState."""
+        """x [T, hidden] (normed) -> [T, hidden]; reads and advances each sequence's LayerState."""
         T = x.shape[0]
         cos, sin = step.rope[self.rope_kind]
         q_res = self.q_a_norm(self.q_a_proj(x))  # [T, Q]
