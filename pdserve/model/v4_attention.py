@@ -11,17 +11,6 @@ and to a learned per-head sink logit that takes probability mass but has no valu
 rope slice is rotated back by -p (so it depends on relative positions only), then the grouped
 output projection maps each group of H/G heads to Ro dims (o_a_proj) and all G*Ro to hidden.
 Sliding-only layers use the "main" rope; CSA/HCA layers the "compress" rope (YaRN), everywhere.
-
-Tensor parallelism splits the query heads (H below is this rank's H/tp): q_b_proj is
-column-parallel by head, the sinks are sliced by head, o_a_proj keeps this rank's G/tp groups
-(group g's H/G heads are heads g*H/G.., so the groups of a rank are exactly the heads it holds:
-o_groups % tp == 0), and o_b_proj is row-parallel over those groups' G/tp*Ro inputs (one
-all-reduce). q_a_proj, the shared K=V head (kv_proj, kv_norm) and the compressors with the
-indexer are replicated: every rank computes and caches the same window and compressed entries
-(the KV cache is replicated, as V3's latent is). The indexer stays whole because its score sums
-over its heads: splitting them would add an all-reduce of [L, E] scores per CSA layer, and
-another summation order could flip a near-tie of the top-k against TP1; replicated, every rank
-picks TP1's entries bit for bit, for ~9M parameters a layer (V4-Flash).
 """
 
 from __future__ import annotations
@@ -75,6 +64,19 @@ class GroupedLinear(nn.Module):
 
 
 class V4Attention(nn.Module):
+    """Tensor parallelism splits the query heads (H below is this rank's H/tp): q_b_proj is
+    column-parallel by head, the sinks are sliced by head, o_a_proj keeps this rank's G/tp groups
+    (group g's H/G heads are heads g*H/G.., so the groups of a rank are exactly the heads it holds:
+    o_groups % tp == 0), and o_b_proj is row-parallel over those groups' G/tp*Ro inputs (one
+    all-reduce). q_a_proj, the shared K=V head (kv_proj, kv_norm) and the compressors with the
+    indexer are replicated: every rank computes and caches the same window and compressed entries
+    (the KV cache is replicated, as V3's latent is). The indexer stays whole because its score sums
+    over its heads: split, it would need an all-reduce of the scores (each query's, of every entry
+    it may see) in every CSA layer, and another summation order could flip a near-tie of the top-k
+    against TP1; whole, every rank picks TP1's entries bit for bit, for ~9M parameters a layer
+    (V4-Flash).
+    """
+
     def __init__(self, config: ModelConfig, layer_idx: int, tp: TPGroup | None = None) -> None:
         super().__init__()
         v4, tp = config.v4, tp or TPGroup.single()
