@@ -170,7 +170,3 @@ def test_v4_flash_bytes_by_kind():
         assert moved["csa_kv"] + moved["csa_index_k"] + moved["hca_kv"] == n * (21 * 320 + 20 * 8)  # cache_bytes' 6,880 B/token
         assert moved["window"] == 5_636_096 and moved["hca_state"] + moved["csa_state"] + moved["csa_index_state"] == 5_739_520
 
-
-def test_v4_refuses_tensor_parallel(tiny):
-    with pytest.raises(ValueError, match="tensor_parallel_size 1 only"):
-        engine(tiny, tensor_parallel_size=2)

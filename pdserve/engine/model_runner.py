@@ -7,9 +7,10 @@ Tensor parallelism (config.tensor_parallel_size > 1): this runner is rank 0. It 
 1..N-1 (pdserve.engine.tp_ranks), each a ModelRunner of its own shard in `serve_forever()`.
 Each step rank 0 broadcasts the step's StepInputs, every rank builds the same ForwardBatch and
 runs the forward (all-reduces inside), and rank 0 alone computes logits and samples. The KV cache
-is replicated: every rank writes the same latent records; KV that arrives from a prefill worker
-lands in rank 0's cache (the one the KV connector registered) and `on_kv_loaded` copies it to the
-other ranks.
+is replicated: every rank writes the same records (V3's latent, each of V4's regions); KV that
+arrives from a prefill worker lands in rank 0's cache (the one the KV connector registered) and
+`on_kv_loaded` copies what it loaded of every region (token blocks, window blocks, state slot) to
+the other ranks.
 """
 
 from __future__ import annotations
@@ -245,7 +246,7 @@ def _load(config: EngineConfig, dtype: torch.dtype, device: torch.device, tp: TP
     from pdserve.model.v4_loader import load_v4_model
     from pdserve.model.v4_paged import PagedDeepseekV4
 
-    return PagedDeepseekV4(load_v4_model(config.model, dtype, device))
+    return PagedDeepseekV4(load_v4_model(config.model, dtype, device, tp=tp))
 
 
 def _check_shardable(config: EngineConfig) -> None:
@@ -253,12 +254,12 @@ def _check_shardable(config: EngineConfig) -> None:
     (builds rank 0's shards on the meta device: the same checks the real build makes)."""
     from pdserve.model.config import ModelConfig
     from pdserve.model.deepseek import DeepseekForCausalLM
+    from pdserve.model.deepseek_v4 import DeepseekV4ForCausalLM
 
     model_config = ModelConfig.from_model_dir(config.model)
-    if model_config.v4 is not None:
-        raise ValueError("DeepSeek-V4 runs with tensor_parallel_size 1 only (its layers are not sharded yet)")
+    model_class = DeepseekForCausalLM if model_config.v4 is None else DeepseekV4ForCausalLM
     with torch.device("meta"):
-        DeepseekForCausalLM(model_config, TPGroup(rank=0, size=config.tensor_parallel_size))
+        model_class(model_config, TPGroup(rank=0, size=config.tensor_parallel_size))
     if config.device.startswith("cuda"):
         first = torch.device(config.device).index or 0
         need = first + config.tensor_parallel_size

@@ -32,6 +32,12 @@ Module and parameter names are transformers' (model.layers.N.self_attn.compresso
 mlp.experts.gate_up_proj, attn_hc.fn, model.hc_head.hc_fn, ...), so a transformers-format
 checkpoint maps one to one; v4_loader.py also maps DeepSeek's release names. MTP layers are not
 part of this model.
+
+Tensor parallelism (a TPGroup of size > 1) splits the query heads and output groups of attention
+and the experts' intermediate dim (v4_attention.py, v4_moe.py): two all-reduces a layer, as V3.
+The rest is replicated on every rank: the embedding, mHC and norms (they act on the full hidden
+state each rank holds after an all-reduce), the shared K=V head, compressors and indexer (every
+rank holds the same caches), and lm_head (only rank 0 computes logits, for its sampler).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pdserve.distributed.group import TPGroup
 from pdserve.model.config import ModelConfig
 from pdserve.model.hyper_connections import HyperConnection, HyperHead, hc_residual
 from pdserve.model.rope import RotaryEmbedding
@@ -55,11 +62,11 @@ FP32_PARAM_PATTERNS = (
 
 
 class V4DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TPGroup) -> None:
         super().__init__()
         v4, hidden, eps = config.v4, config.hidden_size, config.rms_norm_eps
-        self.self_attn = V4Attention(config, layer_idx)
-        self.mlp = V4MoE(config, layer_idx)
+        self.self_attn = V4Attention(config, layer_idx, tp)
+        self.mlp = V4MoE(config, layer_idx, tp)
         self.input_layernorm = V4RMSNorm(hidden, eps)
         self.post_attention_layernorm = V4RMSNorm(hidden, eps)
         self.attn_hc = HyperConnection(hidden, v4.hc_mult, v4.hc_sinkhorn_iters, v4.hc_eps, eps)
@@ -74,23 +81,24 @@ class V4DecoderLayer(nn.Module):
 
 
 class DeepseekV4Model(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         v4 = config.v4
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(V4DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(V4DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = V4RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hc_head = HyperHead(config.hidden_size, v4.hc_mult, v4.hc_eps, config.rms_norm_eps)
 
 
 class DeepseekV4ForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         if config.v4 is None:
             raise ValueError(f"DeepseekV4ForCausalLM needs a deepseek_v4 config, got {config.model_type!r}")
         self.config = config
+        self.tp = tp or TPGroup.single()
         self.num_layers = config.num_hidden_layers
-        self.model = DeepseekV4Model(config)
+        self.model = DeepseekV4Model(config, self.tp)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = {
             "main": RotaryEmbedding(config.v4.main_rope, config.qk_rope_head_dim),

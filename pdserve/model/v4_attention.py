@@ -21,8 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.distributed.group import TPGroup
 from pdserve.model.config import ModelConfig
 from pdserve.model.config_v4 import CSA, HCA, SLIDING
+from pdserve.model.parallel import ColumnParallelLinear, RowParallelLinear, narrow_shard
 from pdserve.model.rope import RotaryEmbedding
 from pdserve.model.v4_cache import LayerState
 from pdserve.model.v4_compressor import CSACompressor, HCACompressor, Indexer
@@ -41,12 +43,19 @@ class V4Step:
 
 
 class GroupedLinear(nn.Module):
-    """Block-diagonal projection: weight [G*Ro, in/G]; group g maps its slice of the input."""
+    """Block-diagonal projection: weight [G*Ro, in/G]; group g maps its slice of the input.
+    Under TP a rank holds G/tp whole groups (rows [r*G/tp*Ro, (r+1)*G/tp*Ro)); G below is that."""
 
-    def __init__(self, in_per_group: int, out_features: int, groups: int) -> None:
+    def __init__(self, in_per_group: int, out_features: int, groups: int, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.groups = groups
-        self.weight = nn.Parameter(torch.zeros(out_features, in_per_group))
+        self.tp = tp or TPGroup.single()
+        first, self.groups = self.tp.shard(groups, "o_groups")
+        self.start, self.n = first * (out_features // groups), self.groups * (out_features // groups)
+        self.weight = nn.Parameter(torch.zeros(self.n, in_per_group))
+
+    def shard_weight(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """weight [G*Ro, in/G] -> this rank's groups' rows [G/tp*Ro, in/G]."""
+        return narrow_shard(full, 0, self.start, self.n, self.tp.size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, G, in/G] -> [T, G*Ro]."""
@@ -55,22 +64,39 @@ class GroupedLinear(nn.Module):
 
 
 class V4Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    """Tensor parallelism splits the query heads (H below is this rank's H/tp): q_b_proj is
+    column-parallel by head, the sinks are sliced by head, o_a_proj keeps this rank's G/tp groups
+    (group g's H/G heads are heads g*H/G.., so the groups of a rank are exactly the heads it holds:
+    o_groups % tp == 0), and o_b_proj is row-parallel over those groups' G/tp*Ro inputs (one
+    all-reduce). q_a_proj, the shared K=V head (kv_proj, kv_norm) and the compressors with the
+    indexer are replicated: every rank computes and caches the same window and compressed entries
+    (the KV cache is replicated, as V3's latent is). The indexer stays whole because its score sums
+    over its heads: split, it would need an all-reduce of the scores (each query's, of every entry
+    it may see) in every CSA layer, and another summation order could flip a near-tie of the top-k
+    against TP1; whole, every rank picks TP1's entries bit for bit, for ~9M parameters a layer
+    (V4-Flash).
+    """
+
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TPGroup | None = None) -> None:
         super().__init__()
-        v4 = config.v4
+        v4, tp = config.v4, tp or TPGroup.single()
         hidden, H, D, Q = config.hidden_size, config.num_attention_heads, v4.head_dim, config.q_lora_rank
-        eps = config.rms_norm_eps
-        self.kind, self.heads, self.head_dim, self.eps = v4.layer_types[layer_idx], H, D, eps
+        G, eps = v4.o_groups, config.rms_norm_eps
+        if H % G:
+            raise ValueError(f"num_attention_heads ({H}) is not a multiple of o_groups ({G})")
+        self.tp = tp
+        self.head_start, local_heads = tp.shard(H, "num_attention_heads")
+        self.kind, self.heads, self.head_dim, self.eps = v4.layer_types[layer_idx], local_heads, D, eps
         self.window, self.scale = v4.sliding_window, D**-0.5
         self.rope_kind = "main" if self.kind == SLIDING else "compress"
         self.q_a_proj = nn.Linear(hidden, Q, bias=False)
         self.q_a_norm = V4RMSNorm(Q, eps)
-        self.q_b_proj = nn.Linear(Q, H * D, bias=False)
+        self.q_b_proj = ColumnParallelLinear(Q, H * D, tp, what="q heads")
         self.kv_proj = nn.Linear(hidden, D, bias=False)
         self.kv_norm = V4RMSNorm(D, eps)
-        self.o_a_proj = GroupedLinear(H * D // v4.o_groups, v4.o_groups * v4.o_lora_rank, v4.o_groups)
-        self.o_b_proj = nn.Linear(v4.o_groups * v4.o_lora_rank, hidden, bias=False)
-        self.sinks = nn.Parameter(torch.zeros(H, dtype=torch.float32))
+        self.o_a_proj = GroupedLinear(H * D // G, G * v4.o_lora_rank, G, tp)
+        self.o_b_proj = RowParallelLinear(G * v4.o_lora_rank, hidden, tp, what="o_groups * o_lora_rank")
+        self.sinks = nn.Parameter(torch.zeros(local_heads, dtype=torch.float32))  # this rank's heads
         self.compressor: nn.Module | None = None
         rate = v4.compress_rate(layer_idx)
         if self.kind == HCA:
@@ -78,6 +104,12 @@ class V4Attention(nn.Module):
         elif self.kind == CSA:
             indexer = Indexer(hidden, Q, config.index_n_heads, config.index_head_dim, rate, config.index_topk, eps)
             self.compressor = CSACompressor(hidden, D, rate, eps, indexer)
+
+    def shard_weight(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """sinks [H] -> this rank's heads [H/tp] (its other parameters live in its submodules)."""
+        if name != "sinks":
+            return full
+        return narrow_shard(full, 0, self.head_start, self.heads, self.tp.size)
 
     def forward(self, x: torch.Tensor, step: V4Step, states: list[LayerState]) -> torch.Tensor:
         """x [T, hidden] (normed) -> [T, hidden]; reads and advances each sequence's LayerState."""
