@@ -305,7 +305,7 @@ def _run(q, kv, s_kvn, s_kvd, indices, sm_scale, d_v, sink, kv_format, cfg, page
                   else sink.float().expand(B, S, H))
         return out, lse
     cc = capability(q.device)
-    cfg = cfg or configs.mla_config(cc, kv_format, H, BS, has_tail=D > d_v)
+    cfg = cfg or configs.mla_config(cc, kv_format, H, BS, has_tail=D > d_v, fp32=q.dtype == torch.float32)
     q3 = q.reshape(BS, H, D)
     if paged is None:
         idx2 = indices.reshape(BS, K)

@@ -16,7 +16,7 @@ import transformers
 from pdserve.disagg.layout import KVLayout
 from pdserve.model.config import ModelConfig
 from pdserve.model.config_v4 import CSA, HCA
-from pdserve.model.kv_cache import KVCache
+from pdserve.model.kv_cache import KVCache, KVRegionSpec
 from pdserve.model.v4_paged import v4_kv_specs
 from helpers_v4 import NEW_TOKENS, PROMPT_LENS, engine, requests, run
 from pdserve.tiny_model import make_tiny_model
@@ -170,3 +170,13 @@ def test_v4_flash_bytes_by_kind():
         assert moved["csa_kv"] + moved["csa_index_k"] + moved["hca_kv"] == n * (21 * 320 + 20 * 8)  # cache_bytes' 6,880 B/token
         assert moved["window"] == 5_636_096 and moved["hca_state"] + moved["csa_state"] + moved["csa_index_state"] == 5_739_520
 
+
+
+def test_record_ids_are_computed_on_the_block_tables_device():
+    """The engine hands the model its block tables on the model's device (CUDA on a GPU): the
+    record ids of V4's entries come out on that device, not from a CPU arange mixed into it (a
+    table on the meta device stands in for CUDA here)."""
+    kv = KVCache([KVRegionSpec("entries", 8, None, 4)], 1, 4, 8, torch.float32, "meta")
+    table = torch.tensor([3, 1], dtype=torch.int64)
+    assert kv.slots("entries", table, 0, 4).tolist() == [6, 7, 2, 3]  # 2 records a block of 8 tokens
+    assert kv.slots("entries", table.to("meta"), 0, 4).device.type == "meta"

@@ -47,12 +47,14 @@ from torch import nn
 
 from pdserve.distributed.group import TPGroup
 from pdserve.model.config import ModelConfig
+from pdserve.model.config_v4 import CSA, HCA
 from pdserve.model.hyper_connections import HyperConnection, HyperHead, hc_residual
 from pdserve.model.rope import RotaryEmbedding
-from pdserve.model.v4_attention import V4Attention, V4Step
+from pdserve.model.v4_attention import V4Attention
 from pdserve.model.v4_cache import LayerState, SequenceState
 from pdserve.model.v4_moe import V4MoE
 from pdserve.model.v4_ops import V4RMSNorm
+from pdserve.model.v4_step import V4Step, build_step
 
 # Parameters kept in float32 whatever the model dtype (transformers' _keep_in_fp32_modules_strict).
 FP32_PARAM_PATTERNS = (
@@ -131,20 +133,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         return self.model.norm(self.model.hc_head(h))
 
     def _step(self, input_ids: torch.Tensor, lens: list[int], states: list[SequenceState]) -> V4Step:
-        device = input_ids.device
-        starts = torch.tensor([st.num_tokens for st in states], device=device)
-        lens_t = torch.tensor(lens, device=device)
-        first_row = torch.cumsum(lens_t, 0) - lens_t  # [B]
-        seq = torch.repeat_interleave(torch.arange(len(lens), device=device), lens_t)  # [T]
-        positions = starts[seq] + torch.arange(input_ids.shape[0], device=device) - first_row[seq]
-        bounds = [0, *torch.cumsum(lens_t, 0).tolist()]
-        return V4Step(
-            input_ids=input_ids,
-            positions=positions,
-            rows=[slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])],
-            rope={kind: rotary(positions) for kind, rotary in self.rotary.items()},
-            compress_rotary=self.rotary["compress"],
-        )
+        v4 = self.config.v4
+        rates = {kind: {v4.compress_rate(i) for i, t in enumerate(v4.layer_types) if t == kind} for kind in (CSA, HCA)}
+        starts = [st.num_tokens for st in states]
+        return build_step(input_ids, starts, lens, self.rotary, v4.sliding_window, rates[CSA], rates[HCA])
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -132,7 +132,7 @@ class KVCache:
         rpb = spec.records_per_block(bs)
         if spec.space == STATE:
             raise ValueError(f"region {name!r} has one record per sequence: index it by the sequence's state slot")
-        first = torch.arange(start, end) * spec.tokens_per_record  # [n] first position of each record
+        first = torch.arange(start, end, device=block_table.device) * spec.tokens_per_record  # [n] first position of each record
         return block_table[first // bs] * rpb + (first % bs) // spec.tokens_per_record
 
     @staticmethod

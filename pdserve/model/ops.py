@@ -54,7 +54,7 @@ def _half(q: torch.Tensor) -> torch.Tensor:
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids):
     if _use_triton(x):
-        from pdserve_kernels import fused_moe as kernel
+        from pdserve_kernels.fused_moe import fused_moe as kernel  # the submodule of the same name shadows the lazy export
 
         return kernel(x, w13, w2, topk_weights, topk_ids)
     return ref.fused_moe_ref(x, w13, w2, topk_weights, topk_ids)

@@ -1,8 +1,8 @@
 """DeepSeek-V4 attention: shared-KV MQA over a sliding window plus compressed entries, with sinks.
 
-Legend: T tokens in the step, L new tokens of one sequence, H query heads, D head_dim (one K=V
-head, [nope | rope]), R rope dims, S keys of a sequence (window + new + entries), Q
-q_lora_rank, G o_groups, Ro o_lora_rank.
+Legend: T tokens in the step, H query heads, D head_dim (one K=V head, [nope | rope]), R rope
+dims, W sliding_window, N rows of the step's key buffer, K keys a query may read (W + entries),
+Q q_lora_rank, G o_groups, Ro o_lora_rank, Hi / Di indexer heads / dim.
 
 Per token: q = rope(rms(q_b_proj(q_a_norm(q_a_proj(x))))) [H, D]; kv = rope(kv_norm(kv_proj(x)))
 [D] is both key and value. A query at position p attends to the kv of positions (p - W, p], to
@@ -11,35 +11,28 @@ and to a learned per-head sink logit that takes probability mass but has no valu
 rope slice is rotated back by -p (so it depends on relative positions only), then the grouped
 output projection maps each group of H/G heads to Ro dims (o_a_proj) and all G*Ro to hidden.
 Sliding-only layers use the "main" rope; CSA/HCA layers the "compress" rope (YaRN), everywhere.
+
+The attention of a layer is one `ops.sparse_mla_decode` over the whole flat batch (D = d_v, the
+sinks): one key buffer [N, D] (every sequence's window records, the step's new kv, every
+sequence's entries; layout in v4_step.py) and K indices per query, -1 padded. The window's
+indices and an HCA layer's are built once per step (V4Step); a CSA layer adds the indexer's
+picks (`ops.indexer_topk` over the visible entries).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.distributed.group import TPGroup
+from pdserve.model import ops
 from pdserve.model.config import ModelConfig
 from pdserve.model.config_v4 import CSA, HCA, SLIDING
 from pdserve.model.parallel import ColumnParallelLinear, RowParallelLinear, narrow_shard
-from pdserve.model.rope import RotaryEmbedding
 from pdserve.model.v4_cache import LayerState
 from pdserve.model.v4_compressor import CSACompressor, HCACompressor, Indexer
 from pdserve.model.v4_ops import V4RMSNorm, rms_norm, rope_tail
-
-
-@dataclass
-class V4Step:
-    """One forward's metadata, built once by the model and read by every layer. B sequences."""
-
-    input_ids: torch.Tensor  # [T] int64, new tokens of all sequences, concatenated
-    positions: torch.Tensor  # [T] int64, each token's position in its sequence
-    rows: list[slice]  # [B] each sequence's rows of the flat batch
-    rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # "main" / "compress" -> cos, sin [T, R/2]
-    compress_rotary: RotaryEmbedding  # for compressed entries (position e * m)
+from pdserve.model.v4_step import V4Step
 
 
 class GroupedLinear(nn.Module):
@@ -119,37 +112,33 @@ class V4Attention(nn.Module):
         q = rms_norm(self.q_b_proj(q_res).view(T, self.heads, self.head_dim), self.eps)
         q = rope_tail(q, cos, sin)  # [T, H, D]
         kv = rope_tail(self.kv_norm(self.kv_proj(x)), cos, sin)  # [T, D]
-        out = torch.cat(
-            [self._sequence(x[r], q[r], kv[r], q_res[r], step, r, st) for r, st in zip(step.rows, states)]
-        )  # [T, H, D]
-        out = rope_tail(out, cos, -sin)  # undo the values' rope at the query position
+        keys = [st.window for st in states] + [kv]  # the window part of the key buffer
+        indices = step.window  # [T, W]
+        if self.compressor is not None:
+            entries, indices = self._compress(x, q_res, step, states)
+            keys.append(entries)
+        for st, rows in zip(states, step.rows):  # keep the last W-1 records for the next step
+            seen = torch.cat([st.window, kv[rows]])
+            st.window = seen[seen.shape[0] - min(seen.shape[0], self.window - 1) :]
+        out, _ = ops.sparse_mla_decode(
+            q[:, None], torch.cat(keys), indices[:, None], self.scale, self.head_dim, sink=self.sinks
+        )  # [T, 1, H, D]
+        out = rope_tail(out[:, 0], cos, -sin)  # undo the values' rope at the query position
         out = self.o_a_proj(out.reshape(T, self.o_a_proj.groups, -1))  # [T, G*Ro]
         return self.o_b_proj(out)
 
-    def _sequence(self, x, q, kv, q_res, step: V4Step, rows: slice, st: LayerState) -> torch.Tensor:
-        """One sequence's L new tokens: q [L, H, D], kv [L, D] -> [L, H, D]."""
-        positions = step.positions[rows]  # [L]
-        keys = torch.cat([st.window, kv])  # [Sw, D]
-        key_pos = torch.arange(keys.shape[0], device=x.device) + positions[0] - st.window.shape[0]
-        delta = positions[:, None] - key_pos[None, :]  # [L, Sw]
-        mask = (delta >= 0) & (delta < self.window)
-        st.window = keys[keys.shape[0] - min(keys.shape[0], self.window - 1) :]
-        if self.compressor is not None:
-            entries_mask = self._compress(x, q_res, positions, rows, step, st)  # [L, E]
-            keys = torch.cat([keys, st.compressor.entries])  # [S, D]
-            mask = torch.cat([mask, entries_mask], dim=1)
-        logits = torch.einsum("lhd,sd->lhs", q, keys) * self.scale  # [L, H, S]
-        logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
-        sinks = self.sinks.to(logits.dtype).view(1, -1, 1).expand(logits.shape[0], -1, 1)
-        probs = F.softmax(torch.cat([logits, sinks], dim=-1), dim=-1)[..., :-1]  # [L, H, S]
-        return torch.einsum("lhs,sd->lhd", probs.to(keys.dtype), keys)
-
-    def _compress(self, x, q_res, positions, rows: slice, step: V4Step, st: LayerState) -> torch.Tensor:
-        """Advance the compressor (and indexer) by x [L, hidden]; the entries mask [L, E]."""
+    def _compress(self, x, q_res, step: V4Step, states: list[LayerState]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Advance each sequence's compressor (and indexer) by its new tokens; returns the entries
+        part of the key buffer [sum E, D] and the layer's attention indices [T, K]."""
         comp = self.compressor
-        comp.append(x, st.compressor, step.compress_rotary)
+        for rows, st in zip(step.rows, states):
+            comp.append(x[rows], st.compressor, step.compress_rotary)
+            if isinstance(comp, CSACompressor):
+                comp.indexer.append(x[rows], st.indexer, step.compress_rotary)
+        entries = torch.cat([st.compressor.entries for st in states])  # [sum E, D]
         if isinstance(comp, HCACompressor):
-            return comp.visible(positions, st.compressor)
-        comp.indexer.append(x, st.indexer, step.compress_rotary)
+            return entries, step.dense[comp.rate]
+        index_keys = torch.cat([st.indexer.entries for st in states])  # [sum E, Di]
         cos, sin = step.rope["compress"]
-        return comp.indexer.select(x, q_res, positions, cos[rows], sin[rows], st.indexer)
+        chosen = comp.indexer.select(x, q_res, cos, sin, index_keys, step.visible[comp.rate])  # [T, k]
+        return entries, step.with_entries(chosen)
