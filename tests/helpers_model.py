@@ -58,8 +58,9 @@ class PagedHarness:
             window_tables=torch.full((B, nb), -1, dtype=torch.int64),
             state_slots=torch.full((B,), -1, dtype=torch.int64),
         )
-        batch = ForwardBatch.build(step, self.block_size)
-        batch.logits_indices = torch.arange(len(ids))  # every new token's logits
+        device = next(iter(self.kv.regions.values())).device
+        batch = ForwardBatch.build(step, self.block_size).to(device)
+        batch.logits_indices = torch.arange(len(ids), device=device)  # every new token's logits
         hidden = self.model(batch, self.kv)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         return list(logits.split([len(new) for _, new in work]))
