@@ -27,7 +27,7 @@ import torch
 from pdserve.bench.engine import ceilings, plan, profile
 from pdserve.bench.engine.floor import step_cost
 from pdserve.bench.engine.models import MODELS, bench_config, write_config
-from pdserve.bench.engine.report import format_report
+from pdserve.bench.engine.report import format_baseline, format_header, format_row
 
 NOT_BUILT = {
     "fp8": "FP8 weights kept FP8 in the engine are not built yet (issue 13 item 3): the engine dequantizes FP8 "
@@ -93,6 +93,8 @@ def run(args: argparse.Namespace) -> dict:
     extra = args.warmup + args.steps + 1 + args.profile_steps + args.baseline_steps + 1
     blocks = plan.pool_blocks(rows, args.kv_block_size, extra)
     roof = ceilings.measure(device, dtype)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the ceilings' buffers: free before layers are fitted
     layers = args.num_layers or _fitting_layers(args, device, dtype, blocks)
     model_json = bench_config(args.model, layers)
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-engine-") as folder:
@@ -102,8 +104,13 @@ def run(args: argparse.Namespace) -> dict:
             max_num_seqs=max(b for b, _ in rows), max_model_len=max(c for _, c in rows) + extra + 1, seed=args.seed,
         )  # fmt: skip
         bench = DecodeBench(config)
-    report = {"environment": environment(device), "settings": settings(args, model_json, blocks), "ceilings": roof}
-    report["rows"] = [_row(bench, args, b, c, roof) for b, c in rows]
+    report = {"environment": environment(device), "settings": settings(args, model_json, blocks), "ceilings": roof, "rows": []}
+    print(format_header(report), flush=True)
+    for b, c in rows:
+        report["rows"].append(_row(bench, args, b, c, roof))
+        print(format_row(report["rows"][-1]), flush=True)
+        if args.out:  # after every row: a run stopped early keeps what it measured
+            Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     return report
 
 
@@ -111,7 +118,7 @@ def _fitting_layers(args, device: torch.device, dtype: torch.dtype, blocks: int)
     if device.type != "cuda":
         return bench_config(args.model)["num_hidden_layers"]
     free, _ = torch.cuda.mem_get_info(device)
-    budget = args.gpu_memory_utilization * free - 4 * 2**30  # activations, logits, the profiler
+    budget = args.gpu_memory_utilization * free - 6 * 2**30  # activations, logits, the profiler
     return plan.fit_layers(args.model, dtype, args.kv_block_size, blocks, budget)
 
 
@@ -133,7 +140,10 @@ def _row(bench, args, batch: int, context: int, roof: dict) -> dict:
         row.update(step_ms=step_ms, step_ms_all=[1e3 * t for t in times], tok_s=1e3 * batch / step_ms, **floor)
         row.update(ratio=step_ms / floor["floor_ms"], cost=cost.as_dict(), experts_touched=touched)
         if args.profile_steps:
-            row["profile"] = profile.breakdown(lambda: bench.step(seqs), bench.device, args.profile_steps, step_ms)
+            try:
+                row["profile"] = profile.breakdown(lambda: bench.step(seqs), bench.device, args.profile_steps, step_ms)
+            except Exception as e:  # the profiler's own failure: keep the row's timings
+                row["profile_error"] = f"{type(e).__name__}: {e}"[:500]
         if args.baseline_steps and batch == 1 and context == args.context:
             ops.set_backend("torch")
             try:
@@ -184,8 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"pdserve bench-engine: {e}", file=sys.stderr)
         return 2
-    print(format_report(report))
+    print(format_baseline(report))
     if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
         print(f"wrote {args.out}")
     return 0

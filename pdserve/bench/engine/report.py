@@ -7,9 +7,9 @@ from __future__ import annotations
 from pdserve.bench.engine.profile import ORDER
 
 
-def format_report(report: dict) -> str:
+def format_header(report: dict) -> str:
     env, s, roof = report["environment"], report["settings"], report["ceilings"]
-    lines = [
+    return "\n".join([
         f"pdserve bench-engine: {s['model']}, {s['num_layers']} layers ({describe_layers(s['layer_kinds'])}), "
         f"{s['dtype']} weights, KV {s['kv_cache_dtype']}, load_format {s['load_format']}",
         f"{env['device']}, {env['date']}, torch {env['torch']}, triton {env['triton']}; measured ceilings: "
@@ -17,20 +17,22 @@ def format_report(report: dict) -> str:
         "",
         "| batch | context | step ms | tok/s | floor ms (bytes / flops) | x floor | " + " | ".join(ORDER) + " |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in ORDER) + " |",
-    ]
-    for row in report["rows"]:
-        lines.append(_row(row))
+    ])  # fmt: skip
+
+
+def format_baseline(report: dict) -> str:
+    lines = []
     for row in report["rows"]:
         if "baseline" in row:
             b = row["baseline"]["step_ms"]
             lines.append(
-                f"\nnaive baseline (B={row['batch']}, context {row['context']}, torch reference kernels): "
+                f"naive baseline (B={row['batch']}, context {row['context']}, torch reference kernels): "
                 f"{b:.2f} ms a step, {b / row['step_ms']:.2f}x the step above"
             )
     return "\n".join(lines)
 
 
-def _row(row: dict) -> str:
+def format_row(row: dict) -> str:
     head = f"| {row['batch']} | {row['context']} | "
     if "error" in row:
         return head + f"failed: {row['error'][:200]} |"
