@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass
+from typing import Callable
 
+import torch
 from torch import nn
 
 from pdserve.model.config import ModelConfig
@@ -57,28 +59,32 @@ def expected_distinct_experts(num_experts: int, top_k: int, batch: int) -> float
     return num_experts * (1 - (1 - top_k / num_experts) ** batch)
 
 
-def step_cost(model: nn.Module, config: ModelConfig, batch: int, context: int, kv_itemsize: int, experts_touched: dict[int, float] | None = None) -> StepCost:
+def step_cost(
+    model: nn.Module, config: ModelConfig, batch: int, context: int, kv_itemsize: float,
+    experts_touched: dict[int, float] | None = None, param_bytes: Callable[[str, torch.Tensor], float] | None = None,
+) -> StepCost:
     """The cost of one decode step of `batch` sequences with `context` tokens cached each.
-    experts_touched: MoE layer -> distinct routed experts the step used (None: expected)."""
+    experts_touched: MoE layer -> distinct routed experts the step used (None: expected).
+    param_bytes(name, p): bytes of a parameter as stored (default: as it is in `model`)."""
     E, k = config.n_routed_experts, config.num_experts_per_tok
     dense = experts = flops = 0
     for name, p in model.named_parameters():
-        nbytes = p.numel() * p.element_size()
+        nbytes = param_bytes(name, p) if param_bytes else p.numel() * p.element_size()
         if name.endswith("embed_tokens.weight"):
-            dense += batch * nbytes // p.shape[0]
+            dense += round(batch * nbytes / p.shape[0])
         elif name.endswith(_EXPERTS):
             layer = int(_LAYER.search(name).group(1))
             touched = (experts_touched or {}).get(layer, expected_distinct_experts(E, k, batch))
             experts += round(touched * nbytes / E)
             flops += 2 * batch * k * p.numel() // E
         else:
-            dense += nbytes
+            dense += round(nbytes)
             flops += 2 * batch * p.numel()
     kv, attn_flops = attention_cost(config, batch, context, kv_itemsize)
     return StepCost(weight_bytes=dense, expert_bytes=experts, kv_bytes=kv, flops=flops + attn_flops)
 
 
-def attention_cost(config: ModelConfig, batch: int, context: int, itemsize: int) -> tuple[int, int]:
+def attention_cost(config: ModelConfig, batch: int, context: int, itemsize: float) -> tuple[int, int]:
     """(KV bytes read, attention flops) of one decode step, all layers."""
     c, n = config, context + 1
     H, Hi, Di, K = c.num_attention_heads, c.index_n_heads, c.index_head_dim, c.index_topk
@@ -97,4 +103,4 @@ def attention_cost(config: ModelConfig, batch: int, context: int, itemsize: int)
             attended = min(K, entries) if kind == CSA else entries
             values += (window + attended) * D + (entries * Di if kind == CSA else 0)
             flops += 4 * H * (window + attended) * D + (2 * Hi * entries * Di if kind == CSA else 0)
-    return batch * values * itemsize, batch * flops
+    return round(batch * values * itemsize), batch * flops
