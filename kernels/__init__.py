@@ -9,19 +9,30 @@ from __future__ import annotations
 
 import importlib
 
-from pdserve_kernels.ref import fused_moe_ref, indexer_topk_ref, mla_prefill_attention_ref, sparse_mla_decode_ref
+from pdserve_kernels.ref import (
+    fused_moe_ref,
+    indexer_topk_paged_ref,
+    indexer_topk_ref,
+    mla_prefill_attention_ref,
+    paged_mla_decode_ref,
+    sparse_mla_decode_ref,
+)
 
 _LAZY = {  # name -> module; fp8 / fp4 references and quantizers: pdserve_kernels.ref_fp8 / ref_fp4
     "sparse_mla_decode": "pdserve_kernels.sparse_mla",
     "sparse_mla_decode_fp8": "pdserve_kernels.sparse_mla",
+    "paged_mla_decode": "pdserve_kernels.sparse_mla",
     "fused_moe": "pdserve_kernels.fused_moe",
     "fused_moe_fp8": "pdserve_kernels.fused_moe_fp8",
     "fused_moe_fp4": "pdserve_kernels.fused_moe_fp4",
     "indexer_topk": "pdserve_kernels.indexer",
+    "indexer_topk_paged": "pdserve_kernels.indexer",
     "mla_prefill_attention": "pdserve_kernels.mla_prefill",
 }
 
-__all__ = ["fused_moe_ref", "indexer_topk_ref", "mla_prefill_attention_ref", "sparse_mla_decode_ref", *_LAZY]
+__all__ = [
+    "fused_moe_ref", "indexer_topk_paged_ref", "indexer_topk_ref", "mla_prefill_attention_ref", "paged_mla_decode_ref", "sparse_mla_decode_ref", *_LAZY,
+]  # fmt: skip
 
 
 def __getattr__(name: str):

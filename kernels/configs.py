@@ -86,6 +86,9 @@ MLA = {
     (CPU, "fp8", "small"): MLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, min_tiles=1),
     (CPU, "fp8", "large"): MLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, min_tiles=1),
 }
+# float32 q (parity checks only: IEEE dots, speed does not matter): one small tile that fits
+# either GPU's shared memory at D = 512 (+ 64), where the bf16 tiles would not in float32
+MLA_FP32 = MLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, min_tiles=1)
 
 # fused MoE: keyed by capability, then by rows per expert (T * top_k / E) bucket. Every entry
 # fits `moe_smem_bytes` (the H200 showed (32, 64, 128, 4, 4) compiling to 240 KB, over the limit).
@@ -149,10 +152,12 @@ def _family(cc: int) -> int:
     return 90 if cc in (90, 100, 103) else 120
 
 
-def mla_config(cc: int, kv_format: str, heads: int, rows: int = 1, has_tail: bool = True) -> MLAConfig:
-    """Tiles for `rows` = B * S queries of `heads` heads; `has_tail`: D > d_v (rope dims)."""
+def mla_config(cc: int, kv_format: str, heads: int, rows: int = 1, has_tail: bool = True,
+               fp32: bool = False) -> MLAConfig:
+    """Tiles for `rows` = B * S queries of `heads` heads; `has_tail`: D > d_v (rope dims);
+    `fp32`: float32 q on a GPU (the parity tile)."""
     size = "large" if rows * heads >= LARGE_MLA_ROWS and has_tail else "small"
-    cfg = MLA[(_family(cc), kv_format, size)]
+    cfg = MLA_FP32 if fp32 and cc != CPU else MLA[(_family(cc), kv_format, size)]
     block_h = max(16, min(cfg.block_h, 1 << (max(heads, 1) - 1).bit_length()))
     if block_h == cfg.block_h:
         return cfg

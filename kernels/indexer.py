@@ -4,6 +4,9 @@ score[t, c] = sum_h weights[t, h] * relu(q[t, h] . k[cand[t, c]]), -inf where ca
 Grid (C / BC, T): a program gathers BC candidate keys once and scores them against all H index
 heads of its query in one `tl.dot` ([BH, D] x [D, BC]); the ReLU and the weighted head sum stay in
 registers, so only the [T, C] float32 scores reach memory. The top-k selection is `torch.topk`.
+Paged candidates (`indexer_topk_paged`): query t's candidates are positions 0..len-1 of its
+sequence, their slots computed in the kernel from the block table (no [T, C] candidate matrix),
+and the queries are scored in row chunks so the transient scores stay under SCORES_BYTES.
 
 Legend: T query tokens, H index heads, D index head dim, N key slots, C candidates, BC tile.
 """
@@ -20,9 +23,10 @@ from pdserve_kernels._launch import capability, next_pow2
 
 @triton.jit
 def _index_scores_kernel(
-    q_ptr, k_ptr, w_ptr, cand_ptr, score_ptr, H, D, C,
-    s_qt, s_qh, s_qd, s_kn, s_kd, s_wt, s_wh, s_ct, s_cc,
+    q_ptr, k_ptr, w_ptr, cand_ptr, score_ptr, bt_ptr, seq_ptr, len_ptr, H, D, C,
+    s_qt, s_qh, s_qd, s_kn, s_kd, s_wt, s_wh, s_ct, s_cc, s_bt,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, FP32_DOT: tl.constexpr,
+    PAGED: tl.constexpr = False, PAGE: tl.constexpr = 1,
 ):
     pid_c = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
@@ -34,7 +38,12 @@ def _index_scores_kernel(
     q = tl.load(q_ptr + t * s_qt + offs_h[:, None] * s_qh + offs_d[None, :] * s_qd,
                 mask=h_ok[:, None] & d_ok[None, :], other=0.0)
     w = tl.load(w_ptr + t * s_wt + offs_h * s_wh, mask=h_ok, other=0.0).to(tl.float32)
-    cand = tl.load(cand_ptr + t * s_ct + offs_c * s_cc, mask=offs_c < C, other=-1)
+    if PAGED:  # offs_c are positions of the query's sequence
+        seen = offs_c < tl.load(len_ptr + t)
+        page = tl.load(bt_ptr + tl.load(seq_ptr + t).to(tl.int64) * s_bt + offs_c // PAGE, mask=seen, other=0)
+        cand = tl.where(seen, page * PAGE + offs_c % PAGE, -1)
+    else:
+        cand = tl.load(cand_ptr + t * s_ct + offs_c * s_cc, mask=offs_c < C, other=-1)
     valid = cand >= 0
     keys = tl.load(k_ptr + cand.to(tl.int64)[:, None] * s_kn + offs_d[None, :] * s_kd,
                    mask=valid[:, None] & d_ok[None, :], other=0.0)
@@ -47,20 +56,30 @@ def _index_scores_kernel(
     tl.store(score_ptr + t * C + offs_c, score, mask=offs_c < C)
 
 
+SCORES_BYTES = 256 << 20  # transient [rows, C] float32 scores of one chunk of paged queries
+
+
 def index_scores(q: torch.Tensor, k_cache: torch.Tensor, weights: torch.Tensor,
-                 candidates: torch.Tensor) -> torch.Tensor:
-    """scores [T, C] float32 (-inf at padding); shapes as in `indexer_topk`."""
+                 candidates: torch.Tensor | None, paged: tuple | None = None) -> torch.Tensor:
+    """scores [T, C] float32 (-inf at padding); shapes as in `indexer_topk`. paged:
+    (block_tables, seq_ids, context_lens, page, max_len) instead of candidates (C = max_len)."""
     T, H, D = q.shape
-    C = candidates.shape[1]
+    C = candidates.shape[1] if paged is None else paged[4]
     scores = torch.empty(T, C, dtype=torch.float32, device=q.device)
     if T == 0 or C == 0:
         return scores
+    if paged is None:
+        tables, seq_ids, lens, page = candidates, candidates, candidates, 1  # tables..lens unused
+    else:
+        tables, seq_ids, lens, page, _ = paged
+        candidates = lens.view(T, 1)  # unused
     cfg = configs.indexer_config(capability(q.device))
     _index_scores_kernel[(triton.cdiv(C, cfg.block_c), T)](
-        q, k_cache, weights, candidates, scores, H, D, C,
-        *q.stride(), *k_cache.stride(), *weights.stride(), *candidates.stride(),
+        q, k_cache, weights, candidates, scores, tables, seq_ids, lens, H, D, C,
+        *q.stride(), *k_cache.stride(), *weights.stride(), *candidates.stride(), tables.stride(0),
         BLOCK_H=max(16, next_pow2(H)), BLOCK_D=max(16, next_pow2(D)), BLOCK_C=cfg.block_c,
-        FP32_DOT=q.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FP32_DOT=q.dtype == torch.float32, PAGED=paged is not None, PAGE=page,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return scores
 
@@ -91,3 +110,37 @@ def indexer_topk(
     top = scores.topk(k, dim=-1)
     picked = torch.gather(candidates, 1, top.indices)
     return torch.where(torch.isinf(top.values), torch.full_like(picked, -1), picked)
+
+
+def indexer_topk_paged(
+    q: torch.Tensor,  # [T, H, D] index queries (rope applied)
+    k_cache: torch.Tensor,  # [N, D] index keys, q's dtype
+    weights: torch.Tensor,  # [T, H]
+    block_tables: torch.Tensor,  # [B, W] int32
+    seq_ids: torch.Tensor,  # [T] int32, each query's row of block_tables
+    context_lens: torch.Tensor,  # [T] int32, candidates: positions 0..len-1 of that sequence
+    page: int,  # tokens per block
+    max_len: int,  # >= every context_lens entry
+    topk: int,
+) -> torch.Tensor:
+    """`indexer_topk` over paged candidates: the top-k slot ids [T, min(topk, max_len)] int32,
+    -1 where a query has fewer candidates (reference: `ref.indexer_topk_paged_ref`)."""
+    T = q.shape[0]
+    for name, t in (("seq_ids", seq_ids), ("context_lens", context_lens)):
+        if t.dtype != torch.int32 or tuple(t.shape) != (T,):
+            raise ValueError(f"{name} must be int32 [{T}], got {t.dtype} {tuple(t.shape)}")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
+        raise ValueError(f"block_tables must be int32 [B, W], got {block_tables.dtype} {tuple(block_tables.shape)}")
+    if k_cache.dtype != q.dtype or tuple(weights.shape) != tuple(q.shape[:2]) or topk < 1:
+        raise ValueError("k_cache must have q's dtype, weights [T, H], topk >= 1")
+    k = min(topk, max_len)
+    out = torch.full((T, k), -1, dtype=torch.int32, device=q.device)
+    rows = max(1, SCORES_BYTES // (4 * max(max_len, 1)))
+    for r0 in range(0, T if k else 0, rows):
+        r = slice(r0, min(T, r0 + rows))
+        paged = (block_tables, seq_ids[r], context_lens[r], page, max_len)
+        top = index_scores(q[r], k_cache, weights[r], None, paged).topk(k, dim=-1)  # positions
+        pages = block_tables.long()[seq_ids[r].long()].gather(1, top.indices // page)
+        slots = (pages * page + top.indices % page).to(torch.int32)
+        out[r] = torch.where(torch.isinf(top.values), torch.full_like(slots, -1), slots)
+    return out

@@ -45,6 +45,39 @@ def sparse_mla_decode_ref(
     return out.to(q.dtype), lse_all
 
 
+def paged_slots(
+    block_tables: torch.Tensor,  # [B, W] block ids
+    seq_ids: torch.Tensor,  # [T] row of block_tables of each query
+    context_lens: torch.Tensor,  # [T] keys of each query: positions 0..len-1
+    page: int,
+    max_len: int,
+) -> torch.Tensor:
+    """The slot ids [T, max_len] int32 of each query's positions 0..len-1, -1 beyond (what the
+    paged kernels compute tile by tile; references and tests only: it is a [T, C] matrix)."""
+    pos = torch.arange(max_len, device=block_tables.device)  # [C]
+    rows = block_tables.long()[seq_ids.long()]  # [T, W]
+    pages = rows.gather(1, (pos // page).clamp(max=max(rows.shape[1] - 1, 0)).expand(len(seq_ids), -1)) if max_len else rows[:, :0]
+    slots = pages * page + pos % page
+    return torch.where(pos[None, :] < context_lens.long()[:, None], slots, -1).to(torch.int32)
+
+
+def paged_mla_decode_ref(
+    q: torch.Tensor,  # [T, 1, H, D]
+    kv: torch.Tensor,  # [N, D]
+    block_tables: torch.Tensor,  # [B, W]
+    seq_ids: torch.Tensor,  # [T]
+    context_lens: torch.Tensor,  # [T]
+    page: int,
+    max_len: int,
+    sm_scale: float,
+    d_v: int,
+    sink: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense MLA decode over the paged pool: sparse_mla_decode_ref over each query's positions."""
+    idx = paged_slots(block_tables, seq_ids, context_lens, page, max_len)[:, None]  # [T, 1, C]
+    return sparse_mla_decode_ref(q, kv, idx, sm_scale, d_v, sink=sink)
+
+
 def fused_moe_ref(
     x: torch.Tensor,  # [T, hidden]
     w13: torch.Tensor,  # [E, 2I, hidden], gate rows then up rows
@@ -95,6 +128,22 @@ def indexer_topk_ref(
     top = scores.topk(k, dim=-1)
     picked = torch.gather(candidates, 1, top.indices)
     return torch.where(torch.isinf(top.values), torch.full_like(picked, -1), picked).to(torch.int32)
+
+
+def indexer_topk_paged_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    weights: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_ids: torch.Tensor,
+    context_lens: torch.Tensor,
+    page: int,
+    max_len: int,
+    topk: int,
+) -> torch.Tensor:
+    """indexer_topk_ref over each query's positions 0..len-1 (see paged_slots)."""
+    cand = paged_slots(block_tables, seq_ids, context_lens, page, max_len)
+    return indexer_topk_ref(q, k_cache, weights, cand, topk)
 
 
 def mla_prefill_attention_ref(

@@ -13,6 +13,11 @@ counted by an atomic counter that it resets, merges them; no second launch, grap
 pass 2 (`_mla_merge_kernel`, grid (H, B * S, d_v chunks)), whichever the config picks. The split count comes from the SM count and the work
 (`num_splits`), so small batches still fill the GPU.
 
+Key lists: `indices` [B, S, K] slot ids (sparse: the indexer's top-k), or paged
+(`paged_mla_decode`, dense MLA): query row r reads positions 0..context_lens[r]-1 of sequence
+seq_ids[r], slot = block_tables[seq, p // page] * page + p % page, computed in the kernel, so a
+step's metadata is the block tables and two ints per query, never a [queries, context] matrix.
+
 KV formats:
 - bf16/fp16 (`sparse_mla_decode`): kv [N, D] in q's dtype, any row stride.
 - fp8 (`sparse_mla_decode_fp8`): uint8 records, layout in `kv_fp8.py` (V3.2: 656 bytes =
@@ -37,12 +42,14 @@ LAST_COMPILED: dict = {}  # kernel name -> last compiled kernel, for bench.py's 
 @triton.jit
 def _mla_split_kernel(
     q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, cnt_ptr,
+    bt_ptr, seq_ptr, len_ptr,
     scale_log2, H, K, tiles_per_split,
-    s_qb, s_qh, s_qd, s_kvn, s_kvd, s_ib, s_ik, s_ob, s_oh, s_pb, s_ps, s_ph,
+    s_qb, s_qh, s_qd, s_kvn, s_kvd, s_ib, s_ik, s_ob, s_oh, s_pb, s_ps, s_ph, s_bt,
     D_V: tl.constexpr, D_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr, HAS_SINK: tl.constexpr, DIRECT: tl.constexpr,
     FUSED_MERGE: tl.constexpr, KV_FP8: tl.constexpr, GROUP: tl.constexpr, FP32_DOT: tl.constexpr,
     INTERPRET: tl.constexpr, TILES_C: tl.constexpr, SPLITS_C: tl.constexpr,
+    PAGED: tl.constexpr = False, PAGE: tl.constexpr = 1,
 ):
     pid_h = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -65,9 +72,21 @@ def _mla_split_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
 
     start = pid_s * tiles_per_split * BLOCK_N
-    for i in range(0, TILES_C if INTERPRET else tiles_per_split):  # see _launch.interpreting
+    n_tiles = tiles_per_split
+    if PAGED:
+        seq = tl.load(seq_ptr + pid_b).to(tl.int64)
+        ctx = tl.load(len_ptr + pid_b)
+        # only the tiles below this query's context: the grid is sized for the longest one (or
+        # for a CUDA graph's bound), so shorter queries leave their splits early
+        n_tiles = tl.minimum(tiles_per_split, tl.maximum(ctx - start + BLOCK_N - 1, 0) // BLOCK_N)
+    for i in range(0, TILES_C if INTERPRET else n_tiles):  # see _launch.interpreting
         offs_n = start + i * BLOCK_N + tl.arange(0, BLOCK_N)
-        idx = tl.load(idx_ptr + pid_b * s_ib + offs_n * s_ik, mask=offs_n < K, other=-1)
+        if PAGED:  # offs_n are positions of the query's sequence
+            seen = offs_n < ctx
+            page = tl.load(bt_ptr + seq * s_bt + offs_n // PAGE, mask=seen, other=0)
+            idx = tl.where(seen, page * PAGE + offs_n % PAGE, -1)
+        else:
+            idx = tl.load(idx_ptr + pid_b * s_ib + offs_n * s_ik, mask=offs_n < K, other=-1)
         valid = idx >= 0
         rows = kv_ptr + idx.to(tl.int64)[:, None] * s_kvn
         if KV_FP8:
@@ -270,9 +289,11 @@ def _check(q, indices, sm_scale, d_v, sink) -> None:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
 
 
-def _run(q, kv, s_kvn, s_kvd, indices, sm_scale, d_v, sink, kv_format, cfg):
+def _run(q, kv, s_kvn, s_kvd, indices, sm_scale, d_v, sink, kv_format, cfg, paged=None):
+    """paged: (block_tables [Bt, W], seq_ids [B*S], context_lens [B*S], page, max_len) instead
+    of indices (then None): the key list of row r is its sequence's positions 0..len-1."""
     B, S, H, D = q.shape
-    K = indices.shape[2]
+    K = indices.shape[2] if paged is None else paged[4]
     BS = B * S
     out = torch.empty(B, S, H, d_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, S, H, dtype=torch.float32, device=q.device)
@@ -284,9 +305,14 @@ def _run(q, kv, s_kvn, s_kvd, indices, sm_scale, d_v, sink, kv_format, cfg):
                   else sink.float().expand(B, S, H))
         return out, lse
     cc = capability(q.device)
-    cfg = cfg or configs.mla_config(cc, kv_format, H, BS, has_tail=D > d_v)
+    cfg = cfg or configs.mla_config(cc, kv_format, H, BS, has_tail=D > d_v, fp32=q.dtype == torch.float32)
     q3 = q.reshape(BS, H, D)
-    idx2 = indices.reshape(BS, K)
+    if paged is None:
+        idx2 = indices.reshape(BS, K)
+        tables, seq_ids, lens, page = idx2, idx2, idx2, 1  # tables..lens unused
+    else:
+        tables, seq_ids, lens, page, _ = paged
+        idx2 = lens.view(BS, 1)  # unused
     block_v, d_t = next_pow2(d_v), D - d_v
     block_t = max(16, next_pow2(d_t)) if d_t > 0 else 16
     block_v = max(16, block_v)
@@ -308,14 +334,15 @@ def _run(q, kv, s_kvn, s_kvd, indices, sm_scale, d_v, sink, kv_format, cfg):
     sink_arg = sink if sink is not None else lse
     LAST_COMPILED["split"] = _mla_split_kernel[(head_blocks, splits, BS)](
         q3, kv, idx2, sink_arg, out, lse, part_out, part_lse, counters,
+        tables, seq_ids, lens,
         sm_scale * LOG2E, H, K, per,
         q3.stride(0), q3.stride(1), q3.stride(2), s_kvn, s_kvd, idx2.stride(0), idx2.stride(1),
-        H * d_v, d_v, *s_p,
+        H * d_v, d_v, *s_p, tables.stride(0),
         D_V=d_v, D_T=d_t, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_V=block_v,
         BLOCK_T=block_t, HAS_SINK=sink is not None, DIRECT=direct, FUSED_MERGE=fused,
         KV_FP8=kv_format == "fp8", GROUP=kv_fp8.GROUP, FP32_DOT=q.dtype == torch.float32,
         INTERPRET=interp, TILES_C=per if interp else 0, SPLITS_C=splits if interp else 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PAGED=paged is not None, PAGE=page, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not direct and not fused:
         block_p = next_pow2(splits)
@@ -362,8 +389,13 @@ def sparse_mla_decode_fp8(
     fp32 scale, rounded to q's dtype before the dots). Same outputs as `sparse_mla_decode`;
     reference: `kv_fp8.sparse_mla_decode_fp8_ref`."""
     _check(q, indices, sm_scale, d_v, sink)
+    _check_fp8_records(q, kv, d_v)
+    return _run(q, kv, kv.stride(0), 1, indices, sm_scale, d_v, sink, "fp8", config)
+
+
+def _check_fp8_records(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> None:
     if q.dtype == torch.float32:
-        raise ValueError("sparse_mla_decode_fp8 takes bf16 or fp16 q")
+        raise ValueError("FP8 KV records take bf16 or fp16 q")
     D = q.shape[3]
     need = kv_fp8.record_bytes(d_v, D - d_v)
     if kv.dtype != torch.uint8 or kv.dim() != 2 or kv.shape[1] != need or kv.stride(1) != 1:
@@ -373,4 +405,40 @@ def sparse_mla_decode_fp8(
         raise ValueError(f"fp8 records need d_v a power of two and a multiple of {kv_fp8.GROUP}")
     if kv.stride(0) % 16 or kv.data_ptr() % 16:
         raise ValueError("fp8 records must start on 16-byte boundaries (row stride and base)")
-    return _run(q, kv, kv.stride(0), 1, indices, sm_scale, d_v, sink, "fp8", config)
+
+
+def paged_mla_decode(
+    q: torch.Tensor,  # [T, 1, H, D] bf16/fp16 (fp32 for tests): one query row per token
+    kv: torch.Tensor,  # [N, D] same dtype as q, any row stride (V = kv[:, :d_v]), or [N, R] uint8 FP8 records
+    block_tables: torch.Tensor,  # [B, W] int32 block ids of each sequence
+    seq_ids: torch.Tensor,  # [T] int32, the sequence (row of block_tables) of each query
+    context_lens: torch.Tensor,  # [T] int32, keys of each query: its sequence's positions 0..len-1
+    page: int,  # tokens per block
+    max_len: int,  # >= every context_lens entry (sizes the grid; no device sync to find it)
+    sm_scale: float,
+    d_v: int,
+    sink: torch.Tensor | None = None,
+    config: configs.MLAConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense MLA decode over the paged pool: query t attends to the first context_lens[t]
+    positions of sequence seq_ids[t]. Same outputs as `sparse_mla_decode` with the indices those
+    positions' slots (reference: `ref.paged_mla_decode_ref`)."""
+    T = q.shape[0]
+    if q.dim() != 4 or q.shape[1] != 1:
+        raise ValueError(f"q must be [T, 1, H, D], got {tuple(q.shape)}")
+    fp8 = kv.dtype == torch.uint8
+    if fp8:
+        _check_fp8_records(q, kv, d_v)
+    elif kv.dim() != 2 or kv.shape[1] != q.shape[3] or kv.dtype != q.dtype or kv.device != q.device:
+        raise ValueError(f"kv must be [N, D={q.shape[3]}] {q.dtype} on {q.device}, got {kv.dtype} {tuple(kv.shape)} on {kv.device}")
+    for name, t, shape in (("seq_ids", seq_ids, (T,)), ("context_lens", context_lens, (T,))):
+        if t.dtype != torch.int32 or tuple(t.shape) != shape or t.device != q.device:
+            raise ValueError(f"{name} must be int32 {shape} on {q.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.device != q.device:
+        raise ValueError(f"block_tables must be int32 [B, W] on {q.device}, got {block_tables.dtype} {tuple(block_tables.shape)}")
+    if page < 1 or max_len < 0:
+        raise ValueError(f"page must be >= 1 and max_len >= 0, got {page}, {max_len}")
+    empty_idx = torch.empty(T, 1, 0, dtype=torch.int32, device=q.device)
+    _check(q, empty_idx, sm_scale, d_v, sink)
+    return _run(q, kv, kv.stride(0), 1 if fp8 else kv.stride(1), empty_idx, sm_scale, d_v, sink,
+                "fp8" if fp8 else "bf16", config, paged=(block_tables, seq_ids, context_lens, page, max_len))

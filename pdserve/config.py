@@ -20,7 +20,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pdserve.disagg.factory import TransferBackend
+<<<<<<< HEAD
 from pdserve.engine.config import DType, EngineConfig, KVLoadFailurePolicy, LoadFormat, check_device
+=======
+from pdserve.engine.config import DType, EngineConfig, KVCacheDType, KVLoadFailurePolicy, check_device
+>>>>>>> main
 
 # configs/ sits beside the package in the source tree (the repo is installed editable).
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -80,6 +84,9 @@ class WorkerConfig(_Strict):
     max_num_seqs: int = Field(256, ge=1)
     max_num_batched_tokens: int | None = Field(None, ge=1)
     max_model_len: int | None = Field(None, ge=2)
+    enforce_eager: bool = False  # no CUDA graphs for decode steps
+    kv_cache_dtype: KVCacheDType = "auto"  # fp8: FP8 latent records (V3 / V3.2); part of the KV compatibility hash
+    cuda_graph_max_bs: int | None = Field(None, ge=1)  # largest decode batch captured (default min(max_num_seqs, 256))
     lease_seconds: float = Field(60.0, gt=0)  # prefill keeps KV this long for decode to pull
     engine_id: str | None = None  # default: "<role>-<index>-<port>" (launch), "<role>-<port>" (serve)
     max_open_requests: int | None = Field(None, ge=1)  # admitted at once before 429 (default max(8 x max_num_seqs, 256))
@@ -157,6 +164,9 @@ class WorkerConfig(_Strict):
             num_kv_blocks=self.num_kv_blocks,
             max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len,
+            enforce_eager=self.enforce_eager,
+            kv_cache_dtype=self.kv_cache_dtype,
+            cuda_graph_max_bs=self.cuda_graph_max_bs,
             **({"max_num_batched_tokens": self.max_num_batched_tokens} if self.max_num_batched_tokens else {}),
         )
 

@@ -104,8 +104,9 @@ _HF_COMMON = {
 }
 
 
-def make_tiny_model(out_dir: str | Path, arch: str = "deepseek_v3", seed: int = 0) -> Path:
-    """Write a tiny random `arch` checkpoint into `out_dir` (created if missing); return its path."""
+def make_tiny_model(out_dir: str | Path, arch: str = "deepseek_v3", seed: int = 0, overrides: dict | None = None) -> Path:
+    """Write a tiny random `arch` checkpoint into `out_dir` (created if missing); return its path.
+    overrides: config keys to change (V3 / V3.2), e.g. {"kv_lora_rank": 128} for FP8 KV records."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}: expected one of {', '.join(ARCHS)}")
     out = Path(out_dir)
@@ -116,7 +117,7 @@ def make_tiny_model(out_dir: str | Path, arch: str = "deepseek_v3", seed: int = 
         config = tiny_v4_config(vocab_size)
         weights = tiny_v4_weights(config, seed)
     else:
-        config = tiny_config(arch, vocab_size)
+        config = {**tiny_config(arch, vocab_size), **(overrides or {})}
         weights = tiny_weights(config, seed)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n", encoding="utf-8")

@@ -118,9 +118,24 @@ def cases(families):
             out.append(("mla", f"fp8 {size} (V3.2 B={B} H={H})",
                         lambda q=q, B=B: sparse_mla_decode_fp8(q, _e(4096, rec, dtype=torch.uint8),
                                                                idx(B, 2048), 0.1, 512)))
-        out.append(("mla", "bf16 (V4-Flash B=1 H=64, sinks)",
-                    lambda: sparse_mla_decode(_e(1, 1, 64, 512), _e(4096, 512), idx(1, 640), 0.1, 512,
-                                              sink=_e(64, dtype=torch.float32))))
+        from pdserve_kernels.sparse_mla import paged_mla_decode
+
+        def paged(B, H, kv, page=64, ctx=4096):  # dense MLA decode over the block table (V3: D = 576)
+            tables = torch.zeros(B, ctx // page, dtype=torch.int32)
+            ids, lens = torch.zeros(B, dtype=torch.int32), torch.full((B,), ctx, dtype=torch.int32)
+            paged_mla_decode(_e(B, 1, H, 576), kv, tables, ids, lens, page, ctx, 0.1, 512)
+        for B, H in ((1, 16), (64, 64)):
+            out.append(("mla", f"paged bf16 (V3 B={B} H={H})", lambda B=B, H=H: paged(B, H, _e(4096, 576))))
+            out.append(("mla", f"paged fp8 (V3 B={B} H={H})",
+                        lambda B=B, H=H: paged(B, H, _e(4096, rec, dtype=torch.uint8))))
+        # V4-Flash: D = d_v = 512, sinks; K = window 128 + top-512 CSA entries (HCA reads more
+        # rows with the same tiles); all 64 heads, 16 per TP4 rank in a decode batch, float32 parity
+        sink = lambda H: _e(H, dtype=torch.float32)  # noqa: E731
+        for B, H, dt in ((1, 64, torch.bfloat16), (64, 16, torch.bfloat16), (1, 64, torch.float32)):
+            name = "fp32" if dt == torch.float32 else "bf16"
+            out.append(("mla", f"{name} (V4-Flash B={B} H={H}, sinks)",
+                        lambda B=B, H=H, dt=dt: sparse_mla_decode(_e(B, 1, H, 512, dtype=dt), _e(4096, 512, dtype=dt),
+                                                                  idx(B, 640), 0.1, 512, sink=sink(H))))
     if "mla_prefill" in families:  # V3 / V3.2 dims: qk 192 = 128 + 64, v 128, 128 heads
         from pdserve_kernels.mla_prefill import mla_prefill_attention
 
@@ -129,9 +144,15 @@ def cases(families):
             mla_prefill_attention(_e(T, 128, 192), kv[..., :128], _e(T, 64), kv[..., 128:], cu, cu, T, 0.1)
         out.append(("mla_prefill", "bf16 (V3 H=128, 512 tokens)", prefill))
     if "indexer" in families:
-        out.append(("indexer", "V3.2 H=64 D=128",
+        out.append(("indexer", "V3.2 / V4-Flash H=64 D=128",
                     lambda: indexer_topk(_e(4, 64, 128), _e(4096, 128), _e(4, 64, dtype=torch.float32),
                                          torch.zeros(4, 2048, dtype=torch.int32), 512)))
+        from pdserve_kernels.indexer import indexer_topk_paged
+
+        out.append(("indexer", "paged V3.2 H=64 D=128",
+                    lambda: indexer_topk_paged(_e(4, 64, 128), _e(4096, 128), _e(4, 64, dtype=torch.float32),
+                                               torch.zeros(4, 32, dtype=torch.int32), torch.zeros(4, dtype=torch.int32),
+                                               torch.full((4,), 2048, dtype=torch.int32), 64, 2048, 512)))
     E, k, hidden, inter = 8, 6, 4096, 2048  # V4-Flash expert dims; E small: rows per expert = 6T/8
     routed = lambda T: (_e(T, k, dtype=torch.float32), torch.zeros(T, k, dtype=torch.int32))  # noqa: E731
     for T in (1, 32, 128):  # the three rows-per-expert buckets: <= 16, <= 64, more

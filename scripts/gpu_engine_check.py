@@ -1,25 +1,30 @@
 """Greedy token agreement of pdserve's engine with transformers on the tiny checkpoints.
 
-    python scripts/gpu_engine_check.py [--device cuda] [--dtypes bfloat16,float32] [--out DIR]
+    python scripts/gpu_engine_check.py [--device cuda] [--dtypes bfloat16,float32] [--archs ...] [--out DIR]
 
-For each tiny architecture (`pdserve.tiny_model`: deepseek_v3 and deepseek_v32) this writes the
-checkpoint, runs 8 prompts x 32 greedy tokens (EOS ignored) through `pdserve.LLM` (on CUDA the
-Triton kernels, through pdserve/model/ops.py) and through transformers' DeepseekV3ForCausalLM /
-DeepseekV32ForCausalLM (argmax over the full sequence each step, no cache), each in every dtype
-asked for, and prints per prompt the index of the first token that differs:
+For each tiny architecture (`pdserve.tiny_model`: deepseek_v3, deepseek_v32, deepseek_v4) this
+writes the checkpoint, runs 8 prompts x 32 greedy tokens (EOS ignored) through `pdserve.LLM` (on
+CUDA the Triton kernels, through pdserve/model/ops.py) and through transformers'
+DeepseekV3ForCausalLM / DeepseekV32ForCausalLM / DeepseekV4ForCausalLM (argmax over the full
+sequence each step, no cache), each in every dtype asked for, and prints per prompt the index of
+the first token that differs:
 
 - pdserve-<dtype> vs HF-float32: the engine against the oracle;
 - HF-<dtype> vs HF-float32 (dtype != float32): how far low precision alone moves the oracle,
   so the engine's low-precision divergence is compared with measured noise, not assumed;
 - pdserve-float32 on the device vs pdserve-float32 on CPU (the torch reference path), when the
   device is not the CPU.
-The float32 rows must agree on every token. Writes engine_check.json to --out (default $OUT or
-the working directory). Exit status 1 if a float32 row disagrees.
+The float32 rows must agree on every token. Each pdserve run also records its kernel calls
+(`ops.<kernel>` by the backend taken, Triton or torch) and its model forwards: DeepSeek-V4 must
+make exactly one sparse_mla_decode per layer per forward (its whole attention), all of them on
+Triton on a GPU. Writes engine_check.json to --out (default $OUT or the working directory). Exit
+status 1 if a float32 row disagrees or a V4 run breaks that call count.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -47,16 +52,59 @@ NEW_TOKENS = 32
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def pdserve_tokens(path: str, device: str, dtype: str, prompts: list[list[int]]) -> list[list[int]]:
-    """All prompts as one continuous batch, greedy, EOS ignored."""
+OPS = ("sparse_mla_decode", "indexer_topk", "mla_prefill_attention", "fused_moe")
+
+
+@contextlib.contextmanager
+def counting_kernels(model):
+    """Counts each `ops.<kernel>` call by the backend it takes, and the model's forwards."""
+    from pdserve.model import ops
+
+    counts = {name: {"triton": 0, "torch": 0} for name in OPS} | {"forwards": 0}
+    saved = {name: getattr(ops, name) for name in OPS}
+    forward = model.forward
+
+    def wrap(name):
+        def call(*args, **kwargs):
+            counts[name]["triton" if ops._use_triton(args[0]) else "torch"] += 1
+            return saved[name](*args, **kwargs)
+        return call
+
+    def counted_forward(*args, **kwargs):
+        counts["forwards"] += 1
+        return forward(*args, **kwargs)
+
+    for name in OPS:
+        setattr(ops, name, wrap(name))
+    model.forward = counted_forward
+    try:
+        yield counts
+    finally:
+        for name, fn in saved.items():
+            setattr(ops, name, fn)
+        del model.forward
+
+
+def pdserve_tokens(path: str, device: str, dtype: str, prompts: list[list[int]]) -> tuple[list[list[int]], dict]:
+    """All prompts as one continuous batch, greedy, EOS ignored; the tokens and the kernel calls."""
     llm = LLM(path, device=device, dtype=dtype, kv_block_size=16, kv_cache_memory_gb=0.25,
               skip_tokenizer_init=True)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    model = llm.engine.runner.model
+    with counting_kernels(model) as calls:
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    calls["num_layers"] = model.num_layers
     used = llm.engine.get_stats().kv_blocks_used
     if used:
         raise RuntimeError(f"{used} KV blocks still in use after every request finished")
-    return [list(o.outputs[0].token_ids) for o in outs]
+    return [list(o.outputs[0].token_ids) for o in outs], calls
+
+
+def v4_calls_ok(calls: dict, device: str) -> bool:
+    """DeepSeek-V4: one sparse_mla_decode per layer per forward, on Triton when on a GPU."""
+    mla = calls["sparse_mla_decode"]
+    backend = "torch" if device == "cpu" else "triton"
+    return mla[backend] == calls["forwards"] * calls["num_layers"] and sum(mla.values()) == mla[backend]
 
 
 def hf_tokens(path: str, device: str, dtype: str, prompts: list[list[int]]) -> list[list[int]]:
@@ -83,20 +131,21 @@ def first_divergence(a: list[list[int]], b: list[list[int]]) -> list[int | None]
     return [next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), None) for s, t in zip(a, b)]
 
 
-def check_arch(arch: str, device: str, dtypes: list[str], root: str) -> list[dict]:
+def check_arch(arch: str, device: str, dtypes: list[str], root: str) -> tuple[list[dict], dict[str, dict]]:
     path = str(make_tiny_model(os.path.join(root, arch), arch=arch, seed=0))
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
     prompts = [tok.encode(p).ids for p in PROMPTS]
     runs: dict[str, list[list[int]]] = {}
+    calls: dict[str, dict] = {}
     for dt in dtypes:
         t0 = time.time()
-        runs[f"pdserve-{device}-{dt}"] = pdserve_tokens(path, device, dt, prompts)
+        runs[f"pdserve-{device}-{dt}"], calls[f"pdserve-{device}-{dt}"] = pdserve_tokens(path, device, dt, prompts)
         runs[f"HF-{device}-{dt}"] = hf_tokens(path, device, dt, prompts)
         print(f"{arch} {dt}: pdserve + HF on {device} in {time.time() - t0:.1f}s", flush=True)
     if device != "cpu" and "float32" in dtypes:
-        runs["pdserve-cpu-float32"] = pdserve_tokens(path, "cpu", "float32", prompts)
+        runs["pdserve-cpu-float32"], calls["pdserve-cpu-float32"] = pdserve_tokens(path, "cpu", "float32", prompts)
     oracle = f"HF-{device}-float32" if "float32" in dtypes else None
     pairs = []
     if oracle:
@@ -112,7 +161,24 @@ def check_arch(arch: str, device: str, dtypes: list[str], root: str) -> list[dic
         rows.append(dict(arch=arch, run=a, against=b, must_agree=must, first_divergence=div,
                          prompt_lens=[len(p) for p in prompts],
                          identical=sum(d is None for d in div), tokens=runs[a]))
-    return rows
+    for run, c in calls.items():
+        if arch == "deepseek_v4":
+            c["v4_one_launch_per_layer"] = v4_calls_ok(c, run.split("-")[1])
+        mla = c["sparse_mla_decode"]
+        print(f"{arch} {run}: {c['forwards']} forwards x {c['num_layers']} layers; sparse_mla_decode "
+              f"triton {mla['triton']} torch {mla['torch']}; indexer_topk {c['indexer_topk']}", flush=True)
+    return rows, calls
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
+
+
+def _version(package: str) -> str | None:
+    try:
+        return __import__(package).__version__
+    except ImportError:
+        return None
 
 
 def main() -> None:
@@ -126,13 +192,13 @@ def main() -> None:
     dtypes = args.dtypes.split(",")
     if "float32" not in dtypes or any(d not in DTYPES for d in dtypes):
         raise SystemExit(f"--dtypes must include float32 and name only {', '.join(DTYPES)}")
-    rows = []
+    rows, calls = [], {}
     os.makedirs(args.out, exist_ok=True)
     print(f"{len(PROMPTS)} prompts x {NEW_TOKENS} greedy tokens; first divergence per prompt "
           "('-' = all tokens agree)")
     with tempfile.TemporaryDirectory() as root:
         for arch in args.archs.split(","):
-            new = check_arch(arch, args.device, dtypes, root)
+            new, calls[arch] = check_arch(arch, args.device, dtypes, root)
             print(f"{'arch':<13} {'run':<24} {'vs':<22} {'agree':>5}  first divergence")
             for r in new:
                 div = " ".join("-" if d is None else str(d) for d in r["first_divergence"])
@@ -140,10 +206,14 @@ def main() -> None:
                       f"{r['identical']:>3}/{len(PROMPTS)}  {div}", flush=True)
             rows += new
             with open(os.path.join(args.out, "engine_check.json"), "w") as f:
-                json.dump(dict(device=args.device, torch=torch.__version__, rows=rows), f, indent=1)
+                json.dump(dict(device=args.device, device_name=_device_name(args.device), date=time.strftime("%Y-%m-%d"),
+                               torch=torch.__version__, transformers=_version("transformers"),
+                               triton=_version("triton"), rows=rows, kernel_calls=calls), f, indent=1)
     bad = [r for r in rows if r["must_agree"] and r["identical"] != len(PROMPTS)]
-    if bad:
-        print(f"FAIL: {len(bad)} float32 comparison(s) disagree", file=sys.stderr)
+    bad_calls = [run for c in calls.values() for run, k in c.items() if k.get("v4_one_launch_per_layer") is False]
+    if bad or bad_calls:
+        print(f"FAIL: {len(bad)} float32 comparison(s) disagree; {len(bad_calls)} V4 run(s) without "
+              "one sparse_mla_decode per layer per forward", file=sys.stderr)
         sys.exit(1)
 
 

@@ -1,6 +1,6 @@
 """Tensor parallelism and PD with TP on both sides, on a machine with 2+ GPUs (not run in CI).
 
-    python scripts/tp_check.py [--model DIR | --arch deepseek_v3,deepseek_v32] [--tp 2,4]
+    python scripts/tp_check.py [--model DIR | --arch deepseek_v3,deepseek_v32,deepseek_v4] [--tp 2,4]
                                [--pd 1x1,2x1,1x2,2x2,4x4] [--dtype float32] [--out tp_check.json]
                                [--device cuda|cpu]
 
@@ -15,7 +15,8 @@
 3. the bandwidth figure: `scripts/bench_transfer.py --device cuda:1 --peer-device cuda:0` (NIXL
    READ GPU0 -> GPU1 between two processes against a peer-to-peer copy_), when 2 GPUs are visible.
 
-Pairs and sizes that need more GPUs than are visible are skipped (and listed as skipped). NVLink
+Pairs and sizes that need more GPUs than are visible are skipped (and listed as skipped), and so are
+those the model does not split into (the tiny V4's 2 output groups: TP4 is refused). NVLink
 multicast (NVLS) is left off: NCCL_NVLS_ENABLE=0 for every process started here. Prints one JSON
 summary (also to --out); exit 1 if any comparison differs or a step fails.
 
@@ -146,7 +147,7 @@ def bench_transfer() -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a checkpoint folder (default: the tiny models of --arch)")
-    p.add_argument("--arch", default="deepseek_v3,deepseek_v32")
+    p.add_argument("--arch", default="deepseek_v3,deepseek_v32,deepseek_v4")
     p.add_argument("--tp", default="2,4", help="TP sizes compared with TP1")
     p.add_argument("--pd", default="1x1,2x1,1x2,2x2,4x4", help="prefill x decode TP sizes")
     p.add_argument("--dtype", default="float32")
@@ -162,17 +163,26 @@ def main() -> int:
                     "torch": torch.__version__, "greedy": {}, "pd": {}, "skipped": [], "ok": True}  # fmt: skip
     for name, model in models.items():
         ref = greedy(model, 1, args.dtype, args.device)
+        refused: set[int] = set()  # TP sizes the model does not split into
         for tp in map(int, args.tp.split(",")):
             if tp > room:
                 report["skipped"].append(f"{name} TP{tp}: {gpus} GPUs")
                 continue
-            same = greedy(model, tp, args.dtype, args.device) == ref
+            try:
+                same = greedy(model, tp, args.dtype, args.device) == ref
+            except ValueError as e:  # refused before any rank starts, naming the dimension
+                refused.add(tp)
+                report["skipped"].append(f"{name} TP{tp}: {e}")
+                continue
             report["greedy"][f"{name} TP{tp}"] = same
             report["ok"] &= same
         for pair in args.pd.split(","):
             a, b = map(int, pair.split("x"))
             if a + b > room:
                 report["skipped"].append(f"{name} PD {pair}: needs {a + b} GPUs, {gpus} visible")
+                continue
+            if {a, b} & refused:
+                report["skipped"].append(f"{name} PD {pair}: TP{max({a, b} & refused)} refused")
                 continue
             try:
                 run = pd_run(model, a, b, args.dtype, args.device, work / f"{name}-pd-{pair}")

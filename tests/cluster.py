@@ -164,10 +164,14 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def wait_blocks_free(workers: list[Proc], timeout_s: float = 15.0) -> dict[str, float]:
-    """KV blocks in use per worker, as soon as all are 0 (or whatever they are at the timeout)."""
+    """KV blocks in use per worker (token and sliding-window space), as soon as all are 0 (or
+    whatever they are at the timeout)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        used = {p.name: scrape(p.url)["pdserve_kv_blocks_used"] for p in workers}
+        used = {}
+        for p in workers:
+            m = scrape(p.url)
+            used[p.name] = m["pdserve_kv_blocks_used"] + m["pdserve_kv_window_blocks_used"]
         if not any(used.values()) or time.monotonic() > deadline:
             return used
         time.sleep(0.1)

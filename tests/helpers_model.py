@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.model.kv_cache import KVCache
-from pdserve.model.batch import ForwardBatch
+from pdserve.model.batch import ForwardBatch, StepInputs
 from pdserve.model.deepseek import DeepseekForCausalLM
 
 
@@ -42,32 +42,24 @@ class PagedHarness:
     def step(self, work: list[tuple[Seq, list[int]]]) -> list[torch.Tensor]:
         """One forward over new tokens of several sequences (flat batch). Returns logits
         [len(new), V] per sequence, for every new token."""
-        ids, pos, slot_map, ctx_rows, starts = [], [], [], [], []
+        ids, starts = [], []
         for seq, new in work:
-            start, end = len(seq.tokens), len(seq.tokens) + len(new)
-            starts.append(start)
-            slots = self._slots(seq, end)
+            starts.append(len(seq.tokens))
+            self._slots(seq, len(seq.tokens) + len(new))
             ids += new
-            pos += range(start, end)
-            slot_map += slots[start:end]
-            ctx_rows += [slots[: p + 1] for p in range(start, end)]
             seq.tokens += new
-        width = max(len(r) for r in ctx_rows)
-        ctx = torch.full((len(ctx_rows), width), -1, dtype=torch.int32)
-        for i, r in enumerate(ctx_rows):
-            ctx[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
-        T = len(ids)
-        nb = max(len(s.blocks) for s, _ in work)
-        batch = ForwardBatch(
+        B, nb = len(work), max(len(s.blocks) for s, _ in work)
+        step = StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64),
-            positions=torch.tensor(pos, dtype=torch.int64),
-            slot_mapping=torch.tensor(slot_map, dtype=torch.int64),
-            context_slots=ctx,
-            logits_indices=torch.arange(T, dtype=torch.int64),
-            starts=torch.tensor(starts, dtype=torch.int64),
             lens=torch.tensor([len(new) for _, new in work], dtype=torch.int64),
+            starts=torch.tensor(starts, dtype=torch.int64),
+            samples=torch.ones(B, dtype=torch.bool),
             block_tables=torch.tensor([s.blocks + [0] * (nb - len(s.blocks)) for s, _ in work], dtype=torch.int64),
+            window_tables=torch.full((B, nb), -1, dtype=torch.int64),
+            state_slots=torch.full((B,), -1, dtype=torch.int64),
         )
+        batch = ForwardBatch.build(step, self.block_size)
+        batch.logits_indices = torch.arange(len(ids))  # every new token's logits
         hidden = self.model(batch, self.kv)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         return list(logits.split([len(new) for _, new in work]))

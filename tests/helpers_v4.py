@@ -1,13 +1,24 @@
-"""What the DeepSeek-V4 engine tests share: prompt lengths around the tiny model's rates (CSA 4,
-HCA 16) and window (8), an engine on the tiny checkpoint, and a run-to-completion loop."""
+"""What the DeepSeek-V4 tests share: small random transformers models (the oracle) with every
+bias, sink and position bias non-zero; prompt lengths around the tiny model's rates (CSA 4, HCA 16)
+and window (8), an engine on the tiny checkpoint, and a run-to-completion loop."""
 
 from __future__ import annotations
 
+import torch
+from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+from pdserve.disagg.fake_connector import FakeConnector, FakeFabric
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request import Request
+from pdserve.engine.request import FirstToken, Request
 from pdserve.sampling_params import SamplingParams
 
+VOCAB = 300
+BASE = dict(
+    vocab_size=VOCAB, hidden_size=64, moe_intermediate_size=32, num_attention_heads=4, head_dim=32,
+    q_lora_rank=48, n_routed_experts=8, num_experts_per_tok=2, index_n_heads=16, index_head_dim=16,
+    initializer_range=0.1, max_position_embeddings=512, eos_token_id=1, bos_token_id=0,
+)  # fmt: skip
 PROMPT_LENS = (3, 4, 7, 8, 9, 15, 16, 17, 31, 33)
 NEW_TOKENS = [4 + (i * 7) % 15 for i in range(len(PROMPT_LENS))]  # 4..18: decode crosses 8, 16, 32, 48
 
@@ -34,3 +45,79 @@ def run(eng: LLMEngine, requests: list[Request]) -> dict[str, list[int]]:
 
 def requests(prompts, **kw) -> list[Request]:
     return [Request(request_id=str(i), prompt_token_ids=p, params=greedy(n), **kw) for i, (p, n) in enumerate(zip(prompts, NEW_TOKENS))]
+
+
+
+def pd_hand_off(tiny, prompts, prefill_kw, decode_kw) -> tuple[dict, LLMEngine, LLMEngine, FakeConnector]:
+    """Prefill `prompts` on one engine, hand the KV to another through the fake connector (onto
+    other block ids: decode's pool is partly taken) and decode there; (decode's final outputs by
+    request id, prefill engine, decode engine, decode's connector)."""
+    fabric = FakeFabric()
+    conns = [FakeConnector(e, model_id="tiny", fabric=fabric, lease_margin_s=0.0) for e in ("P", "D")]
+    prefill, decode = engine(tiny, conns[0], **prefill_kw), engine(tiny, conns[1], **decode_kw)
+    decode.add_request(Request(request_id="other", prompt_token_ids=prompts[-1], params=greedy(3)))
+    decode.step()  # decode's pool is partly taken: the request's blocks land on other ids
+    firsts = run(prefill, requests(prompts, hold_kv=True))
+    assert prefill.has_held_kv() and prefill.get_stats().kv_blocks_used > 0
+    keep = prefill.runner.model.config.v4.sliding_window - 1
+    for seq in prefill.scheduler.held.values():  # held for decode: only the blocks of the last W - 1 positions
+        n, bs = seq.num_computed_tokens, prefill.block_manager.block_size
+        assert [i for i, b in enumerate(seq.window_table) if b >= 0] == list(range(max(0, n - keep) // bs, -(-n // bs)))
+    handoff = []
+    for i, p in enumerate(prompts):
+        out = firsts[str(i)]
+        first = FirstToken(token_id=out.outputs[0].token_ids[0])
+        handoff.append(Request(request_id=str(i), prompt_token_ids=p, params=greedy(NEW_TOKENS[i]), kv_handle=out.kv_handle, first_token=first))
+    final = run(decode, handoff)
+    prefill.step()  # takes the release notifications
+    return final, prefill, decode, conns[1]
+
+def hf_v4_model(extra: dict, seed: int = 0) -> DeepseekV4ForCausalLM:
+    """transformers' DeepseekV4ForCausalLM of BASE updated by `extra`, random weights, float32;
+    norms, sinks, hc base/scale and position biases perturbed, hash tables random."""
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(DeepseekV4Config(**{**BASE, **extra}, attn_implementation="eager")).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 or name.endswith("position_bias"):  # norms, sinks, hc base/scale, position bias
+                p.add_(torch.randn_like(p) * 0.3)
+        for layer in model.model.layers:
+            gate = layer.mlp.gate
+            if hasattr(gate, "tid2eid"):
+                gate.tid2eid.copy_(torch.rand(VOCAB, gate.num_experts).argsort(-1)[:, : gate.top_k])
+            else:
+                gate.e_score_correction_bias.normal_(0, 0.1)
+    model.generation_config.eos_token_id = None  # random models emit EOS by chance; run every step
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def split_params(full: torch.nn.Module, part: torch.nn.Module, rank: int) -> set[str]:
+    """Check that every parameter of `part` (rank `rank`'s shard) is the full model's own tensor
+    (replicated) or its rank-th contiguous slice along the one dim that differs (stacked gate_up:
+    gate rows and up rows each); returns the split names, without their layer prefix."""
+    whole, split = dict(full.named_parameters()), set()
+    for name, p in part.named_parameters():
+        f = whole[name]
+        if p.shape == f.shape:
+            assert torch.equal(p, f), name
+            continue
+        split.add(name.split(".", 3)[-1] if name.startswith("model.layers.") else name)
+        dim = next(d for d in range(f.dim()) if p.shape[d] != f.shape[d])
+        n = p.shape[dim]
+        if name.endswith("gate_up_proj"):
+            gate, up = f.chunk(2, dim=1)
+            want = torch.cat([gate.narrow(1, rank * n // 2, n // 2), up.narrow(1, rank * n // 2, n // 2)], dim=1)
+        else:
+            want = f.narrow(dim, rank * n, n)
+        assert torch.equal(p, want), name
+    return split
+
+
+# what tensor parallelism splits in a V4 layer; the rest (embedding, lm_head, mHC, norms, q_a_proj,
+# kv_proj, compressors, indexer, router, hash table) is replicated
+V4_SPLIT = {
+    "self_attn.q_b_proj.weight", "self_attn.sinks", "self_attn.o_a_proj.weight", "self_attn.o_b_proj.weight",
+    "mlp.experts.gate_up_proj", "mlp.experts.down_proj",
+    "mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight", "mlp.shared_experts.down_proj.weight",
+}  # fmt: skip

@@ -11,20 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
+from helpers_v4 import VOCAB, hf_v4_model
 from pdserve.model.config_v4 import CSA, HCA, SLIDING
 from pdserve.model.v4_loader import load_v4_model
 from pdserve.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.timeout(120)
 
-VOCAB = 300
-BASE = dict(
-    vocab_size=VOCAB, hidden_size=64, moe_intermediate_size=32, num_attention_heads=4, head_dim=32,
-    q_lora_rank=48, n_routed_experts=8, num_experts_per_tok=2, index_n_heads=16, index_head_dim=16,
-    initializer_range=0.1, max_position_embeddings=512, eos_token_id=1, bos_token_id=0,
-)  # fmt: skip
 YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64, beta_fast=32, beta_slow=1)
 CONFIGS = {
     # 2 streams, window 8, CSA 4 / HCA 8, top-3 index, YaRN on the compressed layers, clamping SwiGLU
@@ -46,28 +40,10 @@ PROMPT_LENS = (3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 31, 33)
 PROMPT = torch.randint(4, VOCAB, (45,), generator=torch.Generator().manual_seed(1))
 
 
-def _hf_model(extra: dict, seed: int = 0) -> DeepseekV4ForCausalLM:
-    torch.manual_seed(seed)
-    model = DeepseekV4ForCausalLM(DeepseekV4Config(**BASE, **extra, attn_implementation="eager")).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1 or name.endswith("position_bias"):  # norms, sinks, hc base/scale, position bias
-                p.add_(torch.randn_like(p) * 0.3)
-        for layer in model.model.layers:
-            gate = layer.mlp.gate
-            if hasattr(gate, "tid2eid"):
-                gate.tid2eid.copy_(torch.rand(VOCAB, gate.num_experts).argsort(-1)[:, : gate.top_k])
-            else:
-                gate.e_score_correction_bias.normal_(0, 0.1)
-    model.generation_config.eos_token_id = None  # random models emit EOS by chance; run every step
-    model.generation_config.pad_token_id = 0
-    return model
-
-
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def pair(request, tmp_path_factory):
     """(transformers model, pdserve model) with the same weights, through a saved checkpoint."""
-    ref = _hf_model(CONFIGS[request.param])
+    ref = hf_v4_model(CONFIGS[request.param])
     path = tmp_path_factory.mktemp(request.param)
     ref.save_pretrained(path)
     return ref, load_v4_model(path, dtype=torch.float32)

@@ -25,6 +25,7 @@ from pdserve.engine.request import FirstToken, Request
 from pdserve.model.kv_cache import KVCache, KVRegionSpec
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.model.batch import ForwardBatch
+from pdserve_kernels.ref import paged_slots
 from pdserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
@@ -58,19 +59,20 @@ class FakeModel(torch.nn.Module):
         self.pos = torch.randn(self.config.max_position_embeddings, DIM, generator=g)
         self.out = torch.randn(VOCAB, DIM, generator=g) * 3
 
-    def kv_cache_specs(self) -> list[KVRegionSpec]:
+    def kv_cache_specs(self, kv_cache_dtype: str = "auto") -> list[KVRegionSpec]:
         return [KVRegionSpec("latent", DIM)]
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         record = self.emb[batch.input_ids] + self.pos[batch.positions]  # [T, D]
+        context = paged_slots(batch.block_tables, batch.seq_ids, batch.context_lens, batch.block_size, batch.max_context)
         summary = torch.zeros_like(record)
         for layer in range(self.num_layers):
             cache = kv_cache.layer("latent", layer)
             cache[batch.slot_mapping] = record * (layer + 1)
-            ctx = cache[batch.context_slots.clamp(min=0).long()]  # [T, C, D]
-            ctx = ctx * (batch.context_slots >= 0)[..., None]
+            ctx = cache[context.clamp(min=0).long()]  # [T, C, D]
+            ctx = ctx * (context >= 0)[..., None]
             summary = summary + ctx.sum(dim=1) / (layer + 1)
-        n = (batch.context_slots >= 0).sum(dim=1, keepdim=True)  # [T, 1]
+        n = (context >= 0).sum(dim=1, keepdim=True)  # [T, 1]
         return torch.tanh(summary / (2 * n.sqrt()) + self.emb[batch.input_ids])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -284,7 +286,7 @@ class CopyConnector(KVConnector):
     def peer_metadata(self) -> bytes:
         return self.engine_id.encode()
 
-    def on_prefill_finished(self, request_id, block_ids, num_tokens) -> KVHandle:
+    def on_prefill_finished(self, request_id, block_ids, num_tokens, window_block_ids=None, state_slot=-1) -> KVHandle:
         self.leases[request_id] = list(block_ids)
         return KVHandle(request_id=request_id, engine_id=self.engine_id, instance_id="i", metadata_url="inproc://", block_ids=list(block_ids),
                         num_tokens=num_tokens, compat_hash="h", lease_expires_at=0.0)
@@ -296,7 +298,7 @@ class CopyConnector(KVConnector):
     def release(self, request_id) -> None:
         self.leases.pop(request_id, None)
 
-    def start_load(self, handle, local_block_ids, peer=None) -> None:
+    def start_load(self, handle, local_block_ids, peer=None, local_window_block_ids=None, local_state_slot=-1) -> None:
         if handle.compat_hash != "h":
             raise TransferError(handle.request_id, TransferStage.HANDSHAKE, "compatibility hash mismatch")
         if self.fail_reads:
@@ -413,7 +415,7 @@ def test_pd_decode_waits_for_blocks(model_dir):
 class SlowConnector(CopyConnector):
     """CopyConnector whose reads never finish (test double): a load stays in flight."""
 
-    def start_load(self, handle, local_block_ids, peer=None) -> None:
+    def start_load(self, handle, local_block_ids, peer=None, local_window_block_ids=None, local_state_slot=-1) -> None:
         self.in_flight = handle.request_id
 
     def cancel_load(self, request_id) -> None:

@@ -103,51 +103,31 @@ def tiny_v3(tmp_path_factory):
     return load_model(path, dtype=torch.float32, progress=False)
 
 
-def test_expanded_prefill_gives_todays_logits(tiny_v3, monkeypatch):
-    """The whole tiny DeepSeek-V3 with every MLA layer in the expanded form (MLA.forward_expanded,
-    the torch reference on CPU) gives the logits of today's absorbed path within 1e-4 (float32):
-    two prompts, one prefilled in chunks of 5 over its cached prefix, batched together."""
+def test_expanded_prefill_gives_the_absorbed_logits(tiny_v3, monkeypatch):
+    """The whole tiny DeepSeek-V3 with prefill chunks in the expanded form (the engine's default:
+    MLA._expanded, the torch reference on CPU) gives the logits of the absorbed form over the paged
+    pool within 1e-4 (float32): two prompts, one prefilled in chunks of 5 over its cached prefix,
+    batched together with a one-token step of the other (a decode row beside prefill rows)."""
     import sys
 
     sys.path.insert(0, os.path.dirname(__file__))
     from helpers_model import PagedHarness, Seq
 
-    from pdserve.model.attention import MLA, PrefillSeqs
+    from pdserve.model.attention import MLA
 
     prompts = [[(7 * i + 3) % 250 + 1 for i in range(13)], [(5 * i + 1) % 250 + 1 for i in range(9)]]
 
     def run(expanded: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(MLA, "expand_prefill", expanded)
         h = PagedHarness(tiny_v3, num_blocks=32, block_size=4, seed=1)
         seqs, out = [Seq(), Seq()], [[], []]
-        plan = [[(0, prompts[0][:5]), (1, prompts[1])], [(0, prompts[0][5:10])], [(0, prompts[0][10:])]]
+        plan = [[(0, prompts[0][:5]), (1, prompts[1])], [(0, prompts[0][5:10]), (1, [17])], [(0, prompts[0][10:])]]
         for step in plan:
             work = [(seqs[i], new) for i, new in step]
-            if expanded:  # what ForwardBatch would carry: chunk rows, context rows and slots
-                ends = [len(s.tokens) + len(new) for s, new in work]
-                slots = [h._slots(s, end) for (s, _), end in zip(work, ends)]
-                cu_q = torch.tensor([0, *torch.tensor([len(n) for _, n in work]).cumsum(0).tolist()], dtype=torch.int32)
-                cu_k = torch.tensor([0, *torch.tensor(ends).cumsum(0).tolist()], dtype=torch.int32)
-                info = PrefillSeqs(cu_q, cu_k, torch.tensor(sum(slots, [])), max(len(n) for _, n in work), max(ends))
-                monkeypatch.setattr(MLA, "forward", lambda self, x, cos, sin, batch, kv, info=info:
-                                    self.forward_expanded(x, cos, sin, batch.slot_mapping, info, kv))
             for (i, _), logits in zip(step, h.step(work)):
                 out[i].append(logits)
-        monkeypatch.undo()
         return [torch.cat(o) for o in out]
 
     want, got = run(False), run(True)
     for w, g in zip(want, got):
         assert (g - w).abs().max().item() < 1e-4 * max(1.0, w.abs().max().item()), (g - w).abs().max()
-
-
-def test_expanded_prefill_refuses_sparse_mla(tiny_v3):
-    from pdserve.model.attention import MLA
-
-    layer = tiny_v3.model.layers[0].self_attn
-    assert isinstance(layer, MLA) and layer.indexer is None  # V3: dense
-    layer.indexer, saved = object(), layer.indexer
-    try:
-        with pytest.raises(ValueError, match="dense MLA only"):
-            layer.forward_expanded(None, None, None, None, None, None)
-    finally:
-        layer.indexer = saved

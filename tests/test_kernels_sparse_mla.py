@@ -221,3 +221,67 @@ def test_sm120_configs_fit_shared_memory():
     # the estimate is on the high side: the sm_90 "large" tile estimates 240 KB, compiles to 221 KB
     big = configs.mla_config(90, "bf16", 64, 64)
     assert configs.mla_smem_bytes(big, 512, 64, "bf16") < 1.15 * 221440
+
+
+# DeepSeek-V4: one K=V head, D = d_v (no rope tail), a sink per head. (T, H, D, N, W, E): T
+# queries (T = 1: split + merge path), W window rows and E entry slots per query, as the model's
+# indices are built (v4_step.py). The V4-Flash head counts (64; 16 per TP4 rank), odd H below and
+# above a head block, a non-power-of-two small D.
+V4_SHAPES = [
+    (1, 64, 512, 300, 8, 24),
+    (3, 64, 512, 200, 8, 12),
+    (4, 16, 512, 150, 6, 10),
+    (3, 7, 48, 90, 5, 9),
+    (2, 33, 80, 100, 8, 20),
+]
+
+
+def v4_indices(T, W, E, N, gen):
+    """[T, 1, W + E] int32: a window part whose first rows are -1 (positions before 0), an entries
+    part with trailing -1 (entries not yet visible) and -1 among the picks; the last query (when
+    T > 1) reads nothing at all."""
+    idx = torch.randint(0, N, (T, W + E), generator=gen, dtype=torch.int32)
+    for t in range(T):
+        idx[t, : (t * 3) % W] = -1  # leading window padding
+        idx[t, W + E - (t * 5) % E - 1 :] = -1  # trailing entries padding
+    idx[torch.rand(T, W + E, generator=gen) < 0.2] = -1  # and anywhere
+    if T > 1:
+        idx[-1] = -1
+    return idx[:, None].to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", V4_SHAPES)
+def test_v4_shapes_with_sinks_match_reference(shape, dtype):
+    T, H, D, N, W, E = shape
+    gen = torch.Generator().manual_seed(hash((shape, str(dtype))) % 2**31)
+    q = torch.randn(T, 1, H, D, generator=gen).to(DEVICE, dtype)
+    kv = torch.randn(N, D + 16, generator=gen).to(DEVICE, dtype)[:, :D]  # row stride > D
+    idx = v4_indices(T, W, E, N, gen)
+    sink = (2 * torch.randn(H, generator=gen)).to(DEVICE)  # float32, as the model keeps it
+    out, lse, want, want_lse = run_both(q, kv, idx, D, sink=sink)
+    assert_close(out, want, dtype)
+    check_lse(lse, want_lse)
+    if T > 1:  # nothing to read: zero output, all the mass on the sink
+        assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+        torch.testing.assert_close(lse[-1, 0], sink.float())
+
+
+def test_reference_sink_is_transformers_sink():
+    """The reference's sink (exp(sink) added to the denominator only) is transformers'
+    deepseek_v4 eager sink: the logits with the sink appended as one more column, softmax, the
+    sink's column dropped. float64 here; transformers keeps the sinks in float32 and promotes."""
+    gen = torch.Generator().manual_seed(4)
+    T, H, D, N, K = 3, 5, 24, 40, 11
+    q = torch.randn(T, 1, H, D, generator=gen, dtype=torch.float64)
+    kv = torch.randn(N, D, generator=gen, dtype=torch.float64)
+    idx = torch.randint(0, N, (T, 1, K), generator=gen, dtype=torch.int32)
+    idx[1, 0, 3:7] = -1
+    sink = torch.randn(H, generator=gen, dtype=torch.float64)
+    out, _ = sparse_mla_decode_ref(q, kv, idx, D**-0.5, D, sink=sink)
+    for t in range(T):
+        keep = idx[t, 0][idx[t, 0] >= 0].long()
+        logits = q[t, 0] @ kv[keep].T * D**-0.5  # [H, k]
+        combined = torch.cat([logits, sink[:, None]], dim=-1)
+        probs = torch.softmax(combined - combined.max(-1, keepdim=True).values, dim=-1)[:, :-1]
+        torch.testing.assert_close(out[t, 0], probs @ kv[keep], rtol=1e-12, atol=1e-12)

@@ -16,7 +16,7 @@ import transformers
 from pdserve.disagg.layout import KVLayout
 from pdserve.model.config import ModelConfig
 from pdserve.model.config_v4 import CSA, HCA
-from pdserve.model.kv_cache import KVCache
+from pdserve.model.kv_cache import KVCache, KVRegionSpec
 from pdserve.model.v4_paged import v4_kv_specs
 from helpers_v4 import NEW_TOKENS, PROMPT_LENS, engine, requests, run
 from pdserve.tiny_model import make_tiny_model
@@ -63,6 +63,8 @@ def test_engine_greedy_matches_transformers(tiny, prompts, expected, kw):
     assert [out[str(i)].outputs[0].token_ids for i in range(len(prompts))] == expected
     stats = eng.get_stats()
     assert stats.kv_blocks_used == 0 and eng.block_manager.num_free_blocks == eng.num_kv_blocks
+    assert stats.kv_window_blocks_used == 0 and stats.kv_window_blocks_total > 0
+    assert stats.kv_state_slots_used == 0 and stats.kv_state_slots_total > 0
     if "num_kv_blocks" in kw:  # a pool too small for all: the youngest were preempted and recomputed
         assert stats.num_preemptions > 0
 
@@ -76,10 +78,38 @@ def test_aborts_return_every_block(tiny, prompts):
         if step in (1, 4, 8):  # mid-prefill (chunks of 9 tokens) and mid-decode
             for rid in {1: ("9", "10"), 4: ("0", "5"), 8: ("3",)}[step]:
                 eng.abort_request(rid)
-        assert eng.get_stats().kv_blocks_used == sum(len(s.block_table) for s in eng.scheduler.running)
+        stats = eng.get_stats()
+        assert stats.kv_blocks_used == sum(len(s.block_table) for s in eng.scheduler.running)
+        assert stats.kv_window_blocks_used == sum(sum(b >= 0 for b in s.window_table) for s in eng.scheduler.running)
+        assert stats.kv_state_slots_used == len(eng.scheduler.running)
     while eng.has_unfinished_requests():
         eng.step()
-    assert eng.get_stats().kv_blocks_used == 0
+    stats = eng.get_stats()
+    assert stats.kv_blocks_used == stats.kv_window_blocks_used == stats.kv_state_slots_used == 0
+
+
+def test_window_blocks_are_freed_as_a_sequence_runs(tiny, prompts, expected):
+    """The window region holds only the blocks of the last W-1 = 7 positions: between steps a
+    sequence has at most ceil(7 / 4) + 1 = 3 window blocks (4 tokens each) however long it gets,
+    while its token-space blocks (compressed entries) grow with it; the tokens stay the oracle's."""
+    eng = engine(tiny, kv_block_size=4, max_num_batched_tokens=11)
+    reqs = requests(prompts)
+    for r in reqs:
+        eng.add_request(r)
+    most, longest = 0, 0
+    while eng.has_unfinished_requests():
+        outs = eng.step()
+        for s in eng.scheduler.running:
+            held = [i for i, b in enumerate(s.window_table) if b >= 0]
+            most, longest = max(most, len(held)), max(longest, len(s.block_table))
+            if held:  # exactly the blocks of positions [n - 7, n)
+                n = s.num_computed_tokens
+                assert held == list(range(max(0, n - 7) // 4, -(-n // 4))), (s, s.window_table)
+        for o in outs:
+            if o.finished:
+                assert o.outputs[0].token_ids == expected[int(o.request_id)]
+    assert most == 3 and longest >= 8  # sequences of 30+ tokens, never more than 3 window blocks
+    assert eng.get_stats().kv_window_blocks_used == 0
 
 
 def test_layout_describes_every_cache_kind(tiny):
@@ -101,9 +131,18 @@ def test_layout_describes_every_cache_kind(tiny):
     }
     got = {n: (r.layers, r.tokens_per_record, r.records_per_block, r.dim) for n, r in regions.items()}
     assert got == want
+    n_window = eng.block_manager.num_total_window_blocks  # 2 x max_num_seqs x (2 blocks read + 2 written)
+    assert n_window == eng.kv_cache.num_window_blocks == 2 * eng.config.max_num_seqs * 4 == layout.num_window_blocks
+    n_state = eng.block_manager.num_total_state_slots  # one per sequence: 2 x max_num_seqs
+    assert n_state == eng.kv_cache.num_state_slots == 2 * eng.config.max_num_seqs == layout.num_state_slots
+    assert layout.num_blocks == 10 and {r.name: r.space for r in layout.regions} == {
+        "window": "window", "csa_kv": "tokens", "csa_index_k": "tokens", "hca_kv": "tokens",
+        "csa_state": "state", "csa_index_state": "state", "hca_state": "state",
+    }  # fmt: skip
     for r in layout.regions:
-        assert r.record_bytes == r.dim * 4 and r.bytes == r.num_layers * 10 * r.records_per_block * r.record_bytes
-        assert eng.kv_cache.regions[r.name].shape == (r.num_layers, 10, r.records_per_block, r.dim)
+        n = {"window": n_window, "tokens": 10, "state": n_state}[r.space]
+        assert r.record_bytes == r.dim * 4 and r.bytes == r.num_layers * n * r.records_per_block * r.record_bytes
+        assert eng.kv_cache.regions[r.name].shape == (r.num_layers, n, r.records_per_block, r.dim)
     with pytest.raises(ValueError, match="tokens per record does not fit blocks of 12"):
         engine(tiny, kv_block_size=12)
 
@@ -114,13 +153,16 @@ def test_v4_flash_bytes_by_kind():
         "model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"], "num_hidden_layers": 43,
         "compress_ratios": [0, 0] + [4, 128] * 20 + [4], "qk_rope_head_dim": 64,
     })  # fmt: skip
-    layout = KVLayout.from_kv_cache(KVCache(v4_kv_specs(c), 43, 1, 128, torch.bfloat16, "meta"))
-    per_block = {r.name: r.block_bytes * r.num_layers for r in layout.regions}
+    layout = KVLayout.from_kv_cache(KVCache(v4_kv_specs(c), 43, 1, 128, torch.bfloat16, "meta", num_window_blocks=1, num_state_slots=1))
+    per_block = {r.name: r.block_bytes * r.num_layers for r in layout.regions}  # a block (a slot for state) of all layers
     assert per_block == {
         "window": 5_636_096, "csa_kv": 688_128, "csa_index_k": 172_032, "csa_state": 430_080,
         "csa_index_state": 107_520, "hca_kv": 20_480, "hca_state": 5_201_920,
     }  # fmt: skip
-    assert sum(per_block.values()) == 12_256_256
+    by_space = {s: sum(per_block[r.name] for r in layout.regions if r.space == s) for s in ("tokens", "window", "state")}
+    # what grows with the sequence: 880,640 B per 128 tokens = 6,880 B/token; the window: at most two
+    # blocks between steps (positions n-127..n-1); the compressors' state: once per sequence
+    assert by_space == {"tokens": 880_640, "window": 5_636_096, "state": 5_739_520}
     assert [r.record_bytes for r in layout.regions] == [1024, 1024, 256, 20_480, 5_120, 1024, 260_096]
     for n, total in ((256, 13_136_896), (8192, 67_736_576), (65536, 462_263_296)):
         moved = layout.request_bytes(n)
@@ -129,6 +171,12 @@ def test_v4_flash_bytes_by_kind():
         assert moved["window"] == 5_636_096 and moved["hca_state"] + moved["csa_state"] + moved["csa_index_state"] == 5_739_520
 
 
-def test_v4_refuses_tensor_parallel(tiny):
-    with pytest.raises(ValueError, match="tensor_parallel_size 1 only"):
-        engine(tiny, tensor_parallel_size=2)
+
+def test_record_ids_are_computed_on_the_block_tables_device():
+    """The engine hands the model its block tables on the model's device (CUDA on a GPU): the
+    record ids of V4's entries come out on that device, not from a CPU arange mixed into it (a
+    table on the meta device stands in for CUDA here)."""
+    kv = KVCache([KVRegionSpec("entries", 8, None, 4)], 1, 4, 8, torch.float32, "meta")
+    table = torch.tensor([3, 1], dtype=torch.int64)
+    assert kv.slots("entries", table, 0, 4).tolist() == [6, 7, 2, 3]  # 2 records a block of 8 tokens
+    assert kv.slots("entries", table.to("meta"), 0, 4).device.type == "meta"

@@ -15,6 +15,8 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
+from helpers_v4 import V4_SPLIT, split_params
+from pdserve.distributed.group import TPGroup
 from pdserve.model.config import ConfigError, ModelConfig
 from pdserve.model.fp4 import dequantize_fp4, quantize_fp4, scales_to_float
 from pdserve.model.fp8 import dequantize_block_fp8
@@ -187,6 +189,15 @@ def test_quantized_release_checkpoint_matches_float_reference(quantized, caplog)
         expected = hf(IDS[None]).logits[0]
     logits = _logits(model)
     assert float((logits - expected).abs().max() / expected.abs().max()) < 1e-4
+
+
+def test_tensor_parallel_ranks_load_slices_of_the_release_checkpoint(quantized):
+    """Release names, FP8 projections and per-expert FP4 w1 / w3 / w2: each TP2 rank's tensors are
+    its slices of the TP1 load (every tensor dequantized whole, then sliced)."""
+    full = load_v4_model(quantized[0], dtype=torch.float32)
+    for rank in range(2):
+        part = load_v4_model(quantized[0], dtype=torch.float32, tp=TPGroup(rank=rank, size=2))
+        assert split_params(full, part, rank) == V4_SPLIT
 
 
 def test_bfloat16_load_keeps_float32_parameters(tiny):

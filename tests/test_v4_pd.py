@@ -9,11 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.disagg.fake_connector import FakeConnector, FakeFabric
-from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request import FirstToken, Request
 from pdserve.tiny_model import make_tiny_model
-from helpers_v4 import NEW_TOKENS, PROMPT_LENS, engine, greedy, requests, run
+from helpers_v4 import PROMPT_LENS, engine, pd_hand_off, requests, run
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -35,28 +32,10 @@ def colocated(tiny, prompts):
     return [out[str(i)].outputs[0].token_ids for i in range(len(prompts))]
 
 
-def _pd(tiny, prompts, prefill_kw, decode_kw) -> tuple[dict, LLMEngine, LLMEngine, FakeConnector]:
-    fabric = FakeFabric()
-    conns = [FakeConnector(e, model_id="tiny", fabric=fabric, lease_margin_s=0.0) for e in ("P", "D")]
-    prefill, decode = engine(tiny, conns[0], **prefill_kw), engine(tiny, conns[1], **decode_kw)
-    decode.add_request(Request(request_id="other", prompt_token_ids=prompts[-1], params=greedy(3)))
-    decode.step()  # decode's pool is partly taken: the request's blocks land on other ids
-    firsts = run(prefill, requests(prompts, hold_kv=True))
-    assert prefill.has_held_kv() and prefill.get_stats().kv_blocks_used > 0
-    handoff = []
-    for i, p in enumerate(prompts):
-        out = firsts[str(i)]
-        first = FirstToken(token_id=out.outputs[0].token_ids[0])
-        handoff.append(Request(request_id=str(i), prompt_token_ids=p, params=greedy(NEW_TOKENS[i]), kv_handle=out.kv_handle, first_token=first))
-    final = run(decode, handoff)
-    prefill.step()  # takes the release notifications
-    return final, prefill, decode, conns[1]
-
-
 @pytest.mark.parametrize("chunked", [False, True])
 def test_pd_hand_off_continues_exactly(tiny, prompts, colocated, chunked):
     kw = dict(kv_block_size=4, max_num_batched_tokens=10) if chunked else {}
-    final, prefill, decode, conn = _pd(tiny, prompts, kw, dict(kw, num_kv_blocks=300))
+    final, prefill, decode, conn = pd_hand_off(tiny, prompts, kw, dict(kw, num_kv_blocks=300))
     assert [final[str(i)].outputs[0].token_ids for i in range(len(prompts))] == colocated
     # what moved is what the layout says a later step reads: every entry and indexer key, the window's
     # last W-1 positions, the state in the first block; never the window blocks behind the window
@@ -71,9 +50,10 @@ def test_pd_hand_off_continues_exactly(tiny, prompts, colocated, chunked):
     assert [w["hca_state"] for w in want] == [conn.kv.regions["hca_state"][:, 0].numel() * 4] * len(prompts)
     assert prefill.get_stats().kv_blocks_used == 0 and not prefill.has_held_kv()
     assert decode.get_stats().kv_blocks_used == 0
+    assert prefill.get_stats().kv_window_blocks_used == 0 and decode.get_stats().kv_window_blocks_used == 0
 
 
 def test_pd_refuses_another_block_size(tiny, prompts):
-    final, *_ = _pd(tiny, prompts[:2], dict(kv_block_size=8), dict(kv_block_size=16))
+    final, *_ = pd_hand_off(tiny, prompts[:2], dict(kv_block_size=8), dict(kv_block_size=16))
     for out in (final["0"], final["1"]):
         assert out.outputs[0].finish_reason == "error" and out.transfer_error.stage == "HANDSHAKE"

@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # no torch at import: the router reads KVHandle too
     from pdserve.disagg.stats import TransferStats
     from pdserve.model.kv_cache import KVCache
 
-KV_HANDLE_VERSION = 2
+KV_HANDLE_VERSION = 3
 
 
 class KVHandle(BaseModel):
@@ -50,6 +50,10 @@ class KVHandle(BaseModel):
     instance_id: str  # new each time that engine starts: a restarted peer's metadata is fetched anew
     metadata_url: str  # where the decode side fetches the prefill agent's NIXL metadata
     block_ids: list[int]  # prefill-side block ids, in sequence order
+    # prefill-side window-space block ids by token-block index, -1 where freed (models with a
+    # sliding window: engine/block_manager.py); empty for pools without a window space
+    window_block_ids: list[int] = []
+    state_slot: int = -1  # prefill-side per-sequence state slot (-1: the pool has no state space)
     num_tokens: int  # tokens whose KV is in those blocks
     compat_hash: str  # hash over model, dtype, KV layout, block size, pdserve version
     lease_expires_at: float  # prefill's wall clock (time.time()) when it frees the blocks anyway
@@ -116,8 +120,11 @@ class KVConnector(ABC):
 
     # -- prefill side --
     @abstractmethod
-    def on_prefill_finished(self, request_id: str, block_ids: list[int], num_tokens: int) -> KVHandle:
-        """Pin the request's blocks under a lease and describe them for the decode side."""
+    def on_prefill_finished(
+        self, request_id: str, block_ids: list[int], num_tokens: int, window_block_ids: list[int] | None = None, state_slot: int = -1
+    ) -> KVHandle:
+        """Pin the request's blocks (and window blocks, state slot) under a lease and describe
+        them for the decode side."""
 
     @abstractmethod
     def poll_releases(self) -> list[str]:
@@ -129,8 +136,17 @@ class KVConnector(ABC):
 
     # -- decode side --
     @abstractmethod
-    def start_load(self, handle: KVHandle, local_block_ids: list[int], peer: PeerMetadata | None = None) -> None:
-        """Begin reading handle's blocks into local_block_ids (same order). peer: the prefill
+    def start_load(
+        self,
+        handle: KVHandle,
+        local_block_ids: list[int],
+        peer: PeerMetadata | None = None,
+        local_window_block_ids: list[int] | None = None,
+        local_state_slot: int = -1,
+    ) -> None:
+        """Begin reading handle's blocks into local_block_ids (same order), its window-space
+        blocks into local_window_block_ids (same token-block indices) and its state slot into
+        local_state_slot. peer: the prefill
         engine's metadata, needed unless this connector already knows that engine instance.
         Raises TransferError at once for a handle this worker cannot read (hash mismatch, unknown
         or unreachable peer)."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from pdserve.disagg.base import KVHandle, PeerMetadata, TransferError, TransferStage
 from pdserve.disagg.lease_table import DEFAULT_LEASE_S, release_message
-from pdserve.disagg.layout import Runs
+from pdserve.disagg.layout import KVLayout, Runs
 from pdserve.disagg.leasing_connector import LeasingConnector
 from pdserve.model.kv_cache import KVCache
 
@@ -88,17 +88,24 @@ class FakeConnector(LeasingConnector):
         return self._released(inbox)
 
     # -- decode side --
-    def start_load(self, handle: KVHandle, local_block_ids: list[int], peer: PeerMetadata | None = None) -> None:
+    def start_load(
+        self,
+        handle: KVHandle,
+        local_block_ids: list[int],
+        peer: PeerMetadata | None = None,
+        local_window_block_ids: list[int] | None = None,
+        local_state_slot: int = -1,
+    ) -> None:
         if self._inject is not None and self._inject[0] < TransferStage.READING:
             (stage, reason), self._inject = self._inject, None
             self._fail_now(handle.request_id, stage, reason)
-        super().start_load(handle, local_block_ids, peer)
+        super().start_load(handle, local_block_ids, peer, local_window_block_ids, local_state_slot)
 
-    def _connect(self, handle: KVHandle, peer: PeerMetadata | None) -> tuple[FakeConnector, int]:
+    def _connect(self, handle: KVHandle, peer: PeerMetadata | None) -> tuple[FakeConnector, KVLayout]:
         remote = self.fabric.engines.get(handle.engine_id)
         if remote is None:
             self._fail_now(handle.request_id, TransferStage.HANDSHAKE, f"engine {handle.engine_id} is not reachable")
-        return remote, remote.layout.num_blocks
+        return remote, remote.layout
 
     def _post(self, handle: KVHandle, remote: FakeConnector, local_block_ids: list[int], runs: Runs) -> _Load:
         now = time.monotonic()

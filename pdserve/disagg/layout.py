@@ -4,14 +4,17 @@ The pool (pdserve.model.kv_cache.KVCache) is a few layer-major regions, each one
 `[Lr, N, rpb, dim]` over the Lr model layers it serves (`layers`), all paged by the same token
 blocks. What a block holds is the region's spec, not the model type: `records_per_block` records
 of `record_bytes` each, a record covering `tokens_per_record` tokens (1: per token; m: one
-compressed entry per m tokens; 0: one record per block, per-sequence state in a sequence's first
-block). Block b of region layer l is the contiguous byte range
+compressed entry per m tokens; 0: one record per sequence, a compressor's running state). Block b
+of region layer l is the contiguous byte range
 
     base + (l * N + b) * block_bytes,   block_bytes = rpb * record_bytes
 
 so a request's transfer is one descriptor per (region, layer, run of consecutive block ids), over
 the blocks of the request that a later step reads in that region (`needed_blocks`: every block;
-the first one for per-block state; the blocks of the last `last_tokens` positions for a window).
+the state record; the blocks of the last `last_tokens` positions for a window). Each region is
+paged by one of the pool's block spaces (`space`, model/kv_cache.py): TOKENS (the sequence's
+block table), WINDOW (`last_tokens` set: its window table, blocks behind the window freed) or
+STATE (one record per sequence: its state slot); N is that space's size (block_manager.py).
 Runs are merged only where both sides are consecutive: prefill blocks [4, 5, 6] read into decode
 blocks [9, 10, 11] are one descriptor per layer, into [9, 11, 12] they are two.
 
@@ -26,9 +29,9 @@ import json
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from pdserve.model.kv_cache import KVCache
+from pdserve.model.kv_cache import STATE, TOKENS, WINDOW, KVCache
 
-KV_LAYOUT_VERSION = 2
+KV_LAYOUT_VERSION = 3
 
 # (address, length in bytes, device id): NIXL's transfer descriptor
 Descriptor = tuple[int, int, int]
@@ -46,14 +49,22 @@ class KVRegionLayout(BaseModel):
     records_per_block: int
     dim: int  # values per record
     dtype: str  # torch dtype name of the values, e.g. "bfloat16"
-    record_bytes: int  # the record's byte format: dim values of dtype
+    record_bytes: int  # bytes of one record
+    record: str = "values"  # its format: dim values of dtype, or a named byte format ("fp8_ds_mla")
     last_tokens: int | None = None  # only the last this many positions' records are read (sliding window)
     bytes: int  # whole region: Lr * N * rpb * record_bytes
 
+    @property
+    def space(self) -> str:
+        """The block space paging this region (as KVRegionSpec.space)."""
+        if self.tokens_per_record == 0:
+            return STATE
+        return WINDOW if self.last_tokens is not None else TOKENS
+
     def needed_blocks(self, num_blocks: int, num_tokens: int) -> range:
         """Indices into a sequence's block list (num_blocks blocks, num_tokens tokens) whose
-        records of this region a later step of the sequence reads."""
-        if self.tokens_per_record == 0:  # per-sequence state: in the first block
+        records of this region a later step of the sequence reads (STATE: its one record)."""
+        if self.space == STATE:
             return range(min(1, num_blocks))
         if self.last_tokens is not None:
             return range(min(num_blocks, max(0, num_tokens - self.last_tokens) // self.block_size), num_blocks)
@@ -91,15 +102,30 @@ class KVLayout(BaseModel):
                     dim=dim,
                     dtype=str(t.dtype).removeprefix("torch."),
                     record_bytes=dim * t.element_size(),
+                    record=spec.record,
                     last_tokens=spec.last_tokens,
                     bytes=t.numel() * t.element_size(),
                 )
             )
         return cls(regions=regions)
 
+    def _size(self, space: str) -> int:
+        return next((r.num_blocks for r in self.regions if r.space == space), 0)
+
     @property
     def num_blocks(self) -> int:
-        return self.regions[0].num_blocks if self.regions else 0
+        """Blocks of the token space."""
+        return self._size(TOKENS)
+
+    @property
+    def num_window_blocks(self) -> int:
+        """Blocks of the window space (0: none)."""
+        return self._size(WINDOW)
+
+    @property
+    def num_state_slots(self) -> int:
+        """Slots of the state space (0: none)."""
+        return self._size(STATE)
 
     def request_bytes(self, num_tokens: int) -> dict[str, int]:
         """Bytes a transfer of a num_tokens-token request moves, per region."""
@@ -146,15 +172,41 @@ def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, i
 Runs = dict[str, list[tuple[int, int, int]]]  # region name -> (src_start, dst_start, count) runs
 
 
-def region_runs(layout: KVLayout, src_ids: list[int], dst_ids: list[int], num_tokens: int) -> Runs:
-    """block_runs of each region over the blocks a later step reads there (see needed_blocks)."""
+def region_runs(
+    layout: KVLayout,
+    src_ids: list[int],
+    dst_ids: list[int],
+    num_tokens: int,
+    src_window: list[int] | None = None,
+    dst_window: list[int] | None = None,
+    state_slots: tuple[int, int] = (-1, -1),
+) -> Runs:
+    """block_runs of each region over the blocks a later step reads there (see needed_blocks);
+    window regions pair the two sides' window tables (src_window, dst_window) at those indices,
+    state regions the two sides' state slots (prefill's, decode's)."""
     if len(src_ids) != len(dst_ids):
         raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
     out = {}
     for r in layout.regions:
         idx = r.needed_blocks(len(src_ids), num_tokens)
-        out[r.name] = block_runs([src_ids[i] for i in idx], [dst_ids[i] for i in idx])
+        if r.space == TOKENS:
+            out[r.name] = block_runs([src_ids[i] for i in idx], [dst_ids[i] for i in idx])
+        elif r.space == WINDOW:
+            src, dst = [_window_id(src_window, i, "prefill") for i in idx], [_window_id(dst_window, i, "decode") for i in idx]
+            out[r.name] = block_runs(src, dst)
+        elif len(idx):
+            if min(state_slots) < 0:
+                raise ValueError(f"region {r.name!r} holds per-sequence state but a side has no state slot {state_slots}")
+            out[r.name] = [(state_slots[0], state_slots[1], 1)]
+        else:
+            out[r.name] = []
     return out
+
+
+def _window_id(table: list[int] | None, i: int, side: str) -> int:
+    if table is None or i >= len(table) or table[i] < 0:
+        raise ValueError(f"{side} has no window block for token block {i}, which holds positions a later step reads")
+    return table[i]
 
 
 def check_block_ids(block_ids: list[int], num_blocks: int, side: str) -> None:

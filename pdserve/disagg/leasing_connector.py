@@ -5,7 +5,7 @@ Backends (nixl, the test fake) differ only in how they reach a peer, move bytes 
 messages, so both derive from LeasingConnector and fill in three hooks:
 
     _registered(kv_cache)              the pool is known: register it with the transport
-    _connect(handle, peer) -> remote   the prefill engine the handle names, ready to read from
+    _connect(handle, peer) -> (remote, its KVLayout)   the prefill engine the handle names, ready to read from
     _post(handle, remote, local_block_ids, runs) -> load    start the read; kept in self._loads
                                        (runs: per region, over the blocks that region needs)
 """
@@ -65,7 +65,10 @@ class LeasingConnector(KVConnector):
         self._registered(kv_cache)
 
     # -- prefill side --
-    def on_prefill_finished(self, request_id: str, block_ids: list[int], num_tokens: int) -> KVHandle:
+    def on_prefill_finished(
+        self, request_id: str, block_ids: list[int], num_tokens: int, window_block_ids: list[int] | None = None, state_slot: int = -1
+    ) -> KVHandle:
+        window = list(window_block_ids or [])
         lease_s = self.leases.add(request_id, block_ids)
         return KVHandle(
             request_id=request_id,
@@ -73,6 +76,8 @@ class LeasingConnector(KVConnector):
             instance_id=self.instance_id,
             metadata_url=self.metadata_url,
             block_ids=list(block_ids),
+            window_block_ids=window,
+            state_slot=state_slot,
             num_tokens=num_tokens,
             compat_hash=self.compat_hash,
             lease_expires_at=time.time() + lease_s,
@@ -95,7 +100,14 @@ class LeasingConnector(KVConnector):
         return released + expired
 
     # -- decode side --
-    def start_load(self, handle: KVHandle, local_block_ids: list[int], peer: PeerMetadata | None = None) -> None:
+    def start_load(
+        self,
+        handle: KVHandle,
+        local_block_ids: list[int],
+        peer: PeerMetadata | None = None,
+        local_window_block_ids: list[int] | None = None,
+        local_state_slot: int = -1,
+    ) -> None:
         rid = handle.request_id
         if self.kv is None:
             raise RuntimeError("start_load() before register_kv_cache()")
@@ -106,11 +118,19 @@ class LeasingConnector(KVConnector):
         left = handle.lease_expires_at - time.time()
         if left < self.lease_margin_s:
             self._fail_now(rid, TransferStage.PENDING, f"the prefill lease ends in {left:.1f} s (< margin)")
-        remote, remote_blocks = self._connect(handle, peer)
+        remote, remote_layout = self._connect(handle, peer)
+        local_window = list(local_window_block_ids or [])
         try:
-            check_block_ids(handle.block_ids, remote_blocks, "prefill")
+            check_block_ids(handle.block_ids, remote_layout.num_blocks, "prefill")
+            check_block_ids([b for b in handle.window_block_ids if b >= 0], remote_layout.num_window_blocks, "prefill window")
             check_block_ids(local_block_ids, self.layout.num_blocks, "decode")
-            runs = region_runs(self.layout, handle.block_ids, local_block_ids, handle.num_tokens)
+            check_block_ids([b for b in local_window if b >= 0], self.layout.num_window_blocks, "decode window")
+            check_block_ids([handle.state_slot] if handle.state_slot >= 0 else [], remote_layout.num_state_slots, "prefill state")
+            check_block_ids([local_state_slot] if local_state_slot >= 0 else [], self.layout.num_state_slots, "decode state")
+            runs = region_runs(
+                self.layout, handle.block_ids, local_block_ids, handle.num_tokens, handle.window_block_ids, local_window,
+                (handle.state_slot, local_state_slot),
+            )
         except ValueError as e:
             self._fail_now(rid, TransferStage.PENDING, str(e))
         self._loads[rid] = self._post(handle, remote, list(local_block_ids), runs)
@@ -121,8 +141,8 @@ class LeasingConnector(KVConnector):
         """The pool, layout and compat hash are set: register the pool with the transport."""
 
     @abstractmethod
-    def _connect(self, handle: KVHandle, peer: PeerMetadata | None) -> tuple[Any, int]:
-        """(the remote engine, its pool's block count); raises TransferError (HANDSHAKE)."""
+    def _connect(self, handle: KVHandle, peer: PeerMetadata | None) -> tuple[Any, KVLayout]:
+        """(the remote engine, its pool's layout); raises TransferError (HANDSHAKE)."""
 
     @abstractmethod
     def _post(self, handle: KVHandle, remote: Any, local_block_ids: list[int], runs: Runs) -> Any:

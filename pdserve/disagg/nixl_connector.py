@@ -251,11 +251,11 @@ class NixlConnector(LeasingConnector):
         self._peers[info.engine_id] = _Peer(info, name)
         return info
 
-    def _connect(self, handle: KVHandle, peer: PeerMetadata | None) -> tuple[_Peer, int]:
+    def _connect(self, handle: KVHandle, peer: PeerMetadata | None) -> tuple[_Peer, KVLayout]:
         rid = handle.request_id
         known = self._peers.get(handle.engine_id)
         if known is not None and known.info.instance_id == handle.instance_id:
-            return known, known.info.layout.num_blocks
+            return known, known.info.layout
         if peer is None or peer.data is None:
             why = peer.error if peer is not None and peer.error else "no metadata was fetched for it"
             self._fail_now(rid, TransferStage.HANDSHAKE, f"prefill engine {handle.engine_id} ({handle.metadata_url}): {why}")
@@ -266,7 +266,7 @@ class NixlConnector(LeasingConnector):
         except Exception as e:  # NIXL: the agent in the metadata cannot be reached
             self._fail_now(rid, TransferStage.HANDSHAKE, f"adding NIXL agent {handle.engine_id}: {_nixl_reason(e)}")
         peer_ = self._peers[handle.engine_id]
-        return peer_, peer_.info.layout.num_blocks
+        return peer_, peer_.info.layout
 
     def _post(self, handle: KVHandle, peer: _Peer, local_block_ids: list[int], runs: Runs) -> _Load:
         """Build both descriptor lists and post the READ; NIXL sends the release notif when it is done."""

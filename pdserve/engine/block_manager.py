@@ -1,7 +1,17 @@
-"""Paged-KV block accounting: a free list of block ids and each sequence's block table. No torch.
+"""Paged-KV block accounting: free lists of block ids and each sequence's block tables. No torch.
 
 A sequence with n tokens in the cache holds ceil(n / block_size) blocks, in order; token at
 position p lives in slot block_table[p // block_size] * block_size + p % block_size.
+
+Models with a sliding window (DeepSeek-V4) have a second block space, the window space, for the
+regions of the pool that a later step reads only over the last `window_tokens` positions
+(kv_cache.KVRegionSpec.last_tokens). A sequence's `window_table` is indexed like its block table
+(entry i covers positions [i * bs, (i + 1) * bs)) but holds blocks only where a step writes or
+will read: entries below the window are freed as the sequence advances (-1), so a sequence holds
+at most ceil(window_tokens / bs) + 1 window blocks between steps, however long it gets.
+
+Models with per-sequence state (DeepSeek-V4's compressors) have a third, the state space: one
+slot per sequence (`state_slot`), taken with its first blocks and returned with them.
 """
 
 from __future__ import annotations
@@ -10,23 +20,87 @@ from collections import deque
 
 from pdserve.engine.sequence import Sequence
 
+FREED = -1  # a window-table entry with no block (out of the window, or not yet written)
 
-class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
-        self.block_size = block_size
+
+class BlockPool:
+    """A free list of block ids 0..num_blocks-1."""
+
+    def __init__(self, num_blocks: int) -> None:
         self.num_total_blocks = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._used: set[int] = set()
 
     @property
-    def num_free_blocks(self) -> int:
+    def num_free(self) -> int:
         return len(self._free)
 
     @property
-    def num_used_blocks(self) -> int:
+    def num_used(self) -> int:
         return len(self._used)
+
+    def take(self) -> int:
+        block = self._free.popleft()
+        self._used.add(block)
+        return block
+
+    def give_back(self, block: int, owner: str) -> None:
+        if block not in self._used:
+            raise RuntimeError(f"{owner}: block {block} freed twice")
+        self._used.remove(block)
+        self._free.appendleft(block)  # so a re-admitted sequence tends to get it back
+
+
+class BlockManager:
+    def __init__(
+        self, num_blocks: int, block_size: int, *, window_tokens: int | None = None, num_window_blocks: int = 0, num_state_slots: int = 0
+    ) -> None:
+        """window_tokens: the window regions' last_tokens (None: the pool has no window space).
+        num_state_slots: slots of the state space (0: none)."""
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
+        if window_tokens is not None and num_window_blocks < self.window_blocks_per_seq(window_tokens, block_size):
+            raise ValueError(
+                f"a window of {window_tokens} tokens needs at least {self.window_blocks_per_seq(window_tokens, block_size)} "
+                f"window blocks of {block_size} tokens, got {num_window_blocks}"
+            )
+        self.block_size = block_size
+        self.num_total_blocks = num_blocks
+        self._pool = BlockPool(num_blocks)
+        self.window_tokens = window_tokens
+        self._window = BlockPool(num_window_blocks) if window_tokens is not None else None
+        self._states = BlockPool(num_state_slots) if num_state_slots else None
+
+    @staticmethod
+    def window_blocks_per_seq(window_tokens: int, block_size: int) -> int:
+        """Window blocks one sequence may hold during a step: those it reads (the last
+        window_tokens positions before the step) and those the step writes (its last
+        window_tokens new positions), each a span of at most ceil(window_tokens / bs) + 1 blocks."""
+        return 2 * (-(-window_tokens // block_size) + 1)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._pool.num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self._pool.num_used
+
+    @property
+    def num_total_window_blocks(self) -> int:
+        return 0 if self._window is None else self._window.num_total_blocks
+
+    @property
+    def num_used_window_blocks(self) -> int:
+        return 0 if self._window is None else self._window.num_used
+
+    @property
+    def num_total_state_slots(self) -> int:
+        return 0 if self._states is None else self._states.num_total_blocks
+
+    @property
+    def num_used_state_slots(self) -> int:
+        return 0 if self._states is None else self._states.num_used
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -35,24 +109,74 @@ class BlockManager:
         """Extra blocks seq needs so its table covers num_tokens tokens."""
         return max(0, self.blocks_for(num_tokens) - len(seq.block_table))
 
-    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_tokens) <= len(self._free)
+    def can_allocate(self, seq: Sequence, num_tokens: int, step_end: int | None = None) -> bool:
+        """Blocks for num_tokens tokens, and window blocks for a step that computes the tokens
+        from seq.num_computed_tokens to step_end (default num_tokens)."""
+        if self.blocks_needed(seq, num_tokens) > self._pool.num_free:
+            return False
+        if self._needs_state(seq) and self._states.num_free == 0:
+            return False
+        if self._window is None:
+            return True
+        free_now = len(self._out_of_window(seq))
+        return len(self._window_gaps(seq, step_end or num_tokens)) <= self._window.num_free + free_now
 
-    def allocate(self, seq: Sequence, num_tokens: int) -> None:
-        """Grow seq's block table to cover num_tokens tokens (callers check can_allocate first)."""
+    def allocate(self, seq: Sequence, num_tokens: int, step_end: int | None = None) -> None:
+        """Grow seq's block table to cover num_tokens tokens and give it the window blocks the
+        step up to step_end writes (callers check can_allocate first)."""
         need = self.blocks_needed(seq, num_tokens)
-        if need > len(self._free):
-            raise RuntimeError(f"{seq.request_id}: needs {need} blocks, {len(self._free)} free")
+        if need > self._pool.num_free:
+            raise RuntimeError(f"{seq.request_id}: needs {need} blocks, {self._pool.num_free} free")
+        if self._window is not None:
+            self.trim_window(seq)
+            gaps = self._window_gaps(seq, step_end or num_tokens)
+            if len(gaps) > self._window.num_free:
+                raise RuntimeError(f"{seq.request_id}: needs {len(gaps)} window blocks, {self._window.num_free} free")
+        if self._needs_state(seq):
+            if self._states.num_free == 0:
+                raise RuntimeError(f"{seq.request_id}: needs a state slot, none free")
+            seq.state_slot = self._states.take()
         for _ in range(need):
-            block = self._free.popleft()
-            self._used.add(block)
-            seq.block_table.append(block)
+            seq.block_table.append(self._pool.take())
+        if self._window is not None:
+            table = seq.window_table
+            table.extend([FREED] * (self.blocks_for(step_end or num_tokens) - len(table)))
+            for i in gaps:
+                table[i] = self._window.take()
+
+    def trim_window(self, seq: Sequence) -> None:
+        """Free the window blocks that no later step of seq reads (all their positions are
+        before the last window_tokens of seq.num_computed_tokens)."""
+        for i in self._out_of_window(seq):
+            self._window.give_back(seq.window_table[i], seq.request_id)
+            seq.window_table[i] = FREED
 
     def free(self, seq: Sequence) -> None:
         """Return all of seq's blocks (in reverse, so a re-admitted sequence tends to get them back)."""
         for block in reversed(seq.block_table):
-            if block not in self._used:
-                raise RuntimeError(f"{seq.request_id}: block {block} freed twice")
-            self._used.remove(block)
-            self._free.appendleft(block)
+            self._pool.give_back(block, seq.request_id)
         seq.block_table = []
+        for block in reversed(seq.window_table):
+            if block != FREED:
+                self._window.give_back(block, seq.request_id)
+        seq.window_table = []
+        if seq.state_slot >= 0:
+            self._states.give_back(seq.state_slot, seq.request_id)
+            seq.state_slot = FREED
+
+    def _needs_state(self, seq: Sequence) -> bool:
+        return self._states is not None and seq.state_slot < 0
+
+    def _out_of_window(self, seq: Sequence) -> list[int]:
+        """Window-table indices holding blocks whose every position is below the window."""
+        if self.window_tokens is None:
+            return []
+        first_read = max(0, seq.num_computed_tokens - self.window_tokens)  # oldest position a step reads
+        return [i for i, b in enumerate(seq.window_table[: first_read // self.block_size]) if b != FREED]
+
+    def _window_gaps(self, seq: Sequence, step_end: int) -> list[int]:
+        """Window-table indices the step writes (its new positions among the last window_tokens
+        of step_end) that hold no block yet."""
+        first = max(seq.num_computed_tokens, step_end - self.window_tokens)
+        table = seq.window_table
+        return [i for i in range(first // self.block_size, self.blocks_for(step_end)) if i >= len(table) or table[i] == FREED]

@@ -14,6 +14,7 @@ KVLoadFailurePolicy = Literal["fail", "recompute"]
 # where the weights come from (vLLM's name): "auto" the checkpoint's files, "dummy" random weights
 # made in memory from its config.json alone (model/dummy.py; benchmarks, no checkpoint to write)
 LoadFormat = Literal["auto", "dummy"]
+KVCacheDType = Literal["auto", "fp8"]
 
 
 def check_device(d: str) -> str:
@@ -52,6 +53,13 @@ class EngineConfig(BaseModel):
     # "raw_logprobs": log_softmax of the model's logits before penalties/temperature/filters
     # (vLLM V1's default); "processed_logprobs": of the logits the token was sampled from.
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
+    # CUDA graphs for decode steps (engine/cuda_graphs.py); enforce_eager turns them off (vLLM's
+    # name), cuda_graph_max_bs is the largest batch captured (SGLang's; default min(max_num_seqs, 256))
+    enforce_eager: bool = False
+    cuda_graph_max_bs: int | None = Field(None, ge=1)
+    # the KV records (vLLM's name): "auto" = the model dtype; "fp8" = FP8 e4m3 latent records with
+    # per-128 scales (656 bytes a token-layer for V3 / V3.2, kernels/kv_fp8.py)
+    kv_cache_dtype: KVCacheDType = "auto"
 
     @field_validator("device")
     @classmethod

@@ -51,6 +51,10 @@ class EngineStats:
     kv_blocks_total: int
     num_preemptions: int
     num_kv_load_recomputes: int = 0  # decode role: failed loads recomputed locally
+    kv_window_blocks_used: int = 0  # sliding-window block space (DeepSeek-V4), block_manager.py
+    kv_window_blocks_total: int = 0
+    kv_state_slots_used: int = 0  # per-sequence state space (DeepSeek-V4's compressors)
+    kv_state_slots_total: int = 0
 
 
 class LLMEngine:
@@ -73,7 +77,13 @@ class LLMEngine:
             from pdserve.tokenizer import Tokenizer
 
             self.tokenizer = Tokenizer(config.model)
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.kv_block_size)
+        self.block_manager = BlockManager(
+            self.runner.num_kv_blocks,
+            config.kv_block_size,
+            window_tokens=self.runner.window_tokens,
+            num_window_blocks=self.runner.num_window_blocks,
+            num_state_slots=self.runner.num_state_slots,
+        )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.connector = connector
         if connector is not None:
@@ -163,6 +173,7 @@ class LLMEngine:
         for s in sched.scheduled:
             seq = s.seq
             seq.num_computed_tokens += s.num_tokens
+            self.block_manager.trim_window(seq)
             if not s.samples:
                 continue
             status = self._append(seq, next(tokens))
@@ -196,7 +207,10 @@ class LLMEngine:
         if status is SequenceStatus.FINISHED_REMOTE_DECODE:
             n = seq.num_computed_tokens
             try:
-                seq.kv_handle = self.connector.on_prefill_finished(seq.request_id, seq.block_table[: self.block_manager.blocks_for(n)], n)
+                nb = self.block_manager.blocks_for(n)
+                seq.kv_handle = self.connector.on_prefill_finished(
+                    seq.request_id, seq.block_table[:nb], n, window_block_ids=seq.window_table[:nb], state_slot=seq.state_slot
+                )
             except Exception as e:  # a connector failure fails this request, not the engine
                 self.scheduler.release_held(seq.request_id)
                 seq.status, seq.error, seq.kv_handle = SequenceStatus.FINISHED_ERROR, f"{type(e).__name__}: {e}", None
@@ -269,7 +283,9 @@ class LLMEngine:
             self._release(request_id, connector_too=False)
         for seq in self.scheduler.admit_remote():
             try:
-                self.connector.start_load(seq.kv_handle, list(seq.block_table), seq.peer)
+                self.connector.start_load(
+                    seq.kv_handle, list(seq.block_table), seq.peer, local_window_block_ids=list(seq.window_table), local_state_slot=seq.state_slot
+                )
                 seq.advance_transfer(TransferStage.READING)
             except TransferError as e:  # hash mismatch, unknown or unreachable peer, bad block ids
                 self._load_failed(seq, e, outputs)
@@ -279,7 +295,7 @@ class LLMEngine:
         for request_id in done:
             seq = self.scheduler.loading.get(request_id)
             if seq is not None:  # tensor parallel: rank 0 received the KV, the other ranks copy it
-                self.runner.on_kv_loaded(list(seq.block_table))
+                self.runner.on_kv_loaded(list(seq.block_table), list(seq.window_table), seq.state_slot)
                 seq.advance_transfer(TransferStage.DONE)
             self.scheduler.on_loaded(request_id)
         for err in failed:
@@ -325,4 +341,8 @@ class LLMEngine:
             kv_blocks_total=self.block_manager.num_total_blocks,
             num_preemptions=c.preemptions,
             num_kv_load_recomputes=self.num_kv_load_recomputes,
+            kv_window_blocks_used=self.block_manager.num_used_window_blocks,
+            kv_window_blocks_total=self.block_manager.num_total_window_blocks,
+            kv_state_slots_used=self.block_manager.num_used_state_slots,
+            kv_state_slots_total=self.block_manager.num_total_state_slots,
         )

@@ -7,9 +7,10 @@ Tensor parallelism (config.tensor_parallel_size > 1): this runner is rank 0. It 
 1..N-1 (pdserve.engine.tp_ranks), each a ModelRunner of its own shard in `serve_forever()`.
 Each step rank 0 broadcasts the step's StepInputs, every rank builds the same ForwardBatch and
 runs the forward (all-reduces inside), and rank 0 alone computes logits and samples. The KV cache
-is replicated: every rank writes the same latent records; KV that arrives from a prefill worker
-lands in rank 0's cache (the one the KV connector registered) and `on_kv_loaded` copies it to the
-other ranks.
+is replicated: every rank writes the same records (V3's latent, each of V4's regions); KV that
+arrives from a prefill worker lands in rank 0's cache (the one the KV connector registered) and
+`on_kv_loaded` copies what it loaded of every region (token blocks, window blocks, state slot) to
+the other ranks.
 """
 
 from __future__ import annotations
@@ -20,13 +21,19 @@ import weakref
 import torch
 
 from pdserve.engine import tp_protocol as protocol
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.cuda_graphs import CudaGraphRunner
 from pdserve.distributed.group import TPGroup
 from pdserve.engine.config import DEFAULT_CPU_KV_GB, EngineConfig
-from pdserve.model.kv_cache import KVCache
+from pdserve.model.kv_cache import STATE, WINDOW, KVCache, KVRegionSpec
 from pdserve.engine.sampler import SampledToken, Sampler
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.model.batch import ForwardBatch, StepInputs
+
+
+def _pad(table: list[int], width: int) -> list[int]:
+    return table[:width] + [-1] * (width - len(table))
 
 
 def _ids(v: int | list[int] | None) -> set[int]:
@@ -68,8 +75,15 @@ class ModelRunner:
         max_pos = model.config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > max_pos:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings {max_pos}")
-        specs = model.kv_cache_specs()
-        n = self._num_kv_blocks(KVCache.bytes_per_block(specs, model.num_layers, self.block_size, self.dtype), config.max_model_len or max_pos)
+        specs = model.kv_cache_specs(config.kv_cache_dtype)
+        self.window_tokens, self.num_window_blocks, self.num_state_slots = _side_spaces(specs, config.max_num_seqs, self.block_size)
+        side_bytes = sum(
+            n * KVCache.bytes_per_block(specs, model.num_layers, self.block_size, self.dtype, space)
+            for n, space in ((self.num_window_blocks, WINDOW), (self.num_state_slots, STATE))
+        )
+        n = self._num_kv_blocks(
+            KVCache.bytes_per_block(specs, model.num_layers, self.block_size, self.dtype), config.max_model_len or max_pos, side_bytes
+        )
         self.num_kv_blocks = self.tp.min_control(n)  # the block manager's blocks must exist on every rank
         capacity = self.num_kv_blocks * self.block_size
         if config.max_model_len is not None and config.max_model_len > capacity:
@@ -78,11 +92,24 @@ class ModelRunner:
                 f"but only {self.num_kv_blocks} fit; lower max_model_len or raise num_kv_blocks / kv_cache_memory_gb"
             )
         self.max_model_len = config.max_model_len or min(max_pos, capacity)
-        self.kv_cache = KVCache(specs, model.num_layers, self.num_kv_blocks, self.block_size, self.dtype, self.device)
+        use_graphs = (
+            self.device.type == "cuda" and not config.enforce_eager and self.tp.size == 1 and getattr(model, "supports_cuda_graphs", False)
+        )
+        pool_blocks = self.num_kv_blocks + (1 if use_graphs else 0)  # + the graphs' scratch block (cuda_graphs.py)
+        self.kv_cache = KVCache(
+            specs, model.num_layers, pool_blocks, self.block_size, self.dtype, self.device, self.num_window_blocks, self.num_state_slots
+        )
+        self.graphs: CudaGraphRunner | None = None
+        if use_graphs:
+            max_bs = config.cuda_graph_max_bs or min(config.max_num_seqs, 256)
+            self.graphs = CudaGraphRunner(model, self.kv_cache, max_bs=max_bs, max_len=self.max_model_len, scratch_block=self.num_kv_blocks)
+            self.graphs.capture()
         self.eos_token_ids = set(model.config.eos_token_ids) | _ids(config.generation_config().get("eos_token_id"))
         self.sampler = Sampler(self.device, config.seed, sorted(self.eos_token_ids), config.logprobs_mode)
 
-    def _num_kv_blocks(self, bytes_per_block: int, max_len: int) -> int:
+    def _num_kv_blocks(self, bytes_per_block: int, max_len: int, side_bytes: int) -> int:
+        """Token-space blocks: config.num_kv_blocks, else what the budget holds after the window
+        and state spaces (side_bytes)."""
         c = self.config
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
@@ -94,9 +121,12 @@ class ModelRunner:
         else:
             budget = DEFAULT_CPU_KV_GB * 2**30
         useful = c.max_num_seqs * math.ceil(max_len / self.block_size)  # more could never be used
-        n = min(int(budget // bytes_per_block), useful)
+        n = min(int((budget - side_bytes) // bytes_per_block), useful)
         if n < 1:
-            raise ValueError(f"no room for a single KV block ({bytes_per_block} bytes) in {budget / 2**30:.2f} GiB")
+            raise ValueError(
+                f"no room for a single KV block ({bytes_per_block} bytes) in {budget / 2**30:.2f} GiB "
+                f"after {side_bytes / 2**30:.2f} GiB of sliding-window blocks and per-sequence state"
+            )
         return n
 
     # -- one step (rank 0) --
@@ -107,6 +137,8 @@ class ModelRunner:
         step, sampling = self.prepare(sched)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # per thread: the engine loop's thread starts on cuda:0
+        if self.graphs is not None and self.graphs.fits(step):  # decode only: every row samples
+            return self.sampler(self.model.compute_logits(self.graphs.run(step)), sampling)
         if self.ranks is not None:
             self.ranks.check_alive()
             protocol.send_forward(self.tp, step)
@@ -130,26 +162,33 @@ class ModelRunner:
             starts=torch.tensor([s.start for s in chunks], dtype=torch.int64),
             samples=torch.tensor([s.samples for s in chunks], dtype=torch.bool),
             block_tables=torch.tensor([s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in chunks], dtype=torch.int64),
+            window_tables=torch.tensor([_pad(s.seq.window_table, width) for s in chunks], dtype=torch.int64),
+            state_slots=torch.tensor([s.seq.state_slot for s in chunks], dtype=torch.int64),
         )
         return step, [s.seq for s in chunks if s.samples]
 
     @torch.inference_mode()
-    def on_kv_loaded(self, block_ids: list[int]) -> None:
-        """KV read from a prefill worker into rank 0's blocks: copy those blocks to every rank."""
+    def on_kv_loaded(self, block_ids: list[int], window_block_ids: list[int], state_slot: int) -> None:
+        """KV read from a prefill worker into rank 0's blocks (token, window and state space):
+        copy those blocks to every rank."""
+        ids = protocol.SpaceIds(block_ids, [b for b in window_block_ids if b >= 0], [state_slot] if state_slot >= 0 else [])
         if self.ranks is None or not block_ids:
             return
         self.ranks.check_alive()
-        protocol.send_sync_kv(self.tp, block_ids)
-        self._sync_kv(block_ids)
+        protocol.send_sync_kv(self.tp, ids)
+        self._sync_kv(ids)
 
-    def _sync_kv(self, block_ids: list[int]) -> None:
-        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+    def _sync_kv(self, ids: protocol.SpaceIds) -> None:
         for name in sorted(self.kv_cache.regions):
+            mine = ids.of(self.kv_cache.specs[name].space)
+            if not mine:
+                continue
+            idx = torch.tensor(mine, dtype=torch.int64, device=self.device)
             region = self.kv_cache.regions[name]  # [L, num_blocks, block_size, dim]
             if self.tp.is_driver:
                 self.tp.broadcast(region.index_select(1, idx))  # [L, n, block_size, dim]
             else:
-                buf = region.new_empty((region.shape[0], len(block_ids), *region.shape[2:]))
+                buf = region.new_empty((region.shape[0], len(mine), *region.shape[2:]))
                 self.tp.broadcast(buf)
                 region.index_copy_(1, idx, buf)
 
@@ -162,7 +201,7 @@ class ModelRunner:
             if msg.command is protocol.Command.STOP:
                 return
             if msg.command is protocol.Command.SYNC_KV:
-                self._sync_kv(msg.block_ids)
+                self._sync_kv(msg.ids)
                 continue
             batch = ForwardBatch.build(msg.step, self.block_size)
             self.model.forward(batch.to(self.device), self.kv_cache)
@@ -185,6 +224,17 @@ class ModelRunner:
         self.tp.destroy()
 
 
+def _side_spaces(specs: list[KVRegionSpec], max_num_seqs: int, block_size: int) -> tuple[int | None, int, int]:
+    """(window_tokens, window blocks, state slots) of the pool: room for max_num_seqs sequences
+    in a step and as many more between steps (a prefill worker's sequences held for decode);
+    (None, 0, 0) for a model with neither a sliding-window nor a per-sequence state region."""
+    windows = {s.last_tokens for s in specs if s.space == WINDOW}
+    window = max(windows) if windows else None
+    window_blocks = 2 * max_num_seqs * BlockManager.window_blocks_per_seq(window, block_size) if windows else 0
+    state_slots = 2 * max_num_seqs if any(s.space == STATE for s in specs) else 0
+    return window, window_blocks, state_slots
+
+
 def _load(config: EngineConfig, dtype: torch.dtype, device: torch.device, tp: TPGroup) -> torch.nn.Module:
     """The checkpoint in config.model (or, load_format dummy, its config.json with random
     weights), as a model with the DeepseekForCausalLM interface."""
@@ -203,7 +253,7 @@ def _load(config: EngineConfig, dtype: torch.dtype, device: torch.device, tp: TP
         return load_model(config.model, dtype, device, progress=tp.is_driver, tp=tp)
     from pdserve.model.v4_loader import load_v4_model
 
-    return PagedDeepseekV4(load_v4_model(config.model, dtype, device))
+    return PagedDeepseekV4(load_v4_model(config.model, dtype, device, tp=tp))
 
 
 def _check_shardable(config: EngineConfig) -> None:
@@ -211,12 +261,12 @@ def _check_shardable(config: EngineConfig) -> None:
     (builds rank 0's shards on the meta device: the same checks the real build makes)."""
     from pdserve.model.config import ModelConfig
     from pdserve.model.deepseek import DeepseekForCausalLM
+    from pdserve.model.deepseek_v4 import DeepseekV4ForCausalLM
 
     model_config = ModelConfig.from_model_dir(config.model)
-    if model_config.v4 is not None:
-        raise ValueError("DeepSeek-V4 runs with tensor_parallel_size 1 only (its layers are not sharded yet)")
+    model_class = DeepseekForCausalLM if model_config.v4 is None else DeepseekV4ForCausalLM
     with torch.device("meta"):
-        DeepseekForCausalLM(model_config, TPGroup(rank=0, size=config.tensor_parallel_size))
+        model_class(model_config, TPGroup(rank=0, size=config.tensor_parallel_size))
     if config.device.startswith("cuda"):
         first = torch.device(config.device).index or 0
         need = first + config.tensor_parallel_size

@@ -160,14 +160,16 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            n = min(seq.num_uncomputed_tokens, budget)
             # blocks for all its tokens up front, so a long prompt is not preempted between chunks
-            if not self.block_manager.can_allocate(seq, seq.num_tokens):
+            # (window blocks only for this chunk: earlier chunks' fall out of the window)
+            step_end = seq.num_computed_tokens + n
+            if not self.block_manager.can_allocate(seq, seq.num_tokens, step_end):
                 break
-            self.block_manager.allocate(seq, seq.num_tokens)
+            self.block_manager.allocate(seq, seq.num_tokens, step_end)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
-            n = min(seq.num_uncomputed_tokens, budget)
             out.scheduled.append(ScheduledSeq.of(seq, n))
             budget -= n
 
@@ -177,6 +179,7 @@ class Scheduler:
         self._remove(seq)
         seq.status = status
         if status is SequenceStatus.FINISHED_REMOTE_DECODE:
+            self.block_manager.trim_window(seq)
             self.held[seq.request_id] = seq
         else:
             self.block_manager.free(seq)

@@ -56,6 +56,8 @@ class Sequence:
         self.params = request.params
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
+        self.window_table: list[int] = []  # window-space blocks (block_manager.py), -1 where freed
+        self.state_slot = -1  # state-space slot (block_manager.py), -1: none
         self.num_computed_tokens = 0
         self.arrival = arrival  # admission order key: larger = younger
         # output state
@@ -126,5 +128,6 @@ class Sequence:
     def __repr__(self) -> str:
         return (
             f"Sequence({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
-            f"out={self.num_output_tokens}, computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
+            f"out={self.num_output_tokens}, computed={self.num_computed_tokens}, blocks={len(self.block_table)}, "
+            f"window_blocks={sum(b >= 0 for b in self.window_table)})"
         )

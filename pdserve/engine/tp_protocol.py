@@ -3,8 +3,10 @@
 Every message is a fixed header, then (for some commands) one int64 payload:
 
     header  int64[8]: [PROTOCOL_VERSION, command, a, b, c, 0, 0, 0]
-    FORWARD   a=T, b=B, c=W   payload [T + 3B + B*W]: input_ids | lens | starts | samples | block_tables
-    SYNC_KV   a=n             payload [n]: block ids whose KV rank 0 then broadcasts (device group)
+    FORWARD   a=T, b=B, c=W   payload [T + 4B + 2*B*W]: input_ids | lens | starts | samples |
+                              state_slots | block_tables | window_tables
+    SYNC_KV   a=n, b=m, c=k   payload [n + m + k]: token-space block ids | window block ids |
+                              state slots whose KV rank 0 then broadcasts (device group)
     STOP      -               no payload; the rank leaves its loop and exits 0
 """
 
@@ -18,7 +20,7 @@ import torch
 from pdserve.distributed.group import TPGroup
 from pdserve.model.batch import StepInputs
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 HEADER_LEN = 8
 
 
@@ -29,10 +31,22 @@ class Command(enum.IntEnum):
 
 
 @dataclass
+class SpaceIds:
+    """Block ids in each block space of the pool (model/kv_cache.py: TOKENS, WINDOW, STATE)."""
+
+    tokens: list[int]
+    window: list[int]
+    state: list[int]
+
+    def of(self, space: str) -> list[int]:
+        return getattr(self, space)
+
+
+@dataclass
 class Message:
     command: Command
     step: StepInputs | None = None  # FORWARD
-    block_ids: list[int] | None = None  # SYNC_KV
+    ids: SpaceIds | None = None  # SYNC_KV
 
 
 def _header(command: Command, a: int = 0, b: int = 0, c: int = 0) -> torch.Tensor:
@@ -44,13 +58,18 @@ def _header(command: Command, a: int = 0, b: int = 0, c: int = 0) -> torch.Tenso
 def send_forward(group: TPGroup, step: StepInputs) -> None:
     B, W = step.block_tables.shape
     group.broadcast_control(_header(Command.FORWARD, step.input_ids.numel(), B, W))
-    payload = torch.cat([step.input_ids, step.lens, step.starts, step.samples.to(torch.int64), step.block_tables.reshape(-1)])
+    payload = torch.cat(
+        [
+            step.input_ids, step.lens, step.starts, step.samples.to(torch.int64), step.state_slots,
+            step.block_tables.reshape(-1), step.window_tables.reshape(-1),
+        ]
+    )
     group.broadcast_control(payload.to(torch.int64).contiguous())
 
 
-def send_sync_kv(group: TPGroup, block_ids: list[int]) -> None:
-    group.broadcast_control(_header(Command.SYNC_KV, len(block_ids)))
-    group.broadcast_control(torch.tensor(block_ids, dtype=torch.int64))
+def send_sync_kv(group: TPGroup, ids: SpaceIds) -> None:
+    group.broadcast_control(_header(Command.SYNC_KV, len(ids.tokens), len(ids.window), len(ids.state)))
+    group.broadcast_control(torch.tensor(ids.tokens + ids.window + ids.state, dtype=torch.int64))
 
 
 def send_stop(group: TPGroup) -> None:
@@ -68,12 +87,16 @@ def receive(group: TPGroup) -> Message:
     if command is Command.STOP:
         return Message(command)
     if command is Command.SYNC_KV:
-        ids = torch.empty(a, dtype=torch.int64)
+        ids = torch.empty(a + b + c, dtype=torch.int64)
         group.broadcast_control(ids)
-        return Message(command, block_ids=ids.tolist())
+        tokens, window, state = (t.tolist() for t in ids.split([a, b, c]))
+        return Message(command, ids=SpaceIds(tokens, window, state))
     T, B, W = a, b, c
-    payload = torch.empty(T + 3 * B + B * W, dtype=torch.int64)
+    payload = torch.empty(T + 4 * B + 2 * B * W, dtype=torch.int64)
     group.broadcast_control(payload)
-    ids, lens, starts, samples, tables = payload.split([T, B, B, B, B * W])
-    step = StepInputs(input_ids=ids, lens=lens, starts=starts, samples=samples.bool(), block_tables=tables.view(B, W))
+    ids, lens, starts, samples, slots, tables, windows = payload.split([T, B, B, B, B, B * W, B * W])
+    step = StepInputs(
+        input_ids=ids, lens=lens, starts=starts, samples=samples.bool(), block_tables=tables.view(B, W),
+        window_tables=windows.view(B, W), state_slots=slots,
+    )
     return Message(command, step=step)

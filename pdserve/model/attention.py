@@ -8,12 +8,15 @@ The cache holds one record per token: [normalized latent (C) | roped key (R)]. k
 the query (q_lat = q_nope @ W_UK) makes q_lat . latent == q_nope . k_nope, so attention runs in
 the latent space over the records themselves (V = the latent), and W_UV lifts the result back.
 
-Prefill can instead run non-absorbed (`forward_expanded`, dense MLA only): the records of each
-chunk's context (cached prefix + the chunk) are expanded through kv_b_proj into per-head K_nope
-[S, H, Dn] and V [S, H, Dv], K = [K_nope | roped key, shared by the heads] (Dn + R = 192), and a
-causal FlashAttention kernel (pdserve_kernels.mla_prefill) attends: 3.4x fewer flops than the
-absorbed form and tensor-core tiles of many queries, instead of one query at a time. Its
-per-chunk metadata (`PrefillSeqs`) is not in ForwardBatch yet (docs/pd-gpu.md: what remains).
+Which form runs where (dense MLA, V3): one-token chunks (decode) run absorbed over the paged
+pool (`ops.paged_mla_decode`: the kernel walks the sequence's block table). Chunks of more than
+one token (prefill) run non-absorbed (`_expanded`): the records of the chunk's context (cached
+prefix + the chunk) are expanded through kv_b_proj into per-head K_nope [S, H, Dn] and V
+[S, H, Dv], K = [K_nope | roped key, shared by the heads] (Dn + R = 192), and a causal
+FlashAttention kernel (pdserve_kernels.mla_prefill) attends: 3.4x fewer flops than the absorbed
+form and tensor-core tiles of many queries, instead of one query at a time. Sparse layers (V3.2)
+run absorbed over the indexer's top-k for every token. `MLA.expand_prefill = False` runs prefill
+absorbed too (tests compare the two).
 
 Tensor parallelism splits the heads: q_proj/q_b_proj and kv_b_proj are column-parallel by head
 (H below is this rank's H/tp heads), o_proj is row-parallel (one all-reduce). q_a_proj,
@@ -23,15 +26,13 @@ the same full latent record for every token: the KV cache is replicated, not spl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from pdserve.distributed.group import TPGroup
 from pdserve.model.kv_cache import KVCache
 from pdserve.model import ops
-from pdserve.model.batch import ForwardBatch
+from pdserve.model.batch import ForwardBatch, PrefillChunks
 from pdserve.model.config import ModelConfig
 from pdserve.model.indexer import Indexer
 from pdserve.model.layers import RMSNorm
@@ -39,18 +40,9 @@ from pdserve.model.parallel import ColumnParallelLinear, RowParallelLinear
 from pdserve.model.rope import apply_rope, softmax_scale
 
 
-@dataclass
-class PrefillSeqs:
-    """Chunk metadata of the expanded prefill. Legend: B chunks, T query tokens, S context tokens."""
-
-    cu_q: torch.Tensor  # [B + 1] int32, each chunk's rows in the flat token batch
-    cu_k: torch.Tensor  # [B + 1] int32, each chunk's rows in k_slots
-    k_slots: torch.Tensor  # [S] int64, slots of each chunk's context: positions 0..end of its chunk
-    max_q: int  # longest chunk
-    max_k: int  # longest context
-
-
 class MLA(nn.Module):
+    expand_prefill = True  # prefill chunks in the non-absorbed form (dense MLA)
+
     def __init__(self, config: ModelConfig, layer_idx: int, tp: TPGroup | None = None) -> None:
         super().__init__()
         c, tp = config, tp or TPGroup.single()
@@ -82,44 +74,55 @@ class MLA(nn.Module):
         batch: ForwardBatch,
         kv_cache: KVCache,
     ) -> torch.Tensor:
-        """Absorbed attention over each token's context_slots (or the indexer's top-k)."""
-        T, H, Dn = x.shape[0], self.n_heads, self.nope_dim
+        """Attention of every token of the batch (see the module docstring for which form runs where)."""
+        T, H = x.shape[0], self.n_heads
         q_nope, q_pe, q_resid, kv = self._project(x, cos, sin, batch.slot_mapping, kv_cache)
-        w_kv = self.kv_b_proj.weight.view(H, Dn + self.v_dim, self.kv_lora_rank)
-        q_lat = torch.einsum("thd,hdc->thc", q_nope, w_kv[:, :Dn])  # [T, H, C]
-        q_full = torch.cat([q_lat, q_pe], dim=-1)  # [T, H, C+R]
-
         if self.indexer is not None:
             k_idx = kv_cache.layer("index_k", self.layer_idx)
-            indices = self.indexer(x, q_resid, cos, sin, batch, k_idx)  # [T, K]
+            indices = self.indexer(x, q_resid, cos, sin, batch, k_idx)  # [T, K] slots
+            out = self._absorbed(q_nope, q_pe, kv, batch, indices=indices)
+        elif batch.prefill is None or not self.expand_prefill:
+            out = self._absorbed(q_nope, q_pe, kv, batch)
         else:
-            indices = batch.context_slots  # [T, C_ctx]
-        out, _ = ops.sparse_mla_decode(q_full[:, None], kv, indices[:, None], self.scale, d_v=self.kv_lora_rank)  # [T, 1, H, C]
-        v = torch.einsum("thc,hvc->thv", out[:, 0], w_kv[:, Dn:])  # [T, H, Dv]
-        return self.o_proj(v.reshape(T, H * self.v_dim))
-
-    def forward_expanded(
-        self,
-        x: torch.Tensor,  # [T, hidden], the chunks' tokens
-        cos: torch.Tensor,  # [T, R/2]
-        sin: torch.Tensor,
-        slot_mapping: torch.Tensor,  # [T] slots the chunks' records are written to
-        seqs: PrefillSeqs,
-        kv_cache: KVCache,
-    ) -> torch.Tensor:
-        """Prefill in the non-absorbed form (dense MLA): same result as forward for these tokens."""
-        if self.indexer is not None:
-            raise ValueError("forward_expanded is dense MLA only; V3.2's sparse prefill runs forward")
-        T, H, C, Dn = x.shape[0], self.n_heads, self.kv_lora_rank, self.nope_dim
-        q_nope, q_pe, _, kv = self._project(x, cos, sin, slot_mapping, kv_cache)
-        latent, k_rope = kv[seqs.k_slots].to(x.dtype).split([C, self.rope_dim], dim=-1)  # [S, C], [S, R]
-        kv_heads = self.kv_b_proj(latent).view(-1, H, Dn + self.v_dim)  # [S, H, Dn+Dv]
-        q = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, Dn+R]
-        out, _ = ops.mla_prefill_attention(
-            q, kv_heads[..., :Dn], k_rope, kv_heads[..., Dn:], seqs.cu_q, seqs.cu_k, seqs.max_q, self.scale,
-            max_seqlen_k=seqs.max_k,
-        )  # [T, H, Dv]
+            out = q_nope.new_empty(T, H, self.v_dim)
+            rows, chunks = batch.decode_rows, batch.prefill
+            if rows.numel():
+                out[rows] = self._absorbed(q_nope[rows], q_pe[rows], kv, batch, rows=rows)
+            out[chunks.rows] = self._expanded(q_nope[chunks.rows], q_pe[chunks.rows], kv, chunks)
         return self.o_proj(out.reshape(T, H * self.v_dim))
+
+    def _absorbed(self, q_nope, q_pe, kv, batch: ForwardBatch, indices=None, rows=None) -> torch.Tensor:
+        """[t, H, Dv] for the batch's tokens `rows` (default all): over `indices` [t, K] slots if
+        given, else over each token's positions 0..p through the block table."""
+        H, Dn, C = self.n_heads, self.nope_dim, self.kv_lora_rank
+        w_kv = self.kv_b_proj.weight.view(H, Dn + self.v_dim, C)
+        q_lat = torch.einsum("thd,hdc->thc", q_nope, w_kv[:, :Dn])  # [t, H, C]
+        q_full = torch.cat([q_lat, q_pe], dim=-1)[:, None]  # [t, 1, H, C+R]
+        if indices is not None:
+            out, _ = ops.sparse_mla_decode(q_full, kv, indices[:, None], self.scale, d_v=C)  # [t, 1, H, C]
+        else:
+            seq_ids, lens = batch.seq_ids, batch.context_lens
+            if rows is not None:
+                seq_ids, lens = seq_ids[rows], lens[rows]
+            out, _ = ops.paged_mla_decode(
+                q_full, kv, batch.block_tables, seq_ids, lens, batch.block_size, batch.max_context, self.scale, d_v=C
+            )
+        return torch.einsum("thc,hvc->thv", out[:, 0], w_kv[:, Dn:])  # [t, H, Dv]
+
+    def _expanded(self, q_nope, q_pe, kv, chunks: PrefillChunks) -> torch.Tensor:
+        """Non-absorbed causal attention of the prefill chunks' tokens over their contexts: [Tp, H, Dv]."""
+        H, C, Dn = self.n_heads, self.kv_lora_rank, self.nope_dim
+        records = kv[chunks.k_slots]
+        if kv.dtype == torch.uint8:  # FP8 records: dequantize the context once, here
+            records = ops.unpack_kv_fp8(records, C, C + self.rope_dim)
+        latent, k_rope = records.to(q_nope.dtype).split([C, self.rope_dim], dim=-1)  # [S, C], [S, R]
+        kv_heads = self.kv_b_proj(latent).view(-1, H, Dn + self.v_dim)  # [S, H, Dn+Dv]
+        q = torch.cat([q_nope, q_pe], dim=-1)  # [Tp, H, Dn+R]
+        out, _ = ops.mla_prefill_attention(
+            q, kv_heads[..., :Dn], k_rope, kv_heads[..., Dn:], chunks.cu_q, chunks.cu_k, chunks.max_q, self.scale,
+            max_seqlen_k=chunks.max_k,
+        )
+        return out
 
     def _project(self, x, cos, sin, slot_mapping, kv_cache):
         """Queries (q_nope [T, H, Dn], roped q_pe [T, H, R], q_resid), and this layer's cache [N, C+R]
@@ -135,6 +138,6 @@ class MLA(nn.Module):
 
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([C, R], dim=-1)  # [T, C], [T, R]
         record = torch.cat([self.kv_a_layernorm(latent), apply_rope(k_pe, cos, sin, self.interleave)], dim=-1)
-        kv = kv_cache.layer("latent", self.layer_idx)  # [N, C+R]
-        kv[slot_mapping] = record.to(kv.dtype)
+        kv = kv_cache.layer("latent", self.layer_idx)  # [N, C+R] values, or [N, 656] FP8 records
+        kv[slot_mapping] = ops.pack_kv_fp8(record, C) if kv.dtype == torch.uint8 else record.to(kv.dtype)
         return q_nope, q_pe, q_resid, kv

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from pdserve.distributed.group import TPGroup
+from pdserve.model import ops
 from pdserve.model.kv_cache import KVCache, KVRegionSpec
 from pdserve.model.attention import MLA
 from pdserve.model.batch import ForwardBatch
@@ -54,6 +55,7 @@ class DeepseekModel(nn.Module):
 
 
 class DeepseekForCausalLM(nn.Module):
+    supports_cuda_graphs = True  # decode forward: no host sync, shapes from the batch size alone
     def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = config
@@ -69,9 +71,16 @@ class DeepseekForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def kv_cache_specs(self) -> list[KVRegionSpec]:
+    def kv_cache_specs(self, kv_cache_dtype: str = "auto") -> list[KVRegionSpec]:
+        """kv_cache_dtype "fp8": the latent as 656-byte FP8 records (kernels/kv_fp8.py)."""
         c = self.config
-        specs = [KVRegionSpec("latent", c.kv_lora_rank + c.qk_rope_head_dim)]
+        if kv_cache_dtype == "fp8":
+            if c.kv_lora_rank % 128:
+                raise ValueError(f"kv_cache_dtype fp8 needs kv_lora_rank a multiple of 128 (one scale per 128 values), got {c.kv_lora_rank}")
+            size = ops.fp8_record_bytes(c.kv_lora_rank, c.qk_rope_head_dim)
+            specs = [KVRegionSpec("latent", size, record="fp8_ds_mla")]
+        else:
+            specs = [KVRegionSpec("latent", c.kv_lora_rank + c.qk_rope_head_dim)]
         if c.has_indexer:
             specs.append(KVRegionSpec("index_k", c.index_head_dim))
         return specs

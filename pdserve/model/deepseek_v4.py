@@ -32,6 +32,12 @@ Module and parameter names are transformers' (model.layers.N.self_attn.compresso
 mlp.experts.gate_up_proj, attn_hc.fn, model.hc_head.hc_fn, ...), so a transformers-format
 checkpoint maps one to one; v4_loader.py also maps DeepSeek's release names. MTP layers are not
 part of this model.
+
+Tensor parallelism (a TPGroup of size > 1) splits the query heads and output groups of attention
+and the experts' intermediate dim (v4_attention.py, v4_moe.py): two all-reduces a layer, as V3.
+The rest is replicated on every rank: the embedding, mHC and norms (they act on the full hidden
+state each rank holds after an all-reduce), the shared K=V head, compressors and indexer (every
+rank holds the same caches), and lm_head (only rank 0 computes logits, for its sampler).
 """
 
 from __future__ import annotations
@@ -39,13 +45,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pdserve.distributed.group import TPGroup
 from pdserve.model.config import ModelConfig
+from pdserve.model.config_v4 import CSA, HCA
 from pdserve.model.hyper_connections import HyperConnection, HyperHead, hc_residual
 from pdserve.model.rope import RotaryEmbedding
-from pdserve.model.v4_attention import V4Attention, V4Step
+from pdserve.model.v4_attention import V4Attention
 from pdserve.model.v4_cache import LayerState, SequenceState
 from pdserve.model.v4_moe import V4MoE
 from pdserve.model.v4_ops import V4RMSNorm
+from pdserve.model.v4_step import V4Step, build_step
 
 # Parameters kept in float32 whatever the model dtype (transformers' _keep_in_fp32_modules_strict).
 FP32_PARAM_PATTERNS = (
@@ -55,11 +64,11 @@ FP32_PARAM_PATTERNS = (
 
 
 class V4DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TPGroup) -> None:
         super().__init__()
         v4, hidden, eps = config.v4, config.hidden_size, config.rms_norm_eps
-        self.self_attn = V4Attention(config, layer_idx)
-        self.mlp = V4MoE(config, layer_idx)
+        self.self_attn = V4Attention(config, layer_idx, tp)
+        self.mlp = V4MoE(config, layer_idx, tp)
         self.input_layernorm = V4RMSNorm(hidden, eps)
         self.post_attention_layernorm = V4RMSNorm(hidden, eps)
         self.attn_hc = HyperConnection(hidden, v4.hc_mult, v4.hc_sinkhorn_iters, v4.hc_eps, eps)
@@ -74,23 +83,24 @@ class V4DecoderLayer(nn.Module):
 
 
 class DeepseekV4Model(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         v4 = config.v4
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(V4DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(V4DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = V4RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hc_head = HyperHead(config.hidden_size, v4.hc_mult, v4.hc_eps, config.rms_norm_eps)
 
 
 class DeepseekV4ForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         if config.v4 is None:
             raise ValueError(f"DeepseekV4ForCausalLM needs a deepseek_v4 config, got {config.model_type!r}")
         self.config = config
+        self.tp = tp or TPGroup.single()
         self.num_layers = config.num_hidden_layers
-        self.model = DeepseekV4Model(config)
+        self.model = DeepseekV4Model(config, self.tp)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = {
             "main": RotaryEmbedding(config.v4.main_rope, config.qk_rope_head_dim),
@@ -123,20 +133,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         return self.model.norm(self.model.hc_head(h))
 
     def _step(self, input_ids: torch.Tensor, lens: list[int], states: list[SequenceState]) -> V4Step:
-        device = input_ids.device
-        starts = torch.tensor([st.num_tokens for st in states], device=device)
-        lens_t = torch.tensor(lens, device=device)
-        first_row = torch.cumsum(lens_t, 0) - lens_t  # [B]
-        seq = torch.repeat_interleave(torch.arange(len(lens), device=device), lens_t)  # [T]
-        positions = starts[seq] + torch.arange(input_ids.shape[0], device=device) - first_row[seq]
-        bounds = [0, *torch.cumsum(lens_t, 0).tolist()]
-        return V4Step(
-            input_ids=input_ids,
-            positions=positions,
-            rows=[slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])],
-            rope={kind: rotary(positions) for kind, rotary in self.rotary.items()},
-            compress_rotary=self.rotary["compress"],
-        )
+        v4 = self.config.v4
+        rates = {kind: {v4.compress_rate(i) for i, t in enumerate(v4.layer_types) if t == kind} for kind in (CSA, HCA)}
+        starts = [st.num_tokens for st in states]
+        return build_step(input_ids, starts, lens, self.rotary, v4.sliding_window, rates[CSA], rates[HCA])
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

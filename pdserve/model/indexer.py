@@ -48,10 +48,13 @@ class Indexer(nn.Module):
         batch: ForwardBatch,
         k_cache: torch.Tensor,  # [N, Di], this layer's index_k region
     ) -> torch.Tensor:
-        """Writes the new tokens' index keys, returns the chosen slots [T, min(K, C)] int32 (-1 pad)."""
+        """Writes the new tokens' index keys, returns the chosen slots [T, min(K, C)] int32 (-1 pad),
+        C the longest context (candidates: each token's positions 0..p, through the block table)."""
         T = x.shape[0]
         q = self._rope(self.wq_b(q_resid).view(T, self.n_heads, self.head_dim), cos, sin)  # [T, Hi, Di]
         k = self._rope(self.k_norm(self.wk(x)), cos, sin)  # [T, Di]
         k_cache[batch.slot_mapping] = k.to(k_cache.dtype)
         w = F.linear(x.float(), self.weights_proj.weight.float()) * self.weight_scale  # [T, Hi]
-        return ops.indexer_topk(q, k_cache, w, batch.context_slots, self.topk)
+        return ops.indexer_topk_paged(
+            q, k_cache, w, batch.block_tables, batch.seq_ids, batch.context_lens, batch.block_size, batch.max_context, self.topk
+        )

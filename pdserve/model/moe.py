@@ -27,7 +27,7 @@ from pdserve.distributed.group import TPGroup
 from pdserve.model import ops
 from pdserve.model.config import ModelConfig
 from pdserve.model.layers import MLP
-from pdserve.model.parallel import narrow_shard
+from pdserve.model.parallel import shard_expert, shard_stacked_experts
 
 
 class Gate(nn.Module):
@@ -68,17 +68,11 @@ class Experts(nn.Module):
 
     def shard_expert(self, proj: str, full: torch.Tensor) -> torch.Tensor:
         """One expert's checkpoint weight -> this rank's slice: gate/up [I, hidden], down [hidden, I]."""
-        return narrow_shard(full, 1 if proj == "down_proj" else 0, self.start, self.inter, self.size)
+        return shard_expert(proj, full, self.start, self.inter, self.size)
 
     def shard_weight(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """Fused checkpoint tensors: gate_up_proj [E, 2I, hidden] (gate and up split separately),
-        down_proj [E, hidden, I]."""
-        if name == "down_proj":
-            return narrow_shard(full, 2, self.start, self.inter, self.size)
-        if full.dim() != 3 or full.shape[1] != 2 * self.inter * self.size:
-            raise ValueError(f"expected [E, {2 * self.inter * self.size}, hidden] (gate rows, then up rows), got shape {tuple(full.shape)}")
-        gate, up = full.chunk(2, dim=1)
-        return torch.cat([gate.narrow(1, self.start, self.inter), up.narrow(1, self.start, self.inter)], dim=1)
+        """Fused checkpoint tensors: gate_up_proj [E, 2I, hidden], down_proj [E, hidden, I]."""
+        return shard_stacked_experts(name, full, self.start, self.inter, self.size)
 
 
 class MoE(nn.Module):

@@ -28,16 +28,33 @@ def _use_triton(t: torch.Tensor) -> bool:
 
 
 def sparse_mla_decode(q, kv, indices, sm_scale: float, d_v: int, sink=None):
+    """kv: [N, D] values, or [N, R] uint8 FP8 records (kernels/kv_fp8.py)."""
     if _use_triton(q):
+        if kv.dtype == torch.uint8:
+            from pdserve_kernels import sparse_mla_decode_fp8 as fp8_kernel
+
+            out, lse = fp8_kernel(_half(q), kv, indices, sm_scale, d_v, sink=sink)
+            return out.to(q.dtype), lse
         from pdserve_kernels import sparse_mla_decode as kernel
 
         return kernel(q, kv, indices, sm_scale, d_v, sink=sink)
+    if kv.dtype == torch.uint8:  # dequantize only the rows the queries read
+        flat = indices.clamp(min=0).long().flatten()
+        rows = unpack_kv_fp8(kv[flat], d_v, q.shape[3]).to(q.dtype)
+        local = torch.where(indices >= 0, torch.arange(flat.numel(), device=flat.device).view_as(indices), -1).to(torch.int32)
+        return ref.sparse_mla_decode_ref(q, rows, local, sm_scale, d_v, sink=sink)
     return ref.sparse_mla_decode_ref(q, kv, indices, sm_scale, d_v, sink=sink)
+
+
+def _half(q: torch.Tensor) -> torch.Tensor:
+    """The FP8-record kernels take bf16/fp16 queries (they round the dequantized values to q's
+    dtype): an fp32 model's queries go in as bf16."""
+    return q.to(torch.bfloat16) if q.dtype == torch.float32 else q
 
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids):
     if _use_triton(x):
-        from pdserve_kernels import fused_moe as kernel
+        from pdserve_kernels.fused_moe import fused_moe as kernel  # the submodule of the same name shadows the lazy export
 
         return kernel(x, w13, w2, topk_weights, topk_ids)
     return ref.fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
@@ -58,3 +75,48 @@ def mla_prefill_attention(q, k_nope, k_rope, v, cu_seqlens_q, cu_seqlens_k, max_
 
         return kernel(q, k_nope, k_rope, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, sm_scale, max_seqlen_k=max_seqlen_k)
     return ref.mla_prefill_attention_ref(q, k_nope, k_rope, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, sm_scale)
+
+
+def paged_mla_decode(q, kv, block_tables, seq_ids, context_lens, page: int, max_len: int, sm_scale: float, d_v: int, sink=None):
+    """kv: [N, D] values, or [N, R] uint8 FP8 records (kernels/kv_fp8.py)."""
+    if _use_triton(q):
+        from pdserve_kernels import paged_mla_decode as kernel
+
+        if kv.dtype == torch.uint8:
+            out, lse = kernel(_half(q), kv, block_tables, seq_ids, context_lens, page, max_len, sm_scale, d_v, sink=sink)
+            return out.to(q.dtype), lse
+        return kernel(q, kv, block_tables, seq_ids, context_lens, page, max_len, sm_scale, d_v, sink=sink)
+    if kv.dtype == torch.uint8:  # dequantize only the rows the queries read
+        idx = ref.paged_slots(block_tables, seq_ids, context_lens, page, max_len)  # [T, C]
+        rows = unpack_kv_fp8(kv[idx.clamp(min=0).long().flatten()], d_v, q.shape[3]).to(q.dtype)
+        local = torch.where(idx >= 0, torch.arange(idx.numel(), device=idx.device).view_as(idx), -1).to(torch.int32)
+        return ref.sparse_mla_decode_ref(q, rows, local[:, None], sm_scale, d_v, sink=sink)
+    return ref.paged_mla_decode_ref(q, kv, block_tables, seq_ids, context_lens, page, max_len, sm_scale, d_v, sink=sink)
+
+
+def fp8_record_bytes(d_v: int, tail: int) -> int:
+    from pdserve_kernels.kv_fp8 import record_bytes
+
+    return record_bytes(d_v, tail)
+
+
+def pack_kv_fp8(kv: torch.Tensor, d_v: int) -> torch.Tensor:
+    """[N, D] values -> [N, R] uint8 FP8 records (kernels/kv_fp8.py: the same on every device)."""
+    from pdserve_kernels.kv_fp8 import pack_kv_fp8 as pack
+
+    return pack(kv, d_v)
+
+
+def unpack_kv_fp8(records: torch.Tensor, d_v: int, dim: int) -> torch.Tensor:
+    """[N, R] uint8 FP8 records -> [N, dim] float32."""
+    from pdserve_kernels.kv_fp8 import unpack_kv_fp8 as unpack
+
+    return unpack(records, d_v, dim)
+
+
+def indexer_topk_paged(q, k_cache, weights, block_tables, seq_ids, context_lens, page: int, max_len: int, topk: int):
+    if _use_triton(q):
+        from pdserve_kernels import indexer_topk_paged as kernel
+
+        return kernel(q, k_cache, weights, block_tables, seq_ids, context_lens, page, max_len, topk)
+    return ref.indexer_topk_paged_ref(q, k_cache, weights, block_tables, seq_ids, context_lens, page, max_len, topk)

@@ -5,6 +5,8 @@ full weight is its own, so the loader reads one shard per rank by name.
   kv_b_proj (head-major rows) that is a split by attention heads.
 - RowParallelLinear: input columns split; each rank's partial product is summed by an all-reduce
   (or left partial, reduce=False, when the caller sums several partials with one all-reduce).
+- Stacked MoE experts (V3's moe.py, V4's v4_moe.py) split every expert's intermediate dim I:
+  `shard_expert` slices one expert's checkpoint weight, `shard_stacked_experts` a stacked one.
 With a TPGroup of size 1 both are plain linear layers.
 """
 
@@ -23,6 +25,23 @@ def narrow_shard(full: torch.Tensor, dim: int, start: int, n: int, size: int) ->
     if full.dim() <= dim or full.shape[dim] != n * size:
         raise ValueError(f"expected {n * size} along dim {dim} to split into {size} shard(s), got shape {tuple(full.shape)}")
     return full.narrow(dim, start, n)
+
+
+def shard_expert(proj: str, full: torch.Tensor, start: int, n: int, size: int) -> torch.Tensor:
+    """One expert's weight -> the slice [start, start+n) of its I: gate/up [I, hidden] rows,
+    down_proj [hidden, I] columns."""
+    return narrow_shard(full, 1 if proj == "down_proj" else 0, start, n, size)
+
+
+def shard_stacked_experts(name: str, full: torch.Tensor, start: int, n: int, size: int) -> torch.Tensor:
+    """Stacked expert weights -> the slice [start, start+n) of I: down_proj [E, hidden, I] by
+    column; gate_up_proj [E, 2I, hidden] (gate rows, then up rows) split in each half."""
+    if name == "down_proj":
+        return narrow_shard(full, 2, start, n, size)
+    if full.dim() != 3 or full.shape[1] != 2 * n * size:
+        raise ValueError(f"expected [E, {2 * n * size}, hidden] (gate rows, then up rows), got shape {tuple(full.shape)}")
+    gate, up = full.chunk(2, dim=1)
+    return torch.cat([gate.narrow(1, start, n), up.narrow(1, start, n)], dim=1)
 
 
 class ColumnParallelLinear(nn.Module):

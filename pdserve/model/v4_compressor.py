@@ -1,15 +1,18 @@
 """DeepSeek-V4's KV compressors (CSA and HCA) and the CSA lightning indexer.
 
-Legend: L new tokens of one sequence, hidden model width, m rate (tokens per entry), Dc entry
-dim (head_dim, or index_head_dim for the indexer), C projection width (Dc, or 2*Dc with overlap),
-G complete groups closed by this step, E entries after it, Q q_lora_rank, Hi/Di indexer heads/dim.
+Legend: L new tokens of one sequence, T of the step (all sequences), hidden model width, m rate
+(tokens per entry), Dc entry dim (head_dim, or index_head_dim for the indexer), C projection width
+(Dc, or 2*Dc with overlap), G complete groups closed by this step, E entries after it, Q
+q_lora_rank, Hi/Di indexer heads/dim, N indexer keys of the step (every sequence's entries), Em
+the most entries of one sequence, R rope dims.
 
 A compressor pools every m consecutive tokens into one entry:
     entry = kv_norm(sum_j softmax_j(gate_j + position_bias_j) * kv_j), roped at position e*m.
 HCA pools its group only (C = Dc). CSA (overlap) projects two series per token, Ca = [:Dc] and
 Cb = [Dc:], and pools 2m slots: the previous group's Ca and its own group's Cb, so windows of
 2m tokens overlap by m. The indexer is a CSA compressor of its own (at Di) plus a scorer: each
-query keeps the top `index_topk` entries by sum_h w_h * relu(q_h . k) among those it may see.
+query keeps the top `index_topk` entries by sum_h w_h * relu(q_h . k) among those it may see
+(`ops.indexer_topk`, over the whole flat batch at once).
 
 The running state (incomplete group, last Ca, entries) is an explicit CompressorState
 (see v4_cache.py), so prefill, chunked prefill and decode give the same entries.
@@ -20,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pdserve.model import ops
 from pdserve.model.rope import RotaryEmbedding
 from pdserve.model.v4_cache import CompressorState
 from pdserve.model.v4_ops import V4RMSNorm, rope_tail
@@ -63,12 +67,8 @@ class CompressedKV(nn.Module):
 
 
 class HCACompressor(CompressedKV):
-    """Heavily compressed attention: dense over its non-overlapping entries."""
-
-    def visible(self, positions: torch.Tensor, state: CompressorState) -> torch.Tensor:
-        """positions [L] -> [L, E] bool: entry e is visible from p when e < (p + 1) // m."""
-        entries = torch.arange(state.entries.shape[0], device=positions.device)
-        return entries[None, :] < ((positions + 1) // self.rate)[:, None]
+    """Heavily compressed attention: dense over its non-overlapping entries (which ones a query
+    may see: V4Step.visible, built once per step)."""
 
 
 class IndexScorer(nn.Module):
@@ -79,11 +79,10 @@ class IndexScorer(nn.Module):
         self.softmax_scale, self.weights_scale = head_dim**-0.5, heads**-0.5
         self.weights_proj = nn.Linear(hidden, heads, bias=False)
 
-    def forward(self, q: torch.Tensor, keys: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """q [L, Hi, Di], keys [E, Di], x [L, hidden] -> scores [L, E] float32."""
-        scores = torch.relu(torch.einsum("lhd,ed->lhe", q.float(), keys.float())) * self.softmax_scale
-        weights = self.weights_proj(x).float() * self.weights_scale  # [L, Hi]
-        return (scores * weights.unsqueeze(-1)).sum(dim=1)
+    def weights(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, Hi] float32 with both scales folded in: transformers scales the
+        ReLU'd dot by Di^-0.5 and the weights by Hi^-0.5; relu(s) * c = relu(s * c) for c > 0."""
+        return self.weights_proj(x).float() * (self.weights_scale * self.softmax_scale)
 
 
 class Indexer(CompressedKV):
@@ -95,19 +94,14 @@ class Indexer(CompressedKV):
         self.q_b_proj = nn.Linear(q_lora_rank, heads * head_dim, bias=False)
         self.scorer = IndexScorer(hidden, heads, head_dim)
 
-    def select(self, x, q_res, positions, cos, sin, state: CompressorState) -> torch.Tensor:
-        """x [L, hidden], q_res [L, Q], positions [L], cos/sin [L, R/2] (compress rope) ->
-        [L, E] bool: the top-k visible entries of each query."""
-        E = state.entries.shape[0]
-        entries = torch.arange(E, device=x.device)
-        visible = entries[None, :] < ((positions + 1) // self.rate)[:, None]  # [L, E]
-        if E == 0:
+    def select(self, x, q_res, cos, sin, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden], q_res [T, Q], cos/sin [T, R/2] (compress rope), keys [N, Di] (every
+        sequence's indexer entries), visible [T, Em] int32 (rows of keys a query may see, -1 pad)
+        -> [T, min(topk, Em)] int32: the rows of each query's top-k visible entries, -1 pad."""
+        if visible.shape[1] == 0:
             return visible
-        q = rope_tail(self.q_b_proj(q_res).view(x.shape[0], self.heads, self.dim), cos, sin)  # [L, Hi, Di]
-        scores = self.scorer(q, state.entries, x).masked_fill(~visible, float("-inf"))  # [L, E]
-        top = scores.topk(min(self.topk, E), dim=-1).indices  # [L, k]
-        chosen = torch.zeros_like(visible).scatter_(1, top, True)
-        return chosen & visible
+        q = rope_tail(self.q_b_proj(q_res).view(x.shape[0], self.heads, self.dim), cos, sin)  # [T, Hi, Di]
+        return ops.indexer_topk(q, keys, self.scorer.weights(x), visible, self.topk)
 
 
 class CSACompressor(CompressedKV):

@@ -8,6 +8,9 @@ by the table below, which follows transformers' deepseek_v4 conversion mapping. 
 Dtypes: bf16 / fp16 / fp32 as they are; FP8 e4m3 with 128x128 block scales (float or ue8m0),
 and FP4 e2m1 routed experts (two values a byte, one ue8m0 scale per 32 values), dequantized at
 load. MTP layers (mtp.*, or layer index >= num_hidden_layers) are skipped, with one log line.
+Under tensor parallelism (`tp` of size > 1) each rank allocates only its shards and fills them
+with the slices its modules name (`shard_weight` / `shard_expert`, as loader.py does for V3):
+each full tensor is read (and dequantized), sliced, freed.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from pdserve.distributed.group import TPGroup
 from pdserve.model.config import ModelConfig
 from pdserve.model.deepseek_v4 import FP32_PARAM_PATTERNS, DeepseekV4ForCausalLM
 from pdserve.model.fp4 import dequantize_fp4, is_fp4, scales_to_float
@@ -49,6 +53,7 @@ _SCALE = "_scale_inv"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
 _IGNORED = re.compile(r"rotary_emb\.|inv_freq$")
+_RELEASE_EXPERT_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def hf_name(name: str) -> str:
@@ -65,7 +70,10 @@ def hf_name(name: str) -> str:
 
 
 def load_v4_model(
-    model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"
+    model_dir: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+    tp: TPGroup | None = None,
 ) -> DeepseekV4ForCausalLM:
     model_dir = Path(model_dir)
     config = ModelConfig.from_model_dir(model_dir)
@@ -73,7 +81,7 @@ def load_v4_model(
         raise CheckpointError(f"{model_dir} holds a {config.model_type} model, not deepseek_v4")
     files = _readable(model_dir)
     with torch.device("meta"):
-        model = DeepseekV4ForCausalLM(config)
+        model = DeepseekV4ForCausalLM(config, tp)
     _materialize(model, dtype, torch.device(device))
     names = {hf_name(n): n for n in files}
     skipped = sorted(n for n in names if _is_mtp(n, config))
@@ -162,13 +170,15 @@ def _materialize(model: DeepseekV4ForCausalLM, dtype: torch.dtype, device: torch
 
 
 class _WeightSink:
-    """Copies tensors into parameters / buffers; release per-expert w1 / w3 / w2 fill the rows of
-    the stacked gate_up_proj (gate then up) and down_proj."""
+    """Copies tensors (this rank's slices of them) into parameters / buffers; release per-expert
+    w1 / w3 / w2 fill the rows of the stacked gate_up_proj (gate then up) and down_proj."""
 
     def __init__(self, model: DeepseekV4ForCausalLM) -> None:
         self.targets = dict(model.named_parameters())
         self.targets.update(dict(model.named_buffers()))
-        self.num_experts, self.inter = model.config.n_routed_experts, model.config.moe_intermediate_size
+        self.modules, self.tp = dict(model.named_modules()), model.tp
+        self.num_experts = model.config.n_routed_experts
+        self.inter = model.config.moe_intermediate_size // model.tp.size  # this rank's expert rows
         self.pending = {n: None for n in self.targets}  # name -> None (whole) or set of expert parts
         for n, t in self.targets.items():
             if n.endswith(("experts.gate_up_proj", "experts.down_proj")):
@@ -188,6 +198,7 @@ class _WeightSink:
             target, dst, part = name, self.targets[name], None
         else:
             raise CheckpointError(f"unexpected tensor {name} in {file}: no such parameter in this model")
+        tensor = self._shard(name, tensor, file)
         if tuple(dst.shape) != tuple(tensor.shape):
             want, got = tuple(dst.shape), tuple(tensor.shape)
             raise CheckpointError(f"shape mismatch for {name} in {file}: expected {want}, got {got}")
@@ -198,6 +209,18 @@ class _WeightSink:
             self.pending[target].discard(part)
             if not self.pending[target]:
                 del self.pending[target]
+
+    def _shard(self, name: str, tensor: torch.Tensor, file: Path) -> torch.Tensor:
+        """This rank's slice of a full checkpoint tensor (the tensor itself when replicated)."""
+        if self.tp.size == 1:
+            return tensor
+        m = _EXPERT.match(name)
+        owner, pname = (m.group(1), _RELEASE_EXPERT_PROJ[m.group(3)]) if m else name.rsplit(".", 1)
+        shard = getattr(self.modules.get(owner), "shard_expert" if m else "shard_weight", None)
+        try:
+            return tensor if shard is None else shard(pname, tensor)
+        except ValueError as e:
+            raise CheckpointError(f"shape mismatch for {name} in {file}: {e}") from e
 
     def check_complete(self, model_dir: Path) -> None:
         if self.pending:

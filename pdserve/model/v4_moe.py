@@ -8,6 +8,12 @@ of a frozen table tid2eid[token id]. The weights are the chosen unbiased scores,
 sum 1, times routed_scaling_factor. Experts and the shared expert are SwiGLU with
 swiglu_limit: gate clamped to <= limit, up to [-limit, limit]. Experts are stacked as transformers
 holds them: gate_up_proj [E, 2I, hidden] (gate rows, then up rows), down_proj [E, hidden, I].
+
+Tensor parallelism splits I, as V3's MoE does (moe.py; I below is this rank's I/tp): every rank
+holds every expert's slice of the intermediate dim, and the shared expert's (gate / up
+column-parallel, down row-parallel). SwiGLU and its clamps act element by element on I, so each
+rank's routed and shared outputs are partial sums that leave with one all-reduce. The router and
+the hash table are replicated: every rank picks the same experts from the same input.
 """
 
 from __future__ import annotations
@@ -16,7 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.distributed.group import TPGroup
 from pdserve.model.config import ModelConfig
+from pdserve.model.parallel import ColumnParallelLinear, RowParallelLinear, shard_expert, shard_stacked_experts
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -50,15 +58,25 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
-        E, I, hidden = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
-        self.limit = config.v4.swiglu_limit
+        E, hidden = config.n_routed_experts, config.hidden_size
+        self.size, self.limit = tp.size, config.v4.swiglu_limit
+        self.start, I = tp.shard(config.moe_intermediate_size, "moe_intermediate_size")
+        self.inter = I  # this rank's share
         self.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * I, hidden))
         self.down_proj = nn.Parameter(torch.zeros(E, hidden, I))
 
+    def shard_expert(self, proj: str, full: torch.Tensor) -> torch.Tensor:
+        """One expert's checkpoint weight -> this rank's slice: gate/up [I, hidden], down [hidden, I]."""
+        return shard_expert(proj, full, self.start, self.inter, self.size)
+
+    def shard_weight(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """Stacked tensors: gate_up_proj [E, 2I, hidden], down_proj [E, hidden, I]."""
+        return shard_stacked_experts(name, full, self.start, self.inter, self.size)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden], weights/ids [T, k] -> [T, hidden]."""
+        """x [T, hidden], weights/ids [T, k] -> [T, hidden] (this rank's partial sum under TP)."""
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
             tok, slot = torch.where(ids == e)
@@ -69,12 +87,14 @@ class Experts(nn.Module):
 
 
 class SharedExpert(nn.Module):
-    def __init__(self, hidden: int, inter: int, limit: float) -> None:
+    """Under TP: intermediate dim split, output a partial sum (no all-reduce of its own)."""
+
+    def __init__(self, hidden: int, inter: int, limit: float, tp: TPGroup) -> None:
         super().__init__()
         self.limit = limit
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = ColumnParallelLinear(hidden, inter, tp, what="moe_intermediate_size")
+        self.up_proj = ColumnParallelLinear(hidden, inter, tp, what="moe_intermediate_size")
+        self.down_proj = RowParallelLinear(inter, hidden, tp, reduce=False, what="moe_intermediate_size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
@@ -83,13 +103,15 @@ class SharedExpert(nn.Module):
 class V4MoE(nn.Module):
     """gate (Router), experts, shared_experts: the checkpoint's names under `mlp.`."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TPGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp or TPGroup.single()
         self.gate = Router(config, hashed=config.v4.mlp_layer_types[layer_idx] == "hash_moe")
-        self.experts = Experts(config)
+        self.experts = Experts(config, self.tp)
         # one shared expert of width I, whatever n_shared_experts says (as transformers builds it)
-        self.shared_experts = SharedExpert(config.hidden_size, config.moe_intermediate_size, config.v4.swiglu_limit)
+        inter, limit = config.moe_intermediate_size, config.v4.swiglu_limit
+        self.shared_experts = SharedExpert(config.hidden_size, inter, limit, self.tp)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, input_ids)
-        return self.experts(x, weights, ids) + self.shared_experts(x)
+        return self.tp.all_reduce(self.experts(x, weights, ids) + self.shared_experts(x))  # [T, hidden]

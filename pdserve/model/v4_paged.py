@@ -5,27 +5,28 @@ with the DeepseekForCausalLM interface (`forward(batch, kv_cache)`, `compute_log
 Legend: D head_dim, Di index_head_dim, W sliding_window, mc / mh the CSA / HCA rates, n tokens of
 a sequence in the cache, bs tokens per block, E = n // m entries, P = n % m pending tokens.
 
-Regions (kv_cache.py's KVRegionSpec; every one paged by the sequence's token blocks):
+Regions (kv_cache.py's KVRegionSpec), each paged by one block space (engine/block_manager.py):
 
-| region          | layers | record covers          | values per record                           |
-| --------------- | ------ | ---------------------- | ------------------------------------------- |
-| window          | all    | 1 token                | D: the K=V record (normed, roped)           |
-| csa_kv          | CSA    | mc tokens (one entry)  | D: compressed entry                         |
-| csa_index_k     | CSA    | mc tokens (one entry)  | Di: the indexer's compressed key            |
-| hca_kv          | HCA    | mh tokens (one entry)  | D: compressed entry                         |
-| csa_state       | CSA    | a block (first one)    | pending kv, gate [mc-1, 2D] x2, overlap kv, gate [mc, D] x2 |
-| csa_index_state | CSA    | a block (first one)    | the same at Di                              |
-| hca_state       | HCA    | a block (first one)    | pending kv, gate [mh-1, D] x2               |
+| region          | layers | space  | record covers          | values per record                    |
+| --------------- | ------ | ------ | ---------------------- | ------------------------------------ |
+| window          | all    | window | 1 token (last W-1 kept) | D: the K=V record (normed, roped)   |
+| csa_kv          | CSA    | tokens | mc tokens (one entry)  | D: compressed entry                  |
+| csa_index_k     | CSA    | tokens | mc tokens (one entry)  | Di: the indexer's compressed key     |
+| hca_kv          | HCA    | tokens | mh tokens (one entry)  | D: compressed entry                  |
+| csa_state       | CSA    | state  | the sequence           | pending kv, gate [mc-1, 2D] x2, overlap kv, gate [mc, D] x2 |
+| csa_index_state | CSA    | state  | the sequence           | the same at Di                       |
+| hca_state       | HCA    | state  | the sequence           | pending kv, gate [mh-1, D] x2        |
 
-The compressors' running state (v4_cache.CompressorState) lives in the record of the sequence's
-first block, so a sequence's blocks hold everything a later step reads: block accounting stays
-the BlockManager's (nothing per sequence outside its block table), and a prefill -> decode
-transfer of the request's blocks moves the windows, entries, indexer keys and running state.
+So a sequence's pool footprint is its compressed entries and indexer keys (token blocks, growing
+~6.9 KB/token for V4-Flash in bf16), the blocks of its last W-1 positions (window blocks, freed
+behind the window as it runs) and one state slot; all three are the BlockManager's to account,
+and a prefill -> decode transfer moves the entries, the window's last W-1 positions and the state.
 Each step gathers every scheduled sequence's SequenceState from the pool (the last W-1 window
 records, all E entries, the P pending rows and the overlap), runs DeepseekV4ForCausalLM on the
 flat batch, and writes back what the step added (new window records, new entries, the state).
-The window region keeps a record for every position (only the last W-1 are read): freeing blocks
-that fall out of the window is not done here.
+The window region is paged by the pool's window space (the sequence's window_table,
+engine/block_manager.py): it holds blocks only for the last W-1 positions and the step's new
+ones, and the block manager frees the blocks that fall out of the window as the sequence runs.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from pdserve.model.batch import ForwardBatch
 from pdserve.model.config import ModelConfig
 from pdserve.model.config_v4 import CSA, HCA
 from pdserve.model.deepseek_v4 import DeepseekV4ForCausalLM
-from pdserve.model.kv_cache import PER_BLOCK, KVCache, KVRegionSpec
+from pdserve.model.kv_cache import PER_SEQUENCE, KVCache, KVRegionSpec
 from pdserve.model.v4_cache import CompressorState, LayerState, SequenceState
 
 # entries region -> (its running-state region, overlapping series?)
@@ -58,12 +59,12 @@ def v4_kv_specs(config: ModelConfig) -> list[KVRegionSpec]:
         specs += [
             KVRegionSpec("csa_kv", D, csa, mc),
             KVRegionSpec("csa_index_k", Di, csa, mc),
-            KVRegionSpec("csa_state", _state_dim(D, mc, True), csa, PER_BLOCK),
-            KVRegionSpec("csa_index_state", _state_dim(Di, mc, True), csa, PER_BLOCK),
+            KVRegionSpec("csa_state", _state_dim(D, mc, True), csa, PER_SEQUENCE),
+            KVRegionSpec("csa_index_state", _state_dim(Di, mc, True), csa, PER_SEQUENCE),
         ]
     if hca:
         mh = v4.hca_rate
-        specs += [KVRegionSpec("hca_kv", D, hca, mh), KVRegionSpec("hca_state", _state_dim(D, mh, False), hca, PER_BLOCK)]
+        specs += [KVRegionSpec("hca_kv", D, hca, mh), KVRegionSpec("hca_state", _state_dim(D, mh, False), hca, PER_SEQUENCE)]
     return [s for s in specs if s.dim > 0]
 
 
@@ -107,7 +108,9 @@ class PagedDeepseekV4(nn.Module):
         self.config = model.config
         self.num_layers = model.num_layers
 
-    def kv_cache_specs(self) -> list[KVRegionSpec]:
+    def kv_cache_specs(self, kv_cache_dtype: str = "auto") -> list[KVRegionSpec]:
+        if kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not built for DeepSeek-V4 yet (its records are the model dtype)")
         return v4_kv_specs(self.config)
 
     @torch.no_grad()
@@ -115,11 +118,14 @@ class PagedDeepseekV4(nn.Module):
         """Runs every token of the batch; writes what each sequence's cache gains; returns
         final-normed hidden [T, hidden]."""
         starts, lens = batch.starts.tolist(), batch.lens.tolist()
-        tables = [batch.block_tables[b] for b in range(len(lens))]
-        states = [self.load_state(kv_cache, t, n) for t, n in zip(tables, starts)]
+        slots = batch.state_slots.tolist()
+        if kv_cache.num_state_slots and min(slots, default=0) < 0:  # -1 would index the last slot
+            raise RuntimeError(f"a sequence in the step has no state slot: {slots}")
+        tables = [(batch.block_tables[b], batch.window_tables[b], slots[b]) for b in range(len(lens))]
+        states = [self.load_state(kv_cache, *t, n) for t, n in zip(tables, starts)]
         hidden = self.model(batch.input_ids, lens, states)
         for table, start, st in zip(tables, starts, states):
-            self.store_state(kv_cache, table, start, st)
+            self.store_state(kv_cache, *table, start, st)
         return hidden
 
     @torch.no_grad()
@@ -127,50 +133,62 @@ class PagedDeepseekV4(nn.Module):
         return self.model.compute_logits(hidden)
 
     # -- the pool <-> SequenceState --
-    def load_state(self, kv: KVCache, table: torch.Tensor, n: int) -> SequenceState:
-        """The cache state of a sequence with n tokens in the blocks of `table` [n_blocks]."""
+    def load_state(self, kv: KVCache, table: torch.Tensor, window_table: torch.Tensor, slot: int, n: int) -> SequenceState:
+        """The cache state of a sequence with n tokens in the blocks of `table` [n_blocks], the
+        window-space blocks of `window_table` [n_blocks] (-1 where freed) and state slot `slot`."""
         v4, layers = self.config.v4, []
         keep = min(n, v4.sliding_window - 1)
-        window_slots = kv.slots("window", table, n - keep, n).to(kv.layer("window", 0).device)
+        window_slots = _window_slots(kv, window_table, n - keep, n)
         for i, kind in enumerate(v4.layer_types):
             st = LayerState(window=kv.layer("window", i)[window_slots])
             if kind == CSA:
-                st.compressor = self._load_compressor(kv, "csa_kv", i, table, n)
-                st.indexer = self._load_compressor(kv, "csa_index_k", i, table, n)
+                st.compressor = self._load_compressor(kv, "csa_kv", i, table, slot, n)
+                st.indexer = self._load_compressor(kv, "csa_index_k", i, table, slot, n)
             elif kind == HCA:
-                st.compressor = self._load_compressor(kv, "hca_kv", i, table, n)
+                st.compressor = self._load_compressor(kv, "hca_kv", i, table, slot, n)
             layers.append(st)
         return SequenceState(num_tokens=n, layers=layers)
 
-    def _load_compressor(self, kv: KVCache, name: str, layer: int, table: torch.Tensor, n: int) -> CompressorState:
+    def _load_compressor(self, kv: KVCache, name: str, layer: int, table: torch.Tensor, slot: int, n: int) -> CompressorState:
         spec, (state_name, overlap) = kv.specs[name], _COMPRESSED[name]
         m, flat = spec.tokens_per_record, kv.layer(name, layer)
         entries = flat[kv.slots(name, table, 0, n // m).to(flat.device)]
-        rec = kv.layer(state_name, layer)[int(table[0])] if state_name in kv.specs else flat.new_zeros(0)
+        rec = kv.layer(state_name, layer)[slot] if state_name in kv.specs else flat.new_zeros(0)
         return _unpack(rec, entries, n % m, spec.dim, m, overlap)
 
-    def store_state(self, kv: KVCache, table: torch.Tensor, n0: int, st: SequenceState) -> None:
+    def store_state(
+        self, kv: KVCache, table: torch.Tensor, window_table: torch.Tensor, slot: int, n0: int, st: SequenceState
+    ) -> None:
         """Write what the step from n0 to st.num_tokens tokens added: new window records, new
         entries, and the running state."""
         n1 = st.num_tokens
         first = max(n0, n1 - st.layers[0].window.shape[0]) if st.layers else n1
-        window_slots = kv.slots("window", table, first, n1).to(kv.layer("window", 0).device)
+        window_slots = _window_slots(kv, window_table, first, n1)
         for i, layer in enumerate(st.layers):
             kv.layer("window", i)[window_slots] = layer.window[layer.window.shape[0] - (n1 - first) :]
             if layer.compressor is not None:
                 name = "csa_kv" if layer.indexer is not None else "hca_kv"
-                self._store_compressor(kv, name, i, table, n0, n1, layer.compressor)
+                self._store_compressor(kv, name, i, table, slot, n0, n1, layer.compressor)
             if layer.indexer is not None:
-                self._store_compressor(kv, "csa_index_k", i, table, n0, n1, layer.indexer)
+                self._store_compressor(kv, "csa_index_k", i, table, slot, n0, n1, layer.indexer)
 
-    def _store_compressor(self, kv: KVCache, name: str, layer: int, table, n0: int, n1: int, st: CompressorState) -> None:
+    def _store_compressor(self, kv: KVCache, name: str, layer: int, table, slot: int, n0: int, n1: int, st: CompressorState) -> None:
         spec, (state_name, overlap) = kv.specs[name], _COMPRESSED[name]
         m, flat = spec.tokens_per_record, kv.layer(name, layer)
         e0, e1 = n0 // m, n1 // m
         if e1 > e0:
             flat[kv.slots(name, table, e0, e1).to(flat.device)] = st.entries[e0:e1]
         if state_name in kv.specs:
-            kv.layer(state_name, layer)[int(table[0])] = _pack(st, spec.dim, m, overlap)
+            kv.layer(state_name, layer)[slot] = _pack(st, spec.dim, m, overlap)
+
+
+def _window_slots(kv: KVCache, window_table: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Window-region record ids of positions start..end-1; every one must have a block (a
+    missing one is a block-manager bug, and a -1 would silently index the pool's last block)."""
+    table = window_table.cpu()
+    if end > start and (table[start // kv.block_size : -(-end // kv.block_size)] < 0).any():
+        raise RuntimeError(f"window positions {start}..{end - 1} have no window block (table {table.tolist()})")
+    return kv.slots("window", table, start, end).to(kv.layer("window", 0).device)
 
 
 def region_bytes(config: ModelConfig, block_size: int, itemsize: int) -> dict[str, dict[str, int]]:

@@ -109,6 +109,8 @@ class WorkerHealth(BaseModel):
     num_requests_waiting: int = 0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+    kv_window_blocks_used: int = 0  # sliding-window block space (0 of 0 for models without one)
+    kv_window_blocks_total: int = 0
 
 
 class RouterHealth(BaseModel):

@@ -66,6 +66,8 @@ def build_worker_app(state: WorkerState, cluster_secret: str | None) -> FastAPI:
             num_requests_waiting=stats.num_waiting,
             kv_blocks_used=stats.kv_blocks_used,
             kv_blocks_total=stats.kv_blocks_total,
+            kv_window_blocks_used=stats.kv_window_blocks_used,
+            kv_window_blocks_total=stats.kv_window_blocks_total,
         )
         return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
 

@@ -187,6 +187,8 @@ class AsyncEngine:
         m.held.set(stats.num_held)
         m.blocks_used.set(stats.kv_blocks_used)
         m.blocks_total.set(stats.kv_blocks_total)
+        m.window_blocks_used.set(stats.kv_window_blocks_used)
+        m.window_blocks_total.set(stats.kv_window_blocks_total)
         m.sync_recomputes(stats.num_kv_load_recomputes)
         transfer = self.engine.transfer_stats()
         if transfer is not None:

@@ -2,6 +2,7 @@
 
 pdserve_num_requests_running / _waiting / _holding_kv   pdserve_kv_transfer_bytes_total
 pdserve_kv_blocks_used / pdserve_kv_blocks_total        pdserve_kv_transfer_seconds
+pdserve_kv_window_blocks_used / _total (sliding-window block space, DeepSeek-V4)
 pdserve_prefill_step_seconds, pdserve_decode_step_seconds  pdserve_kv_transfer_failures_total
 pdserve_decode_batch_size                               pdserve_kv_lease_expirations_total
 pdserve_prompt_tokens_total, pdserve_generation_tokens_total  pdserve_kv_load_recomputes_total
@@ -24,6 +25,8 @@ class WorkerMetrics:
         self.held = Gauge("pdserve_num_requests_holding_kv", "Prefill: requests whose KV waits for a decode worker", registry=r)
         self.blocks_used = Gauge("pdserve_kv_blocks_used", "KV cache blocks in use", registry=r)
         self.blocks_total = Gauge("pdserve_kv_blocks_total", "KV cache blocks in the pool", registry=r)
+        self.window_blocks_used = Gauge("pdserve_kv_window_blocks_used", "Sliding-window KV blocks in use", registry=r)
+        self.window_blocks_total = Gauge("pdserve_kv_window_blocks_total", "Sliding-window KV blocks in the pool", registry=r)
         self.prefill_step = Histogram("pdserve_prefill_step_seconds", "Engine steps that ran prompt tokens", buckets=STEP_BUCKETS, registry=r)
         self.decode_step = Histogram("pdserve_decode_step_seconds", "Engine steps that only decoded", buckets=STEP_BUCKETS, registry=r)
         self.decode_batch = Histogram("pdserve_decode_batch_size", "Sequences in a decode-only step", buckets=BATCH_BUCKETS, registry=r)
