@@ -20,11 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pdserve.disagg.factory import TransferBackend
-<<<<<<< HEAD
-from pdserve.engine.config import DType, EngineConfig, KVLoadFailurePolicy, LoadFormat, check_device
-=======
-from pdserve.engine.config import DType, EngineConfig, KVCacheDType, KVLoadFailurePolicy, check_device
->>>>>>> main
+from pdserve.engine.config import DType, EngineConfig, KVCacheDType, KVLoadFailurePolicy, LoadFormat, check_device
 
 # configs/ sits beside the package in the source tree (the repo is installed editable).
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"

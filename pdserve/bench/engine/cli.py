@@ -35,7 +35,6 @@ NOT_BUILT = {
     "fp4": "FP4 experts kept FP4 in the engine are not built yet (issue 13 item 3): the engine dequantizes FP4 "
     "experts at load, which --dtype bfloat16 measures",
 }
-KV_NOT_BUILT = "an FP8 KV cache in the engine is not built yet (issue 13 item 4): the engine keeps KV in the model dtype"
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -43,7 +42,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-layers", type=int, help="layers to build (default: as many as fit on a GPU; all on the CPU)")
     p.add_argument("--load-format", default="dummy", help="dummy: random weights made in memory (the only one here)")
     p.add_argument("--dtype", default="bfloat16", help="weights: bfloat16 | float16 | float32 (fp8 / fp4: not built yet)")
-    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the weights' dtype) (fp8: not built yet)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the weights' dtype) | fp8 (656-byte V3.2 records; not built for V4 yet)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (the engine captures decode graphs by default)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batch-sizes", default="1,16,64,128", help="comma-separated decode batch sizes")
     p.add_argument("--context", type=int, default=4096, help="tokens in each sequence's cache")
@@ -66,10 +66,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--dtype {args.dtype}: {NOT_BUILT[args.dtype]}")
     if args.dtype not in ("bfloat16", "float16", "float32"):
         raise ValueError(f"--dtype {args.dtype}: choose bfloat16, float16 or float32")
-    if args.kv_cache_dtype == "fp8":
-        raise ValueError(f"--kv-cache-dtype fp8: {KV_NOT_BUILT}")
-    if args.kv_cache_dtype not in ("auto", args.dtype):
-        raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype}: the engine keeps KV in the weights' dtype ({args.dtype}); pass auto")
+    if args.kv_cache_dtype not in ("auto", "fp8"):
+        raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype}: auto (the weights' dtype) or fp8")
     if min(batch_sizes(args)) < 1 or args.context < 1 or args.long_context < 0 or args.steps < 1 or args.warmup < 0:
         raise ValueError("batch sizes, --context and --steps must be >= 1; --long-context and --warmup >= 0")
 
@@ -100,11 +98,12 @@ def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-engine-") as folder:
         config = EngineConfig(
             model=str(write_config(model_json, Path(folder))), device=args.device, dtype=args.dtype,
-            load_format="dummy", kv_block_size=args.kv_block_size, num_kv_blocks=blocks,
+            load_format="dummy", kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
+            kv_block_size=args.kv_block_size, num_kv_blocks=blocks,
             max_num_seqs=max(b for b, _ in rows), max_model_len=max(c for _, c in rows) + extra + 1, seed=args.seed,
         )  # fmt: skip
         bench = DecodeBench(config)
-    report = {"environment": environment(device), "settings": settings(args, model_json, blocks), "ceilings": roof, "rows": []}
+    report = {"environment": environment(device), "settings": settings(args, model_json, blocks, bench.runner.graphs is not None), "ceilings": roof, "rows": []}
     print(format_header(report), flush=True)
     for b, c in rows:
         report["rows"].append(_row(bench, args, b, c, roof))
@@ -119,7 +118,7 @@ def _fitting_layers(args, device: torch.device, dtype: torch.dtype, blocks: int)
         return bench_config(args.model)["num_hidden_layers"]
     free, _ = torch.cuda.mem_get_info(device)
     budget = args.gpu_memory_utilization * free - 6 * 2**30  # activations, logits, the profiler
-    return plan.fit_layers(args.model, dtype, args.kv_block_size, blocks, budget)
+    return plan.fit_layers(args.model, dtype, args.kv_cache_dtype, args.kv_block_size, blocks, max(batch_sizes(args)), budget)
 
 
 def _row(bench, args, batch: int, context: int, roof: dict) -> dict:
@@ -129,13 +128,13 @@ def _row(bench, args, batch: int, context: int, roof: dict) -> dict:
     row: dict = {"batch": batch, "context": context}
     seqs = []
     try:
-        seqs = bench.make_batch(batch, context, args.warmup + args.steps + args.profile_steps + args.baseline_steps + 2)
+        seqs = bench.make_batch(batch, context)
         for _ in range(args.warmup):
             bench.step(seqs)
         times = bench.timed_steps(seqs, args.steps)
         step_ms = 1e3 * statistics.median(times)
         touched = bench.experts_touched(seqs)
-        cost = step_cost(bench.runner.model, bench.runner.model.config, batch, context, bench.runner.kv_cache.dtype.itemsize, touched)
+        cost = step_cost(bench.runner.model, bench.runner.model.config, batch, context, bench.kv_itemsize, touched, latent_bytes=bench.latent_record_bytes)
         floor = cost.floor_ms(roof["copy_bytes_per_s"], roof["matmul_flops_per_s"])
         row.update(step_ms=step_ms, step_ms_all=[1e3 * t for t in times], tok_s=1e3 * batch / step_ms, **floor)
         row.update(ratio=step_ms / floor["floor_ms"], cost=cost.as_dict(), experts_touched=touched)
@@ -175,11 +174,12 @@ def environment(device: torch.device) -> dict:
     }  # fmt: skip
 
 
-def settings(args: argparse.Namespace, model_json: dict, blocks: int) -> dict:
+def settings(args: argparse.Namespace, model_json: dict, blocks: int, graphs: bool) -> dict:
     keys = ("layer_types", "mlp_layer_types", "first_k_dense_replace")
     return {
         **{k: v for k, v in vars(args).items() if k != "out"},
         "kv_cache_dtype": args.dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
+        "cuda_graphs": graphs,  # the runner captured decode graphs (and replays them for these rows)
         "num_layers": model_json["num_hidden_layers"], "kv_blocks": blocks,
         "layer_kinds": {k: model_json[k] for k in keys if k in model_json},
     }  # fmt: skip

@@ -30,13 +30,21 @@ class DecodeBench:
     def __init__(self, config: EngineConfig) -> None:
         self.runner = ModelRunner(config)
         self.device = self.runner.device
-        self.blocks = BlockManager(self.runner.num_kv_blocks, config.kv_block_size)
+        r = self.runner
+        self.blocks = BlockManager(
+            r.num_kv_blocks, config.kv_block_size, window_tokens=r.window_tokens, num_window_blocks=r.num_window_blocks,
+            num_state_slots=r.num_state_slots,
+        )  # as LLMEngine builds it
         self.vocab = self.runner.model.config.vocab_size
+        kv = self.runner.kv_cache
+        self.kv_itemsize = kv.dtype.itemsize  # values records
+        latent = kv.specs.get("latent")
+        self.latent_record_bytes = latent.dim if latent is not None and latent.byte_record else None  # FP8 records
         self.gen = torch.Generator().manual_seed(config.seed)
         fill_kv(self.runner.kv_cache.regions.values(), config.seed)
 
-    def make_batch(self, batch: int, context: int, steps: int) -> list[Sequence]:
-        """`batch` sequences with `context` tokens in the cache, blocks for `steps` more."""
+    def make_batch(self, batch: int, context: int) -> list[Sequence]:
+        """`batch` sequences with `context` tokens in the cache and one to decode next."""
         seqs = []
         for i in range(batch):
             ids = torch.randint(self.vocab, (context + 1,), generator=self.gen).tolist()
@@ -44,7 +52,6 @@ class DecodeBench:
             seq.append_token(ids[-1])
             seq.num_computed_tokens = context
             seq.status = SequenceStatus.RUNNING
-            self.blocks.allocate(seq, context + 1 + steps)
             seqs.append(seq)
         return seqs
 
@@ -52,23 +59,25 @@ class DecodeBench:
         for seq in seqs:
             self.blocks.free(seq)
 
-    def step(self, seqs: list[Sequence]) -> None:
-        """One engine decode step: every sequence computes its last token and samples the next."""
+    def step(self, seqs: list[Sequence]) -> float:
+        """One engine decode step: every sequence computes its last token and samples the next.
+        Blocks as the scheduler grants them (before) and trims them (after); returns the seconds
+        of `ModelRunner.run` alone (host clock, the device synchronized before and after)."""
+        for seq in seqs:
+            self.blocks.allocate(seq, seq.num_tokens, seq.num_computed_tokens + 1)
+        sync(self.device)
+        t0 = time.perf_counter()
         sampled = self.runner.run(SchedulerOutput(scheduled=[ScheduledSeq.of(s, 1) for s in seqs]))
+        sync(self.device)
+        seconds = time.perf_counter() - t0
         for seq, token in zip(seqs, sampled):
             seq.num_computed_tokens += 1
             seq.append_token(token.token_id)
+            self.blocks.trim_window(seq)
+        return seconds
 
     def timed_steps(self, seqs: list[Sequence], n: int) -> list[float]:
-        """Seconds of each of n steps (host clock, the device synchronized before and after)."""
-        out = []
-        for _ in range(n):
-            sync(self.device)
-            t0 = time.perf_counter()
-            self.step(seqs)
-            sync(self.device)
-            out.append(time.perf_counter() - t0)
-        return out
+        return [self.step(seqs) for _ in range(n)]
 
     def experts_touched(self, seqs: list[Sequence]) -> dict[int, int]:
         """Run one step; MoE layer -> distinct routed experts the batch used in it."""

@@ -62,10 +62,12 @@ def expected_distinct_experts(num_experts: int, top_k: int, batch: int) -> float
 def step_cost(
     model: nn.Module, config: ModelConfig, batch: int, context: int, kv_itemsize: float,
     experts_touched: dict[int, float] | None = None, param_bytes: Callable[[str, torch.Tensor], float] | None = None,
+    latent_bytes: int | None = None,
 ) -> StepCost:
     """The cost of one decode step of `batch` sequences with `context` tokens cached each.
     experts_touched: MoE layer -> distinct routed experts the step used (None: expected).
-    param_bytes(name, p): bytes of a parameter as stored (default: as it is in `model`)."""
+    param_bytes(name, p): bytes of a parameter as stored (default: as it is in `model`).
+    latent_bytes: bytes of one V3 / V3.2 latent record when it is a byte format (FP8: 656)."""
     E, k = config.n_routed_experts, config.num_experts_per_tok
     dense = experts = flops = 0
     for name, p in model.named_parameters():
@@ -80,20 +82,22 @@ def step_cost(
         else:
             dense += round(nbytes)
             flops += 2 * batch * p.numel()
-    kv, attn_flops = attention_cost(config, batch, context, kv_itemsize)
+    kv, attn_flops = attention_cost(config, batch, context, kv_itemsize, latent_bytes)
     return StepCost(weight_bytes=dense, expert_bytes=experts, kv_bytes=kv, flops=flops + attn_flops)
 
 
-def attention_cost(config: ModelConfig, batch: int, context: int, itemsize: float) -> tuple[int, int]:
-    """(KV bytes read, attention flops) of one decode step, all layers."""
+def attention_cost(config: ModelConfig, batch: int, context: int, itemsize: float, latent_bytes: int | None = None) -> tuple[int, int]:
+    """(KV bytes read, attention flops) of one decode step, all layers. itemsize: bytes of a
+    record value; latent_bytes: a V3 / V3.2 latent record's bytes when it is a byte format."""
     c, n = config, context + 1
     H, Hi, Di, K = c.num_attention_heads, c.index_n_heads, c.index_head_dim, c.index_topk
     values = flops = 0  # per sequence
     if c.v4 is None:
         rec = c.kv_lora_rank + c.qk_rope_head_dim
+        rec_values = latent_bytes / itemsize if latent_bytes else rec  # in values of itemsize bytes
         keys = min(K, n) if c.has_indexer else n
         for _ in range(c.num_hidden_layers):
-            values += keys * rec + (n * Di if c.has_indexer else 0)
+            values += keys * rec_values + (n * Di if c.has_indexer else 0)
             flops += 2 * H * keys * (rec + c.kv_lora_rank) + (2 * Hi * n * Di if c.has_indexer else 0)
     else:
         v4, D = c.v4, c.v4.head_dim
