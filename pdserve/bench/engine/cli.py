@@ -20,6 +20,7 @@ import platform
 import statistics
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 
 import torch
@@ -153,6 +154,7 @@ def _row(bench, args, batch: int, context: int, roof: dict) -> dict:
             row["baseline"] = {"what": "the same step on the torch reference kernels (ops.set_backend('torch'))", "step_ms": base}
     except (RuntimeError, ValueError) as e:  # torch's out-of-memory is a RuntimeError
         row["error"] = f"{type(e).__name__}: {e}"[:500]
+        row["where"] = traceback.format_exc(limit=-4)[-1500:]
     finally:
         bench.free(seqs)
         if bench.device.type == "cuda":
