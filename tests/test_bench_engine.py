@@ -20,7 +20,8 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.model.config import ModelConfig
 from pdserve.model.config_v4 import CSA, HCA, SLIDING
 
-TINY_RUN = ["--num-layers", "2", "--batch-sizes", "1,2", "--context", "16", "--long-context", "40", "--warmup", "0",
+# context 130: V4's window (8) then spans blocks 1 and 2 of 64 tokens, the new token's block another
+TINY_RUN = ["--num-layers", "2", "--batch-sizes", "1,2", "--context", "130", "--long-context", "200", "--warmup", "0",
             "--steps", "2", "--baseline-steps", "1", "--dtype", "float32", "--device", "cpu"]  # fmt: skip
 
 
@@ -32,7 +33,7 @@ def test_report_is_well_formed(model, tmp_path, capsys):
     assert set(report["environment"]) >= {"device", "date", "torch", "triton"}
     assert report["settings"]["num_layers"] == 2 and report["settings"]["model"] == model
     assert report["ceilings"]["copy_bytes_per_s"] > 0 and report["ceilings"]["matmul_flops_per_s"] > 0
-    assert [(r["batch"], r["context"]) for r in report["rows"]] == [(1, 16), (2, 16), (1, 40)]
+    assert [(r["batch"], r["context"]) for r in report["rows"]] == [(1, 130), (2, 130), (1, 200)]
     for row in report["rows"]:
         assert "error" not in row
         assert row["step_ms"] > 0 and row["tok_s"] > 0 and row["floor_ms"] > 0 and row["ratio"] > 0
@@ -43,7 +44,7 @@ def test_report_is_well_formed(model, tmp_path, capsys):
         assert min(row["cost"].values()) > 0
     assert report["rows"][0]["baseline"]["step_ms"] > 0
     text = capsys.readouterr().out
-    assert "| 2 | 16 |" in text and "| 1 | 40 |" in text and "naive baseline" in text
+    assert "| 2 | 130 |" in text and "| 1 | 200 |" in text and "naive baseline" in text
 
 
 @pytest.mark.parametrize(

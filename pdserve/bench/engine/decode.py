@@ -44,13 +44,17 @@ class DecodeBench:
         fill_kv(self.runner.kv_cache.regions.values(), config.seed)
 
     def make_batch(self, batch: int, context: int) -> list[Sequence]:
-        """`batch` sequences with `context` tokens in the cache and one to decode next."""
+        """`batch` sequences with `context` tokens in the cache and one to decode next; a failure
+        part way frees what was allocated."""
         seqs = []
         for i in range(batch):
             ids = torch.randint(self.vocab, (context + 1,), generator=self.gen).tolist()
             seq = Sequence(Request(request_id=f"bench-{i}", prompt_token_ids=ids[:-1], params=GREEDY))
             seq.append_token(ids[-1])
+            # the blocks its prefill would hold: tokens, window blocks of the last positions, state slot
+            self.blocks.allocate(seq, context, step_end=context)
             seq.num_computed_tokens = context
+            self.blocks.trim_window(seq)
             seq.status = SequenceStatus.RUNNING
             seqs.append(seq)
         return seqs
