@@ -171,3 +171,16 @@ def test_serve_flag_reaches_the_engine(tmp_path):
     cfg = config_from_args(p.parse_args(["--role", "colocated", "--model", "m", "--load-format", "dummy"]))
     folder = write_config(bench_config("tiny-v3.2", 1), tmp_path / "m")
     assert cfg.worker.engine_config(str(folder)).load_format == "dummy"
+
+
+def test_baseline_is_eager_on_the_reference_kernels(tmp_path):
+    from pdserve.bench.engine.decode import DecodeBench
+    from pdserve.model import ops
+
+    folder = write_config(bench_config("tiny-v3.2", 1), tmp_path / "m")
+    bench = DecodeBench(EngineConfig(model=str(folder), load_format="dummy", num_kv_blocks=4, max_num_seqs=2))
+    captured = object()  # stands for the runner's CUDA graphs: a replay would run the captured kernels
+    bench.runner.graphs = captured
+    with bench.reference_kernels():
+        assert bench.runner.graphs is None and ops._use_triton(torch.zeros(1, device="meta")) is False
+    assert bench.runner.graphs is captured and ops._forced is None

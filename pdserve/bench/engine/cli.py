@@ -124,8 +124,6 @@ def _fitting_layers(args, device: torch.device, dtype: torch.dtype, blocks: int)
 
 def _row(bench, args, batch: int, context: int, roof: dict) -> dict:
     """One (batch, context) row; an error (out of memory, say) is kept in the row, not raised."""
-    from pdserve.model import ops
-
     row: dict = {"batch": batch, "context": context}
     seqs = []
     try:
@@ -145,13 +143,10 @@ def _row(bench, args, batch: int, context: int, roof: dict) -> dict:
             except Exception as e:  # the profiler's own failure: keep the row's timings
                 row["profile_error"] = f"{type(e).__name__}: {e}"[:500]
         if args.baseline_steps and batch == 1 and context == args.context:
-            ops.set_backend("torch")
-            try:
+            with bench.reference_kernels():
                 bench.step(seqs)
                 base = 1e3 * statistics.median(bench.timed_steps(seqs, args.baseline_steps))
-            finally:
-                ops.set_backend(None)
-            row["baseline"] = {"what": "the same step on the torch reference kernels (ops.set_backend('torch'))", "step_ms": base}
+            row["baseline"] = {"what": "the same step, eager, on the torch reference kernels", "step_ms": base}
     except (RuntimeError, ValueError) as e:  # torch's out-of-memory is a RuntimeError
         row["error"] = f"{type(e).__name__}: {e}"[:500]
         row["where"] = traceback.format_exc(limit=-4)[-1500:]

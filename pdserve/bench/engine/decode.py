@@ -83,6 +83,20 @@ class DecodeBench:
     def timed_steps(self, seqs: list[Sequence], n: int) -> list[float]:
         return [self.step(seqs) for _ in range(n)]
 
+    @contextmanager
+    def reference_kernels(self):
+        """The naive baseline: the torch reference kernels, eager (a CUDA-graph replay would run
+        the kernels captured at start, whatever the backend says now)."""
+        from pdserve.model import ops
+
+        graphs, self.runner.graphs = self.runner.graphs, None
+        ops.set_backend("torch")
+        try:
+            yield
+        finally:
+            ops.set_backend(None)
+            self.runner.graphs = graphs
+
     def experts_touched(self, seqs: list[Sequence]) -> dict[int, int]:
         """Run one step; MoE layer -> distinct routed experts the batch used in it."""
         with _routers_recorded(self.runner.model) as seen:
