@@ -29,13 +29,11 @@ def dummy_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | 
         with torch.device("meta"):
             model = DeepseekForCausalLM(config, tp)
     else:
-        if tp is not None and tp.size > 1:
-            raise ValueError("DeepSeek-V4 runs with tensor_parallel_size 1 only (its layers are not sharded yet)")
         from pdserve.model.deepseek_v4 import DeepseekV4ForCausalLM
         from pdserve.model.v4_loader import _materialize
 
         with torch.device("meta"):
-            model = DeepseekV4ForCausalLM(config)
+            model = DeepseekV4ForCausalLM(config, tp)
     _materialize(model, dtype, device)
     fill_random(model, seed)
     return model.eval()
