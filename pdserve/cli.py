@@ -1,7 +1,7 @@
-"""The `pdserve` command: launch, serve, make-tiny-model, bench, health.
+"""The `pdserve` command: launch, serve, make-tiny-model, bench, bench-engine, health.
 
 Subcommands import their modules only when run, so `pdserve --help` does not load torch.
-`serve` and `bench` own their flags: their argv goes to their own parsers untouched.
+`serve`, `bench` and `bench-engine` own their flags: their argv goes to their own parsers untouched.
 """
 
 from __future__ import annotations
@@ -24,6 +24,12 @@ def _bench(argv: list[str]) -> int:
     from pdserve.bench.cli import main as bench_main
 
     return bench_main(argv) or 0
+
+
+def _bench_engine(argv: list[str]) -> int:
+    from pdserve.bench.engine.cli import main as bench_engine_main
+
+    return bench_engine_main(argv) or 0
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -70,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     # serve and bench parse their own flags (see _serve, _bench); listed here for --help.
     sub.add_parser("serve", help="run one component (worker or router); `pdserve serve --help` for flags", add_help=False)
     sub.add_parser("bench", help="benchmark a running server; `pdserve bench --help` for flags", add_help=False)
+    sub.add_parser("bench-engine", help="decode steps of the engine on one GPU against their floor (random weights); `pdserve bench-engine --help`", add_help=False)
 
     mp = sub.add_parser("make-tiny-model", help="write a small random checkpoint + byte-level tokenizer")
     mp.add_argument("out_dir", metavar="DIR")
@@ -89,5 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(argv[1:])
     if argv and argv[0] == "bench":
         return _bench(argv[1:])
+    if argv and argv[0] == "bench-engine":
+        return _bench_engine(argv[1:])
     args = build_parser().parse_args(argv)
     return args.run(args)

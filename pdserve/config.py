@@ -20,7 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pdserve.disagg.factory import TransferBackend
-from pdserve.engine.config import DType, EngineConfig, KVCacheDType, KVLoadFailurePolicy, check_device
+from pdserve.engine.config import DType, EngineConfig, KVCacheDType, KVLoadFailurePolicy, LoadFormat, check_device
 
 # configs/ sits beside the package in the source tree (the repo is installed editable).
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -74,6 +74,7 @@ class WorkerConfig(_Strict):
     numa_node: int | Literal["auto"] | None = None  # None: not pinned; auto: its GPUs' node
     cpus: str | None = None  # narrow the node to these CPUs, a cpulist such as "0-7"
     dtype: DType = "auto"
+    load_format: LoadFormat = "auto"  # "dummy": random weights from config.json alone (benchmarks)
     kv_block_size: int = Field(64, ge=1)
     num_kv_blocks: int | None = Field(None, ge=1)
     max_num_seqs: int = Field(256, ge=1)
@@ -154,6 +155,7 @@ class WorkerConfig(_Strict):
             device=self.device,
             tensor_parallel_size=self.tp_size,
             dtype=self.dtype,
+            load_format=self.load_format,
             kv_block_size=self.kv_block_size,
             num_kv_blocks=self.num_kv_blocks,
             max_num_seqs=self.max_num_seqs,

@@ -29,7 +29,7 @@ log = logging.getLogger("pdserve.serve")
 
 # flag dest -> where it goes in the ServeConfig; "@" is the role's own section (worker | router)
 WORKER_FLAGS = {
-    "device": "worker.device", "dtype": "worker.dtype", "tensor_parallel_size": "worker.tp_size",
+    "device": "worker.device", "dtype": "worker.dtype", "load_format": "worker.load_format", "tensor_parallel_size": "worker.tp_size",
     "kv_block_size": "worker.kv_block_size", "num_kv_blocks": "worker.num_kv_blocks",
     "max_num_seqs": "worker.max_num_seqs", "max_num_batched_tokens": "worker.max_num_batched_tokens",
     "engine_id": "worker.engine_id", "advertise_host": "worker.advertise_host", "lease_seconds": "worker.lease_seconds",
@@ -63,6 +63,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     w = functools.partial(p.add_argument_group("worker").add_argument, default=argparse.SUPPRESS)
     w("--device", help="cpu | cuda | cuda:N")
     w("--dtype", help="auto | float32 | bfloat16 | float16")
+    w("--load-format", help="auto (the checkpoint's weights) | dummy (random weights from its config.json alone: benchmarks)")
     w("--tensor-parallel-size", "-tp", help="ranks of this worker: GPUs from --device on, or gloo processes on cpu")
     w("--kv-block-size")
     w("--num-kv-blocks")

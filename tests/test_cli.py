@@ -62,7 +62,7 @@ def _closed_port_url() -> str:
 def test_help_lists_every_subcommand_without_loading_torch():
     code = "import sys; from pdserve.cli import main\ntry: main(['--help'])\nexcept SystemExit: pass\nprint('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    for sub in ("launch", "serve", "bench", "make-tiny-model", "health"):
+    for sub in ("launch", "serve", "bench", "bench-engine", "make-tiny-model", "health"):
         assert sub in out
     assert out.strip().endswith("False")
 
@@ -134,6 +134,15 @@ def test_bench_gets_all_of_its_argv(capsys):
     assert "--base-url" in capsys.readouterr().out
     assert main(["bench", "--concurrency", "1,8"]) == 2  # reaches bench's own checks: 2 levels, 3 default prompt counts
     assert "--concurrency has 2 levels but --num-prompts has 3" in capsys.readouterr().err
+
+
+def test_bench_engine_gets_all_of_its_argv(capsys):
+    with pytest.raises(SystemExit) as err:
+        main(["bench-engine", "--help"])
+    assert err.value.code == 0
+    assert "--num-layers" in capsys.readouterr().out
+    assert main(["bench-engine", "--dtype", "fp8"]) == 2  # its own check, before any model is built
+    assert "not built yet" in capsys.readouterr().err
 
 
 def test_console_script_runs_cli_main():

@@ -11,6 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 DType = Literal["float32", "bfloat16", "float16", "auto"]
 # decode: what a failed KV load does (vLLM's name): fail the request, or compute the prompt here
 KVLoadFailurePolicy = Literal["fail", "recompute"]
+# where the weights come from (vLLM's name): "auto" the checkpoint's files, "dummy" random weights
+# made in memory from its config.json alone (model/dummy.py; benchmarks, no checkpoint to write)
+LoadFormat = Literal["auto", "dummy"]
 KVCacheDType = Literal["auto", "fp8"]
 
 
@@ -34,6 +37,7 @@ class EngineConfig(BaseModel):
     # (gloo). Rank 0 is this process; it starts ranks 1.. itself (pdserve.engine.tp_ranks).
     tensor_parallel_size: int = Field(1, ge=1)
     dtype: DType = "auto"  # auto: the checkpoint's torch_dtype on CUDA, float32 on CPU
+    load_format: LoadFormat = "auto"
     kv_block_size: int = Field(64, ge=1)
     num_kv_blocks: int | None = Field(None, ge=1)
     kv_cache_memory_gb: float | None = Field(None, gt=0)

@@ -236,15 +236,22 @@ def _side_spaces(specs: list[KVRegionSpec], max_num_seqs: int, block_size: int) 
 
 
 def _load(config: EngineConfig, dtype: torch.dtype, device: torch.device, tp: TPGroup) -> torch.nn.Module:
-    """The checkpoint in config.model, as a model with the DeepseekForCausalLM interface."""
+    """The checkpoint in config.model (or, load_format dummy, its config.json with random
+    weights), as a model with the DeepseekForCausalLM interface."""
     from pdserve.model.config import ModelConfig
+    from pdserve.model.v4_paged import PagedDeepseekV4
 
-    if ModelConfig.from_model_dir(config.model).v4 is None:
+    model_config = ModelConfig.from_model_dir(config.model)
+    if config.load_format == "dummy":
+        from pdserve.model.dummy import dummy_model
+
+        model = dummy_model(model_config, dtype, device, tp, seed=config.seed)
+        return model if model_config.v4 is None else PagedDeepseekV4(model)
+    if model_config.v4 is None:
         from pdserve.model.loader import load_model
 
         return load_model(config.model, dtype, device, progress=tp.is_driver, tp=tp)
     from pdserve.model.v4_loader import load_v4_model
-    from pdserve.model.v4_paged import PagedDeepseekV4
 
     return PagedDeepseekV4(load_v4_model(config.model, dtype, device, tp=tp))
 

@@ -1,0 +1,134 @@
+"""Decode steps of B sequences whose context is already in the KV cache, run as the engine runs
+them: `ModelRunner.run` (ForwardBatch built on the host, model forward, logits, sampling) on one
+ScheduledSeq a sequence, blocks allocated by the engine's BlockManager.
+
+The context is not prefilled: every region of the pool is filled with random records once
+(a 4K prefill per sequence would cost more than the measurement), and each sequence gets C
+random prompt tokens marked as computed plus one sampled token to decode from. Greedy sampling.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+
+from pdserve.bench.engine.ceilings import sync
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.request import Request
+from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
+from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True, detokenize=False)
+
+
+class DecodeBench:
+    def __init__(self, config: EngineConfig) -> None:
+        self.runner = ModelRunner(config)
+        self.device = self.runner.device
+        r = self.runner
+        self.blocks = BlockManager(
+            r.num_kv_blocks, config.kv_block_size, window_tokens=r.window_tokens, num_window_blocks=r.num_window_blocks,
+            num_state_slots=r.num_state_slots,
+        )  # as LLMEngine builds it
+        self.vocab = self.runner.model.config.vocab_size
+        kv = self.runner.kv_cache
+        self.kv_itemsize = kv.dtype.itemsize  # values records
+        latent = kv.specs.get("latent")
+        self.latent_record_bytes = latent.dim if latent is not None and latent.byte_record else None  # FP8 records
+        self.gen = torch.Generator().manual_seed(config.seed)
+        fill_kv(self.runner.kv_cache.regions.values(), config.seed)
+
+    def make_batch(self, batch: int, context: int) -> list[Sequence]:
+        """`batch` sequences with `context` tokens in the cache and one to decode next; a failure
+        part way frees what was allocated."""
+        seqs = []
+        for i in range(batch):
+            ids = torch.randint(self.vocab, (context + 1,), generator=self.gen).tolist()
+            seq = Sequence(Request(request_id=f"bench-{i}", prompt_token_ids=ids[:-1], params=GREEDY))
+            seq.append_token(ids[-1])
+            # the blocks its prefill would hold: tokens, window blocks of the last positions, state slot
+            self.blocks.allocate(seq, context, step_end=context)
+            seq.num_computed_tokens = context
+            self.blocks.trim_window(seq)
+            seq.status = SequenceStatus.RUNNING
+            seqs.append(seq)
+        return seqs
+
+    def free(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            self.blocks.free(seq)
+
+    def step(self, seqs: list[Sequence]) -> float:
+        """One engine decode step: every sequence computes its last token and samples the next.
+        Blocks as the scheduler grants them (before) and trims them (after); returns the seconds
+        of `ModelRunner.run` alone (host clock, the device synchronized before and after)."""
+        for seq in seqs:
+            self.blocks.allocate(seq, seq.num_tokens, seq.num_computed_tokens + 1)
+        sync(self.device)
+        t0 = time.perf_counter()
+        sampled = self.runner.run(SchedulerOutput(scheduled=[ScheduledSeq.of(s, 1) for s in seqs]))
+        sync(self.device)
+        seconds = time.perf_counter() - t0
+        for seq, token in zip(seqs, sampled):
+            seq.num_computed_tokens += 1
+            seq.append_token(token.token_id)
+            self.blocks.trim_window(seq)
+        return seconds
+
+    def timed_steps(self, seqs: list[Sequence], n: int) -> list[float]:
+        return [self.step(seqs) for _ in range(n)]
+
+    @contextmanager
+    def reference_kernels(self):
+        """The naive baseline: the torch reference kernels, eager (a CUDA-graph replay would run
+        the kernels captured at start, whatever the backend says now)."""
+        from pdserve.model import ops
+
+        graphs, self.runner.graphs = self.runner.graphs, None
+        ops.set_backend("torch")
+        try:
+            yield
+        finally:
+            ops.set_backend(None)
+            self.runner.graphs = graphs
+
+    def experts_touched(self, seqs: list[Sequence]) -> dict[int, int]:
+        """Run one step; MoE layer -> distinct routed experts the batch used in it."""
+        with _routers_recorded(self.runner.model) as seen:
+            self.step(seqs)
+        return {layer: len(ids) for layer, ids in seen.items()}
+
+
+@torch.no_grad()
+def fill_kv(regions, seed: int) -> None:
+    """Random N(0, 1) records in every region of the pool (the context the step reads)."""
+    gens: dict[torch.device, torch.Generator] = {}
+    for t in regions:
+        g = gens.setdefault(t.device, torch.Generator(device=t.device).manual_seed(seed))
+        t.normal_(generator=g)
+
+
+@contextmanager
+def _routers_recorded(model: torch.nn.Module):
+    """Forward hooks on the MoE routers (V3's Gate, V4's Router: modules named `...layers.N.mlp.gate`
+    returning (weights, ids)); yields layer -> set of expert ids seen."""
+    seen: dict[int, set[int]] = {}
+    handles = []
+    for name, module in model.named_modules():
+        if name.endswith("mlp.gate"):
+            layer = int(name.split("layers.")[1].split(".")[0])
+
+            def hook(_m, _inp, out, layer=layer):
+                seen.setdefault(layer, set()).update(out[1].flatten().tolist())
+
+            handles.append(module.register_forward_hook(hook))
+    try:
+        yield seen
+    finally:
+        for h in handles:
+            h.remove()

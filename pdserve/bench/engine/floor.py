@@ -1,0 +1,110 @@
+"""The floor of one decode step: the bytes it must read and the flops it must do.
+
+Legend: B sequences decoding one token each, n = C + 1 positions each attends (C cached + its
+own), E routed experts, k experts a token, s bytes per KV value, H heads, Hi / Di indexer heads /
+dim, W sliding window, m a compressor's rate.
+
+Bytes:
+  - weights: every parameter once (attention, dense MLP, shared experts, routers, norms,
+    lm_head), except the embedding (B rows) and the routed experts: per MoE layer, only the
+    experts the batch's top-k touched (counted in the run, or expected: E (1 - (1 - k/E)^B));
+  - KV, per layer and sequence: dense MLA all n latent records (kv_lora_rank + rope dims); V3.2
+    the indexer keys of all n positions (Di) and the top-k min(K, n) latent records; V4 the window
+    min(n, W) records (D), CSA the indexer keys of all n // m entries (Di) and the top-k
+    min(K, n // m) entries (D), HCA all n // m entries (D). The compressors' running state is not
+    counted: an online-softmax accumulator of O(D) values would do.
+Flops: 2 B x (parameters read, embedding and routed experts aside) + 2 B k x (one expert's
+parameters) per MoE layer + attention (2 H x keys x (qk dims + v dims) per token, the indexer 2
+Hi x candidates x Di).
+floor = max(bytes / copy rate, flops / matmul rate), rates measured in the same run.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from pdserve.model.config import ModelConfig
+from pdserve.model.config_v4 import CSA, HCA
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
+_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
+
+
+@dataclass(frozen=True)
+class StepCost:
+    weight_bytes: int  # everything but the routed experts (embedding: B rows)
+    expert_bytes: int  # the routed experts touched
+    kv_bytes: int
+    flops: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.expert_bytes + self.kv_bytes
+
+    def floor_ms(self, copy_bytes_per_s: float, flops_per_s: float) -> dict[str, float]:
+        bytes_ms, flops_ms = 1e3 * self.total_bytes / copy_bytes_per_s, 1e3 * self.flops / flops_per_s
+        return {"bytes_ms": bytes_ms, "flops_ms": flops_ms, "floor_ms": max(bytes_ms, flops_ms)}
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "total_bytes": self.total_bytes}
+
+
+def expected_distinct_experts(num_experts: int, top_k: int, batch: int) -> float:
+    """Distinct experts B tokens touch when each picks k of E uniformly."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** batch)
+
+
+def step_cost(
+    model: nn.Module, config: ModelConfig, batch: int, context: int, kv_itemsize: float,
+    experts_touched: dict[int, float] | None = None, param_bytes: Callable[[str, torch.Tensor], float] | None = None,
+    latent_bytes: int | None = None,
+) -> StepCost:
+    """The cost of one decode step of `batch` sequences with `context` tokens cached each.
+    experts_touched: MoE layer -> distinct routed experts the step used (None: expected).
+    param_bytes(name, p): bytes of a parameter as stored (default: as it is in `model`).
+    latent_bytes: bytes of one V3 / V3.2 latent record when it is a byte format (FP8: 656)."""
+    E, k = config.n_routed_experts, config.num_experts_per_tok
+    dense = experts = flops = 0
+    for name, p in model.named_parameters():
+        nbytes = param_bytes(name, p) if param_bytes else p.numel() * p.element_size()
+        if name.endswith("embed_tokens.weight"):
+            dense += round(batch * nbytes / p.shape[0])
+        elif name.endswith(_EXPERTS):
+            layer = int(_LAYER.search(name).group(1))
+            touched = (experts_touched or {}).get(layer, expected_distinct_experts(E, k, batch))
+            experts += round(touched * nbytes / E)
+            flops += 2 * batch * k * p.numel() // E
+        else:
+            dense += round(nbytes)
+            flops += 2 * batch * p.numel()
+    kv, attn_flops = attention_cost(config, batch, context, kv_itemsize, latent_bytes)
+    return StepCost(weight_bytes=dense, expert_bytes=experts, kv_bytes=kv, flops=flops + attn_flops)
+
+
+def attention_cost(config: ModelConfig, batch: int, context: int, itemsize: float, latent_bytes: int | None = None) -> tuple[int, int]:
+    """(KV bytes read, attention flops) of one decode step, all layers. itemsize: bytes of a
+    record value; latent_bytes: a V3 / V3.2 latent record's bytes when it is a byte format."""
+    c, n = config, context + 1
+    H, Hi, Di, K = c.num_attention_heads, c.index_n_heads, c.index_head_dim, c.index_topk
+    values = flops = 0  # per sequence
+    if c.v4 is None:
+        rec = c.kv_lora_rank + c.qk_rope_head_dim
+        rec_values = latent_bytes / itemsize if latent_bytes else rec  # in values of itemsize bytes
+        keys = min(K, n) if c.has_indexer else n
+        for _ in range(c.num_hidden_layers):
+            values += keys * rec_values + (n * Di if c.has_indexer else 0)
+            flops += 2 * H * keys * (rec + c.kv_lora_rank) + (2 * Hi * n * Di if c.has_indexer else 0)
+    else:
+        v4, D = c.v4, c.v4.head_dim
+        for layer, kind in enumerate(v4.layer_types):
+            window = min(n, v4.sliding_window)
+            entries = n // v4.compress_rate(layer) if kind in (CSA, HCA) else 0
+            attended = min(K, entries) if kind == CSA else entries
+            values += (window + attended) * D + (entries * Di if kind == CSA else 0)
+            flops += 4 * H * (window + attended) * D + (2 * Hi * entries * Di if kind == CSA else 0)
+    return round(batch * values * itemsize), batch * flops

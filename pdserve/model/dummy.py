@@ -1,0 +1,68 @@
+"""`load_format: dummy` (vLLM's name): the model a config.json describes, with random weights made
+in memory, no checkpoint read. For benchmarks and memory planning: the tokens mean nothing.
+
+Each parameter is allocated once in its final dtype and device (the loaders' `_materialize`:
+the same float32-kept parameters as a real load) and filled from one seeded generator, in
+parameter order, so every tensor-parallel rank fills its replicated weights the same way:
+  - norm weights 1, norm biases and router score-correction biases 0;
+  - matrices N(0, 1 / fan_in) (fan_in = the last dim), so activations keep their scale;
+  - other vectors (sinks, hyper-connection bases and scales) N(0, 0.02^2);
+  - DeepSeek-V4 hash-routing tables (`tid2eid` [vocab, k]): k distinct random experts a token.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pdserve.distributed.group import TPGroup
+from pdserve.model.config import ModelConfig
+
+
+def dummy_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str, tp: TPGroup | None = None, seed: int = 0) -> nn.Module:
+    """The model of `config` (DeepseekForCausalLM, or DeepseekV4ForCausalLM), random weights."""
+    device = torch.device(device)
+    if config.v4 is None:
+        from pdserve.model.deepseek import DeepseekForCausalLM
+        from pdserve.model.loader import _materialize
+
+        with torch.device("meta"):
+            model = DeepseekForCausalLM(config, tp)
+    else:
+        from pdserve.model.deepseek_v4 import DeepseekV4ForCausalLM
+        from pdserve.model.v4_loader import _materialize
+
+        with torch.device("meta"):
+            model = DeepseekV4ForCausalLM(config, tp)
+    _materialize(model, dtype, device)
+    fill_random(model, seed)
+    return model.eval()
+
+
+@torch.no_grad()
+def fill_random(model: nn.Module, seed: int = 0) -> None:
+    """Overwrite every parameter and buffer of `model` in place (rules in the module docstring)."""
+    devices = {p.device for p in model.parameters()}
+    gens = {d: torch.Generator(device=d).manual_seed(seed) for d in devices}
+    for name, p in model.named_parameters():
+        _fill(name, p, gens[p.device])
+    for name, b in model.named_buffers():
+        if name.endswith("tid2eid"):  # [vocab, k]: distinct experts per token
+            experts = model.config.n_routed_experts
+            g = gens.setdefault(b.device, torch.Generator(device=b.device).manual_seed(seed))
+            scores = torch.rand(b.shape[0], experts, generator=g, device=b.device)
+            b.copy_(scores.topk(b.shape[1], dim=1).indices)
+
+
+def _fill(name: str, p: torch.Tensor, gen: torch.Generator) -> None:
+    module, _, leaf = name.rpartition(".")
+    is_norm = "norm" in module.rpartition(".")[2]
+    if is_norm and leaf == "weight":
+        p.fill_(1.0)
+    elif (is_norm and leaf == "bias") or leaf == "e_score_correction_bias":
+        p.zero_()
+    elif p.dim() >= 2:
+        p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+    else:
+        p.normal_(0.0, 0.02, generator=gen)
+
