@@ -91,7 +91,8 @@ def _gpu_ids(device: str, tp_size: int) -> list[str]:
 
     from pdserve.distributed.group import rank_device
 
-    return [str(torch.cuda.get_device_properties(rank_device(device, r)).uuid) for r in range(tp_size)]
+    props = [torch.cuda.get_device_properties(rank_device(device, r)) for r in range(tp_size)]
+    return [str(getattr(p, "uuid", None) or f"{p.name} #{rank_device(device, r).index}") for r, p in enumerate(props)]
 
 
 def _is_loopback(host: str) -> bool:
