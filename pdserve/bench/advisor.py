@@ -271,9 +271,21 @@ def advise(
     col_levels, pd_levels = _levels(colocated), _levels(pd)
     shape = _measure(col_levels, pd_levels, n_pd / n_col, workers)
     kind, headline = _decide(shape)
-    evidence = [f"GPUs: colocated {n_col} ({col_src}); PD {n_pd} ({pd_src})", *_evidence(col_levels, pd_levels, shape)]
+    evidence = [f"GPUs: colocated {n_col} ({col_src}); PD {n_pd} ({pd_src})", *_shared(pd), *_evidence(col_levels, pd_levels, shape)]
     numbers = {**shape.numbers(), "colocated_gpus": n_col, "pd_gpus": n_pd, **_breakdown_numbers(pd_levels[shape.top])}
     return Verdict(kind, headline, evidence, numbers)
+
+
+def _shared(pd: dict[str, Any]) -> list[str]:
+    """A note when PD's workers outnumber its GPUs: prefill and decode then take turns on them."""
+    d = pd.get("deployment") or {}
+    workers = sum((d.get("workers") or {}).values())
+    if not d.get("gpus") or workers <= d["gpus"]:
+        return []
+    return [
+        f"PD runs {workers} workers on {d['gpus']} GPU(s): prefill and decode processes share them (time-sliced), "
+        "so PD can keep prefill out of decode's batches but adds no compute; its KV moves within a GPU"
+    ]
 
 
 def _breakdown_numbers(pd: Level) -> dict[str, float | None]:
