@@ -11,6 +11,7 @@
 #   PD_CONFIG (configs/pd-1gpu.yaml)  COLOCATED_CONFIG (configs/colocated-1gpu.yaml)
 #   PD_METRICS ("http://127.0.0.1:30000 http://127.0.0.1:30001")  COLOCATED_METRICS ("http://127.0.0.1:30002")
 #   INPUT_LEN (1024)  OUTPUT_LEN (128)  CONCURRENCY (1,8,16,32)  NUM_PROMPTS (4,16,32,64)
+#   WARMUP (1: first run every level once with 8-token outputs, untimed; 0: no warm-up)
 #   ROUTER (http://127.0.0.1:8000: both configs' router)
 #   STARTUP_S (300: for a cluster to become healthy)  BENCH_S (150: for one sweep)  PY (python3)
 set -uo pipefail
@@ -49,6 +50,11 @@ run() {  # $1: name, $2: config, $3: worker metrics URLs
     "$PY" -m pdserve launch --config "$config" --model "$MODEL" --log-dir "$LOGS/$name" >"$LOGS/$name.launch.log" 2>&1 &
     pid=$!
     if wait_healthy "$pid"; then
+        if [[ "${WARMUP:-1}" == 1 ]]; then  # the same levels, short outputs: JIT compiles and graph shapes before timing
+            timeout "${BENCH_S:-150}" "$PY" -m pdserve bench --base-url "$ROUTER" --input-len "${INPUT_LEN:-1024}" --output-len 8 \
+                --concurrency "${CONCURRENCY:-1,8,16,32}" --num-prompts "${CONCURRENCY:-1,8,16,32}" --seed 1 --disable-tqdm \
+                --out "$LOGS/$name.warmup.json" >"$LOGS/$name.warmup.log" 2>&1 || echo "warm-up failed: $LOGS/$name.warmup.log"
+        fi
         timeout "${BENCH_S:-150}" "$PY" -m pdserve bench --base-url "$ROUTER" --input-len "${INPUT_LEN:-1024}" \
             --output-len "${OUTPUT_LEN:-128}" --concurrency "${CONCURRENCY:-1,8,16,32}" --num-prompts "${NUM_PROMPTS:-4,16,32,64}" \
             --disable-tqdm "${metrics[@]}" --out "$OUT/$name.json" || rc=$?
