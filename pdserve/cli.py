@@ -7,6 +7,7 @@ Subcommands import their modules only when run, so `pdserve --help` does not loa
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from pdserve.config import DEFAULT_CONFIG, TINY_ARCHS
@@ -49,9 +50,26 @@ def _launch(args: argparse.Namespace) -> int:
 def _make_tiny_model(args: argparse.Namespace) -> int:
     from pdserve.tiny_model import make_tiny_model
 
-    make_tiny_model(args.out_dir, args.arch, args.seed)
-    print(f"wrote a tiny {args.arch} checkpoint (seed {args.seed}) to {args.out_dir}")
+    try:
+        overrides = dict(_config_value(kv) for kv in args.set)
+        make_tiny_model(args.out_dir, args.arch, args.seed, overrides, args.dtype, args.device)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    changed = f", {args.dtype}, {len(overrides)} config keys set" if overrides else ""
+    print(f"wrote a {'random' if overrides else 'tiny'} {args.arch} checkpoint (seed {args.seed}{changed}) to {args.out_dir}")
     return 0
+
+
+def _config_value(text: str) -> tuple[str, object]:
+    """'hidden_size=7168' -> ('hidden_size', 7168): the value is JSON (a bare word is a string)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ValueError(f"--set takes KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
 
 
 def _health(args: argparse.Namespace) -> int:
@@ -82,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     mp.add_argument("out_dir", metavar="DIR")
     mp.add_argument("--arch", choices=TINY_ARCHS, default="deepseek_v3")
     mp.add_argument("--seed", type=int, default=0)
+    mp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="change a config.json key (JSON value), e.g. hidden_size=7168; repeatable")
+    mp.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights' dtype")
+    mp.add_argument("--device", default="cpu", help="draw the weights here (cuda: a mid-size model in seconds)")
     mp.set_defaults(run=_make_tiny_model)
 
     hp = sub.add_parser("health", help="GET /health on the router and workers; exit 0 only if all are healthy")

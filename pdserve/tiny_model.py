@@ -104,21 +104,29 @@ _HF_COMMON = {
 }
 
 
-def make_tiny_model(out_dir: str | Path, arch: str = "deepseek_v3", seed: int = 0, overrides: dict | None = None) -> Path:
+def make_tiny_model(
+    out_dir: str | Path, arch: str = "deepseek_v3", seed: int = 0, overrides: dict | None = None, dtype: str = "float32", device: str = "cpu"
+) -> Path:
     """Write a tiny random `arch` checkpoint into `out_dir` (created if missing); return its path.
-    overrides: config keys to change (V3 / V3.2), e.g. {"kv_lora_rank": 128} for FP8 KV records."""
+    overrides: config.json keys to change (e.g. {"kv_lora_rank": 128} for FP8 KV records, or real
+    layer dimensions for a mid-size model);
+    dtype: of the weights (float32 or bfloat16); device: where DeepSeek-V3 / V3.2 weights are
+    drawn (cuda draws a mid-size model in seconds; other values than on cpu, same per device)."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}: expected one of {', '.join(ARCHS)}")
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     vocab_size = math.ceil(tokenizer.get_vocab_size() / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    if arch == "deepseek_v4":
-        config = tiny_v4_config(vocab_size)
-        weights = tiny_v4_weights(config, seed)
-    else:
-        config = {**tiny_config(arch, vocab_size), **(overrides or {})}
-        weights = tiny_weights(config, seed)
+    config = tiny_v4_config(vocab_size) if arch == "deepseek_v4" else tiny_config(arch, vocab_size)
+    unknown = sorted(set(overrides or {}) - set(config))
+    if unknown:
+        raise ValueError(f"unknown config keys for {arch}: {', '.join(unknown)}")
+    config.update(overrides or {}, dtype=dtype)
+    weights = tiny_v4_weights(config, seed) if arch == "deepseek_v4" else tiny_weights(config, seed, device)
+    weights = {k: (v.to(getattr(torch, dtype)) if v.is_floating_point() else v).cpu() for k, v in weights.items()}
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n", encoding="utf-8")
     _write_json(out / "config.json", config)
@@ -199,16 +207,16 @@ def tiny_config(arch: str, vocab_size: int) -> dict:
     return config
 
 
-def tiny_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
-    """Random float32 weights for `config`, named as transformers 5.24 saves them."""
-    gen = torch.Generator().manual_seed(seed)
+def tiny_weights(config: dict, seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Random float32 weights for `config` (drawn on `device`), named as transformers 5.24 saves them."""
+    gen = torch.Generator(device).manual_seed(seed)
     std = config["initializer_range"]
 
     def normal(*shape: int, scale: float = std) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen, dtype=torch.float32) * scale
+        return torch.randn(*shape, generator=gen, dtype=torch.float32, device=device) * scale
 
     def ones(n: int) -> torch.Tensor:
-        return torch.ones(n, dtype=torch.float32)
+        return torch.ones(n, dtype=torch.float32, device=device)
 
     hidden, vocab = config["hidden_size"], config["vocab_size"]
     w = {"model.embed_tokens.weight": normal(vocab, hidden)}
@@ -244,7 +252,7 @@ def _attention(config: dict, normal, ones) -> dict[str, torch.Tensor]:
         w["indexer.wq_b.weight"] = normal(index_heads * index_dim, q_rank)
         w["indexer.wk.weight"] = normal(index_dim, hidden)
         w["indexer.k_norm.weight"] = ones(index_dim)
-        w["indexer.k_norm.bias"] = torch.zeros(index_dim, dtype=torch.float32)
+        w["indexer.k_norm.bias"] = torch.zeros_like(w["indexer.k_norm.weight"])
         w["indexer.weights_proj.weight"] = normal(index_heads, hidden)
     return w
 

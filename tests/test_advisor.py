@@ -195,3 +195,36 @@ def test_advise_live_reads_worker_metrics(tmp_path, capsys):
     mean_ms = float(re.search(r"at (\d+\.\d+)", out).group(1))
     assert 50.0 <= mean_ms < 80.0, out  # mean step ~50 ms (a loaded machine oversleeps a little)
     assert main(["advise", str(col), str(pd), "--live"]) == 2
+
+
+def test_gpu_counts_read_from_the_runs():
+    """The files' deployments give the GPU counts (flags override); PD on one GPU says it shares it."""
+    col, pd = json.loads(json.dumps(DECODE_BOUND_COLOCATED)), json.loads(json.dumps(DECODE_BOUND_PD))
+    col["deployment"] = {"workers": {"colocated": 1}, "gpus": 1}
+    pd["deployment"] = {"workers": {"prefill": 1, "decode": 1}, "gpus": 1}
+    v = advisor.advise(col, pd)
+    assert (v.numbers["colocated_gpus"], v.numbers["pd_gpus"], v.numbers["gpu_ratio"]) == (1, 1, 1.0)
+    assert "PD uses 1.0x the GPUs" in v.headline
+    assert v.evidence[0] == "GPUs: colocated 1 (read from the run (1 colocated worker(s) on 1 GPU(s))); PD 1 (read from the run (1 decode, 1 prefill worker(s) on 1 GPU(s)))"
+    assert v.evidence[1].startswith("PD runs 2 workers on 1 GPU(s): prefill and decode processes share them")
+    v = advisor.advise(col, pd, pd_gpus=2)
+    assert v.numbers["gpu_ratio"] == 2.0 and "PD 2 (given)" in v.evidence[0]
+    del pd["deployment"]
+    assert "PD 2 (assumed" in advisor.advise(col, pd).evidence[0]
+
+
+def test_ttft_breakdown_in_the_evidence():
+    col, pd = json.loads(json.dumps(DECODE_BOUND_COLOCATED)), json.loads(json.dumps(DECODE_BOUND_PD))
+    col["results"][-1]["ttft_breakdown"] = {"requests": 32, "router_mean_ttft_ms": 2000.0, "ttft_ms": {"queue": 1500.0, "prefill": 480.0, "other": 20.0}}
+    pd["results"][-1]["ttft_breakdown"] = {
+        "requests": 32, "router_mean_ttft_ms": 1800.0, "ttft_ms": {"queue": 1400.0, "prefill": 380.0, "other": 20.0},
+        "kv_bytes_per_request": 48e6, "kv_gb_per_s": 12.0, "kv_transfers": 32,
+        "handoff_ms": {"decode_queue": 10.0, "kv_transfer": 4.0, "first_decode": 60.0, "other": 6.0},
+    }  # fmt: skip
+    v = advisor.advise(col, pd)
+    lines = "\n".join(v.evidence)
+    assert "c=16: colocated TTFT 2000.0 ms (router, mean) = queue 1500.0 + prefill 480.0 + other 20.0 ms" in lines
+    assert "c=16: PD TTFT 1800.0 ms (router, mean) = queue 1400.0 + prefill 380.0 + other 20.0 ms" in lines
+    assert "PD hand-off, first token -> decode's first token, 80.0 ms (mean) = decode queue 10.0 + kv transfer 4.0" in lines
+    assert "(48.0 MB a request at 12.00 GB/s)" in lines
+    assert (v.numbers["pd_kv_transfer_ms"], v.numbers["pd_handoff_ms"], v.numbers["pd_kv_gb_per_s"]) == (4.0, 80.0, 12.0)

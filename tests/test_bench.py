@@ -1,6 +1,7 @@
 """`pdserve bench`: metric arithmetic, prompts, and runs against a real tiny pdserve cluster
-(tests/cluster.py): fields present and consistent with the server's usage, a worker killed
-mid-run gives failed counts and a finished report, plots written."""
+(tests/cluster.py): fields present and consistent with the server's usage, the router's TTFT
+breakdown (PD and colocated) and the deployment read from the router, a worker killed mid-run
+gives failed counts and a finished report, plots written."""
 
 from __future__ import annotations
 
@@ -113,6 +114,8 @@ def cluster(tmp_path_factory):
         c.prefill = c.worker("prefill")
         c.decode = c.worker("decode", peers=[c.prefill])
         c.pd_router = c.router(prefill=[c.prefill], decode=[c.decode])
+        c.colocated = c.worker("colocated")
+        c.col_router = c.router(colocated=[c.colocated])
         c.wait_healthy()
         yield c
 
@@ -171,6 +174,57 @@ def test_bench_against_cluster(cluster, tmp_path, capsys):
     both = tmp_path / "both.png"
     assert main(["plot", str(out), str(out), "-o", str(both), "--title", "pd twice"]) == 0
     assert both.read_bytes()[:4] == b"\x89PNG" and both.stat().st_size > 10_000
+
+
+def _bench_one_level(url: str, out) -> dict:
+    argv = ["--base-url", url, "--input-len", "40", "--output-len", "6", "--concurrency", "3", "--num-prompts", "6", "--disable-tqdm", "--out", str(out)]
+    assert main(argv) == 0
+    return json.loads(out.read_text())
+
+
+def _check_ttft_parts(r: dict) -> dict:
+    """Parts present, non-negative, and no more than the TTFT they split (router's, client's)."""
+    b = r["ttft_breakdown"]
+    assert b["requests"] == r["completed"] == 6
+    parts = b["ttft_ms"]
+    assert set(parts) == {"queue", "prefill", "other"} and all(v is not None and v >= 0 for v in parts.values())
+    assert parts["prefill"] > 0  # a 40-token prompt takes a step
+    assert sum(parts.values()) <= b["router_mean_ttft_ms"] + 0.5  # the router's span includes the dispatch's
+    assert b["router_mean_ttft_ms"] <= r["mean_ttft_ms"] + 0.5  # the client's adds the hop to it
+    return b
+
+
+def test_ttft_breakdown_pd(cluster, tmp_path, capsys):
+    decode_before = _scrape(cluster.decode.url)
+    doc = _bench_one_level(cluster.pd_router.url, tmp_path / "pd.json")
+    decode_after = _scrape(cluster.decode.url)
+    assert doc["deployment"]["workers"] == {"prefill": 1, "decode": 1} and doc["deployment"]["gpus"] == 0  # cpu
+    (r,) = doc["results"]
+    b = _check_ttft_parts(r)
+    handoff = b["handoff_ms"]
+    assert set(handoff) == {"decode_queue", "kv_transfer", "first_decode", "other"}
+    assert all(v is not None and v >= 0 for v in handoff.values()) and handoff["kv_transfer"] > 0 and handoff["first_decode"] > 0
+    # the hand-off ends at decode's first token, before the last: within the client's e2el - ttft
+    assert sum(handoff.values()) <= r["mean_e2el_ms"] - r["mean_ttft_ms"] + 5.0
+    # bytes per request as the router summed them from the workers' timing = the decode worker's own count
+    kv = decode_after["pdserve_kv_transfer_bytes_total"] - decode_before["pdserve_kv_transfer_bytes_total"]
+    assert b["kv_transfers"] == 6 and b["kv_bytes_per_request"] == pytest.approx(kv / 6) and kv > 0
+    assert b["kv_gb_per_s"] > 0
+    printed = capsys.readouterr().out
+    assert "KV GB/s" in printed and "dec queue" in printed
+
+
+def test_ttft_breakdown_colocated_and_advice(cluster, tmp_path, capsys):
+    doc = _bench_one_level(cluster.col_router.url, tmp_path / "col.json")
+    assert doc["deployment"]["workers"] == {"colocated": 1}
+    (r,) = doc["results"]
+    b = _check_ttft_parts(r)
+    assert b["handoff_ms"] is None and b["kv_transfers"] == 0 and b["kv_gb_per_s"] is None
+    _bench_one_level(cluster.pd_router.url, tmp_path / "pd.json")
+    assert main(["advise", str(tmp_path / "col.json"), str(tmp_path / "pd.json")]) == 0
+    out = capsys.readouterr().out
+    assert "c=3: colocated TTFT" in out and "c=3: PD TTFT" in out and "PD hand-off" in out
+    assert "GPUs: colocated 1 (assumed" in out  # a cpu cluster records no GPUs
 
 
 def test_sharegpt_over_chat_endpoint(cluster, tmp_path):

@@ -9,6 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+import torch
 
 from pdserve.cli import main
 from pdserve.health_cli import format_table, health_url
@@ -110,6 +111,20 @@ def test_make_tiny_model(tmp_path, capsys):
     with pytest.raises(SystemExit) as err:
         main(["make-tiny-model", str(tmp_path / "x"), "--arch", "llama"])
     assert err.value.code == 2
+    # a larger random model: config keys set, bf16 weights of the new shapes
+    big = ["make-tiny-model", str(tmp_path / "b"), "--set", "hidden_size=192", "--set", "n_routed_experts=4", "--dtype", "bfloat16"]
+    assert main(big) == 0
+    assert "wrote a random deepseek_v3 checkpoint (seed 0, bfloat16, 2 config keys set)" in capsys.readouterr().out
+    cfg = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert (cfg["hidden_size"], cfg["n_routed_experts"], cfg["dtype"]) == (192, 4, "bfloat16")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "b" / "model.safetensors"), "pt") as f:
+        embed = f.get_tensor("model.embed_tokens.weight")
+        assert embed.dtype == torch.bfloat16 and embed.shape[1] == 192
+        assert "model.layers.1.mlp.experts.3.up_proj.weight" in f.keys() and "model.layers.1.mlp.experts.4.up_proj.weight" not in f.keys()
+    assert main(["make-tiny-model", str(tmp_path / "c"), "--set", "hidden_sise=192"]) == 2
+    assert "unknown config keys for deepseek_v3: hidden_sise" in capsys.readouterr().err
 
 
 def test_launch_with_an_unknown_config_is_a_usage_error(capsys):

@@ -132,3 +132,18 @@ def test_cuda_worker_tp_must_match_gpus():
 def test_cpus_needs_a_node():
     assert "cpus narrows a NUMA node: set numa_node too" in _error(_with("prefill.0", {"port": 30000, "cpus": "0"}))
     assert parse_config(_with("prefill.0.cpus", "0")).prefill[0].cpus == "0"
+
+
+def test_one_gpu_pd_and_its_colocated_baseline():
+    """pd-1gpu: two processes sharing GPU 0 (each sees it as its only GPU), NIXL between them;
+    colocated-1gpu: the same worker settings in one engine on the same GPU."""
+    from pdserve.launch import plan
+
+    pd, col = load_config("pd-1gpu"), load_config("colocated-1gpu")
+    specs = {s.role: s for s in plan(pd, "/m")}
+    assert specs["prefill"].env["CUDA_VISIBLE_DEVICES"] == specs["decode"].env["CUDA_VISIBLE_DEVICES"] == "0"
+    assert specs["prefill"].port != specs["decode"].port and pd.transfer.backend == "nixl"
+    (p,), (d,), (c,) = pd.prefill, pd.decode, col.colocated
+    keys = ("device", "dtype", "kv_block_size", "num_kv_blocks", "max_num_seqs", "max_model_len")
+    assert [getattr(c, k) for k in keys] == [getattr(p, k) for k in keys] == [getattr(d, k) for k in keys]
+    assert c.max_num_batched_tokens == p.max_num_batched_tokens

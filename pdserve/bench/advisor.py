@@ -12,6 +12,11 @@ checked in this order:
   prefill_interference  no throughput gain, but PD cuts median TTFT or p99 ITL
                         by >= LATENCY_CUT at the highest common concurrency
   no_gain               none of the above
+
+GPU counts come from the files (`deployment.gpus`: distinct GPUs behind the router, which
+`pdserve bench` reads from its /workers) unless given; two processes sharing one GPU count once.
+Where the files recorded the router's TTFT breakdown, the evidence says where TTFT goes on each
+side and what PD's hand-off (queue, KV transfer, first decode step) adds before the second token.
 """
 
 from __future__ import annotations
@@ -157,8 +162,35 @@ def _measure(col_levels: dict[int, Level], pd_levels: dict[int, Level], gpu_rati
     )
 
 
+def _parts(b: dict[str, Any], names: tuple[str, ...], key: str) -> str:
+    return " + ".join(f"{name.replace('_', ' ')} {_num(b[key].get(name))}" for name in names)
+
+
+def _ttft_lines(c: int, col: Level, pd: Level) -> list[str]:
+    """Where TTFT goes at concurrency c, and PD's hand-off, from the router's breakdown (if recorded)."""
+    lines = []
+    for name, level in (("colocated", col), ("PD", pd)):
+        b = level.get("ttft_breakdown") or {}
+        if b.get("requests"):
+            parts = _parts(b, ("queue", "prefill", "other"), "ttft_ms")
+            lines.append(f"c={c}: {name} TTFT {_ms(b.get('router_mean_ttft_ms'))} (router, mean) = {parts} ms")
+    b = pd.get("ttft_breakdown") or {}
+    if b.get("handoff_ms"):
+        h = b["handoff_ms"]
+        total = sum(v for v in h.values() if v is not None)
+        mb = b.get("kv_bytes_per_request")
+        kv = "" if mb is None else f" ({mb / 1e6:.1f} MB a request at {_num(b.get('kv_gb_per_s'), 2)} GB/s)"
+        lines.append(
+            f"c={c}: PD hand-off, first token -> decode's first token, {total:.1f} ms (mean) = "
+            f"{_parts(b, ('decode_queue', 'kv_transfer', 'first_decode', 'other'), 'handoff_ms')} ms{kv}: "
+            "the first token is prefill's, so this is PD's cost to the second token, not to TTFT"
+        )
+    return lines
+
+
 def _evidence(col_levels: dict[int, Level], pd_levels: dict[int, Level], s: _Shape) -> list[str]:
     lines = [_level_line(c, col_levels[c], pd_levels[c]) for c in sorted(set(col_levels) & set(pd_levels))]
+    lines += _ttft_lines(s.top, col_levels[s.top], pd_levels[s.top])
     lines.append(
         f"throughput from c={s.lo} to c={s.hi}: PD x{_num(s.pd_scaling, 2)}, colocated x{_num(s.col_scaling, 2)} "
         f"(concurrency x{s.hi / s.lo:.0f}); PD median TPOT x{_num(s.tpot_growth, 1)}"
@@ -208,22 +240,63 @@ def _decide(s: _Shape) -> tuple[str, str]:
     return "no_gain", f"No gain from PD: {uses}; it {latency}; {reason}."
 
 
+DEFAULT_GPUS = {"colocated": 1, "PD": 2}  # when neither the files nor the caller say
+
+
+def _gpus(name: str, doc: dict[str, Any], given: int | None) -> tuple[int, str]:
+    """(GPU count, where it came from): the caller's, else the file's deployment, else the default."""
+    if given is not None:
+        return given, "given"
+    d = doc.get("deployment") or {}
+    if d.get("gpus"):
+        roles = ", ".join(f"{n} {role}" for role, n in sorted((d.get("workers") or {}).items()))
+        return int(d["gpus"]), f"read from the run ({roles} worker(s) on {d['gpus']} GPU(s))"
+    return DEFAULT_GPUS[name], "assumed: the file records no GPUs (pass --colocated-gpus / --pd-gpus)"
+
+
 def advise(
     colocated: dict[str, Any],
     pd: dict[str, Any],
-    colocated_gpus: int = 1,
-    pd_gpus: int = 2,
+    colocated_gpus: int | None = None,
+    pd_gpus: int | None = None,
     workers: dict[str, Any] | None = None,
 ) -> Verdict:
     """Verdict on PD vs colocated from two `pdserve bench` result documents.
+    GPU counts: as given, else from each file's deployment, else 1 and 2.
     `workers` (a `workers.worker_stats` dict, e.g. read live) overrides what the PD file recorded
     at its highest common concurrency."""
-    if colocated_gpus <= 0 or pd_gpus <= 0:
-        raise ValueError(f"GPU counts must be positive, got colocated={colocated_gpus} pd={pd_gpus}")
+    (n_col, col_src), (n_pd, pd_src) = _gpus("colocated", colocated, colocated_gpus), _gpus("PD", pd, pd_gpus)
+    if n_col <= 0 or n_pd <= 0:
+        raise ValueError(f"GPU counts must be positive, got colocated={n_col} pd={n_pd}")
     col_levels, pd_levels = _levels(colocated), _levels(pd)
-    shape = _measure(col_levels, pd_levels, pd_gpus / colocated_gpus, workers)
+    shape = _measure(col_levels, pd_levels, n_pd / n_col, workers)
     kind, headline = _decide(shape)
-    return Verdict(kind, headline, _evidence(col_levels, pd_levels, shape), shape.numbers())
+    evidence = [f"GPUs: colocated {n_col} ({col_src}); PD {n_pd} ({pd_src})", *_shared(pd), *_evidence(col_levels, pd_levels, shape)]
+    numbers = {**shape.numbers(), "colocated_gpus": n_col, "pd_gpus": n_pd, **_breakdown_numbers(pd_levels[shape.top])}
+    return Verdict(kind, headline, evidence, numbers)
+
+
+def _shared(pd: dict[str, Any]) -> list[str]:
+    """A note when PD's workers outnumber its GPUs: prefill and decode then take turns on them."""
+    d = pd.get("deployment") or {}
+    workers = sum((d.get("workers") or {}).values())
+    if not d.get("gpus") or workers <= d["gpus"]:
+        return []
+    return [
+        f"PD runs {workers} workers on {d['gpus']} GPU(s): prefill and decode processes share them (time-sliced), "
+        "so PD can keep prefill out of decode's batches but adds no compute; its KV moves within a GPU"
+    ]
+
+
+def _breakdown_numbers(pd: Level) -> dict[str, float | None]:
+    b = pd.get("ttft_breakdown") or {}
+    h = b.get("handoff_ms") or {}
+    return {
+        "pd_ttft_prefill_ms": (b.get("ttft_ms") or {}).get("prefill"),
+        "pd_kv_transfer_ms": h.get("kv_transfer"),
+        "pd_handoff_ms": sum(v for v in h.values() if v is not None) if h else None,
+        "pd_kv_gb_per_s": b.get("kv_gb_per_s"),
+    }
 
 
 def format_verdict(v: Verdict) -> str:

@@ -4,6 +4,7 @@ plot result files, or advise on PD vs colocated.
     pdserve bench [--base-url URL] --concurrency 1,8,16 --num-prompts 6,24,32 [--out r.json] [--plot r.png]
     pdserve bench plot a.json b.json -o out.png
     pdserve bench advise colocated.json pd.json [--colocated-gpus N --pd-gpus M] [--live --metrics-url URL ...]
+      (GPU counts default to what the files recorded: the distinct GPUs behind the router)
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import random
 import sys
 from typing import Any, Callable
 
-from pdserve.bench import advisor, dataset, report, workers
+from pdserve.bench import advisor, breakdown, dataset, report, workers
 from pdserve.bench.client import fetch_models, run_level
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
@@ -131,6 +132,7 @@ def _level(args: argparse.Namespace, model: str, requests: list[dataset.BenchReq
     from tqdm import tqdm
 
     before = _try_scrape(args.metrics_url)
+    router_before = _try(breakdown.scrape, args.base_url, args.api_key)
     with tqdm(total=len(requests), desc=f"c={concurrency}", disable=args.disable_tqdm) as bar:
         run = run_level(
             args.base_url, args.endpoint, model, requests, concurrency, args.request_rate, rng, args.api_key, args.timeout,
@@ -138,6 +140,11 @@ def _level(args: argparse.Namespace, model: str, requests: list[dataset.BenchReq
         )  # fmt: skip
         outputs, duration = asyncio.run(run)
     result = report.level_metrics(outputs, duration, concurrency, args.request_rate, slo)
+    router_after = _try(breakdown.scrape, args.base_url, args.api_key)
+    if isinstance(router_before, str) or isinstance(router_after, str):
+        result["ttft_breakdown"] = {"error": router_before if isinstance(router_before, str) else router_after}
+    else:
+        result["ttft_breakdown"] = breakdown.breakdown(router_before, router_after)
     if args.metrics_url:
         after = _try_scrape(args.metrics_url)
         if isinstance(before, str) or isinstance(after, str):
@@ -145,6 +152,15 @@ def _level(args: argparse.Namespace, model: str, requests: list[dataset.BenchReq
         else:
             result["worker_metrics"] = workers.worker_stats(before, after, duration)
     return result
+
+
+def _try(read: Callable[..., Any], *args: Any) -> Any:
+    """What read(*args) gives, or its error as text: a server that is not pdserve's router has no
+    breakdown, and that never stops the benchmark."""
+    try:
+        return read(*args)
+    except ValueError as e:
+        return str(e)
 
 
 def _try_scrape(urls: list[str]) -> list[workers.Scrape] | str:
@@ -167,6 +183,7 @@ def bench(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
+    deployment = _try(breakdown.deployment, args.base_url, args.api_key)
     results = []
     for i, (concurrency, num) in enumerate(zip(args.concurrency, args.num_prompts)):
         rng = random.Random(f"{args.seed}:{i}")  # each level its own prompts, the same on every run
@@ -180,9 +197,13 @@ def bench(argv: list[str]) -> int:
         "config": config,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "server": {"base_url": args.base_url, "endpoint": args.endpoint, "model": model, "models": models},
+        "deployment": {"error": deployment} if isinstance(deployment, str) else deployment,
         "client": {"host": platform.node(), "python": platform.python_version()},
     }
     print(report.format_table(results))
+    parts = breakdown.format_table(results)
+    if parts:
+        print(parts)
     report.write_json(args.out, doc)
     print(f"wrote {args.out}")
     if args.plot:
@@ -220,8 +241,8 @@ def advise_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="pdserve bench advise", description="Verdict on PD vs colocated from two result files.")
     p.add_argument("colocated", help="results JSON of the colocated deployment")
     p.add_argument("pd", help="results JSON of the PD deployment")
-    p.add_argument("--colocated-gpus", type=int, default=1)
-    p.add_argument("--pd-gpus", type=int, default=2)
+    p.add_argument("--colocated-gpus", type=int, default=None, help="default: the GPUs the colocated file records (else 1)")
+    p.add_argument("--pd-gpus", type=int, default=None, help="default: the GPUs the PD file records (else 2)")
     p.add_argument("--live", action="store_true", help="also read the running workers' /metrics for --watch seconds")
     p.add_argument("--metrics-url", action="append", default=[], help="a worker's /metrics (repeatable; with --live)")
     p.add_argument("--watch", type=_positive_float, default=30.0, help="seconds of live metrics to read")

@@ -18,6 +18,7 @@ from pdserve.disagg.base import KVHandle, PeerMetadata, TransferError, TransferS
 from pdserve.disagg.lease_table import DEFAULT_LEASE_S, release_message
 from pdserve.disagg.layout import KVLayout, Runs
 from pdserve.disagg.leasing_connector import LeasingConnector
+from pdserve.disagg.stats import LoadRecord
 from pdserve.model.kv_cache import KVCache
 
 
@@ -130,7 +131,7 @@ class FakeConnector(LeasingConnector):
             nbytes = self._copy(peer, load)
             del self._loads[rid]
             peer._inbox.append(release_message(rid))
-            self.stats.record_done(nbytes, time.monotonic() - load.started, load.num_descs)
+            self.stats.record_done(LoadRecord(rid, nbytes, load.started, time.monotonic() - load.started, load.num_descs))
             done.append(rid)
         failed, self._failed = self._failed, []
         return done, failed

@@ -37,6 +37,7 @@ from pdserve.disagg.base import KVHandle, PeerMetadata, TransferError, TransferS
 from pdserve.disagg.layout import KVLayout, Runs, build_descriptors, device_id, region_addrs
 from pdserve.disagg.lease_table import DEFAULT_LEASE_S, release_message
 from pdserve.disagg.leasing_connector import LeasingConnector
+from pdserve.disagg.stats import LoadRecord
 from pdserve.model.kv_cache import KVCache
 
 log = logging.getLogger("pdserve.disagg.nixl")
@@ -318,7 +319,7 @@ class NixlConnector(LeasingConnector):
                 continue
             del self._loads[rid]
             self._release_xfer(load.xfer)
-            self.stats.record_done(load.nbytes, load.seconds, load.num_descs)
+            self.stats.record_done(LoadRecord(rid, load.nbytes, load.started, load.seconds, load.num_descs))
             done.append(rid)
         failed, self._failed = self._failed, []
         return done, failed

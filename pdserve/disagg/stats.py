@@ -6,6 +6,21 @@ from collections import deque
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class LoadRecord:
+    """One finished KV read (decode side): what it moved and when, on this process's monotonic clock."""
+
+    request_id: str
+    nbytes: int
+    started: float  # time.monotonic() when the read was posted
+    seconds: float  # post to completion
+    descriptors: int
+
+    @property
+    def finished(self) -> float:
+        return self.started + self.seconds
+
+
 @dataclass
 class TransferStats:
     """Counters a worker exports as metrics. Decode side: loads; prefill side: leases."""
@@ -14,19 +29,23 @@ class TransferStats:
     transfers_done: int = 0
     transfers_failed: int = 0
     transfer_seconds_sum: float = 0.0
-    recent_transfer_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
+    recent_loads: deque[LoadRecord] = field(default_factory=lambda: deque(maxlen=1024))  # the latest, oldest first
     descriptors_sum: int = 0  # NIXL descriptors over all transfers (descriptors per request = this / done)
     failures_by_stage: dict[str, int] = field(default_factory=dict)
     leases_released: int = 0  # by a decode notification or an explicit release
     lease_expirations: int = 0
     control_failures: dict[str, int] = field(default_factory=dict)  # notify / drop_peer calls that raised
 
-    def record_done(self, nbytes: int, seconds: float, descriptors: int) -> None:
-        self.bytes_transferred += nbytes
+    def record_done(self, load: LoadRecord) -> None:
+        self.bytes_transferred += load.nbytes
         self.transfers_done += 1
-        self.transfer_seconds_sum += seconds
-        self.recent_transfer_seconds.append(seconds)
-        self.descriptors_sum += descriptors
+        self.transfer_seconds_sum += load.seconds
+        self.recent_loads.append(load)
+        self.descriptors_sum += load.descriptors
+
+    def load_of(self, request_id: str) -> LoadRecord | None:
+        """The request's finished read, if it is among the recent ones (newest searched first)."""
+        return next((r for r in reversed(self.recent_loads) if r.request_id == request_id), None)
 
     def record_failed(self, stage_name: str) -> None:
         self.transfers_failed += 1

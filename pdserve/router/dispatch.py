@@ -6,6 +6,9 @@
                  decode /internal/generate(handle, FirstToken) --> deltas --> yielded as they come
       colocated: colocated /internal/generate --> deltas
 
+The chunk with a worker's first new token carries its RequestTiming: the router splits its own TTFT
+(and, in PD, first token -> decode's first token) by it into histograms (metrics.py).
+
 Workers send deltas of new output with their offsets; the router checks that each chunk starts
 where the output stands (a decode worker's first chunk starts after the first token) and passes it
 on: nothing is joined or cut here.
@@ -30,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import AsyncIterator
 
 import httpx
@@ -96,11 +100,14 @@ class Dispatcher:
     # -- the two paths --
     async def _pd(self, req: Request, prefill: Worker, decode: Worker) -> AsyncIterator[GenerateChunk]:
         rid = req.request_id
+        t0 = time.monotonic()
         pw, first = await self._prefill(req.model_copy(update={"hold_kv": True}), prefill)
+        t1 = time.monotonic()
         if first is None or (first.finish_reason is None and first.kv_handle is None) or not first.token_ids:
             raise OpenAIError(502, f"prefill worker {pw.url} ended without a first token", code="upstream_error")
         if first.finish_reason == "error":
             raise OpenAIError(502, f"prefill failed: {first.error}", code="upstream_error")
+        self.metrics.observe_ttft(first.timing, t1 - t0)
         if first.finish_reason is not None:  # the first token already ended it: no KV is held
             yield first
             return
@@ -116,6 +123,7 @@ class Dispatcher:
             async for chunk in self._read(dw, dresp):
                 decode_read = chunk.finish_reason != "error"  # decode streams tokens only once the KV has arrived
                 _raise_if_failed(chunk, "decode")
+                self.metrics.observe_handoff(chunk.timing, time.monotonic() - t1)
                 finished = chunk.finish_reason is not None
                 yield chunk
         finally:
@@ -152,11 +160,13 @@ class Dispatcher:
 
     async def _colocated(self, req: Request) -> AsyncIterator[GenerateChunk]:
         rid = req.request_id
+        t0 = time.monotonic()
         w, resp = await self._open("colocated", req)
         finished = False
         try:
             async for chunk in self._read(w, resp):
                 _raise_if_failed(chunk, "worker")
+                self.metrics.observe_ttft(chunk.timing, time.monotonic() - t0)
                 finished = chunk.finish_reason is not None
                 yield chunk
         finally:

@@ -6,6 +6,14 @@ pdserve_time_to_first_token_seconds                 pdserve_router_upstream_erro
 pdserve_e2e_request_latency_seconds                 pdserve_router_retries_total{role}
 pdserve_router_prompt_tokens_total                  pdserve_router_worker_breaker_state{worker,role}
 pdserve_router_generation_tokens_total              pdserve_router_breaker_opens_total{worker,role}
+
+Where the time goes, from the RequestTiming a worker sends with its first new token:
+pdserve_router_ttft_breakdown_seconds{part}   queue | prefill (on the worker that made the first
+                                              token) | other (router, HTTP: the rest of the span)
+pdserve_router_pd_handoff_seconds{part}       PD, first token -> decode's first token: decode_queue
+                                              (waiting for blocks) | kv_transfer | first_decode | other
+pdserve_router_kv_transfer_bytes_total        KV bytes of those transfers (GB/s = this / the
+                                              kv_transfer part's sum)
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.wire.metrics import LATENCY_BUCKETS
+from pdserve.wire.protocol import RequestTiming
 
 
 class RouterMetrics:
@@ -32,3 +41,30 @@ class RouterMetrics:
         self.breaker_opens = Counter("pdserve_router_breaker_opens", "Times a worker's circuit breaker opened", ["worker", "role"], registry=r)
         self.prompt_tokens = Counter("pdserve_router_prompt_tokens", "Prompt tokens of served requests", registry=r)
         self.generation_tokens = Counter("pdserve_router_generation_tokens", "Tokens returned to clients", registry=r)
+        self.ttft_parts = Histogram(
+            "pdserve_router_ttft_breakdown_seconds", "Time to first token by part: queue, prefill, other", ["part"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.handoff_parts = Histogram(
+            "pdserve_router_pd_handoff_seconds", "PD first token to decode's first token by part", ["part"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.kv_bytes = Counter("pdserve_router_kv_transfer_bytes", "KV bytes decode workers read for the router's requests", registry=r)
+
+    def observe_ttft(self, timing: RequestTiming | None, seconds: float) -> None:
+        """The router's span to a request's first token (`seconds`), split by the worker's timing."""
+        if timing is None:
+            return
+        self.ttft_parts.labels("queue").observe(timing.queue_s)
+        self.ttft_parts.labels("prefill").observe(timing.compute_s)
+        self.ttft_parts.labels("other").observe(max(0.0, seconds - timing.queue_s - timing.compute_s))
+
+    def observe_handoff(self, timing: RequestTiming | None, seconds: float) -> None:
+        """PD: the span from the first token to decode's first chunk (`seconds`), split likewise."""
+        if timing is None:
+            return
+        worker = timing.queue_s + timing.compute_s + (timing.transfer_s or 0.0)
+        self.handoff_parts.labels("decode_queue").observe(timing.queue_s)
+        if timing.transfer_s is not None:
+            self.handoff_parts.labels("kv_transfer").observe(timing.transfer_s)
+            self.kv_bytes.inc(timing.transfer_bytes or 0)
+        self.handoff_parts.labels("first_decode").observe(timing.compute_s)
+        self.handoff_parts.labels("other").observe(max(0.0, seconds - worker))

@@ -64,6 +64,8 @@ class Worker:
             "seconds_since_probe": None if self.last_probe is None else round(time.monotonic() - self.last_probe, 3),
             "engine_id": self.info.engine_id if self.info else None,
             "max_model_len": self.info.max_model_len if self.info else None,
+            "device": self.info.device if self.info else None,
+            "gpus": self.info.gpus if self.info else None,
             "num_requests_running": h.num_requests_running if h else None,
             "num_requests_waiting": h.num_requests_waiting if h else None,
             "kv_blocks_used": h.kv_blocks_used if h else None,

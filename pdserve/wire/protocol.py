@@ -18,6 +18,10 @@ hands it to its engine as it is. A PD request, as the router drives it:
                      logprobs, text_offset))----------------> decode   (decode READs H's blocks,
     router <--GenerateChunk ... GenerateChunk(finish_reason)- decode    notifies prefill over NIXL)
 
+The chunk that carries a worker's first new token also carries its `RequestTiming`: how long the
+request queued there, the KV read (decode) and the compute up to that token. The router adds them
+to its TTFT and hand-off histograms (router/metrics.py).
+
 Chunks carry deltas of new output only, each with its offsets into the request's output
 (`token_offset`, `text_offset`): a decode worker starts after the first token and after the text
 the client already has (FirstToken.text_offset), so the router only checks that the offsets
@@ -39,12 +43,12 @@ from pdserve.disagg.base import KVHandle, TransferFailure
 from pdserve.engine.request import REQUEST_ID_PATTERN, FirstToken, Request
 from pdserve.outputs import TokenLogprobs
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 SECRET_HEADER = "x-pdserve-cluster-secret"
 
 Role = Literal["prefill", "decode", "colocated"]
 
-__all__ = ["FirstToken", "GenerateChunk", "Request", "RequestRef", "Ack", "WorkerInfo", "WorkerHealth", "RouterHealth"]
+__all__ = ["FirstToken", "RequestTiming", "GenerateChunk", "Request", "RequestRef", "Ack", "WorkerInfo", "WorkerHealth", "RouterHealth"]
 
 
 class _Message(BaseModel):
@@ -60,6 +64,23 @@ class _Message(BaseModel):
         return v
 
 
+class RequestTiming(BaseModel):
+    """A worker's account of one request, from its arrival there to the first token it produced,
+    in seconds on the worker's monotonic clock; the parts add up to that whole span.
+
+    prefill, colocated (and decode when it recomputes): queue_s = arrival -> the step that first
+    ran it, compute_s = that step's start -> the end of the step that sampled the token.
+    decode with a KV read: queue_s = arrival -> read posted (waiting for blocks), transfer_s = the
+    read, compute_s = read done -> end of the first decode step (scheduling included)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    queue_s: float = Field(ge=0)
+    compute_s: float = Field(ge=0)
+    transfer_s: float | None = Field(None, ge=0)
+    transfer_bytes: int | None = Field(None, ge=0)
+
+
 class GenerateChunk(_Message):
     request_id: str
     token_offset: int  # index of token_ids[0] in the request's output
@@ -73,6 +94,7 @@ class GenerateChunk(_Message):
     error: str | None = None  # finish_reason "error": why
     transfer_error: TransferFailure | None = None  # finish_reason "error" from a failed KV load
     num_prompt_tokens: int = 0
+    timing: RequestTiming | None = None  # on the chunk with this worker's first new token
 
 
 class RequestRef(_Message):
@@ -94,6 +116,7 @@ class WorkerInfo(_Message):
     device: str
     dtype: str
     transfer_backend: str | None  # None: no connector (role colocated)
+    gpus: list[str] = Field(default_factory=list)  # UUIDs of the GPUs its ranks use (none on cpu)
     pdserve_version: str
 
 

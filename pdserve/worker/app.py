@@ -8,8 +8,9 @@ Internal (pdserve.wire.protocol): /internal/generate, /internal/abort, /internal
 /internal/generate takes the engine's Request as its body and hands it to the engine as it is (a
 decode worker first fetches the prefill peer's transfer metadata, on the event loop: peers.py).
 The engine's cumulative outputs go out as NDJSON deltas of new output only; a decode worker's
-start after the first token and the text the client already has (Request.first_token). If the
-reader goes away before the request finished (however the response ends, even before it
+start after the first token and the text the client already has (Request.first_token). The first
+chunk with a new token carries the request's RequestTiming (queue, KV read, compute: timing.py).
+If the reader goes away before the request finished (however the response ends, even before it
 started), the request is aborted, which frees its blocks (and, on prefill, any KV it holds).
 """
 
@@ -136,8 +137,11 @@ async def _chunks(state: WorkerState, req: Request, stream: RequestStream) -> As
     first = req.first_token
     sent_tokens, sent_text = (1, first.text_offset) if first is not None else (0, 0)
     metrics = state.metrics
+    timed = False
     async for out in stream:
         chunk = _delta(out, req, sent_tokens, sent_text)
+        if not timed and chunk.token_ids:  # this worker's first new token: its timing goes with it
+            chunk.timing, timed = stream.timing, True
         if req.first_token is None and sent_tokens == 0 and chunk.token_ids:
             metrics.prompt_tokens.inc(len(req.prompt_token_ids))
         metrics.generation_tokens.inc(len(chunk.token_ids))

@@ -10,6 +10,8 @@ expiries). If step() raises, the engine is dead: every open stream gets an error
 turns False, and /health reports it. The thread beats (`last_beat`) at every turn of its loop, so
 a step that hangs (a stopped rank, a stuck collective) shows as a beat that grows old while
 requests are open: `stalled()` says so once it is older than the stall timeout, and /health is 503.
+Around each step a RequestTimer (timing.py) notes when a request first ran and, with the first
+output that holds a new token, gives the stream its RequestTiming.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from pdserve.disagg.base import PeerMetadata
 from pdserve.engine.llm_engine import EngineStats, LLMEngine
 from pdserve.engine.request import Request
 from pdserve.outputs import CompletionOutput, RequestOutput
+from pdserve.wire.protocol import RequestTiming
 from pdserve.worker.metrics import WorkerMetrics
+from pdserve.worker.timing import RequestTimer
 
 log = logging.getLogger("pdserve.worker")
 
@@ -43,9 +47,12 @@ class RequestStream:
         self._latest: RequestOutput | None = None
         self._event = asyncio.Event()
         self.finished = False
+        self.timing: RequestTiming | None = None  # set with the first output holding a new token
 
-    def put(self, out: RequestOutput) -> None:
+    def put(self, out: RequestOutput, timing: RequestTiming | None = None) -> None:
         """Engine thread."""
+        if timing is not None:
+            self.timing = timing
         self._latest = out
         self._loop.call_soon_threadsafe(self._event.set)
 
@@ -66,6 +73,7 @@ class AsyncEngine:
         self.metrics = metrics
         self.stall_s = stall_s
         self._streams: dict[str, RequestStream] = {}
+        self.timer = RequestTimer()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
@@ -119,15 +127,18 @@ class AsyncEngine:
             raise ValueError(f"request id {rid!r} is already in use on this worker")
         stream = RequestStream(rid, asyncio.get_running_loop())
         self._streams[rid] = stream
+        self.timer.add(rid, time.monotonic(), 1 if request.first_token is not None else 0)
         try:
             self.engine.add_request(request, peer)
         except BaseException:
             self._streams.pop(rid, None)
+            self.timer.forget(rid)
             raise
         self._wake.set()
         return stream
 
     def abort(self, request_id: str) -> None:
+        self.timer.forget(request_id)
         self.engine.abort_request(request_id)
         self._wake.set()
 
@@ -155,16 +166,19 @@ class AsyncEngine:
         self._wake.clear()
 
     def _step(self) -> None:
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         outputs = self.engine.step()
-        dt = time.perf_counter() - t0
+        t1 = time.monotonic()
         sched = self.engine.last_schedule
+        self.timer.on_step(sched, t0)
         if self.metrics is not None:
             if sched is not None and not sched.is_empty:
                 is_prefill = any(s.is_prefill for s in sched.scheduled)
-                self.metrics.observe_step(dt, is_prefill, len(sched.scheduled))
+                self.metrics.observe_step(t1 - t0, is_prefill, len(sched.scheduled))
             self._sync_metrics()
+        transfers = self.engine.transfer_stats()
         for out in outputs:
+            timing = self.timer.first_token(out, t1, transfers)
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
@@ -172,7 +186,7 @@ class AsyncEngine:
                 del self._streams[out.request_id]
                 if self.metrics is not None:  # None: a prefill handing its KV to a decode worker
                     self.metrics.finished.labels(out.outputs[0].finish_reason or "kv_handoff").inc()
-            stream.put(out)
+            stream.put(out, timing)
 
     def _pause_if_only_loading(self) -> None:
         stats = self.engine.get_stats()

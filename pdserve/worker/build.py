@@ -50,6 +50,7 @@ def build_worker(cfg: WorkerServeConfig) -> FastAPI:
         device=engine_config.device,
         dtype=engine_config.resolved_dtype(),
         transfer_backend=t.backend if connector is not None else None,
+        gpus=_gpu_ids(engine_config.device, engine_config.tensor_parallel_size),
         pdserve_version=__version__,
     )
     metrics = WorkerMetrics()
@@ -79,6 +80,19 @@ def _connector(cfg: WorkerServeConfig) -> KVConnector:
         options=t.options,
     )
     return make_connector(t.backend, cfg.engine_id, settings)
+
+
+def _gpu_ids(device: str, tp_size: int) -> list[str]:
+    """UUIDs of the GPUs the worker's ranks use: what tells two processes on one GPU from two GPUs
+    (`pdserve bench` counts a deployment's GPUs by them)."""
+    if not device.startswith("cuda"):
+        return []
+    import torch
+
+    from pdserve.distributed.group import rank_device
+
+    props = [torch.cuda.get_device_properties(rank_device(device, r)) for r in range(tp_size)]
+    return [str(getattr(p, "uuid", None) or f"{p.name} #{rank_device(device, r).index}") for r, p in enumerate(props)]
 
 
 def _is_loopback(host: str) -> bool:

@@ -60,8 +60,8 @@ class WorkerMetrics:
         self.lease_expirations.inc(stats.lease_expirations - seen.lease_expirations)
         new = stats.transfers_done - seen.transfers_done
         if new > 0:
-            for s in list(stats.recent_transfer_seconds)[-new:]:
-                self.transfer_time.observe(s)
+            for load in list(stats.recent_loads)[-new:]:
+                self.transfer_time.observe(load.seconds)
         seen.bytes_transferred = stats.bytes_transferred
         seen.transfers_failed = stats.transfers_failed
         seen.lease_expirations = stats.lease_expirations
