@@ -184,3 +184,14 @@ def test_baseline_is_eager_on_the_reference_kernels(tmp_path):
     with bench.reference_kernels():
         assert bench.runner.graphs is None and ops._use_triton(torch.zeros(1, device="meta")) is False
     assert bench.runner.graphs is captured and ops._forced is None
+
+
+def test_fp8_records_filled_finite():
+    """The bench's random FP8 KV records (V3.2 layout) dequantize to finite values."""
+    from pdserve.bench.engine.decode import _fill_fp8_records
+    from pdserve_kernels.kv_fp8 import unpack_kv_fp8
+
+    rows = torch.zeros(64, 656, dtype=torch.uint8)
+    _fill_fp8_records(rows, torch.Generator().manual_seed(0))
+    kv = unpack_kv_fp8(rows, 512, 576)
+    assert torch.isfinite(kv).all() and kv[:, :512].abs().max() <= 1.0 and kv[:, :512].std() > 0.1

@@ -41,7 +41,7 @@ class DecodeBench:
         latent = kv.specs.get("latent")
         self.latent_record_bytes = latent.dim if latent is not None and latent.byte_record else None  # FP8 records
         self.gen = torch.Generator().manual_seed(config.seed)
-        fill_kv(self.runner.kv_cache.regions.values(), config.seed)
+        fill_kv(self.runner.kv_cache, config.seed)
 
     def make_batch(self, batch: int, context: int) -> list[Sequence]:
         """`batch` sequences with `context` tokens in the cache and one to decode next; a failure
@@ -105,12 +105,31 @@ class DecodeBench:
 
 
 @torch.no_grad()
-def fill_kv(regions, seed: int) -> None:
-    """Random N(0, 1) records in every region of the pool (the context the step reads)."""
-    gens: dict[torch.device, torch.Generator] = {}
-    for t in regions:
-        g = gens.setdefault(t.device, torch.Generator(device=t.device).manual_seed(seed))
-        t.normal_(generator=g)
+def fill_kv(kv_cache, seed: int) -> None:
+    """Random records in every region of the pool (the context the step reads): N(0, 1) values,
+    and for FP8 byte records random finite e4m3 values with scale 1/448 and N(0, 1) bf16 rope."""
+    for name, t in kv_cache.regions.items():
+        g = torch.Generator(device=t.device).manual_seed(seed)
+        if t.dtype != torch.uint8:
+            t.normal_(generator=g)
+            continue
+        _fill_fp8_records(t.view(-1, t.shape[-1]), g)
+
+
+def _fill_fp8_records(rows: torch.Tensor, g: torch.Generator) -> None:
+    """rows [N, R] uint8 in kernels/kv_fp8.py's layout; R = d_v + 4 d_v / 128 + 2 tail gives d_v
+    for the tail widths DeepSeek uses (64)."""
+    from pdserve_kernels.kv_fp8 import GROUP, record_bytes
+
+    R, tail = rows.shape[1], 64
+    d_v = next(d for d in range(GROUP, R, GROUP) if record_bytes(d, tail) == R)
+    G = d_v // GROUP
+    vals = torch.randint(0, 0x7F, (rows.shape[0], d_v), generator=g, device=rows.device, dtype=torch.uint8)  # no NaN (0x7F)
+    sign = torch.randint(0, 2, vals.shape, generator=g, device=rows.device, dtype=torch.uint8) << 7
+    rows[:, :d_v] = vals | sign
+    rows[:, d_v : d_v + 4 * G] = torch.full((rows.shape[0], G), 1 / 448, device=rows.device).view(torch.uint8)
+    rope = torch.randn(rows.shape[0], tail, generator=g, device=rows.device).to(torch.bfloat16)
+    rows[:, d_v + 4 * G :] = rope.view(torch.uint8)
 
 
 @contextmanager
