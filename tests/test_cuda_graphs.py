@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from pdserve.engine.cuda_graphs import CudaGraphRunner, graph_sizes
+from pdserve.engine.cuda_graphs import CudaGraphRunner, context_buckets, graph_sizes
 from pdserve.model.batch import ForwardBatch, StepInputs
 from pdserve.model.kv_cache import KVCache
 from pdserve.model.loader import load_model
@@ -24,6 +24,8 @@ def test_graph_sizes():
     assert graph_sizes(1) == [1]
     assert graph_sizes(20) == [1, 2, 4, 8, 16, 20]
     assert graph_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert context_buckets(4096) == [4096] and context_buckets(40) == [40]
+    assert context_buckets(163840) == [4096, 16384, 65536, 163840]
 
 
 @pytest.fixture(scope="module", params=["deepseek_v3", "deepseek_v32"])
@@ -52,10 +54,11 @@ def test_padded_static_batch_gives_the_eager_rows(model):
     want = model.forward(ForwardBatch.build(decode, BS), eager_kv)  # [3, hidden]
 
     runner = CudaGraphRunner(model, kv, max_bs=8, max_len=40, scratch_block=num_blocks)
-    runner.replay = lambda g: runner.outputs.__setitem__(g, model.forward(runner.static_batch(g), kv))
+    runner.buckets = [8, 16, 40]  # small context buckets: this step's longest context, 7, takes the first
+    runner.replay = lambda key: runner.outputs.__setitem__(key, model.forward(runner.static_batch(*key), kv))
     assert runner.fits(decode)
-    got = runner.run(decode)  # 3 rows padded to a graph of 4
-    assert runner.outputs[4].shape[0] == 4
+    got = runner.run(decode)  # 3 rows padded to a graph of 4, contexts up to 8
+    assert list(runner.outputs) == [(4, 8)] and runner.outputs[4, 8].shape[0] == 4
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     written = torch.zeros(num_blocks, BS, dtype=torch.bool)  # the decode tokens' slots: 2*4+2, 0*4+3, 9*4+1
     written.view(-1)[[10, 3, 37]] = True

@@ -1,13 +1,15 @@
 """Decode steps replayed as CUDA graphs (nano-vllm's and vLLM's scheme), so a decode step costs
 its kernels and not the Python and launches of every layer.
 
-One graph per batch size of a ladder (1, 2, 4, 8, then every 16 up to `cuda_graph_max_bs`), all
-sharing one memory pool, captured largest first. A step of B one-token decodes replays the
-smallest graph of at least B rows; the graph reads its inputs from static buffers that the step
-fills first. The extra rows are padding: they attend to nothing (context length 0) and write their
-KV records into the pool's scratch block, one block past those the BlockManager hands out, so no
-sequence's record is touched. The paged attention kernels are sized for max_model_len (a fixed
-grid) and each query stops at its own context.
+One graph per (batch size, context bucket): batch sizes of a ladder (1, 2, 4, 8, then every 16 up
+to `cuda_graph_max_bs`), contexts 4K, 16K, 64K, ... (x4) up to max_model_len; all share one memory
+pool, captured largest first. A step of B one-token decodes whose longest context is C replays the
+graph of the smallest size >= B and the smallest bucket >= C; the graph reads its inputs from
+static buffers that the step fills first. The extra rows are padding: they attend to nothing
+(context length 0) and write their KV records into the pool's scratch block, one block past those
+the BlockManager hands out, so no sequence's record is touched. The paged kernels' grids (and the
+indexer's [G, C] scores and top-k) are sized by the bucket, not by max_model_len, and each query
+stops at its own context.
 
 Used when: CUDA, not `enforce_eager`, one engine rank (tensor parallelism runs eager), a model that
 declares `supports_cuda_graphs` (DeepSeek-V3/V3.2; V4's per-sequence cache state is gathered on
@@ -28,6 +30,15 @@ from pdserve.model.batch import ForwardBatch, StepInputs
 from pdserve.model.kv_cache import KVCache
 
 
+def context_buckets(max_len: int, first: int = 4096) -> list[int]:
+    """Context bounds captured: 4096, 16384, 65536, ... below max_len, then max_len."""
+    buckets, c = [], first
+    while c < max_len:
+        buckets.append(c)
+        c *= 4
+    return buckets + [max_len]
+
+
 def graph_sizes(max_bs: int) -> list[int]:
     """Batch sizes captured: 1, 2, 4, 8, 16, 32, 48, ... up to max_bs (and max_bs itself)."""
     sizes = [s for s in (1, 2, 4, 8) if s <= max_bs] + list(range(16, max_bs + 1, 16))
@@ -38,6 +49,7 @@ class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, *, max_bs: int, max_len: int, scratch_block: int) -> None:
         self.model, self.kv_cache = model, kv_cache
         self.sizes = graph_sizes(max_bs)
+        self.buckets = context_buckets(max_len)
         self.max_len = max_len
         self.block_size = bs = kv_cache.block_size
         self.width = -(-max_len // bs)
@@ -50,33 +62,35 @@ class CudaGraphRunner:
         self.context_lens = torch.zeros(G, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(G, self.width, dtype=torch.int32, device=dev)
         self.rows = torch.arange(G, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}  # [G, hidden] each graph's output buffer
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}  # (G, bucket) -> [G, hidden] output buffer
 
-    def static_batch(self, g: int) -> ForwardBatch:
-        """The ForwardBatch a graph of g rows is captured with: views of the static buffers."""
+    def static_batch(self, g: int, bucket: int) -> ForwardBatch:
+        """The ForwardBatch a graph of g rows and contexts up to `bucket` is captured with: views
+        of the static buffers."""
         none = torch.full((g, 1), -1, dtype=torch.int64, device=self.rows.device)
         return ForwardBatch(
             input_ids=self.input_ids[:g], positions=self.positions[:g], slot_mapping=self.slot_mapping[:g],
             seq_ids=self.seq_ids[:g], context_lens=self.context_lens[:g], decode_rows=self.rows[:g], prefill=None,
             logits_indices=self.rows[:g], starts=self.positions[:g], lens=torch.ones_like(self.positions[:g]),
             block_tables=self.block_tables[:g], window_tables=none, state_slots=none[:, 0],
-            block_size=self.block_size, max_context=self.max_len,
+            block_size=self.block_size, max_context=bucket,
         )  # fmt: skip
 
     def capture(self) -> None:
         """Capture every size, largest first (later ones reuse its pool); each after one eager
         warm-up run (Triton compiles, kernels size their scratch buffers outside the capture)."""
         pool = None
-        for g in reversed(self.sizes):
-            batch = self.static_batch(g)
-            self.model.forward(batch, self.kv_cache)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[g] = self.model.forward(batch, self.kv_cache)
-            pool = graph.pool() if pool is None else pool
-            self.graphs[g] = graph
+        for c in reversed(self.buckets):
+            for g in reversed(self.sizes):
+                batch = self.static_batch(g, c)
+                self.model.forward(batch, self.kv_cache)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[g, c] = self.model.forward(batch, self.kv_cache)
+                pool = graph.pool() if pool is None else pool
+                self.graphs[g, c] = graph
         torch.cuda.synchronize()
 
     def fits(self, step: StepInputs) -> bool:
@@ -91,14 +105,15 @@ class CudaGraphRunner:
 
     def run(self, step: StepInputs) -> torch.Tensor:
         """hidden [B, hidden] of a step that `fits`: fill the buffers, replay the graph of G rows."""
-        g = self.fill(step)
-        self.replay(g)
-        return self.outputs[g][: step.lens.numel()]
+        key = self.fill(step)
+        self.replay(key)
+        return self.outputs[key][: step.lens.numel()]
 
-    def fill(self, step: StepInputs) -> int:
-        """Write the step into the static buffers; returns G, the graph's row count."""
+    def fill(self, step: StepInputs) -> tuple[int, int]:
+        """Write the step into the static buffers; returns the graph's (rows G, context bucket)."""
         B, bs = step.lens.numel(), self.block_size
         g = self.sizes[bisect.bisect_left(self.sizes, B)]
+        bucket = self.buckets[bisect.bisect_left(self.buckets, int((step.starts + 1).max()))]
         pos, tables = step.starts, step.block_tables
         slots = tables[torch.arange(B), pos // bs] * bs + pos % bs
         pad = g - B  # padding rows: token 0 at position 0, no context, writes to the scratch slot
@@ -113,7 +128,7 @@ class CudaGraphRunner:
         self.input_ids[:g], self.positions[:g], self.slot_mapping[:g] = rows[0], rows[1], rows[2]
         self.seq_ids[:g], self.context_lens[:g] = rows[3].to(torch.int32), rows[4].to(torch.int32)
         self.block_tables[:B, : tables.shape[1]] = tables.to(self.block_tables.device, torch.int32, non_blocking=True)
-        return g
+        return g, bucket
 
-    def replay(self, g: int) -> None:
-        self.graphs[g].replay()
+    def replay(self, key: tuple[int, int]) -> None:
+        self.graphs[key].replay()
