@@ -132,8 +132,18 @@ class TextPart(BaseModel):
     text: Text
 
 
+# The content rule below, in the OpenAPI schema too, so that clients and schema-driven fuzzers see
+# that only an assistant message may leave content out.
+_CONTENT_RULE = {
+    "oneOf": [
+        {"properties": {"role": {"enum": ["system", "developer", "user", "tool"]}, "content": {"not": {"type": "null"}}}, "required": ["content"]},
+        {"properties": {"role": {"const": "assistant"}}},
+    ]
+}
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra=_CONTENT_RULE)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | Annotated[list[TextPart], Field(min_length=1)] | None = None
