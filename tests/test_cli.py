@@ -167,3 +167,13 @@ def test_console_script_runs_cli_main():
     exe = Path(sys.executable).parent / "pdserve"
     proc = subprocess.run([str(exe), "health", "--timeout", "0"], capture_output=True, text=True)
     assert proc.returncode == 2 and "--timeout must be > 0" in proc.stderr
+
+
+def test_launch_model_flag_names_what_it_serves():
+    """`pdserve launch --model tiny:deepseek_v4` with the default config (served as tiny-deepseek-v3)
+    serves the V4 model under its own name, not the config's."""
+    from pdserve.cli import served_name
+
+    assert served_name("tiny:deepseek_v4") == "tiny-deepseek-v4"
+    assert served_name("tiny:deepseek_v32") == "tiny-deepseek-v32"
+    assert served_name("/models/DeepSeek-V4-Flash") is None
