@@ -44,19 +44,7 @@ def _launch(args: argparse.Namespace) -> int:
         return 2
     if args.router_host:
         cfg = cfg.model_copy(update={"router": cfg.router.model_copy(update={"host": args.router_host})})
-    if args.model and args.model != cfg.model:  # the config's served name was its own model's
-        cfg = cfg.model_copy(update={"served_model_name": served_name(args.model)})
     return launch(cfg, model=args.model, log_dir=args.log_dir)
-
-
-def served_name(model: str) -> str | None:
-    """The name clients use for a model given on the command line: tiny:deepseek_v4 ->
-    tiny-deepseek-v4; a folder -> None (the router serves it under the path as given)."""
-    from pdserve.config import TINY_PREFIX
-
-    if model.startswith(TINY_PREFIX):
-        return "tiny-" + model.removeprefix(TINY_PREFIX).replace("_", "-")
-    return None
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:

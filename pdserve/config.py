@@ -27,6 +27,14 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = "tiny-cpu"
 TINY_ARCHS = ("deepseek_v3", "deepseek_v32", "deepseek_v4")
 TINY_PREFIX = "tiny:"  # model "tiny:<arch>": the tiny random checkpoint, made in the cache on first use
+
+
+def default_served_name(model: str) -> str | None:
+    """The name clients use when served_model_name is not set: tiny:deepseek_v4 ->
+    tiny-deepseek-v4; None for a folder (the router serves it under the path as given)."""
+    if model.startswith(TINY_PREFIX):
+        return "tiny-" + model.removeprefix(TINY_PREFIX).replace("_", "-")
+    return None
 WorkerRole = Literal["prefill", "decode", "colocated"]
 PolicyName = Literal["round_robin", "least_load", "power_of_two"]  # router/policies.py
 DEFAULT_PORTS = {"router": 8000, "prefill": 30000, "decode": 30001, "colocated": 30002}

@@ -39,7 +39,7 @@ from typing import TextIO
 
 import httpx
 
-from pdserve.config import ClusterConfig, RestartPolicy, RouterServeConfig, WorkerConfig, WorkerServeConfig, cache_dir, resolve_model
+from pdserve.config import ClusterConfig, RestartPolicy, RouterServeConfig, WorkerConfig, WorkerServeConfig, cache_dir, default_served_name, resolve_model
 from pdserve.health_cli import format_table
 from pdserve.numa import PinPlan, format_cpulist, plan_pinning, process_cpus
 
@@ -425,6 +425,8 @@ def launch(cfg: ClusterConfig, model: str | None = None, log_dir: str | None = N
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        if cfg.served_model_name is None:  # tiny:<arch> is served as tiny-<arch>, whichever arch --model names
+            cfg = cfg.model_copy(update={"served_model_name": default_served_name(model or cfg.model)})
         specs = plan(cfg, resolve_model(model or cfg.model))
         busy = [f"{s.name} ({s.host}:{s.port})" for s in specs if not port_free(s.host, s.port)]
         if busy:

@@ -169,11 +169,12 @@ def test_console_script_runs_cli_main():
     assert proc.returncode == 2 and "--timeout must be > 0" in proc.stderr
 
 
-def test_launch_model_flag_names_what_it_serves():
-    """`pdserve launch --model tiny:deepseek_v4` with the default config (served as tiny-deepseek-v3)
-    serves the V4 model under its own name, not the config's."""
-    from pdserve.cli import served_name
+def test_tiny_models_are_served_under_their_arch():
+    """Without served_model_name, `pdserve launch` (default config: tiny:deepseek_v3) serves
+    tiny-deepseek-v3, and `--model tiny:deepseek_v4` serves tiny-deepseek-v4, not the default's name."""
+    from pdserve.config import default_served_name, load_config
 
-    assert served_name("tiny:deepseek_v4") == "tiny-deepseek-v4"
-    assert served_name("tiny:deepseek_v32") == "tiny-deepseek-v32"
-    assert served_name("/models/DeepSeek-V4-Flash") is None
+    assert load_config().served_model_name is None
+    assert default_served_name("tiny:deepseek_v3") == "tiny-deepseek-v3"
+    assert default_served_name("tiny:deepseek_v4") == "tiny-deepseek-v4"
+    assert default_served_name("/models/DeepSeek-V4-Flash") is None
