@@ -13,3 +13,14 @@ import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def restore_torch_threads():
+    """An engine with cpu_threads sets torch's threads process-wide: leave the rest of the suite as found."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)

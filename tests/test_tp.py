@@ -26,7 +26,7 @@ from pdserve.distributed.group import TPGroup
 from pdserve.model.loader import load_model
 from pdserve.tiny_model import make_tiny_model
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("restore_torch_threads")]
 
 ARCHS = ("deepseek_v3", "deepseek_v32")
 _rng = random.Random(7)
@@ -34,13 +34,6 @@ PROMPTS = [[_rng.randrange(4, 800) for _ in range(n)] for n in (1, 3, 6, 11, 17,
 MAX_TOKENS = (9, 4, 12, 1, 7, 10, 5)
 # small blocks and a 16-token step budget: prefills are chunked and share steps with decodes
 ENGINE = dict(cpu_threads=1, kv_block_size=4, num_kv_blocks=128, max_num_batched_tokens=16, skip_tokenizer_init=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _restore_threads():
-    n = torch.get_num_threads()  # cpu_threads is process-wide; leave the rest of the suite as found
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

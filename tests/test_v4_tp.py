@@ -35,7 +35,7 @@ from pdserve.model.deepseek_v4 import DeepseekV4ForCausalLM
 from pdserve.model.v4_loader import load_v4_model
 from pdserve.tiny_model import make_tiny_model
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("restore_torch_threads")]
 
 TP8 = dict(
     num_hidden_layers=4, layer_types=[HCA, CSA, SLIDING, CSA], mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
@@ -43,13 +43,6 @@ TP8 = dict(
     o_lora_rank=16, index_topk=3, partial_rotary_factor=8 / 32,
 )  # fmt: skip
 ENGINE = dict(cpu_threads=1, kv_block_size=4, max_num_batched_tokens=11)  # chunked prefill beside decodes
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _restore_threads():
-    n = torch.get_num_threads()  # cpu_threads is process-wide; leave the rest of the suite as found
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
