@@ -86,12 +86,8 @@ def paged_mla_decode(q, kv, block_tables, seq_ids, context_lens, page: int, max_
             out, lse = kernel(_half(q), kv, block_tables, seq_ids, context_lens, page, max_len, sm_scale, d_v, sink=sink)
             return out.to(q.dtype), lse
         return kernel(q, kv, block_tables, seq_ids, context_lens, page, max_len, sm_scale, d_v, sink=sink)
-    if kv.dtype == torch.uint8:  # dequantize only the rows the queries read
-        idx = ref.paged_slots(block_tables, seq_ids, context_lens, page, max_len)  # [T, C]
-        rows = unpack_kv_fp8(kv[idx.clamp(min=0).long().flatten()], d_v, q.shape[3]).to(q.dtype)
-        local = torch.where(idx >= 0, torch.arange(idx.numel(), device=idx.device).view_as(idx), -1).to(torch.int32)
-        return ref.sparse_mla_decode_ref(q, rows, local[:, None], sm_scale, d_v, sink=sink)
-    return ref.paged_mla_decode_ref(q, kv, block_tables, seq_ids, context_lens, page, max_len, sm_scale, d_v, sink=sink)
+    idx = ref.paged_slots(block_tables, seq_ids, context_lens, page, max_len)  # [T, C]: the reference expands
+    return sparse_mla_decode(q, kv, idx[:, None], sm_scale, d_v, sink=sink)
 
 
 def fp8_record_bytes(d_v: int, tail: int) -> int:
