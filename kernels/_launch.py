@@ -29,7 +29,13 @@ def capability(device: torch.device) -> int:
 
 
 def next_pow2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division for host code: `triton.cdiv` is a constexpr function whose Python call
+    costs ~20 us (argument unwrapping), several times per launch at decode shapes."""
+    return -(-a // b)
 
 
 def interpreting() -> bool:

@@ -9,10 +9,9 @@ import dataclasses
 import math
 
 import torch
-import triton
 
 from pdserve_kernels import configs, kv_fp8, ref, sparse_mla
-from pdserve_kernels._launch import capability, sm_count
+from pdserve_kernels._launch import capability, cdiv, sm_count
 from pdserve_kernels.baseline import sparse_mla_decode_per_head
 from pdserve_kernels.bench_util import graph_ms, kernel_profile, ms, poisoned_empty, rel_err
 from pdserve_kernels.sparse_mla import sparse_mla_decode, sparse_mla_decode_fp8
@@ -37,8 +36,8 @@ LATENCY_SWEEP = [C(bh, bn, w, st, waves=64, min_tiles=1, max_splits=p)
 def plan(B: int, H: int, K: int, D: int, dv: int, fmt: str, cfg: configs.MLAConfig | None):
     """(config, splits) the wrapper will use for this shape."""
     cfg = cfg or configs.mla_config(capability(torch.device("cuda")), fmt, H, B, has_tail=D > dv)
-    tiles = triton.cdiv(K, cfg.block_n)
-    splits = sparse_mla.num_splits(B, triton.cdiv(H, cfg.block_h), tiles,
+    tiles = cdiv(K, cfg.block_n)
+    splits = sparse_mla.num_splits(B, cdiv(H, cfg.block_h), tiles,
                                    sm_count(torch.device("cuda")), cfg)
     return cfg, splits
 

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from pdserve_kernels import configs
-from pdserve_kernels._launch import capability, interpreting
+from pdserve_kernels._launch import capability, cdiv, interpreting, next_pow2
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
@@ -32,7 +32,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     padding can take, so nothing here waits for the GPU."""
     flat = topk_ids.reshape(-1).long()
     P = flat.numel()
-    rows = triton.cdiv(P + min(num_experts, P) * (block_m - 1), block_m) * block_m
+    rows = cdiv(P + min(num_experts, P) * (block_m - 1), block_m) * block_m
     counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
@@ -87,19 +87,19 @@ def moe_align_fast(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """Same output as `moe_align`, from one Triton program (P <= MAX_KERNEL_ALIGN_PAIRS)."""
     flat = topk_ids.reshape(-1)
     P = flat.numel()
-    rows = triton.cdiv(P + min(num_experts, P) * (block_m - 1), block_m) * block_m
+    rows = cdiv(P + min(num_experts, P) * (block_m - 1), block_m) * block_m
     nb = rows // block_m
     pairs = torch.empty(rows, dtype=torch.int32, device=flat.device)
     bexp = torch.empty(nb, dtype=torch.int32, device=flat.device)
-    block_e = triton.next_power_of_2(num_experts + 1)
+    block_e = next_pow2(num_experts + 1)
     starts = torch.empty(block_e, dtype=torch.int32, device=flat.device)
-    block_p = max(16, triton.next_power_of_2(P))
+    block_p = max(16, next_pow2(P))
     block_r, block_b = 1024, 16
     _align_kernel[(1,)](
         flat, pairs, bexp, starts, P, num_experts, rows, nb,
         BLOCK_P=block_p, BLOCK_E=block_e, BLOCK_M=block_m, CHUNK=max(1, min(8, block_p, 8192 // block_p)),
-        BLOCK_R=block_r, R_CHUNKS=triton.cdiv(rows, block_r), BLOCK_B=block_b,
-        B_CHUNKS=triton.cdiv(nb, block_b), num_warps=4,
+        BLOCK_R=block_r, R_CHUNKS=cdiv(rows, block_r), BLOCK_B=block_b,
+        B_CHUNKS=cdiv(nb, block_b), num_warps=4,
     )
     return pairs, bexp
 
@@ -229,14 +229,14 @@ def fused_moe(
     act = torch.empty(P, inter, dtype=x.dtype, device=x.device)
     y_pair = torch.empty(P, hidden, dtype=torch.float32, device=x.device)
     interp = interpreting()
-    _w13_kernel[(blocks, triton.cdiv(inter, cfg.block_n))](
+    _w13_kernel[(blocks, cdiv(inter, cfg.block_n))](
         x, w13, act, pairs, bexp, P, inter, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         FP32_DOT=fp32, INTERPRET=interp, HIDDEN_C=hidden if interp else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    _w2_kernel[(blocks, triton.cdiv(hidden, cfg.w2_block_n))](
+    _w2_kernel[(blocks, cdiv(hidden, cfg.w2_block_n))](
         act, w2, topk_weights.reshape(-1).contiguous(), y_pair, pairs, bexp, P, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), y_pair.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.w2_block_n, BLOCK_K=cfg.block_k,

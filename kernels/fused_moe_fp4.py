@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from pdserve_kernels import configs
-from pdserve_kernels._launch import capability, interpreting, sm_count
+from pdserve_kernels._launch import capability, cdiv, interpreting, next_pow2, sm_count
 from pdserve_kernels.fused_moe import MAX_KERNEL_ALIGN_PAIRS, moe_align, moe_align_fast
 
 GROUP = 32  # values per ue8m0 scale
@@ -231,9 +231,9 @@ def split_k(programs: int, K: int, block_k: int, cfg: configs.MoEConfig, device)
     """(splits, K per split, a multiple of block_k). Auto (cfg.split_k == 0): split only when the
     grid is under 2 programs per SM (decode at small T), aiming at 4 per SM, at most 8 splits."""
     sms = sm_count(device)
-    want = cfg.split_k or (1 if programs >= 2 * sms else min(8, triton.cdiv(4 * sms, programs)))
-    k_split = triton.cdiv(triton.cdiv(K, max(1, want)), block_k) * block_k
-    return triton.cdiv(K, k_split), k_split
+    want = cfg.split_k or (1 if programs >= 2 * sms else min(8, cdiv(4 * sms, programs)))
+    k_split = cdiv(cdiv(K, max(1, want)), block_k) * block_k
+    return cdiv(K, k_split), k_split
 
 
 def _check(x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids):
@@ -252,8 +252,8 @@ def _check(x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids):
                          f"{w13.dtype}, {w2.dtype}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
-    want13 = (E, two_i, triton.cdiv(hidden, GROUP))
-    want2 = (E, hidden, triton.cdiv(inter, GROUP))
+    want13 = (E, two_i, cdiv(hidden, GROUP))
+    want2 = (E, hidden, cdiv(inter, GROUP))
     for name, s, want in (("w13_scale", w13_scale, want13), ("w2_scale", w2_scale, want2)):
         if s is None or tuple(s.shape) != want or s.dtype not in _SCALE_DTYPES:
             got = None if s is None else (tuple(s.shape), s.dtype)
@@ -295,7 +295,7 @@ def fused_moe_fp4(
     align = moe_align_fast if P <= MAX_KERNEL_ALIGN_PAIRS else moe_align
     pairs, bexp = align(topk_ids, E, cfg.block_m)
     blocks = bexp.numel()
-    n13, n2 = triton.cdiv(inter, cfg.block_n), triton.cdiv(hidden, cfg.w2_block_n)
+    n13, n2 = cdiv(inter, cfg.block_n), cdiv(hidden, cfg.w2_block_n)
     sp13, ks13 = split_k(blocks * n13, hidden, cfg.block_k, cfg, x.device)
     sp2, ks2 = split_k(blocks * n2, inter, cfg.block_k, cfg, x.device)
     act = torch.empty(P, inter, dtype=x.dtype, device=x.device)
@@ -317,8 +317,8 @@ def fused_moe_fp4(
         KS_C=ks13 if interp else 0, **common,
     )
     if sp13 > 1:
-        block = min(1024, triton.next_power_of_2(inter))
-        _swiglu_kernel[(P, triton.cdiv(inter, block))](
+        block = min(1024, next_pow2(inter))
+        _swiglu_kernel[(P, cdiv(inter, block))](
             h13, act, P, inter, limit, h13.stride(0), h13.stride(1), act.stride(0),
             SPLIT=sp13, HAS_LIMIT=swiglu_limit is not None, BLOCK=block, num_warps=4,
         )

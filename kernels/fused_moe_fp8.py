@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from pdserve_kernels import configs
-from pdserve_kernels._launch import capability, interpreting
+from pdserve_kernels._launch import capability, cdiv, interpreting
 from pdserve_kernels.fused_moe import MAX_KERNEL_ALIGN_PAIRS, moe_align, moe_align_fast
 
 E4M3_MAX = 448.0
@@ -153,8 +153,8 @@ def _check(x, w13, w2, w13_scale_inv, w2_scale_inv, topk_weights, topk_ids, bloc
     if inter % bn:
         raise ValueError(f"I = {inter} must be a multiple of the weight block's bn = {bn} (gate "
                          "and up rows must not share a scale block)")
-    want13 = (E, triton.cdiv(two_i, bn), triton.cdiv(hidden, bk))
-    want2 = (E, triton.cdiv(hidden, bn), triton.cdiv(inter, bk))
+    want13 = (E, cdiv(two_i, bn), cdiv(hidden, bk))
+    want2 = (E, cdiv(hidden, bn), cdiv(inter, bk))
     for name, s, want in (("w13_scale_inv", w13_scale_inv, want13), ("w2_scale_inv", w2_scale_inv, want2)):
         if s is None or tuple(s.shape) != want or s.dtype != torch.float32:
             got = None if s is None else (tuple(s.shape), s.dtype)
@@ -194,14 +194,14 @@ def fused_moe_fp8(
     y_pair = torch.empty(P, hidden, dtype=torch.float32, device=x.device)
     interp = interpreting()
     w13_b, w2_b = w13.view(torch.uint8), w2.view(torch.uint8)  # bitcast back to e4m3 in-kernel
-    _w13_fp8_kernel[(blocks, triton.cdiv(inter, cfg.block_n))](
+    _w13_fp8_kernel[(blocks, cdiv(inter, cfg.block_n))](
         x, w13_b, w13_scale_inv, act, pairs, bexp, P, inter, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), *w13_scale_inv.stride(), act.stride(0),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, W_BLOCK_N=bn,
         INTERPRET=interp, HIDDEN_C=hidden if interp else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    _w2_fp8_kernel[(blocks, triton.cdiv(hidden, cfg.w2_block_n))](
+    _w2_fp8_kernel[(blocks, cdiv(hidden, cfg.w2_block_n))](
         act, w2_b, w2_scale_inv, topk_weights.reshape(-1).contiguous(), y_pair, pairs, bexp, P,
         hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), *w2_scale_inv.stride(), y_pair.stride(0),

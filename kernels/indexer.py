@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from pdserve_kernels import configs
-from pdserve_kernels._launch import capability, next_pow2
+from pdserve_kernels._launch import capability, cdiv, next_pow2
 
 
 @triton.jit
@@ -74,7 +74,7 @@ def index_scores(q: torch.Tensor, k_cache: torch.Tensor, weights: torch.Tensor,
         tables, seq_ids, lens, page, _ = paged
         candidates = lens.view(T, 1)  # unused
     cfg = configs.indexer_config(capability(q.device))
-    _index_scores_kernel[(triton.cdiv(C, cfg.block_c), T)](
+    _index_scores_kernel[(cdiv(C, cfg.block_c), T)](
         q, k_cache, weights, candidates, scores, tables, seq_ids, lens, H, D, C,
         *q.stride(), *k_cache.stride(), *weights.stride(), *candidates.stride(), tables.stride(0),
         BLOCK_H=max(16, next_pow2(H)), BLOCK_D=max(16, next_pow2(D)), BLOCK_C=cfg.block_c,

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from pdserve_kernels import configs
-from pdserve_kernels._launch import capability, interpreting, next_pow2
+from pdserve_kernels._launch import capability, cdiv, interpreting, next_pow2
 
 LOG2E = 1.4426950408889634
 
@@ -187,10 +187,10 @@ def mla_prefill_attention(
     cc = capability(q.device)
     cfg = config or configs.prefill_config(cc, q.dtype)
     interp = interpreting()
-    tiles_c = triton.cdiv(max_seqlen_k, cfg.block_n) if (interp and max_seqlen_k) else 1
+    tiles_c = cdiv(max_seqlen_k, cfg.block_n) if (interp and max_seqlen_k) else 1
     if interp and not max_seqlen_k:
-        tiles_c = triton.cdiv(int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()), cfg.block_n)
-    grid = (triton.cdiv(max_seqlen_q, cfg.block_m), H, B)
+        tiles_c = cdiv(int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()), cfg.block_n)
+    grid = (cdiv(max_seqlen_q, cfg.block_m), H, B)
     _mla_prefill_kernel[grid](
         q, k_nope, k_rope, v, out, lse, cu_seqlens_q, cu_seqlens_k, sm_scale * LOG2E, H,
         q.stride(0), q.stride(1), k_nope.stride(0), k_nope.stride(1), k_rope.stride(0),

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from pdserve_kernels import configs, kv_fp8
-from pdserve_kernels._launch import capability, interpreting, next_pow2, sm_count
+from pdserve_kernels._launch import capability, cdiv, interpreting, next_pow2, sm_count
 
 LOG2E = 1.4426950408889634
 LAST_COMPILED: dict = {}  # kernel name -> last compiled kernel, for bench.py's resource report
@@ -242,8 +242,8 @@ def num_splits(bs: int, head_blocks: int, tiles: int, sms: int, cfg: configs.MLA
     if cfg.max_splits:
         want = min(want, cfg.max_splits)
     splits = max(1, min(want, tiles // max(cfg.min_tiles, 1)))
-    per = triton.cdiv(tiles, splits)
-    return triton.cdiv(tiles, per)
+    per = cdiv(tiles, splits)
+    return cdiv(tiles, per)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -316,10 +316,10 @@ def _run(q, kv, s_kvn, s_kvd, indices, sm_scale, d_v, sink, kv_format, cfg, page
     block_v, d_t = next_pow2(d_v), D - d_v
     block_t = max(16, next_pow2(d_t)) if d_t > 0 else 16
     block_v = max(16, block_v)
-    head_blocks = triton.cdiv(H, cfg.block_h)
-    tiles = triton.cdiv(K, cfg.block_n)
+    head_blocks = cdiv(H, cfg.block_h)
+    tiles = cdiv(K, cfg.block_n)
     splits = num_splits(BS, head_blocks, tiles, sm_count(q.device), cfg)
-    per = triton.cdiv(tiles, splits)
+    per = cdiv(tiles, splits)
     direct = splits == 1
     fused = cfg.fused_merge and not direct
     interp = interpreting()
@@ -347,7 +347,7 @@ def _run(q, kv, s_kvn, s_kvd, indices, sm_scale, d_v, sink, kv_format, cfg, page
     if not direct and not fused:
         block_p = next_pow2(splits)
         block_dv = min(block_v, max(16, MERGE_TILE // block_p))
-        LAST_COMPILED["merge"] = _mla_merge_kernel[(H, BS, triton.cdiv(d_v, block_dv))](
+        LAST_COMPILED["merge"] = _mla_merge_kernel[(H, BS, cdiv(d_v, block_dv))](
             part_out, part_lse, sink_arg, out, lse, H, splits, *s_p, H * d_v, d_v,
             D_V=d_v, BLOCK_DV=block_dv, BLOCK_P=block_p, HAS_SINK=sink is not None, num_warps=4,
         )
