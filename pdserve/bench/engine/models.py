@@ -49,6 +49,9 @@ V4_FLASH = {
 }  # fmt: skip
 
 TINY_VOCAB = 512
+# FP8 weights (--quantization fp8): DeepSeek's 128 x 128 blocks; the tiny models' experts are 64
+# wide, and FP8 experts need their width a multiple of the block
+FP8_BLOCK = {"v3.2": 128, "v4-flash": 128, "tiny-v3.2": 32, "tiny-v4": 32}
 MODELS = {
     "v3.2": lambda: dict(V32),
     "v4-flash": lambda: dict(V4_FLASH),
@@ -61,12 +64,15 @@ def real_num_layers(name: str) -> int:
     return MODELS[name]()["num_hidden_layers"]
 
 
-def bench_config(name: str, num_layers: int | None = None) -> dict:
+def bench_config(name: str, num_layers: int | None = None, quantization: str | None = None) -> dict:
     """config.json of model `name` with `num_layers` layers (None: all of them), kinds mixed as
-    the module docstring says."""
+    the module docstring says; quantization "fp8": with an FP8 quantization_config."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)}")
     d = MODELS[name]()
+    if quantization == "fp8":
+        block = [FP8_BLOCK[name]] * 2
+        d["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": block}
     full = d["num_hidden_layers"]
     n = full if num_layers is None else num_layers
     if n < 1:
