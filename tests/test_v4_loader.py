@@ -15,7 +15,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
-from helpers_v4 import V4_SPLIT, split_params
+from helpers_v4 import V4_FP4_SCALES, V4_SPLIT, split_params
 from pdserve.distributed.group import TPGroup
 from pdserve.model.config import ConfigError, ModelConfig
 from pdserve.model.fp4 import dequantize_fp4, quantize_fp4, scales_to_float
@@ -171,9 +171,10 @@ def _logits(model) -> torch.Tensor:
 
 
 def test_quantized_release_checkpoint_matches_float_reference(quantized, caplog):
+    """Everything dequantized at load (fp4_experts=False; tests/test_v4_fp4.py keeps them FP4)."""
     quant_dir, ref_dir = quantized
     with caplog.at_level(logging.INFO, logger="pdserve.model.v4_loader"):
-        model = load_v4_model(quant_dir, dtype=torch.float32)
+        model = load_v4_model(quant_dir, dtype=torch.float32, fp4_experts=False)
     assert "skipping 3 MTP tensors" in caplog.text
     assert ModelConfig.from_model_dir(quant_dir).quant.expert_dtype == "fp4"
     reference = load_v4_model(ref_dir, dtype=torch.float32)
@@ -191,13 +192,15 @@ def test_quantized_release_checkpoint_matches_float_reference(quantized, caplog)
     assert float((logits - expected).abs().max() / expected.abs().max()) < 1e-4
 
 
-def test_tensor_parallel_ranks_load_slices_of_the_release_checkpoint(quantized):
+@pytest.mark.parametrize("fp4_experts", [False, True], ids=["dequantized", "kept-fp4"])
+def test_tensor_parallel_ranks_load_slices_of_the_release_checkpoint(quantized, fp4_experts):
     """Release names, FP8 projections and per-expert FP4 w1 / w3 / w2: each TP2 rank's tensors are
-    its slices of the TP1 load (every tensor dequantized whole, then sliced)."""
-    full = load_v4_model(quantized[0], dtype=torch.float32)
+    its slices of the TP1 load (every tensor dequantized whole, then sliced; or the experts' packed
+    bytes and their scales sliced together)."""
+    full = load_v4_model(quantized[0], dtype=torch.float32, fp4_experts=fp4_experts)
     for rank in range(2):
-        part = load_v4_model(quantized[0], dtype=torch.float32, tp=TPGroup(rank=rank, size=2))
-        assert split_params(full, part, rank) == V4_SPLIT
+        part = load_v4_model(quantized[0], dtype=torch.float32, tp=TPGroup(rank=rank, size=2), fp4_experts=fp4_experts)
+        assert split_params(full, part, rank) == (V4_SPLIT | V4_FP4_SCALES if fp4_experts else V4_SPLIT)
 
 
 def test_bfloat16_load_keeps_float32_parameters(tiny):

@@ -7,7 +7,8 @@ parameter order, so every tensor-parallel rank fills its replicated weights the 
   - norm weights 1, norm biases and router score-correction biases 0;
   - matrices N(0, 1 / fan_in) (fan_in = the last dim), so activations keep their scale;
   - other vectors (sinks, hyper-connection bases and scales) N(0, 0.02^2);
-  - DeepSeek-V4 hash-routing tables (`tid2eid` [vocab, k]): k distinct random experts a token.
+  - DeepSeek-V4 hash-routing tables (`tid2eid` [vocab, k]): k distinct random experts a token;
+  - routed experts kept FP4 (uint8): random codes, power-of-two scales (`fp4.fill_random_fp4_`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 
 from pdserve.distributed.group import TPGroup
 from pdserve.model.config import ModelConfig
+from pdserve.model.fp4 import fill_random_fp4_
 
 
 def dummy_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str, tp: TPGroup | None = None, seed: int = 0) -> nn.Module:
@@ -57,7 +59,9 @@ def fill_random(model: nn.Module, seed: int = 0) -> None:
 def _fill(name: str, p: torch.Tensor, gen: torch.Generator) -> None:
     module, _, leaf = name.rpartition(".")
     is_norm = "norm" in module.rpartition(".")[2]
-    if is_norm and leaf == "weight":
+    if p.dtype == torch.uint8 and ".experts." in name:  # packed FP4 experts and their scales
+        fill_random_fp4_(name, p, gen)
+    elif is_norm and leaf == "weight":
         p.fill_(1.0)
     elif (is_norm and leaf == "bias") or leaf == "e_score_correction_bias":
         p.zero_()
