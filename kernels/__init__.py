@@ -24,6 +24,7 @@ _LAZY = {  # name -> module; fp8 / fp4 references and quantizers: pdserve_kernel
     "paged_mla_decode": "pdserve_kernels.sparse_mla",
     "fused_moe": "pdserve_kernels.fused_moe",
     "fused_moe_fp8": "pdserve_kernels.fused_moe_fp8",
+    "fp8_linear": "pdserve_kernels.fp8_gemm",
     "fused_moe_fp4": "pdserve_kernels.fused_moe_fp4",
     "indexer_topk": "pdserve_kernels.indexer",
     "indexer_topk_paged": "pdserve_kernels.indexer",

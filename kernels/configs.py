@@ -53,6 +53,18 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class Fp8GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int  # capped at the weight block's bk (one scale per K step)
+    num_warps: int
+    num_stages: int
+    fp8_act: bool = False  # quantize x per 128 values and dot in e4m3 (bf16 / fp16 x only)
+    split_k: bool = True  # split K when the output tiles alone are fewer than the multiprocessors
+    waves: int = 2  # programs aimed for per multiprocessor when splitting K
+
+
+@dataclass(frozen=True)
 class PrefillConfig:
     block_m: int  # query rows per program (one head)
     block_n: int  # key rows per tile
@@ -113,6 +125,18 @@ MOE_FP8 = {
     CPU: {10**9: MoEConfig(16, 32, 32, 4, 1)},
 }
 
+# block-scaled FP8 GEMM (dense projections): keyed by capability, then by M (rows of x) bucket.
+# Small M is memory-bound: thin BM, K split over the multiprocessors, the weight read once.
+FP8_GEMM = {
+    90: {16: Fp8GemmConfig(16, 64, 128, 4, 4), 64: Fp8GemmConfig(64, 64, 128, 4, 4),
+         256: Fp8GemmConfig(64, 128, 128, 4, 3), 10**9: Fp8GemmConfig(128, 128, 128, 8, 3, fp8_act=True)},
+    120: {16: Fp8GemmConfig(16, 64, 128, 4, 4), 64: Fp8GemmConfig(64, 64, 64, 4, 3),
+          256: Fp8GemmConfig(64, 128, 64, 4, 3), 10**9: Fp8GemmConfig(128, 64, 128, 8, 3, fp8_act=True)},
+    CPU: {16: Fp8GemmConfig(16, 32, 32, 4, 1), 10**9: Fp8GemmConfig(32, 32, 32, 4, 1)},
+}
+# float32 x (parity checks only: IEEE dots, speed does not matter): a tile any GPU fits
+FP8_GEMM_FP32 = Fp8GemmConfig(16, 32, 32, 4, 2)
+
 # FP4 MoE (e2m1 weights, ue8m0 scale per 32 values): block_k = K values per loop step (a multiple
 # of 32; the register path runs one 32-value group at a time inside it). sm_90: the H200 sweeps
 # (docs/kernels.md, runs 2-3) found none faster among BN 64-128, BK 64-256, 3-5 stages, 4-8 warps,
@@ -172,6 +196,14 @@ def moe_config(cc: int, rows_per_expert: float) -> MoEConfig:
 def moe_fp8_config(cc: int, rows_per_expert: float) -> MoEConfig:
     table = MOE_FP8[_family(cc)]
     return table[min(k for k in table if rows_per_expert <= k)]
+
+
+def fp8_gemm_config(cc: int, rows: int, dtype: object = None) -> Fp8GemmConfig:
+    """Tiles for `rows` (M) rows of x; dtype torch.float32 picks the parity tile on a GPU."""
+    if cc != CPU and str(dtype) == "torch.float32":
+        return FP8_GEMM_FP32
+    table = FP8_GEMM[_family(cc)]
+    return table[min(k for k in table if rows <= k)]
 
 
 def moe_fp4_config(cc: int, rows_per_expert: float, fp32: bool = False) -> MoEConfig:

@@ -58,7 +58,7 @@ def _w13_fp8_kernel(
     x_ptr, w_ptr, ws_ptr, act_ptr, pairs_ptr, bexp_ptr, P, INTER, HIDDEN,
     s_xt, s_we, s_wn, s_se, s_sn, s_sk, s_at,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    W_BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, HIDDEN_C: tl.constexpr,
+    W_BLOCK_N: tl.constexpr, FP8_ACT: tl.constexpr, INTERPRET: tl.constexpr, HIDDEN_C: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -80,16 +80,20 @@ def _w13_fp8_kernel(
     k_end = tl.where(e >= 0, HIDDEN, 0)  # unused block: no weight traffic
     for k0 in range(0, HIDDEN_C if INTERPRET else k_end, BLOCK_K):
         k_ok = offs_k < HIDDEN - k0
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        a_q, a_s = _quant_rows(a, INTERPRET)
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w_mask = k_ok[:, None] & n_ok[None, :]
         g = tl.load(g_ptrs, mask=w_mask, other=0).to(tl.float8e4nv, bitcast=True)
         u = tl.load(u_ptrs, mask=w_mask, other=0).to(tl.float8e4nv, bitcast=True)
         kb = k0 // BLOCK_K
         g_s = tl.load(gs_ptrs + kb * s_sk, mask=n_ok, other=0.0)
         u_s = tl.load(us_ptrs + kb * s_sk, mask=n_ok, other=0.0)
-        acc_g += tl.dot(a_q, g) * a_s[:, None] * g_s[None, :]
-        acc_u += tl.dot(a_q, u) * a_s[:, None] * u_s[None, :]
+        if FP8_ACT:
+            a_q, a_s = _quant_rows(a.to(tl.float32), INTERPRET)
+            acc_g += tl.dot(a_q, g) * a_s[:, None] * g_s[None, :]
+            acc_u += tl.dot(a_q, u) * a_s[:, None] * u_s[None, :]
+        else:  # float32 x (parity runs): the weights upcast, IEEE dots
+            acc_g += tl.dot(a, g.to(tl.float32), input_precision="ieee") * g_s[None, :]
+            acc_u += tl.dot(a, u.to(tl.float32), input_precision="ieee") * u_s[None, :]
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
@@ -103,7 +107,7 @@ def _w2_fp8_kernel(
     act_ptr, w_ptr, ws_ptr, topw_ptr, y_ptr, pairs_ptr, bexp_ptr, P, HIDDEN, INTER,
     s_at, s_we, s_wn, s_se, s_sn, s_sk, s_yp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_BLOCK_N: tl.constexpr,
-    INTERPRET: tl.constexpr, INTER_C: tl.constexpr,
+    FP8_ACT: tl.constexpr, INTERPRET: tl.constexpr, INTER_C: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -122,11 +126,14 @@ def _w2_fp8_kernel(
     k_end = tl.where(e >= 0, INTER, 0)
     for k0 in range(0, INTER_C if INTERPRET else k_end, BLOCK_K):
         k_ok = offs_k < INTER - k0
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        a_q, a_s = _quant_rows(a, INTERPRET)
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0).to(tl.float8e4nv, bitcast=True)
         b_s = tl.load(bs_ptrs + (k0 // BLOCK_K) * s_sk, mask=n_ok, other=0.0)
-        acc += tl.dot(a_q, b) * a_s[:, None] * b_s[None, :]
+        if FP8_ACT:
+            a_q, a_s = _quant_rows(a.to(tl.float32), INTERPRET)
+            acc += tl.dot(a_q, b) * a_s[:, None] * b_s[None, :]
+        else:
+            acc += tl.dot(a, b.to(tl.float32), input_precision="ieee") * b_s[None, :]
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     w = tl.load(topw_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
@@ -176,7 +183,8 @@ def fused_moe_fp8(
     block_shape: tuple[int, int] = (128, 128),  # (bn, bk) of weight_scale_inv; bk = activation group
     config: configs.MoEConfig | None = None,  # tile override (benchmark sweeps); block_k is set to bk
 ) -> torch.Tensor:
-    """y [T, hidden] in x's dtype; same contract as `ref_fp8.fused_moe_fp8_ref`."""
+    """y [T, hidden] in x's dtype; same contract as `ref_fp8.fused_moe_fp8_ref` (act_quant: x not
+    float32)."""
     _check(x, w13, w2, w13_scale_inv, w2_scale_inv, topk_weights, topk_ids, block_shape)
     T, hidden = x.shape
     E, two_i, _ = w13.shape
@@ -186,7 +194,8 @@ def fused_moe_fp8(
     if P == 0:
         return torch.zeros(T, hidden, dtype=x.dtype, device=x.device)
     bn, bk = block_shape
-    cfg = config or configs.moe_fp8_config(capability(x.device), P / E)
+    fp8_act = x.dtype != torch.float32
+    cfg = config or (configs.MOE_FP32 if not fp8_act and x.is_cuda else configs.moe_fp8_config(capability(x.device), P / E))
     align = moe_align_fast if P <= MAX_KERNEL_ALIGN_PAIRS else moe_align
     pairs, bexp = align(topk_ids, E, cfg.block_m)
     blocks = bexp.numel()
@@ -198,7 +207,7 @@ def fused_moe_fp8(
         x, w13_b, w13_scale_inv, act, pairs, bexp, P, inter, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), *w13_scale_inv.stride(), act.stride(0),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, W_BLOCK_N=bn,
-        INTERPRET=interp, HIDDEN_C=hidden if interp else 0,
+        FP8_ACT=fp8_act, INTERPRET=interp, HIDDEN_C=hidden if interp else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     _w2_fp8_kernel[(blocks, triton.cdiv(hidden, cfg.w2_block_n))](
@@ -206,7 +215,7 @@ def fused_moe_fp8(
         hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), *w2_scale_inv.stride(), y_pair.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.w2_block_n, BLOCK_K=bk, W_BLOCK_N=bn,
-        INTERPRET=interp, INTER_C=inter if interp else 0,
+        FP8_ACT=fp8_act, INTERPRET=interp, INTER_C=inter if interp else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y_pair.view(T, top_k, hidden).sum(1).to(x.dtype)

@@ -90,12 +90,13 @@ def fused_moe_ref(
     block_shape: tuple[int, int] = (128, 128),
 ) -> torch.Tensor:
     """y[t] = sum_j topk_weights[t,j] * w2[e] @ (silu(gate_e x) * up_e x), e = topk_ids[t,j].
-    float8_e4m3fn weights with block scales: `ref_fp8.fused_moe_fp8_ref`."""
+    float8_e4m3fn weights with block scales: `ref_fp8.fused_moe_fp8_ref`, activations quantized
+    as the kernel does (not for float32 / float64 x)."""
     if w13.dtype == torch.float8_e4m3fn or w2.dtype == torch.float8_e4m3fn:
         from pdserve_kernels.ref_fp8 import fused_moe_fp8_ref
 
         return fused_moe_fp8_ref(x, w13, w2, w13_scale_inv, w2_scale_inv, topk_weights, topk_ids,
-                                 block_shape=block_shape)
+                                 block_shape=block_shape, act_quant=x.dtype not in (torch.float32, torch.float64))
     T, hidden = x.shape
     y = torch.zeros(T, hidden, dtype=_up(x).dtype, device=x.device)
     inter = w2.shape[2]

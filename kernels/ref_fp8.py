@@ -1,5 +1,5 @@
-"""PyTorch reference for the FP8 block-scaled fused MoE (`fused_moe_fp8.fused_moe_fp8`), with the
-quantizers it is defined by. Plain torch, no Triton import.
+"""PyTorch references for the FP8 block-scaled fused MoE (`fused_moe_fp8.fused_moe_fp8`) and GEMM
+(`fp8_gemm.fp8_linear`), with the quantizers they are defined by. Plain torch, no Triton import.
 
 Weights come as DeepSeek checkpoints ship them: e4m3 values W_q [N, K] plus `weight_scale_inv`
 [ceil(N / bn), ceil(K / bk)] float32, W = W_q * scale_inv of its (bn x bk) block (128 x 128).
@@ -69,6 +69,7 @@ def fused_moe_fp8_ref(
     topk_ids: torch.Tensor,  # [T, k] int
     block_shape: tuple[int, int] = (128, 128),
     act_dtype: torch.dtype | None = None,  # dtype the SiLU-and-mul output is rounded to; x's by default
+    act_quant: bool = True,  # False: Q is the identity (the kernel's float32-x path, and the engine's CPU path)
 ) -> torch.Tensor:
     """y[t] = sum_j w[t,j] * W2_e @ Q(act_dtype(silu(G_e Q(x[t])) * U_e Q(x[t]))), with Q the
     per-token-group quantize-dequantize (group = bk) and W the block-dequantized weights."""
@@ -77,13 +78,31 @@ def fused_moe_fp8_ref(
     bk = block_shape[1]
     T, hidden = x.shape
     inter = w2.shape[2]
-    xq = dequant_act_groups(*quant_act_groups(x, bk), bk, math)
+    Q = (lambda a: dequant_act_groups(*quant_act_groups(a, bk), bk, math)) if act_quant else (lambda a: a.to(math))  # noqa: E731
+    xq = Q(x)
     y = torch.zeros(T, hidden, dtype=math, device=x.device)
     for e in torch.unique(topk_ids.reshape(-1)).tolist():
         tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
         h = xq[tok] @ dequant_block_fp8(w13[e], w13_scale_inv[e], block_shape, math).t()  # [n, 2I]
         act = (F.silu(h[:, :inter]) * h[:, inter:]).to(act_dtype)
-        aq = dequant_act_groups(*quant_act_groups(act, bk), bk, math)
+        aq = Q(act)
         out = aq @ dequant_block_fp8(w2[e], w2_scale_inv[e], block_shape, math).t()  # [n, hidden]
         y.index_add_(0, tok, out * topk_weights[tok, slot, None].to(math))
     return y.to(x.dtype)
+
+
+def fp8_linear_ref(
+    x: torch.Tensor,  # [M, K] bf16/fp16/fp32 (float64: oracle math)
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn
+    weight_scale_inv: torch.Tensor,  # [ceil(N/bn), ceil(K/bk)] float32
+    block: tuple[int, int] = (128, 128),
+    bias: torch.Tensor | None = None,  # [N]
+    act_quant: bool = False,  # x quantize-dequantized per token and per bk values first (the fp8_act path)
+) -> torch.Tensor:
+    """y [M, N] = Q(x) @ W^T + bias in float32 (float64 for float64 x), returned in x's dtype;
+    W the block-dequantized weight, Q the identity or (act_quant) the per-token-group e4m3
+    round trip. float32 x gives what dequantizing at load and F.linear give, bit for bit."""
+    math = torch.float64 if x.dtype == torch.float64 else torch.float32
+    w = dequant_block_fp8(weight, weight_scale_inv, block, math)
+    xm = dequant_act_groups(*quant_act_groups(x, block[1]), block[1], math) if act_quant else x.to(math)
+    return F.linear(xm, w, None if bias is None else bias.to(math)).to(x.dtype)

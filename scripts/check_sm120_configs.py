@@ -41,10 +41,10 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMEM_LIMIT = {90: 232448, 120: 101376}  # bytes per block, opt-in maximum
 SM_COUNT = {90: 132, 120: 188}  # H200; RTX PRO 6000 (the wrappers size split counts from it)
-MODULES = ("sparse_mla", "mla_prefill", "indexer", "fused_moe", "fused_moe_fp8", "fused_moe_fp4")
+MODULES = ("sparse_mla", "mla_prefill", "indexer", "fused_moe", "fused_moe_fp8", "fused_moe_fp4", "fp8_gemm")
 # moe_fp4_dot_scaled: the FP4 configs with `MoEConfig.dot_scaled` (not the default): compiled for
 # the record, since on sm_120 Triton may lower them to the FP4 block-scaled MMA
-FAMILIES = ("mla", "mla_prefill", "indexer", "moe", "moe_fp8", "moe_fp4", "moe_fp4_dot_scaled")
+FAMILIES = ("mla", "mla_prefill", "indexer", "moe", "moe_fp8", "moe_fp4", "moe_fp4_dot_scaled", "fp8_gemm")
 
 
 @contextlib.contextmanager
@@ -153,6 +153,14 @@ def cases(families):
                     lambda: indexer_topk_paged(_e(4, 64, 128), _e(4096, 128), _e(4, 64, dtype=torch.float32),
                                                torch.zeros(4, 32, dtype=torch.int32), torch.zeros(4, dtype=torch.int32),
                                                torch.full((4,), 2048, dtype=torch.int32), 64, 2048, 512)))
+    if "fp8_gemm" in families:  # V3.2's o_proj (N 7168, K 16384) at every M bucket, bf16 and fp32 x
+        from pdserve_kernels.fp8_gemm import fp8_linear
+
+        f8, n, kk = torch.float8_e4m3fn, 7168, 16384
+        for M, dt in ((1, torch.bfloat16), (64, torch.bfloat16), (256, torch.bfloat16), (2048, torch.bfloat16),
+                      (1, torch.float32)):
+            out.append(("fp8_gemm", f"{str(dt)[6:]} M={M} (V3.2 o_proj)", lambda M=M, dt=dt: fp8_linear(
+                _e(M, kk, dtype=dt), _e(n, kk, dtype=f8), _e(n // 128, kk // 128, dtype=torch.float32))))
     E, k, hidden, inter = 8, 6, 4096, 2048  # V4-Flash expert dims; E small: rows per expert = 6T/8
     routed = lambda T: (_e(T, k, dtype=torch.float32), torch.zeros(T, k, dtype=torch.int32))  # noqa: E731
     for T in (1, 32, 128):  # the three rows-per-expert buckets: <= 16, <= 64, more

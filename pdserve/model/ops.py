@@ -60,6 +60,31 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids):
     return ref.fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
 
 
+def fp8_linear(x, weight, weight_scale_inv, block: tuple[int, int], bias=None):
+    """x [..., K] @ (e4m3 weight [N, K] x its block scales)^T (+ bias) -> [..., N] in x's dtype."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if _use_triton(x):
+        from pdserve_kernels.fp8_gemm import fp8_linear as kernel
+
+        y = kernel(x2 if x2.stride(-1) == 1 else x2.contiguous(), weight, weight_scale_inv, block, bias)
+    else:  # the reference without activation quantization: float32 equals dequantizing at load
+        from pdserve_kernels.ref_fp8 import fp8_linear_ref
+
+        y = fp8_linear_ref(x2, weight, weight_scale_inv, block, bias)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def fused_moe_fp8(x, w13, w2, w13_scale_inv, w2_scale_inv, topk_weights, topk_ids, block: tuple[int, int]):
+    """Experts in e4m3 with block scales (kernels/fused_moe_fp8.py; activations quantized per 128
+    values unless x is float32)."""
+    if _use_triton(x):
+        from pdserve_kernels.fused_moe_fp8 import fused_moe_fp8 as kernel
+
+        return kernel(x, w13, w2, w13_scale_inv, w2_scale_inv, topk_weights, topk_ids, block_shape=block)
+    return ref.fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale_inv=w13_scale_inv,
+                             w2_scale_inv=w2_scale_inv, block_shape=block)
+
+
 def fused_moe_fp4(x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, swiglu_limit: float | None = None):
     """Packed e2m1 expert weights with ue8m0 scales per 32 values (kernels/ref_fp4.py's layout)."""
     if _use_triton(x):

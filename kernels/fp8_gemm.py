@@ -1,0 +1,155 @@
+"""Block-scaled FP8 GEMM: y = x @ W^T (+ bias), W kept as DeepSeek's checkpoints ship it.
+
+Legend: M rows of x (tokens), K in features, N out features, bn x bk weight block (128 x 128),
+BM/BN/BK tile (BK divides bk: one weight scale per column per K step), S K-splits.
+
+Weight W [N, K] float8_e4m3fn and `weight_scale_inv` [ceil(N / bn), ceil(K / bk)] float32: the
+real weight is W * scale_inv of its block (last row/column blocks may be partial). Two paths,
+one kernel (the `FP8_ACT` constexpr):
+- w8a16 (decode, any M): the e4m3 tile is upcast in registers to x's dtype (exact: e4m3 values
+  are bf16 / fp16 values), one `tl.dot` in x's dtype, and the float32 accumulator gets
+  dot * scale of each column's block. The step is memory-bound at small M: the weight is read
+  once, at 1 byte a value. float32 x (parity runs) dots in IEEE float32.
+- fp8 activations (large M, bf16 / fp16 x, bk = BK): x is quantized in registers per row and
+  per group of bk values (DeepSeek's act_quant: s = max(amax, 1e-10) / 448) and one e4m3 x e4m3
+  `tl.dot` runs per K step: acc += (q_x @ q_w) * s_x * s_w (twice the tensor-core rate of bf16).
+Small grids split K (S programs per output tile, partial sums in float32, reduced by a second
+small kernel that adds the bias and casts): at M = 1 a projection has only N / BN tiles, too few
+to keep the copy engines of every multiprocessor busy.
+Reference: `ref_fp8.fp8_linear_ref`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve_kernels import configs
+from pdserve_kernels._launch import capability, interpreting, sm_count
+from pdserve_kernels.fused_moe_fp8 import _quant_rows
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr, b_ptr, M, N, K, K_SPLIT,
+    s_xm, s_wn, s_sn, s_sk, s_ys, s_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_BLOCK_N: tl.constexpr,
+    W_BLOCK_K: tl.constexpr, FP8_ACT: tl.constexpr, IEEE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    INTERPRET: tl.constexpr, K_C: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    k_lo = pid_s * K_SPLIT
+    k_hi = tl.minimum(K, k_lo + K_SPLIT)
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * s_xm + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * s_wn + offs_k[:, None]
+    s_ptrs = s_ptr + (offs_n // W_BLOCK_N) * s_sn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # the interpreter cannot loop to a runtime bound: it walks all of K, masked to [k_lo, k_hi)
+    for k0 in range(0 if INTERPRET else k_lo, K_C if INTERPRET else k_hi, BLOCK_K):
+        k = k0 + offs_k
+        k_ok = (k >= k_lo) & (k < k_hi)
+        x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0).to(tl.float8e4nv, bitcast=True)
+        s = tl.load(s_ptrs + (k0 // W_BLOCK_K) * s_sk, mask=n_ok, other=0.0)
+        if FP8_ACT:
+            x_q, x_s = _quant_rows(x.to(tl.float32), INTERPRET)
+            acc += tl.dot(x_q, w) * x_s[:, None] * s[None, :]
+        elif IEEE:
+            acc += tl.dot(x, w.to(tl.float32), input_precision="ieee") * s[None, :]
+        else:
+            acc += tl.dot(x, w.to(x_ptr.dtype.element_ty)) * s[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out = y_ptr + pid_s * s_ys + offs_m.to(tl.int64)[:, None] * s_ym + offs_n[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _split_sum_kernel(p_ptr, b_ptr, y_ptr, MN, N, s_ps, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """y [M, N] = sum of the S float32 partials [S, M, N] (+ bias), in y's dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(SPLITS):
+        acc += tl.load(p_ptr + s * s_ps + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def _check(x, weight, scale_inv, block, bias):
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x must be [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"weight must be float8_e4m3fn, got {weight.dtype}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
+    (N, K), (bn, bk) = weight.shape, block
+    if bk not in (16, 32, 64, 128, 256) or bn < 1:
+        raise ValueError(f"block {block}: bk must be a power of two in [16, 256]")
+    want = (triton.cdiv(N, bn), triton.cdiv(K, bk))
+    if tuple(scale_inv.shape) != want or scale_inv.dtype != torch.float32:
+        raise ValueError(f"weight_scale_inv must be float32 {want} for weight {(N, K)} and block {block}, "
+                         f"got {scale_inv.dtype} {tuple(scale_inv.shape)}")
+    if bias is not None and tuple(bias.shape) != (N,):
+        raise ValueError(f"bias must be [{N}], got {tuple(bias.shape)}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("x and weight need contiguous last dims")
+
+
+def splits_for(tiles: int, k_blocks: int, sms: int, waves: int) -> int:
+    """K splits so that tiles x splits reaches about `waves` programs per multiprocessor."""
+    if tiles >= sms:
+        return 1
+    return max(1, min(k_blocks, (waves * sms) // tiles))
+
+
+def fp8_linear(
+    x: torch.Tensor,  # [M, K] bf16/fp16 (fp32: parity runs)
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn
+    weight_scale_inv: torch.Tensor,  # [ceil(N/bn), ceil(K/bk)] float32
+    block: tuple[int, int] = (128, 128),  # (bn, bk) of weight_scale_inv
+    bias: torch.Tensor | None = None,  # [N]
+    config: configs.Fp8GemmConfig | None = None,  # tile override (benchmark sweeps)
+) -> torch.Tensor:
+    """y [M, N] in x's dtype; same contract as `ref_fp8.fp8_linear_ref` (with act_quant = the
+    config's fp8_act when x is bf16 / fp16)."""
+    _check(x, weight, weight_scale_inv, block, bias)
+    (M, K), N, (bn, bk) = x.shape, weight.shape[0], block
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y
+    cfg = config or configs.fp8_gemm_config(capability(x.device), M, x.dtype)
+    fp8_act = cfg.fp8_act and x.dtype != torch.float32
+    block_k = bk if fp8_act else min(cfg.block_k, bk)  # one scale per K step; fp8: one act group
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    k_steps = triton.cdiv(K, block_k)
+    splits = splits_for(tiles, k_steps, sm_count(x.device), cfg.waves) if cfg.split_k else 1
+    k_split = triton.cdiv(k_steps, splits) * block_k
+    splits = triton.cdiv(K, k_split)
+    out = y if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+    interp = interpreting()
+    _fp8_gemm_kernel[(triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n), splits)](
+        x, weight.view(torch.uint8), weight_scale_inv, out, bias if bias is not None else weight_scale_inv,
+        M, N, K, k_split, x.stride(0), weight.stride(0), *weight_scale_inv.stride(),
+        out.stride(0) if splits > 1 else 0, out.stride(-2),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, W_BLOCK_N=bn, W_BLOCK_K=bk,
+        FP8_ACT=fp8_act, IEEE=x.dtype == torch.float32, HAS_BIAS=bias is not None and splits == 1,
+        INTERPRET=interp, K_C=K if interp else 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        BLOCK = 1024
+        _split_sum_kernel[(triton.cdiv(M * N, BLOCK),)](
+            out, bias if bias is not None else out, y, M * N, N, out.stride(0),
+            SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=BLOCK,
+        )
+    return y
