@@ -105,6 +105,8 @@ def split_params(full: torch.nn.Module, part: torch.nn.Module, rank: int) -> set
     whole, split = dict(full.named_parameters()), set()
     for name, p in part.named_parameters():
         f = whole[name]
+        if p.element_size() == 1:  # FP8 / packed FP4: compare the bytes
+            p, f = p.view(torch.uint8), f.view(torch.uint8)
         if p.shape == f.shape:
             assert torch.equal(p, f), name
             continue
@@ -127,8 +129,12 @@ V4_SPLIT = {
     "mlp.experts.gate_up_proj", "mlp.experts.down_proj",
     "mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight", "mlp.shared_experts.down_proj.weight",
 }  # fmt: skip
-# and, with FP4 experts kept FP4, their scales (split with the packed bytes)
-V4_FP4_SCALES = {"mlp.experts.gate_up_proj_scale_inv", "mlp.experts.down_proj_scale_inv"}
+# and, with the weights kept as V4-Flash ships them, the scales of the split FP8 and FP4 ones
+V4_SCALES = {
+    "self_attn.q_b_proj.weight_scale_inv", "self_attn.o_a_proj.weight_scale_inv", "self_attn.o_b_proj.weight_scale_inv",
+    "mlp.experts.gate_up_proj_scale_inv", "mlp.experts.down_proj_scale_inv", "mlp.shared_experts.gate_proj.weight_scale_inv",
+    "mlp.shared_experts.up_proj.weight_scale_inv", "mlp.shared_experts.down_proj.weight_scale_inv",
+}  # fmt: skip
 
 
 def ranks_logits(model_dir: Path, size: int, out: Path) -> list[torch.Tensor]:

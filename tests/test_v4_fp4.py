@@ -1,11 +1,13 @@
-"""DeepSeek-V4 with its FP4 routed experts kept FP4 (packed e2m1 bytes + ue8m0 scales per 32 values,
-read by ops.fused_moe_fp4; here its torch reference, on CPU), float32.
+"""DeepSeek-V4 with its weights kept as V4-Flash ships them: FP4 routed experts (packed e2m1 bytes +
+ue8m0 scales per 32 values, ops.fused_moe_fp4) and FP8 block-scaled projections (ops.fp8_linear);
+here the torch references, on CPU, float32.
 
 The checkpoint: the tiny V4 one in V4-Flash's formats (`tiny_model.quantize_tiny_v4`: FP4 experts
-one tensor per expert, FP8 block-scaled projections), and beside it the same values dequantized
-(the oracle's checkpoint: transformers float32). Kept FP4:
-- the experts' parameters are the checkpoint's bytes and scales, and dequantize to the oracle's;
-- logits equal the dequantized-at-load path's within float32 tolerance, and transformers';
+one tensor per expert, FP8 projections in 32x32 blocks so that TP2 shards hold whole blocks), and
+beside it the same values dequantized (the oracle's checkpoint: transformers float32). Kept:
+- the parameters are the checkpoint's bytes and scales, and dequantize to the oracle's;
+- logits equal the dequantized-at-load path's (`quantization="none"`) within float32 tolerance,
+  and transformers';
 - the engine's greedy tokens equal transformers' generate on the dequantized weights, at TP1 and
   TP2 (rank processes, each holding its half of every expert's bytes and scales); TP2 logits equal
   TP1's;
@@ -15,6 +17,7 @@ one tensor per expert, FP8 block-scaled projections), and beside it the same val
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -30,6 +33,7 @@ from pdserve.model.config import ModelConfig
 from pdserve.model.deepseek_v4 import DeepseekV4ForCausalLM
 from pdserve.model.dummy import dummy_model
 from pdserve.model.fp4 import dequantize_fp4, ue8m0_bytes
+from pdserve.model.fp8 import dequantize_block_fp8
 from pdserve.model.v4_loader import load_v4_model
 from pdserve.tiny_model import make_tiny_model, quantize_tiny_v4
 
@@ -43,7 +47,7 @@ def ckpt(tmp_path_factory) -> tuple[Path, Path]:
     """(V4-Flash-format checkpoint, float32 checkpoint of the same values)."""
     root = tmp_path_factory.mktemp("v4_fp4")
     tiny = make_tiny_model(root / "float", arch="deepseek_v4", seed=0)
-    return quantize_tiny_v4(tiny, root / "quant", root / "ref")
+    return quantize_tiny_v4(tiny, root / "quant", root / "ref", block=(32, 32))
 
 
 @pytest.fixture(scope="module")
@@ -73,10 +77,19 @@ def _logits(model) -> torch.Tensor:
     return model.compute_logits(model(IDS, [len(IDS)], [model.new_state()]))
 
 
-def test_experts_hold_the_checkpoints_bytes(ckpt):
+def test_weights_hold_the_checkpoints_bytes(ckpt):
     quant, ref = (load_file(str(d / "model.safetensors")) for d in ckpt)
     model = load_v4_model(ckpt[0], dtype=torch.float32)
     assert model.fp4_experts
+    params = dict(model.named_parameters())
+    for name in ("self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_proj", "self_attn.o_a_proj", "self_attn.o_b_proj",
+                 "self_attn.compressor.indexer.q_b_proj", "mlp.shared_experts.down_proj"):  # fmt: skip
+        w, s = params[f"model.layers.2.{name}.weight"], params[f"model.layers.2.{name}.weight_scale_inv"]
+        assert w.dtype == torch.float8_e4m3fn and s.dtype == torch.float32, name
+        assert torch.equal(w.view(torch.uint8), quant[f"model.layers.2.{name}.weight"].view(torch.uint8)), name
+        assert torch.equal(dequantize_block_fp8(w, s, (32, 32)), ref[f"model.layers.2.{name}.weight"]), name
+    for name in ("self_attn.compressor.kv_proj", "self_attn.compressor.indexer.scorer.weights_proj", "mlp.gate"):
+        assert params[f"model.layers.2.{name}.weight"].dtype == torch.float32, name  # bf16 in V4-Flash: not FP8
     I = model.config.moe_intermediate_size  # noqa: E741
     for i, layer in enumerate(model.model.layers):
         ex, prefix = layer.mlp.experts, f"model.layers.{i}.mlp.experts"
@@ -92,8 +105,8 @@ def test_experts_hold_the_checkpoints_bytes(ckpt):
 
 def test_logits_match_dequantized_at_load_and_transformers(ckpt):
     kept = _logits(load_v4_model(ckpt[0], dtype=torch.float32))
-    dequantized = load_v4_model(ckpt[0], dtype=torch.float32, fp4_experts=False)
-    assert not dequantized.fp4_experts and dequantized.model.layers[0].mlp.experts.down_proj.dtype == torch.float32
+    dequantized = load_v4_model(ckpt[0], dtype=torch.float32, quantization="none")
+    assert {p.dtype for p in dequantized.parameters()} == {torch.float32}
     assert _rel(kept, _logits(dequantized)) < 1e-5
     hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt[1], dtype=torch.float32).eval()
     with torch.no_grad():
@@ -123,7 +136,7 @@ def test_a_split_that_cuts_a_scale_group_is_refused(ckpt):
     config = json.loads((ckpt[0] / "config.json").read_text())
     wide = ModelConfig.from_dict({**config, "moe_intermediate_size": 96})  # TP2: 48 a rank
     with torch.device("meta"):
-        DeepseekV4ForCausalLM(wide, TPGroup(rank=0, size=2), fp4_experts=False)  # floats split anywhere
+        DeepseekV4ForCausalLM(dataclasses.replace(wide, quant=None), TPGroup(rank=0, size=2))  # floats split anywhere
         DeepseekV4ForCausalLM(wide, TPGroup(rank=0, size=1))  # a partial last group at TP1 is fine
         with pytest.raises(ValueError, match=r"moe_intermediate_size 96 over tensor_parallel_size 2 \(48 a rank\).*32-value scale group"):
             DeepseekV4ForCausalLM(wide, TPGroup(rank=0, size=2))

@@ -28,6 +28,12 @@ states[b].num_tokens onwards, and its state advances in place (layer by layer: a
 exception the states are half-advanced and must be dropped). Whole-prompt prefill, chunked
 prefill and one-token decode give the same results.
 
+Weights are kept as `config.quant` says (build from a config whose quant is None to dequantize
+at load: v4_loader.py): FP8 e4m3 with 128x128 block scales for the projections V4-Flash ships
+FP8 (attention's q_a / q_b / kv / o_a / o_b, the indexer's q_b, the shared expert: v4_ops.fp8_block,
+`ops.fp8_linear`), and its FP4 routed experts packed (v4_moe.Experts, `ops.fused_moe_fp4`); the
+compressors, indexer keys and weights, router, embedding and head are bf16 in the checkpoint.
+
 Module and parameter names are transformers' (model.layers.N.self_attn.compressor.indexer...,
 mlp.experts.gate_up_proj, attn_hc.fn, model.hc_head.hc_fn, ...), so a transformers-format
 checkpoint maps one to one; v4_loader.py also maps DeepSeek's release names. MTP layers are not
@@ -52,7 +58,7 @@ from pdserve.model.hyper_connections import HyperConnection, HyperHead, hc_resid
 from pdserve.model.rope import RotaryEmbedding
 from pdserve.model.v4_attention import V4Attention
 from pdserve.model.v4_cache import LayerState, SequenceState
-from pdserve.model.v4_moe import V4MoE, checkpoint_fp4_experts
+from pdserve.model.v4_moe import V4MoE, fp4_experts
 from pdserve.model.v4_ops import V4RMSNorm
 from pdserve.model.v4_step import V4Step, build_step
 
@@ -64,11 +70,11 @@ FP32_PARAM_PATTERNS = (
 
 
 class V4DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, tp: TPGroup, fp4_experts: bool = False) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TPGroup) -> None:
         super().__init__()
         v4, hidden, eps = config.v4, config.hidden_size, config.rms_norm_eps
         self.self_attn = V4Attention(config, layer_idx, tp)
-        self.mlp = V4MoE(config, layer_idx, tp, fp4_experts)
+        self.mlp = V4MoE(config, layer_idx, tp)
         self.input_layernorm = V4RMSNorm(hidden, eps)
         self.post_attention_layernorm = V4RMSNorm(hidden, eps)
         self.attn_hc = HyperConnection(hidden, v4.hc_mult, v4.hc_sinkhorn_iters, v4.hc_eps, eps)
@@ -83,28 +89,25 @@ class V4DecoderLayer(nn.Module):
 
 
 class DeepseekV4Model(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPGroup, fp4_experts: bool = False) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         v4 = config.v4
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        layers = range(config.num_hidden_layers)
-        self.layers = nn.ModuleList(V4DecoderLayer(config, i, tp, fp4_experts) for i in layers)
+        self.layers = nn.ModuleList(V4DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = V4RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hc_head = HyperHead(config.hidden_size, v4.hc_mult, v4.hc_eps, config.rms_norm_eps)
 
 
 class DeepseekV4ForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPGroup | None = None, fp4_experts: bool | None = None) -> None:
-        """fp4_experts: keep the routed experts packed FP4 (v4_moe.Experts); None: when the
-        checkpoint's are (quantization_config's expert_dtype "fp4")."""
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         if config.v4 is None:
             raise ValueError(f"DeepseekV4ForCausalLM needs a deepseek_v4 config, got {config.model_type!r}")
         self.config = config
         self.tp = tp or TPGroup.single()
         self.num_layers = config.num_hidden_layers
-        self.fp4_experts = checkpoint_fp4_experts(config) if fp4_experts is None else fp4_experts
-        self.model = DeepseekV4Model(config, self.tp, self.fp4_experts)
+        self.fp4_experts = fp4_experts(config)
+        self.model = DeepseekV4Model(config, self.tp)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = {
             "main": RotaryEmbedding(config.v4.main_rope, config.qk_rope_head_dim),

@@ -5,11 +5,12 @@ Names: transformers' in-memory ones (model.layers.N.self_attn.compressor.kv_proj
 (layers.N.attn.compressor.wkv.weight, layers.N.ffn.experts.E.w1.weight, embed.weight, ...), mapped
 by the table below, which follows transformers' deepseek_v4 conversion mapping. Release scales are
 `<module>.scale`, transformers' `<module>.weight_scale_inv`.
-Dtypes: bf16 / fp16 / fp32 as they are; FP8 e4m3 with 128x128 block scales (float or ue8m0),
-dequantized at load; FP4 e2m1 routed experts (two values a byte, one ue8m0 scale per 32 values)
-kept packed with their scales when the model keeps FP4 experts (`fp4_experts`; by default when
-the checkpoint declares expert_dtype "fp4"), each expert's bytes copied into the stacked uint8
-parameters of v4_moe.Experts, else dequantized at load. MTP layers (mtp.*, or layer index >= num_hidden_layers) are skipped, with one log line.
+Dtypes: bf16 / fp16 / fp32 as they are; FP8 e4m3 with 128x128 block scales (float or ue8m0) and
+FP4 e2m1 routed experts (two values a byte, one ue8m0 scale per 32 values) kept as they are in
+the modules that keep them (`quantization` unset or "fp8": the FP8 projections of deepseek_v4.py's
+docstring, scales as float32 `weight_scale_inv`; the experts' bytes and ue8m0 scale bytes copied
+into the stacked uint8 parameters of v4_moe.Experts), dequantized at load everywhere else
+(`quantization="none"`: everywhere). MTP layers (mtp.*, or layer index >= num_hidden_layers) are skipped, with one log line.
 Under tensor parallelism (`tp` of size > 1) each rank allocates only its shards and fills them
 with the slices its modules name (`shard_weight` / `shard_expert`, as loader.py does for V3):
 each full tensor is read (and dequantized), sliced, freed; packed FP4 bytes and their scales are
@@ -18,6 +19,7 @@ sliced together (down_proj's I columns: 2 values a byte, 32 a scale).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from contextlib import ExitStack
@@ -32,7 +34,7 @@ from pdserve.distributed.group import TPGroup
 from pdserve.model.config import ModelConfig
 from pdserve.model.deepseek_v4 import FP32_PARAM_PATTERNS, DeepseekV4ForCausalLM
 from pdserve.model.fp4 import check_fp4_shapes, dequantize_fp4, is_fp4, packed_bytes, scales_to_float, ue8m0_bytes
-from pdserve.model.fp8 import dequantize_block_fp8, is_fp8
+from pdserve.model.fp8 import FP8, dequantize_block_fp8, is_fp8
 from pdserve.model.loader import CheckpointError, weight_files
 
 log = logging.getLogger(__name__)
@@ -79,17 +81,21 @@ def load_v4_model(
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
     tp: TPGroup | None = None,
-    fp4_experts: bool | None = None,
+    quantization: str | None = None,
 ) -> DeepseekV4ForCausalLM:
-    """fp4_experts: keep FP4 routed experts packed (None: when the checkpoint's are FP4; False:
-    dequantize them to `dtype` at load)."""
+    """quantization (--quantization): None follows the checkpoint (FP8 kept FP8, FP4 experts kept
+    FP4), "fp8" the same but refuses a checkpoint without an FP8 quantization_config, "none"
+    dequantizes everything at load into `dtype`."""
     model_dir = Path(model_dir)
     config = ModelConfig.from_model_dir(model_dir)
     if config.v4 is None:
         raise CheckpointError(f"{model_dir} holds a {config.model_type} model, not deepseek_v4")
     files = _readable(model_dir)
-    with torch.device("meta"):
-        model = DeepseekV4ForCausalLM(config, tp, fp4_experts)
+    try:
+        with torch.device("meta"):
+            model = DeepseekV4ForCausalLM(build_config(config, quantization), tp)
+    except ValueError as e:  # a quantization that cannot hold; a shard that would cut a scale block
+        raise CheckpointError(f"{model_dir}: {e}") from e
     _materialize(model, dtype, torch.device(device))
     names = {hf_name(n): n for n in files}
     skipped = sorted(n for n in names if _is_mtp(n, config))
@@ -115,6 +121,10 @@ def load_v4_model(
             tensor, file = read(hf), files[names[hf]]
             if sink.keeps_fp4(hf):
                 sink.put_fp4(hf, lambda: _fp4_expert(hf, tensor, names, file, read), file)
+            elif sink.keeps_fp8(hf):
+                scale = _fp8_scale(hf, tensor, names, file, read, config)
+                sink.put(hf, tensor, file)
+                sink.put(hf + _SCALE, scale, file)
             else:
                 sink.put(hf, _dequantized(hf, tensor, names, files, read, config), file)
         _check_unused_scales(names, files)
@@ -160,6 +170,30 @@ def _dequantized(hf: str, tensor: torch.Tensor, names, files, read, config: Mode
         raise CheckpointError(f"{where}: {e}") from e
 
 
+def build_config(config: ModelConfig, quantization: str | None) -> ModelConfig:
+    """The config to build the model from: `quant` kept (FP8 / FP4 modules) or None (floats)."""
+    if quantization not in (None, "fp8", "none"):
+        raise ValueError(f"quantization {quantization!r}: choose fp8 or none, or leave it unset (follow the checkpoint)")
+    if quantization == "fp8" and config.quant is None:
+        raise ValueError("quantization fp8: config.json has no FP8 quantization_config and pdserve does not quantize at load")
+    return dataclasses.replace(config, quant=None) if quantization == "none" else config
+
+
+def _fp8_scale(hf: str, tensor: torch.Tensor, names, file: Path, read, config: ModelConfig) -> torch.Tensor:
+    """The float32 block scales of a weight the model keeps FP8, checked."""
+    where = f"{names[hf]} in {file.name}"
+    if not is_fp8(tensor):
+        raise CheckpointError(f"{where} is {tensor.dtype}, but config.json's quantization_config makes it an FP8 "
+                              "weight; load with quantization 'none' to take the weights as they are")
+    if hf + _SCALE not in names:
+        raise CheckpointError(f"{where} is {tensor.dtype} but its scale ({hf + _SCALE} / .scale) is missing")
+    scale, (N, K), (bn, bk) = read(hf + _SCALE), tensor.shape, config.quant.weight_block_size
+    if tuple(scale.shape) != (-(-N // bn), -(-K // bk)):
+        raise CheckpointError(f"{where}: weight_scale_inv shape {tuple(scale.shape)} does not fit weight {(N, K)} "
+                              f"with blocks {(bn, bk)}: expected {(-(-N // bn), -(-K // bk))}")
+    return scales_to_float(scale)
+
+
 def _fp4_expert(hf: str, tensor: torch.Tensor, names, file: Path, read) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed bytes, ue8m0 scale bytes) of an expert the model keeps FP4, checked."""
     where, scale_name = f"{names[hf]} in {file.name}", hf + _SCALE
@@ -183,14 +217,17 @@ def _check_unused_scales(names: dict[str, str], files) -> None:
 
 def _materialize(model: DeepseekV4ForCausalLM, dtype: torch.dtype, device: torch.device) -> None:
     """Every meta parameter becomes an uninitialized one in its final dtype (float32 for the
-    parameters transformers keeps in float32; integer ones, packed FP4, keep theirs) and device;
-    buffers keep their dtype."""
+    parameters transformers keeps in float32; packed FP4, FP8 and their scales keep theirs) and
+    device; buffers keep their dtype."""
     for mod_name, mod in model.named_modules():
         for pname, p in list(mod._parameters.items()):
             full = f"{mod_name}.{pname}" if mod_name else pname
             if p is None or (full == "lm_head.weight" and model.config.tie_word_embeddings):
                 continue
-            dt = p.dtype if not p.is_floating_point() else torch.float32 if any(k in full for k in FP32_PARAM_PATTERNS) else dtype
+            if p.dtype in (torch.uint8, FP8) or full.endswith(_SCALE):  # packed FP4, FP8 and their scales
+                dt = p.dtype
+            else:
+                dt = torch.float32 if any(k in full for k in FP32_PARAM_PATTERNS) else dtype
             mod._parameters[pname] = nn.Parameter(torch.empty(p.shape, dtype=dt, device=device), requires_grad=False)
         for bname, b in list(mod._buffers.items()):
             mod._buffers[bname] = torch.zeros(b.shape, dtype=b.dtype, device=device)
@@ -212,6 +249,10 @@ class _WeightSink:
         for n, t in self.targets.items():
             if n.endswith(_STACKED):
                 self.pending[n] = set(range(t.shape[0] * (2 if "experts.gate_up_proj" in n else 1)))
+
+    def keeps_fp8(self, name: str) -> bool:
+        """Whether checkpoint weight `name` lands in an FP8 parameter (with its scales)."""
+        return name in self.targets and self.targets[name].dtype == FP8
 
     def keeps_fp4(self, name: str) -> bool:
         """Whether checkpoint tensor `name` goes in packed (put_fp4) rather than as floats (put)."""

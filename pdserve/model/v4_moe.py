@@ -8,7 +8,7 @@ of a frozen table tid2eid[token id]. The weights are the chosen unbiased scores,
 sum 1, times routed_scaling_factor. Experts and the shared expert are SwiGLU with
 swiglu_limit: gate clamped to <= limit, up to [-limit, limit]. Experts are stacked as transformers
 holds them: gate_up_proj [E, 2I, hidden] (gate rows, then up rows), down_proj [E, hidden, I];
-FP4 checkpoints' experts (V4-Flash's) can stay FP4 on the device (`Experts`, `fp4_experts`).
+FP4 checkpoints' experts (V4-Flash's) stay FP4 on the device (`Experts`, `fp4_experts`).
 
 Tensor parallelism splits I, as V3's MoE does (moe.py; I below is this rank's I/tp): every rank
 holds every expert's slice of the intermediate dim, and the shared expert's (gate / up
@@ -27,11 +27,14 @@ from pdserve.distributed.group import TPGroup
 from pdserve.model import ops
 from pdserve.model.config import ModelConfig
 from pdserve.model.fp4 import FP4_BLOCK
+from pdserve.model.fp8 import Block
 from pdserve.model.parallel import ColumnParallelLinear, RowParallelLinear, shard_expert, shard_stacked_experts
+from pdserve.model.v4_ops import fp8_block
 
 
-def checkpoint_fp4_experts(config: ModelConfig) -> bool:
-    """Whether the checkpoint ships its routed experts FP4 (V4-Flash does)."""
+def fp4_experts(config: ModelConfig) -> bool:
+    """Whether the routed experts stay FP4: the checkpoint ships them so (V4-Flash does) and the
+    config the model is built from keeps its quantization (`quant`; None: dequantized at load)."""
     return config.quant is not None and config.quant.expert_dtype == "fp4"
 
 
@@ -67,20 +70,20 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     """Routed experts: gate_up_proj [E, 2I, hidden] and down_proj [E, hidden, I] in the model's
-    dtype, or, kept FP4 (`fp4`), the checkpoint's packed e2m1 bytes with their ue8m0 scales
+    dtype, or, kept FP4 (`fp4_experts`), the checkpoint's packed e2m1 bytes with their ue8m0 scales
     (model/fp4.py: two values a byte, one scale per 32 along K): gate_up_proj [E, 2I, hidden/2],
     gate_up_proj_scale_inv [E, 2I, ceil(hidden/32)], down_proj [E, hidden, I/2],
     down_proj_scale_inv [E, hidden, ceil(I/32)], all uint8, read by ops.fused_moe_fp4 (the Triton
     kernel on CUDA, which dequantizes in registers; the torch reference elsewhere).
     Under TP, down_proj's I columns split: a rank's share must hold whole 32-value scale groups."""
 
-    def __init__(self, config: ModelConfig, tp: TPGroup, fp4: bool = False) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         E, hidden = config.n_routed_experts, config.hidden_size
-        self.size, self.limit, self.fp4 = tp.size, config.v4.swiglu_limit, fp4
+        self.size, self.limit, self.fp4 = tp.size, config.v4.swiglu_limit, fp4_experts(config)
         self.start, I = tp.shard(config.moe_intermediate_size, "moe_intermediate_size")
         self.inter = I  # this rank's share
-        if not fp4:
+        if not self.fp4:
             self.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * I, hidden))
             self.down_proj = nn.Parameter(torch.zeros(E, hidden, I))
             return
@@ -131,14 +134,15 @@ class Experts(nn.Module):
 
 
 class SharedExpert(nn.Module):
-    """Under TP: intermediate dim split, output a partial sum (no all-reduce of its own)."""
+    """Under TP: intermediate dim split, output a partial sum (no all-reduce of its own). FP8
+    (`fp8_block`) as the checkpoint ships it."""
 
-    def __init__(self, hidden: int, inter: int, limit: float, tp: TPGroup) -> None:
+    def __init__(self, hidden: int, inter: int, limit: float, tp: TPGroup, fp8_block: Block | None = None) -> None:
         super().__init__()
-        self.limit = limit
-        self.gate_proj = ColumnParallelLinear(hidden, inter, tp, what="moe_intermediate_size")
-        self.up_proj = ColumnParallelLinear(hidden, inter, tp, what="moe_intermediate_size")
-        self.down_proj = RowParallelLinear(inter, hidden, tp, reduce=False, what="moe_intermediate_size")
+        self.limit, what = limit, "moe_intermediate_size"
+        self.gate_proj = ColumnParallelLinear(hidden, inter, tp, what=what, fp8_block=fp8_block)
+        self.up_proj = ColumnParallelLinear(hidden, inter, tp, what=what, fp8_block=fp8_block)
+        self.down_proj = RowParallelLinear(inter, hidden, tp, reduce=False, what=what, fp8_block=fp8_block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
@@ -147,14 +151,14 @@ class SharedExpert(nn.Module):
 class V4MoE(nn.Module):
     """gate (Router), experts, shared_experts: the checkpoint's names under `mlp.`."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, tp: TPGroup | None = None, fp4_experts: bool = False) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.tp = tp or TPGroup.single()
         self.gate = Router(config, hashed=config.v4.mlp_layer_types[layer_idx] == "hash_moe")
-        self.experts = Experts(config, self.tp, fp4_experts)
+        self.experts = Experts(config, self.tp)
         # one shared expert of width I, whatever n_shared_experts says (as transformers builds it)
         inter, limit = config.moe_intermediate_size, config.v4.swiglu_limit
-        self.shared_experts = SharedExpert(config.hidden_size, inter, limit, self.tp)
+        self.shared_experts = SharedExpert(config.hidden_size, inter, limit, self.tp, fp8_block(config))
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, input_ids)
