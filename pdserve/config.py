@@ -20,7 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pdserve.disagg.factory import TransferBackend
-from pdserve.engine.config import DType, EngineConfig, KVCacheDType, KVLoadFailurePolicy, LoadFormat, check_device
+from pdserve.engine.config import DType, EngineConfig, KVCacheDType, KVLoadFailurePolicy, LoadFormat, Quantization, check_device
 
 # configs/ sits beside the package in the source tree (the repo is installed editable).
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -90,6 +90,7 @@ class WorkerConfig(_Strict):
     max_model_len: int | None = Field(None, ge=2)
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     kv_cache_dtype: KVCacheDType = "auto"  # fp8: FP8 latent records (V3 / V3.2); part of the KV compatibility hash
+    quantization: Quantization | None = None  # weights: unset follows the checkpoint (FP8 kept FP8); none dequantizes at load
     cuda_graph_max_bs: int | None = Field(None, ge=1)  # largest decode batch captured (default min(max_num_seqs, 256))
     lease_seconds: float = Field(60.0, gt=0)  # prefill keeps KV this long for decode to pull
     engine_id: str | None = None  # default: "<role>-<index>-<port>" (launch), "<role>-<port>" (serve)
@@ -170,6 +171,7 @@ class WorkerConfig(_Strict):
             max_model_len=self.max_model_len,
             enforce_eager=self.enforce_eager,
             kv_cache_dtype=self.kv_cache_dtype,
+            quantization=self.quantization,
             cuda_graph_max_bs=self.cuda_graph_max_bs,
             **({"max_num_batched_tokens": self.max_num_batched_tokens} if self.max_num_batched_tokens else {}),
         )

@@ -35,6 +35,7 @@ WORKER_FLAGS = {
     "engine_id": "worker.engine_id", "advertise_host": "worker.advertise_host", "lease_seconds": "worker.lease_seconds",
     "max_open_requests": "worker.max_open_requests", "stall_timeout": "worker.stall_timeout", "peer": "peers",
     "enforce_eager": "worker.enforce_eager", "cuda_graph_max_bs": "worker.cuda_graph_max_bs", "kv_cache_dtype": "worker.kv_cache_dtype",
+    "quantization": "worker.quantization",
     "transfer_backend": "transfer.backend", "transfer_timeout": "transfer.timeout",
     "metadata_timeout": "transfer.metadata_timeout", "kv_load_failure_policy": "transfer.kv_load_failure_policy",
 }  # fmt: skip
@@ -71,6 +72,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     w("--max-num-batched-tokens")
     w("--enforce-eager", action="store_true", help="no CUDA graphs: run every decode step eagerly")
     w("--kv-cache-dtype", help="auto (the model dtype) | fp8 (FP8 latent records, V3 / V3.2)")
+    w("--quantization", "-q", help="weights: unset follows the checkpoint (FP8 block-scaled: kept FP8) | fp8 (require FP8) | none (dequantize at load)")
     w("--cuda-graph-max-bs", help="largest decode batch captured as a CUDA graph (default min(max-num-seqs, 256))")
     w("--engine-id", help="transfer agent name (default <role>-<port>)")
     w("--advertise-host", help="the address other hosts reach this worker on, put in its KV handles (default: --host, or this host's name when --host is 0.0.0.0/::)")

@@ -50,8 +50,8 @@ def test_report_is_well_formed(model, tmp_path, capsys):
 @pytest.mark.parametrize(
     "flags, says",
     [
-        (["--dtype", "fp8"], "FP8 weights kept FP8 in the engine are not built yet"),
-        (["--dtype", "fp4"], "FP4 experts kept FP4 in the engine are not built yet"),
+        (["--model", "tiny-v4", "--dtype", "fp8"], "FP8 weights kept FP8 are built for V3.2"),
+        (["--dtype", "fp4"], "FP4 routed experts are DeepSeek-V4's"),
         (["--load-format", "auto"], "only 'dummy'"),
         (["--kv-cache-dtype", "bfloat16"], "auto (the weights' dtype) or fp8"),
         (["--model", "tiny-v4", "--kv-cache-dtype", "fp8"], "not built for DeepSeek-V4 yet"),  # the engine's own refusal
@@ -90,6 +90,64 @@ def test_floor_of_tiny_v32_by_hand():
     attention_flops = 2 * 4 * 16 * (80 + 64) + 2 * 16 * 41 * 32
     assert cost.flops == 2 * B * params + 2 * B * 2 * per_expert + 2 * B * attention_flops
     assert cost.floor_ms(1e9, 1e12) == {"bytes_ms": cost.total_bytes / 1e6, "flops_ms": cost.flops / 1e9, "floor_ms": cost.total_bytes / 1e6}
+
+
+def test_fp8_run_and_floor_by_hand(tmp_path):
+    """--dtype fp8 (FP8 e4m3 weights kept FP8, bf16 activations; tiny models: 32 x 32 blocks) runs,
+    and its floor counts each FP8 value as 1 byte plus a float32 scale per block (bytes, no
+    flops), kv_b_proj (absorbed, dequantized) and everything else as before (meta float32)."""
+    out = tmp_path / "fp8.json"
+    assert main(["--model", "tiny-v3.2", "--num-layers", "2", "--batch-sizes", "2", "--context", "40", "--long-context", "0",
+                 "--warmup", "0", "--steps", "1", "--profile-steps", "0", "--baseline-steps", "0", "--device", "cpu",
+                 "--dtype", "fp8", "--out", str(out)]) == 0  # fmt: skip
+    report = json.loads(out.read_text())
+    assert report["settings"]["quantization"] == "fp8" and "error" not in report["rows"][0]
+    config = ModelConfig.from_dict(bench_config("tiny-v3.2", 2, "fp8"))
+    model = plan.meta_model(config)
+    assert model.model.layers[1].mlp.experts.down_proj.dtype == torch.float8_e4m3fn
+
+    def fp8(n, k):  # (values, scale blocks) of an [n, k] FP8 weight, 32 x 32 blocks
+        return n * k, -(-n // 32) * -(-k // 32)
+
+    attn = [fp8(64, 128), fp8(192, 64), fp8(80, 128), fp8(128, 128), fp8(512, 64), fp8(32, 128)]  # q_a q_b kv_a o wq_b wk
+    attn_f32 = 64 + 64 + 256 * 64 + 2 * 32 + 128 * 16  # the two norms, kv_b_proj, k_norm, weights_proj
+    mlp = [fp8(256, 128), fp8(256, 128), fp8(128, 256)]
+    shared = [fp8(64, 128), fp8(64, 128), fp8(128, 64)]
+    expert = [fp8(128, 128), fp8(128, 64)]  # gate_up, down of one expert
+    size = lambda ws: sum(v + 4 * b for v, b in ws)  # noqa: E731
+    values = lambda ws: sum(v for v, _ in ws)  # noqa: E731
+    B = 4
+    layer = size(attn) + 4 * (attn_f32 + 2 * 128)  # + the two layer norms
+    weight_bytes = 2 * layer + size(mlp) + size(shared) + 4 * (8 * 128 + 8) + 4 * (128 + 512 * 128) + 4 * B * 128
+    cost = step_cost(model, config, B, 40, kv_itemsize=2, experts_touched={1: 5})
+    assert cost.weight_bytes == weight_bytes
+    assert cost.expert_bytes == 5 * size(expert)
+    dense_params = 2 * (values(attn) + attn_f32 + 2 * 128) + values(mlp) + values(shared) + 8 * 128 + 8 + 128 + 512 * 128
+    attention_flops = 2 * 4 * 16 * (80 + 64) + 2 * 16 * 41 * 32
+    assert cost.flops == 2 * B * dense_params + 2 * B * 2 * values(expert) + 2 * B * attention_flops
+
+
+def test_fp4_run_and_floor_by_hand(tmp_path):
+    """--dtype fp4 on tiny V4 (FP4 routed experts and FP8 projections kept, bf16 activations) runs,
+    and its floor counts an expert at 0.5 byte a value plus a 1-byte scale per 32 values; its flops
+    are the float model's (scales: bytes only)."""
+    out = tmp_path / "fp4.json"
+    assert main(["--model", "tiny-v4", "--num-layers", "2", "--batch-sizes", "2", "--context", "40", "--long-context", "0",
+                 "--warmup", "0", "--steps", "1", "--profile-steps", "0", "--baseline-steps", "0", "--device", "cpu",
+                 "--dtype", "fp4", "--out", str(out)]) == 0  # fmt: skip
+    report = json.loads(out.read_text())
+    assert report["settings"]["quantization"] == "fp4" and "error" not in report["rows"][0]
+    config = ModelConfig.from_dict(bench_config("tiny-v4", 2, "fp4"))
+    model = plan.meta_model(config)
+    layer = model.model.model.layers[1]  # PagedDeepseekV4 around the model
+    assert layer.mlp.experts.fp4 and layer.mlp.experts.down_proj.dtype == torch.uint8
+    assert layer.self_attn.q_b_proj.weight.dtype == torch.float8_e4m3fn
+    hidden, inter = 128, 64
+    per_expert = 2 * inter * hidden // 2 + 2 * inter * hidden // 32 + hidden * inter // 2 + hidden * inter // 32
+    cost = step_cost(model, config, 4, 40, kv_itemsize=2, experts_touched={0: 3, 1: 5})
+    assert cost.expert_bytes == (3 + 5) * per_expert
+    floats = plan.meta_model(ModelConfig.from_dict(bench_config("tiny-v4", 2)))
+    assert cost.flops == step_cost(floats, config, 4, 40, kv_itemsize=2, experts_touched={0: 3, 1: 5}).flops
 
 
 def test_v4_kv_read_by_hand():

@@ -58,8 +58,8 @@ def _logits(model) -> torch.Tensor:
     return PagedHarness(model).step([(Seq(), PROMPT)])[0]
 
 
-def _load(path: Path, dtype=torch.float32):
-    return load_model(path, dtype=dtype, device="cpu", progress=False)
+def _load(path: Path, dtype=torch.float32, quantization=None):
+    return load_model(path, dtype=dtype, device="cpu", progress=False, quantization=quantization)
 
 
 def _config(path: Path) -> dict:
@@ -224,7 +224,9 @@ def test_fp8_block_scaled_matches_dequantized_reference(arch, base, base_v32, tm
             fp8[name] = deq[name] = w
     assert any(s.shape[0] > 1 and s.shape[1] > 1 for n, s in fp8.items() if n.endswith("_scale_inv"))
     quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-    m8 = _load(_write(tmp_path / "fp8", fp8, {**config, "quantization_config": quant}))
+    # dequantized at load (kept FP8: tests/test_fp8_weights.py; moe_intermediate_size 136 is not
+    # a multiple of the block, which FP8 experts need)
+    m8 = _load(_write(tmp_path / "fp8", fp8, {**config, "quantization_config": quant}), quantization="none")
     md = _load(_write(tmp_path / "deq", deq, config))
     for (name, p8), (_, pd) in zip(m8.named_parameters(), md.named_parameters()):
         assert torch.equal(p8, pd), name
@@ -313,7 +315,7 @@ def test_fp8_weight_without_scale(base, tmp_path):
     add_quant = lambda c: c.update(quantization_config=quant)  # noqa: E731
     path = _variant(base, tmp_path / "bad", edit_tensors=_fp8_without_scale, edit_config=add_quant)
     with pytest.raises(CheckpointError, match=r"o_proj\.weight in .* but .*o_proj\.weight_scale_inv is missing"):
-        _load(path)
+        _load(path, quantization="none")  # kept FP8: tests/test_fp8_weights.py
 
 
 def test_fp8_weight_without_quantization_config(base, tmp_path):

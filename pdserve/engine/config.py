@@ -15,6 +15,10 @@ KVLoadFailurePolicy = Literal["fail", "recompute"]
 # made in memory from its config.json alone (model/dummy.py; benchmarks, no checkpoint to write)
 LoadFormat = Literal["auto", "dummy"]
 KVCacheDType = Literal["auto", "fp8"]
+# the weights' format (vLLM's flag name): None follows the checkpoint's quantization_config (FP8
+# block-scaled: kept FP8 on the device); "fp8" requires FP8 weights (load_format dummy: makes
+# them); "none" dequantizes FP8 checkpoints at load into `dtype` (debugging). model/fp8.py.
+Quantization = Literal["fp8", "none"]
 
 
 def check_device(d: str) -> str:
@@ -60,6 +64,9 @@ class EngineConfig(BaseModel):
     # the KV records (vLLM's name): "auto" = the model dtype; "fp8" = FP8 e4m3 latent records with
     # per-128 scales (656 bytes a token-layer for V3 / V3.2, kernels/kv_fp8.py)
     kv_cache_dtype: KVCacheDType = "auto"
+    # weights kept as the checkpoint ships them (None), FP8 ("fp8"), or dequantized ("none"); the
+    # KV layout does not depend on it, so it is not part of the KV compatibility hash
+    quantization: Quantization | None = None
 
     @field_validator("device")
     @classmethod

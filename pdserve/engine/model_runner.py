@@ -241,19 +241,22 @@ def _load(config: EngineConfig, dtype: torch.dtype, device: torch.device, tp: TP
     from pdserve.model.config import ModelConfig
     from pdserve.model.v4_paged import PagedDeepseekV4
 
+    from pdserve.model.fp8 import model_config_for
+
     model_config = ModelConfig.from_model_dir(config.model)
     if config.load_format == "dummy":
         from pdserve.model.dummy import dummy_model
 
-        model = dummy_model(model_config, dtype, device, tp, seed=config.seed)
+        build = model_config_for(model_config, config.quantization, dummy=True)
+        model = dummy_model(build, dtype, device, tp, seed=config.seed)
         return model if model_config.v4 is None else PagedDeepseekV4(model)
     if model_config.v4 is None:
         from pdserve.model.loader import load_model
 
-        return load_model(config.model, dtype, device, progress=tp.is_driver, tp=tp)
+        return load_model(config.model, dtype, device, progress=tp.is_driver, tp=tp, quantization=config.quantization)
     from pdserve.model.v4_loader import load_v4_model
 
-    return PagedDeepseekV4(load_v4_model(config.model, dtype, device, tp=tp))
+    return PagedDeepseekV4(load_v4_model(config.model, dtype, device, tp=tp, quantization=config.quantization))
 
 
 def _check_shardable(config: EngineConfig) -> None:
@@ -263,10 +266,13 @@ def _check_shardable(config: EngineConfig) -> None:
     from pdserve.model.deepseek import DeepseekForCausalLM
     from pdserve.model.deepseek_v4 import DeepseekV4ForCausalLM
 
+    from pdserve.model.fp8 import model_config_for
+
     model_config = ModelConfig.from_model_dir(config.model)
     model_class = DeepseekForCausalLM if model_config.v4 is None else DeepseekV4ForCausalLM
+    build = model_config_for(model_config, config.quantization, dummy=config.load_format == "dummy")
     with torch.device("meta"):
-        model_class(model_config, TPGroup(rank=0, size=config.tensor_parallel_size))
+        model_class(build, TPGroup(rank=0, size=config.tensor_parallel_size))
     if config.device.startswith("cuda"):
         first = torch.device(config.device).index or 0
         need = first + config.tensor_parallel_size

@@ -34,6 +34,7 @@ from pdserve.model.kv_cache import KVCache
 from pdserve.model import ops
 from pdserve.model.batch import ForwardBatch, PrefillChunks
 from pdserve.model.config import ModelConfig
+from pdserve.model.fp8 import linear
 from pdserve.model.indexer import Indexer
 from pdserve.model.layers import RMSNorm
 from pdserve.model.parallel import ColumnParallelLinear, RowParallelLinear
@@ -52,18 +53,20 @@ class MLA(nn.Module):
         self.nope_dim, self.v_dim = c.qk_nope_head_dim, c.v_head_dim
         self.interleave = c.rope_interleave
         self.scale = softmax_scale(c.rope, c.qk_head_dim)
-        H, bias = c.num_attention_heads, c.attention_bias
+        H, bias, fp8 = c.num_attention_heads, c.attention_bias, c.fp8_block
         self.q_lora = c.q_lora_rank is not None
         if not self.q_lora:
-            self.q_proj = ColumnParallelLinear(c.hidden_size, H * c.qk_head_dim, tp, what="q heads")
+            self.q_proj = ColumnParallelLinear(c.hidden_size, H * c.qk_head_dim, tp, what="q heads", fp8_block=fp8)
         else:
-            self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=bias)
+            self.q_a_proj = linear(c.hidden_size, c.q_lora_rank, bias=bias, fp8_block=fp8)
             self.q_a_layernorm = RMSNorm(c.q_lora_rank)
-            self.q_b_proj = ColumnParallelLinear(c.q_lora_rank, H * c.qk_head_dim, tp, what="q heads")
-        self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=bias)
+            self.q_b_proj = ColumnParallelLinear(c.q_lora_rank, H * c.qk_head_dim, tp, what="q heads", fp8_block=fp8)
+        self.kv_a_proj_with_mqa = linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=bias, fp8_block=fp8)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank)
+        # kept in the model dtype (dequantized at load, as vLLM does): absorbed into the queries
+        # and the output per head (W_UK, W_UV), not multiplied as one linear layer
         self.kv_b_proj = ColumnParallelLinear(c.kv_lora_rank, H * (c.qk_nope_head_dim + c.v_head_dim), tp, what="kv heads")
-        self.o_proj = RowParallelLinear(H * c.v_head_dim, c.hidden_size, tp, bias=bias, what="o_proj heads")
+        self.o_proj = RowParallelLinear(H * c.v_head_dim, c.hidden_size, tp, bias=bias, what="o_proj heads", fp8_block=fp8)
         self.indexer = Indexer(c) if c.has_indexer else None
 
     def forward(

@@ -36,7 +36,7 @@ _ARCH_DEFAULTS = {
 
 @dataclass(frozen=True)
 class QuantConfig:
-    method: str  # only "fp8" (e4m3, block-scaled, dequantized at load)
+    method: str  # only "fp8" (e4m3, block-scaled: kept FP8, or dequantized at load with --quantization none)
     weight_block_size: tuple[int, int] = (128, 128)
     scale_fmt: str = "float"  # "float" (fp32 scales, V3) or "ue8m0" (power-of-two byte scales, V4)
     expert_dtype: str = "fp8"  # "fp8", or "fp4" (e2m1, one ue8m0 scale per 32 values: V4's routed experts)
@@ -78,6 +78,12 @@ class ModelConfig:
     index_topk: int = 0
     quant: QuantConfig | None = None
     v4: "V4Config | None" = None  # DeepSeek-V4 only
+
+    @property
+    def fp8_block(self) -> tuple[int, int] | None:
+        """The block of the FP8 weights the model keeps FP8; None when it has none (the loader
+        builds from a config whose quant is None to dequantize at load: model/fp8.py)."""
+        return None if self.quant is None else tuple(self.quant.weight_block_size)
 
     @property
     def qk_head_dim(self) -> int:

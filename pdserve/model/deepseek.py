@@ -36,7 +36,7 @@ class DecoderLayer(nn.Module):
         if config.is_moe_layer(layer_idx):
             self.mlp: nn.Module = MoE(config, tp)
         else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size, tp)
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, tp, fp8_block=config.fp8_block)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

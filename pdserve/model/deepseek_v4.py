@@ -30,7 +30,7 @@ prefill and one-token decode give the same results.
 
 Weights are kept as `config.quant` says (build from a config whose quant is None to dequantize
 at load: v4_loader.py): FP8 e4m3 with 128x128 block scales for the projections V4-Flash ships
-FP8 (attention's q_a / q_b / kv / o_a / o_b, the indexer's q_b, the shared expert: v4_ops.fp8_block,
+FP8 (attention's q_a / q_b / kv / o_a / o_b, the indexer's q_b, the shared expert: config.fp8_block,
 `ops.fp8_linear`), and its FP4 routed experts packed (v4_moe.Experts, `ops.fused_moe_fp4`); the
 compressors, indexer keys and weights, router, embedding and head are bf16 in the checkpoint.
 

@@ -8,7 +8,10 @@ parameter order, so every tensor-parallel rank fills its replicated weights the 
   - matrices N(0, 1 / fan_in) (fan_in = the last dim), so activations keep their scale;
   - other vectors (sinks, hyper-connection bases and scales) N(0, 0.02^2);
   - DeepSeek-V4 hash-routing tables (`tid2eid` [vocab, k]): k distinct random experts a token;
-  - routed experts kept FP4 (uint8): random codes, power-of-two scales (`fp4.fill_random_fp4_`).
+  - weights stored in a low-precision format (FILLERS, keyed by the parameter's dtype): FP8 e4m3
+    kept FP8 - the same N(0, 1 / fan_in) values quantized per block as DeepSeek's checkpoints
+    were, the scales into `<name>_scale_inv` (filled with their weight, skipped on their own).
+    FP4 experts kept FP4 (uint8) - random codes, a power-of-two scale (`fp4.fill_random_fp4_`).
 """
 
 from __future__ import annotations
@@ -47,7 +50,10 @@ def fill_random(model: nn.Module, seed: int = 0) -> None:
     devices = {p.device for p in model.parameters()}
     gens = {d: torch.Generator(device=d).manual_seed(seed) for d in devices}
     for name, p in model.named_parameters():
-        _fill(name, p, gens[p.device])
+        if p.dtype in FILLERS:
+            FILLERS[p.dtype](model, name, p, gens[p.device])
+        elif not name.endswith(SCALE_SUFFIX):
+            _fill(name, p, gens[p.device])
     for name, b in model.named_buffers():
         if name.endswith("tid2eid"):  # [vocab, k]: distinct experts per token
             experts = model.config.n_routed_experts
@@ -56,12 +62,34 @@ def fill_random(model: nn.Module, seed: int = 0) -> None:
             b.copy_(scores.topk(b.shape[1], dim=1).indices)
 
 
+def _fill_fp8(model: nn.Module, name: str, p: torch.Tensor, gen: torch.Generator) -> None:
+    """p [..., N, K] e4m3 (a linear weight, or stacked experts) and its `<name>_scale_inv`, from
+    N(0, 1 / K) quantized per block of the owning module's fp8_block, a few slices at a time."""
+    from pdserve_kernels.ref_fp8 import quant_block_fp8
+
+    owner, _, _ = name.rpartition(".")
+    block = model.get_submodule(owner).fp8_block
+    scale = model.get_parameter(name + SCALE_SUFFIX)
+    w, s = p.view(-1, *p.shape[-2:]), scale.view(-1, *scale.shape[-2:])
+    step = max(1, 2**27 // (p.shape[-2] * p.shape[-1]))  # slices per draw: <= 512 MB of float32
+    for i in range(0, w.shape[0], step):
+        vals = torch.empty(w[i : i + step].shape, device=p.device).normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+        q, qs = quant_block_fp8(vals, block)
+        w[i : i + step].copy_(q)
+        s[i : i + step].copy_(qs)
+
+
+SCALE_SUFFIX = "_scale_inv"
+FILLERS = {  # dtype -> filler(model, name, param, generator)
+    torch.float8_e4m3fn: _fill_fp8,
+    torch.uint8: lambda model, name, p, gen: fill_random_fp4_(name, p, gen),  # V4's packed experts, their scales
+}
+
+
 def _fill(name: str, p: torch.Tensor, gen: torch.Generator) -> None:
     module, _, leaf = name.rpartition(".")
     is_norm = "norm" in module.rpartition(".")[2]
-    if p.dtype == torch.uint8 and ".experts." in name:  # packed FP4 experts and their scales
-        fill_random_fp4_(name, p, gen)
-    elif is_norm and leaf == "weight":
+    if is_norm and leaf == "weight":
         p.fill_(1.0)
     elif (is_norm and leaf == "bias") or leaf == "e_score_correction_bias":
         p.zero_()

@@ -13,10 +13,15 @@ place, which must fall on a block edge (`shard_scales`).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from pdserve.model import ops
+
+if TYPE_CHECKING:
+    from pdserve.model.config import ModelConfig
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 FP8 = torch.float8_e4m3fn
@@ -71,12 +76,12 @@ class Fp8Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, block: Block, bias: bool = False) -> None:
         super().__init__()
-        self.in_features, self.out_features, self.block = in_features, out_features, tuple(block)
-        self.weight, self.weight_scale_inv = fp8_params(out_features, in_features, self.block)
+        self.in_features, self.out_features, self.fp8_block = in_features, out_features, tuple(block)
+        self.weight, self.weight_scale_inv = fp8_params(out_features, in_features, self.fp8_block)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.fp8_linear(x, self.weight, self.weight_scale_inv, self.block, self.bias)
+        return ops.fp8_linear(x, self.weight, self.weight_scale_inv, self.fp8_block, self.bias)
 
 
 def linear(in_features: int, out_features: int, bias: bool = False, fp8_block: Block | None = None) -> nn.Module:
@@ -84,3 +89,29 @@ def linear(in_features: int, out_features: int, bias: bool = False, fp8_block: B
     if fp8_block is None:
         return nn.Linear(in_features, out_features, bias=bias)
     return Fp8Linear(in_features, out_features, fp8_block, bias=bias)
+
+
+# --quantization (vLLM's flag): None follows the checkpoint (an FP8 quantization_config: kept FP8);
+# "fp8" asks for FP8 weights (a checkpoint without one is refused: no online quantization; with
+# load_format dummy the random weights are made FP8); "none" dequantizes FP8 weights at load into
+# the model dtype (debugging: the same numbers, 2-4x the memory)
+QUANTIZATIONS = ("fp8", "none")
+
+
+def model_config_for(config: "ModelConfig", quantization: str | None, dummy: bool = False) -> "ModelConfig":
+    """The config to build the model from: `quant` kept (FP8 layers) or None (dequantized at
+    load). Raises ValueError on a combination that cannot hold."""
+    import dataclasses
+
+    from pdserve.model.config import QuantConfig
+
+    if quantization not in (None, *QUANTIZATIONS):
+        raise ValueError(f"quantization {quantization!r}: choose fp8 or none, or leave it unset (follow the checkpoint)")
+    if quantization == "none":
+        return dataclasses.replace(config, quant=None)
+    if config.quant is None and quantization == "fp8":
+        if not dummy:
+            raise ValueError("quantization fp8: the checkpoint has no FP8 quantization_config in its config.json and "
+                             "pdserve does not quantize at load; leave --quantization unset for its own weights")
+        return dataclasses.replace(config, quant=QuantConfig(method="fp8"))
+    return config

@@ -19,6 +19,7 @@ from torch import nn
 from pdserve.model import ops
 from pdserve.model.batch import ForwardBatch
 from pdserve.model.config import ModelConfig
+from pdserve.model.fp8 import linear
 from pdserve.model.rope import apply_rope
 
 
@@ -29,8 +30,8 @@ class Indexer(nn.Module):
         self.head_dim = config.index_head_dim
         self.rope_dim = config.qk_rope_head_dim
         self.topk = config.index_topk
-        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.wq_b = linear(config.q_lora_rank, self.n_heads * self.head_dim, fp8_block=config.fp8_block)
+        self.wk = linear(config.hidden_size, self.head_dim, fp8_block=config.fp8_block)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)  # kept float32
         self.weight_scale = self.n_heads**-0.5 * self.head_dim**-0.5

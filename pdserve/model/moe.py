@@ -8,7 +8,11 @@ scores + e_score_correction_bias, first keeping the topk_group groups with the b
 top-2 biased scores, then the top-k experts inside them; the weights are the unbiased scores of
 the chosen experts, renormalized if norm_topk_prob, times routed_scaling_factor.
 Experts are stacked in vLLM's layout: gate_up_proj [E, 2I, hidden] (gate rows, then up rows),
-down_proj [E, hidden, I] - the same layout as transformers' fused expert parameters.
+down_proj [E, hidden, I] - the same layout as transformers' fused expert parameters. FP8 experts
+kept FP8 (config.fp8_block) are e4m3 with their block scales stacked the same way,
+gate_up_proj_scale_inv [E, 2I/bn, ceil(hidden/bk)] and down_proj_scale_inv [E, ceil(hidden/bn),
+I/bk], and run through ops.fused_moe_fp8 (I must be a multiple of the block: gate and up rows
+must not share a scale block).
 
 Tensor parallelism splits every expert by its intermediate dim (I below is this rank's I/tp):
 each rank holds all E experts' slices, so every rank does the same share of work whatever the
@@ -26,8 +30,9 @@ from torch import nn
 from pdserve.distributed.group import TPGroup
 from pdserve.model import ops
 from pdserve.model.config import ModelConfig
+from pdserve.model.fp8 import check_block_shard, fp8_params
 from pdserve.model.layers import MLP
-from pdserve.model.parallel import shard_expert, shard_stacked_experts
+from pdserve.model.parallel import narrow_shard, shard_expert, shard_stacked_experts
 
 
 class Gate(nn.Module):
@@ -63,15 +68,34 @@ class Experts(nn.Module):
         self.size = tp.size
         self.start, I = tp.shard(config.moe_intermediate_size, "moe_intermediate_size")
         self.inter = I  # this rank's share
-        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, hidden))
-        self.down_proj = nn.Parameter(torch.empty(E, hidden, I))
+        self.fp8_block = config.fp8_block
+        if self.fp8_block is None:
+            self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, hidden))
+            self.down_proj = nn.Parameter(torch.empty(E, hidden, I))
+            self.gate_up_proj_scale_inv = self.down_proj_scale_inv = None
+            return
+        bn, bk = self.fp8_block
+        if I % bn or I % bk:
+            raise ValueError(f"FP8 experts: moe_intermediate_size per rank ({I}, tensor_parallel_size {tp.size}) must be a "
+                             f"multiple of the weight block {self.fp8_block} (gate and up rows stack); or use --quantization none")
+        check_block_shard(I, tp.size, bn, "moe_intermediate_size")
+        self.gate_up_proj, self.gate_up_proj_scale_inv = fp8_params(2 * I, hidden, self.fp8_block, lead=(E,))
+        self.down_proj, self.down_proj_scale_inv = fp8_params(hidden, I, self.fp8_block, lead=(E,))
 
-    def shard_expert(self, proj: str, full: torch.Tensor) -> torch.Tensor:
-        """One expert's checkpoint weight -> this rank's slice: gate/up [I, hidden], down [hidden, I]."""
-        return shard_expert(proj, full, self.start, self.inter, self.size)
+    def shard_expert(self, proj: str, full: torch.Tensor, leaf: str = "weight") -> torch.Tensor:
+        """One expert's checkpoint weight -> this rank's slice: gate/up [I, hidden], down [hidden, I];
+        its weight_scale_inv -> the same slice in blocks."""
+        if leaf == "weight":
+            return shard_expert(proj, full, self.start, self.inter, self.size)
+        b = self.fp8_block[1 if proj == "down_proj" else 0]
+        return narrow_shard(full, 1 if proj == "down_proj" else 0, self.start // b, self.inter // b, self.size)
 
     def shard_weight(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """Fused checkpoint tensors: gate_up_proj [E, 2I, hidden], down_proj [E, hidden, I]."""
+        """Fused checkpoint tensors: gate_up_proj [E, 2I, hidden], down_proj [E, hidden, I], and
+        their *_scale_inv (in blocks)."""
+        if name.endswith("_scale_inv"):
+            b = self.fp8_block[1 if name.startswith("down_proj") else 0]
+            return shard_stacked_experts(name.removesuffix("_scale_inv"), full, self.start // b, self.inter // b, self.size)
         return shard_stacked_experts(name, full, self.start, self.inter, self.size)
 
 
@@ -83,11 +107,16 @@ class MoE(nn.Module):
         self.experts = Experts(config, self.tp)
         n_shared = config.n_shared_experts
         inter = config.moe_intermediate_size * n_shared
-        self.shared_experts = MLP(config.hidden_size, inter, self.tp, reduce=False) if n_shared else None
+        self.shared_experts = MLP(config.hidden_size, inter, self.tp, reduce=False, fp8_block=config.fp8_block) if n_shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        y = ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)  # [T, hidden], partial
+        ex = self.experts
+        if ex.fp8_block is None:
+            y = ops.fused_moe(x, ex.gate_up_proj, ex.down_proj, weights, ids)  # [T, hidden], partial
+        else:
+            y = ops.fused_moe_fp8(x, ex.gate_up_proj, ex.down_proj, ex.gate_up_proj_scale_inv, ex.down_proj_scale_inv,
+                                  weights, ids, ex.fp8_block)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return self.tp.all_reduce(y)

@@ -32,7 +32,7 @@ from pdserve.model.fp8 import Block, fp8_params, linear, shard_scales
 from pdserve.model.parallel import ColumnParallelLinear, RowParallelLinear, narrow_shard
 from pdserve.model.v4_cache import LayerState
 from pdserve.model.v4_compressor import CSACompressor, HCACompressor, Indexer
-from pdserve.model.v4_ops import V4RMSNorm, fp8_block, rms_norm, rope_tail
+from pdserve.model.v4_ops import V4RMSNorm, rms_norm, rope_tail
 from pdserve.model.v4_step import V4Step
 
 
@@ -101,7 +101,7 @@ class V4Attention(nn.Module):
         self.kind, self.heads, self.head_dim, self.eps = v4.layer_types[layer_idx], local_heads, D, eps
         self.window, self.scale = v4.sliding_window, D**-0.5
         self.rope_kind = "main" if self.kind == SLIDING else "compress"
-        fp8 = fp8_block(config)  # the checkpoint's FP8 projections, kept FP8 (None: floats)
+        fp8 = config.fp8_block  # the checkpoint's FP8 projections, kept FP8 (None: floats)
         self.q_a_proj = linear(hidden, Q, fp8_block=fp8)
         self.q_a_norm = V4RMSNorm(Q, eps)
         self.q_b_proj = ColumnParallelLinear(Q, H * D, tp, what="q heads", fp8_block=fp8)

@@ -19,7 +19,6 @@ sliced together (down_proj's I columns: 2 values a byte, 32 a scale).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 from contextlib import ExitStack
@@ -34,7 +33,7 @@ from pdserve.distributed.group import TPGroup
 from pdserve.model.config import ModelConfig
 from pdserve.model.deepseek_v4 import FP32_PARAM_PATTERNS, DeepseekV4ForCausalLM
 from pdserve.model.fp4 import check_fp4_shapes, dequantize_fp4, is_fp4, packed_bytes, scales_to_float, ue8m0_bytes
-from pdserve.model.fp8 import FP8, dequantize_block_fp8, is_fp8
+from pdserve.model.fp8 import FP8, dequantize_block_fp8, is_fp8, model_config_for
 from pdserve.model.loader import CheckpointError, weight_files
 
 log = logging.getLogger(__name__)
@@ -93,7 +92,7 @@ def load_v4_model(
     files = _readable(model_dir)
     try:
         with torch.device("meta"):
-            model = DeepseekV4ForCausalLM(build_config(config, quantization), tp)
+            model = DeepseekV4ForCausalLM(model_config_for(config, quantization), tp)
     except ValueError as e:  # a quantization that cannot hold; a shard that would cut a scale block
         raise CheckpointError(f"{model_dir}: {e}") from e
     _materialize(model, dtype, torch.device(device))
@@ -168,15 +167,6 @@ def _dequantized(hf: str, tensor: torch.Tensor, names, files, read, config: Mode
         return dequantize_fp4(tensor, scale)
     except ValueError as e:
         raise CheckpointError(f"{where}: {e}") from e
-
-
-def build_config(config: ModelConfig, quantization: str | None) -> ModelConfig:
-    """The config to build the model from: `quant` kept (FP8 / FP4 modules) or None (floats)."""
-    if quantization not in (None, "fp8", "none"):
-        raise ValueError(f"quantization {quantization!r}: choose fp8 or none, or leave it unset (follow the checkpoint)")
-    if quantization == "fp8" and config.quant is None:
-        raise ValueError("quantization fp8: config.json has no FP8 quantization_config and pdserve does not quantize at load")
-    return dataclasses.replace(config, quant=None) if quantization == "none" else config
 
 
 def _fp8_scale(hf: str, tensor: torch.Tensor, names, file: Path, read, config: ModelConfig) -> torch.Tensor:

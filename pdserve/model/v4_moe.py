@@ -29,7 +29,6 @@ from pdserve.model.config import ModelConfig
 from pdserve.model.fp4 import FP4_BLOCK
 from pdserve.model.fp8 import Block
 from pdserve.model.parallel import ColumnParallelLinear, RowParallelLinear, shard_expert, shard_stacked_experts
-from pdserve.model.v4_ops import fp8_block
 
 
 def fp4_experts(config: ModelConfig) -> bool:
@@ -158,7 +157,7 @@ class V4MoE(nn.Module):
         self.experts = Experts(config, self.tp)
         # one shared expert of width I, whatever n_shared_experts says (as transformers builds it)
         inter, limit = config.moe_intermediate_size, config.v4.swiglu_limit
-        self.shared_experts = SharedExpert(config.hidden_size, inter, limit, self.tp, fp8_block(config))
+        self.shared_experts = SharedExpert(config.hidden_size, inter, limit, self.tp, config.fp8_block)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, input_ids)

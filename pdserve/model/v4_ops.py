@@ -12,8 +12,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pdserve.model.config import ModelConfig
-
 
 def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """Unweighted RMSNorm over the last dim (statistics in float32)."""
@@ -45,8 +43,3 @@ def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     rotated = (rope.float() * c + rotated_half.float() * s).to(x.dtype)
     return torch.cat([nope, rotated], dim=-1)
 
-
-def fp8_block(config: ModelConfig) -> tuple[int, int] | None:
-    """The (rows, cols) block of the FP8 projections a V4 model keeps FP8 (those V4-Flash ships
-    FP8: see deepseek_v4.py), or None when built to hold floats (no `quant`)."""
-    return None if config.quant is None else tuple(config.quant.weight_block_size)

@@ -27,22 +27,15 @@ import torch
 
 from pdserve.bench.engine import ceilings, plan, profile
 from pdserve.bench.engine.floor import step_cost
-from pdserve.bench.engine.models import MODELS, bench_config, write_config
+from pdserve.bench.engine.models import MODELS, bench_config, engine_quantization, write_config
 from pdserve.bench.engine.report import format_baseline, format_header, format_row
-
-NOT_BUILT = {
-    "fp8": "FP8 weights kept FP8 in the engine are not built yet (issue 13 item 3): the engine dequantizes FP8 "
-    "checkpoints at load, which --dtype bfloat16 measures",
-    "fp4": "FP4 experts kept FP4 in the engine are not built yet (issue 13 item 3): the engine dequantizes FP4 "
-    "experts at load, which --dtype bfloat16 measures",
-}
-
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=sorted(MODELS), default="v4-flash", help="layer dimensions (tiny-*: test models)")
     p.add_argument("--num-layers", type=int, help="layers to build (default: as many as fit on a GPU; all on the CPU)")
     p.add_argument("--load-format", default="dummy", help="dummy: random weights made in memory (the only one here)")
-    p.add_argument("--dtype", default="bfloat16", help="weights: bfloat16 | float16 | float32 (fp8 / fp4: not built yet)")
+    p.add_argument("--dtype", default="bfloat16", help="weights: bfloat16 | float16 | float32 | fp8 (= bfloat16 activations, --quantization fp8) | fp4 (DeepSeek-V4's release formats: FP4 routed experts, FP8 projections, bfloat16 activations)")
+    p.add_argument("--quantization", "-q", choices=("fp8",), help="fp8: FP8 e4m3 weights with 128 x 128 block scales, kept FP8 (V3.2)")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (the weights' dtype) | fp8 (656-byte V3.2 records; not built for V4 yet)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (the engine captures decode graphs by default)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -63,8 +56,14 @@ def check_args(args: argparse.Namespace) -> None:
     """Refuse what the engine cannot run, saying why (ValueError)."""
     if args.load_format != "dummy":
         raise ValueError(f"--load-format {args.load_format}: bench-engine builds its model from --model's dimensions; only 'dummy'")
-    if args.dtype in NOT_BUILT:
-        raise ValueError(f"--dtype {args.dtype}: {NOT_BUILT[args.dtype]}")
+    if args.dtype == "fp4":  # V4-Flash as released: FP4 e2m1 routed experts, FP8 projections, bf16 activations
+        if "v4" not in args.model:
+            raise ValueError(f"--dtype fp4: FP4 routed experts are DeepSeek-V4's (--model v4-flash or tiny-v4), not {args.model}'s")
+        args.dtype, args.quantization = "bfloat16", "fp4"
+    if args.dtype == "fp8":  # FP8 weights, bf16 activations
+        args.dtype, args.quantization = "bfloat16", "fp8"
+    if args.quantization == "fp8" and args.model.endswith("v4"):
+        raise ValueError("--quantization fp8: FP8 weights kept FP8 are built for V3.2 (DeepSeek-V4's are dequantized at load)")
     if args.dtype not in ("bfloat16", "float16", "float32"):
         raise ValueError(f"--dtype {args.dtype}: choose bfloat16, float16 or float32")
     if args.kv_cache_dtype not in ("auto", "fp8"):
@@ -95,11 +94,11 @@ def run(args: argparse.Namespace) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the ceilings' buffers: free before layers are fitted
     layers = args.num_layers or _fitting_layers(args, device, dtype, blocks)
-    model_json = bench_config(args.model, layers)
+    model_json = bench_config(args.model, layers, args.quantization)
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-engine-") as folder:
         config = EngineConfig(
             model=str(write_config(model_json, Path(folder))), device=args.device, dtype=args.dtype,
-            load_format="dummy", kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
+            load_format="dummy", quantization=engine_quantization(args.quantization), kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
             kv_block_size=args.kv_block_size, num_kv_blocks=blocks,
             max_num_seqs=max(b for b, _ in rows), max_model_len=max(c for _, c in rows) + extra + 1, seed=args.seed,
         )  # fmt: skip
@@ -119,7 +118,8 @@ def _fitting_layers(args, device: torch.device, dtype: torch.dtype, blocks: int)
         return bench_config(args.model)["num_hidden_layers"]
     free, _ = torch.cuda.mem_get_info(device)
     budget = args.gpu_memory_utilization * free - 6 * 2**30  # activations, logits, the profiler
-    return plan.fit_layers(args.model, dtype, args.kv_cache_dtype, args.kv_block_size, blocks, max(batch_sizes(args)), budget)
+    return plan.fit_layers(args.model, dtype, args.kv_cache_dtype, args.kv_block_size, blocks, max(batch_sizes(args)), budget,
+                           quantization=args.quantization)
 
 
 def _row(bench, args, batch: int, context: int, roof: dict) -> dict:

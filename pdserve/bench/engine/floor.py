@@ -8,6 +8,8 @@ Bytes:
   - weights: every parameter once (attention, dense MLP, shared experts, routers, norms,
     lm_head), except the embedding (B rows) and the routed experts: per MoE layer, only the
     experts the batch's top-k touched (counted in the run, or expected: E (1 - (1 - k/E)^B));
+    as stored: FP8 weights 1 byte a value plus their float32 block scales (`*_scale_inv`, bytes
+    only: no flops), FP4 experts (packed uint8) 0.5 byte a value plus a 1-byte scale per 32;
   - KV, per layer and sequence: dense MLA all n latent records (kv_lora_rank + rope dims); V3.2
     the indexer keys of all n positions (Di) and the top-k min(K, n) latent records; V4 the window
     min(n, W) records (D), CSA the indexer keys of all n // m entries (Di) and the top-k
@@ -32,7 +34,8 @@ from pdserve.model.config import ModelConfig
 from pdserve.model.config_v4 import CSA, HCA
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
-_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
+_EXPERTS = ("experts.gate_up_proj", "experts.down_proj", "experts.gate_up_proj_scale_inv", "experts.down_proj_scale_inv")
+_SCALE = "_scale_inv"
 
 
 @dataclass(frozen=True)
@@ -78,10 +81,11 @@ def step_cost(
             layer = int(_LAYER.search(name).group(1))
             touched = (experts_touched or {}).get(layer, expected_distinct_experts(E, k, batch))
             experts += round(touched * nbytes / E)
-            flops += 2 * batch * k * p.numel() // E
+            values = p.numel() * (2 if p.dtype == torch.uint8 else 1)  # packed FP4: two values a byte
+            flops += 0 if name.endswith(_SCALE) else 2 * batch * k * values // E
         else:
             dense += round(nbytes)
-            flops += 2 * batch * p.numel()
+            flops += 0 if name.endswith(_SCALE) else 2 * batch * p.numel()
     kv, attn_flops = attention_cost(config, batch, context, kv_itemsize, latent_bytes)
     return StepCost(weight_bytes=dense, expert_bytes=experts, kv_bytes=kv, flops=flops + attn_flops)
 

@@ -9,7 +9,7 @@ import math
 import torch
 from torch import nn
 
-from pdserve.bench.engine.models import bench_config, real_num_layers
+from pdserve.bench.engine.models import bench_config, engine_quantization, real_num_layers
 from pdserve.model.config import ModelConfig
 from pdserve.model.kv_cache import STATE, TOKENS, WINDOW, KVCache
 
@@ -32,14 +32,19 @@ def pool_blocks(rows: list[tuple[int, int]], block_size: int, extra: int) -> int
     return max(b * math.ceil((c + 1 + extra) / block_size) for b, c in rows)
 
 
-def footprint(name: str, num_layers: int, dtype: torch.dtype, kv_cache_dtype: str, block_size: int, num_blocks: int, max_num_seqs: int) -> dict[str, int]:
+def footprint(
+    name: str, num_layers: int, dtype: torch.dtype, kv_cache_dtype: str, block_size: int, num_blocks: int, max_num_seqs: int,
+    quantization: str | None = None,
+) -> dict[str, int]:
     """Bytes of the weights and of the KV pool (token blocks, and the window blocks and state
     slots the runner sizes for max_num_seqs) of model `name` at num_layers layers."""
     from pdserve.engine.model_runner import _side_spaces
+    from pdserve.model.fp8 import model_config_for
 
-    model = meta_model(ModelConfig.from_dict(bench_config(name, num_layers)))
+    config = ModelConfig.from_dict(bench_config(name, num_layers, quantization))
+    model = meta_model(model_config_for(config, engine_quantization(quantization), dummy=True))
     itemsize = torch.empty((), dtype=dtype).element_size()
-    weights = sum(p.numel() for p in model.parameters()) * itemsize
+    weights = sum(p.numel() * param_itemsize(n, p, itemsize) for n, p in model.named_parameters())
     specs = model.kv_cache_specs(kv_cache_dtype)
     _, window_blocks, state_slots = _side_spaces(specs, max_num_seqs, block_size)
     pool = sum(
@@ -49,10 +54,23 @@ def footprint(name: str, num_layers: int, dtype: torch.dtype, kv_cache_dtype: st
     return {"weights": weights, "kv_pool": pool}
 
 
-def fit_layers(name: str, dtype: torch.dtype, kv_cache_dtype: str, block_size: int, num_blocks: int, max_num_seqs: int, budget: float) -> int:
+def param_itemsize(name: str, p: torch.Tensor, itemsize: int) -> int:
+    """Bytes a value of a meta parameter will take: the weights' dtype, unless the model chose its
+    storage (FP8 values and packed FP4 bytes: 1 byte; block scales `*_scale_inv`: float32, ue8m0
+    bytes for FP4)."""
+    if name.endswith("_scale_inv"):
+        return p.element_size()
+    return p.element_size() if p.dtype != torch.get_default_dtype() else itemsize
+
+
+def fit_layers(
+    name: str, dtype: torch.dtype, kv_cache_dtype: str, block_size: int, num_blocks: int, max_num_seqs: int, budget: float,
+    quantization: str | None = None,
+) -> int:
     """The most layers (up to the released count) whose weights + pool fit in budget bytes."""
     def fits(n: int) -> bool:
-        return sum(footprint(name, n, dtype, kv_cache_dtype, block_size, num_blocks, max_num_seqs).values()) <= budget
+        parts = footprint(name, n, dtype, kv_cache_dtype, block_size, num_blocks, max_num_seqs, quantization)
+        return sum(parts.values()) <= budget
 
     lo, hi = 0, real_num_layers(name)
     while lo < hi:  # fits(lo) or lo == 0; the answer is in [lo, hi]

@@ -11,13 +11,21 @@ def format_header(report: dict) -> str:
     env, s, roof = report["environment"], report["settings"], report["ceilings"]
     return "\n".join([
         f"pdserve bench-engine: {s['model']}, {s['num_layers']} layers ({describe_layers(s['layer_kinds'])}), "
-        f"{s['dtype']} weights, KV {s['kv_cache_dtype']}, load_format {s['load_format']}",
+        f"{weights(s)}, KV {s['kv_cache_dtype']}, load_format {s['load_format']}",
         f"{env['device']}, {env['date']}, torch {env['torch']}, triton {env['triton']}; measured ceilings: "
         f"copy {roof['copy_bytes_per_s'] / 1e12:.4g} TB/s (read + write), matmul {roof['matmul_flops_per_s'] / 1e12:.4g} TFLOP/s",
         "",
         "| batch | context | step ms | tok/s | floor ms (bytes / flops) | x floor | " + " | ".join(ORDER) + " |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in ORDER) + " |",
     ])  # fmt: skip
+
+
+def weights(s: dict) -> str:
+    if s.get("quantization") == "fp4":
+        return f"FP4 e2m1 routed experts + FP8 e4m3 projections (kept), {s['dtype']} activations"
+    if s.get("quantization") == "fp8":
+        return f"FP8 e4m3 weights (block-scaled, kept FP8), {s['dtype']} activations"
+    return f"{s['dtype']} weights"
 
 
 def format_baseline(report: dict) -> str:
