@@ -14,6 +14,10 @@ the first token that differs:
   so the engine's low-precision divergence is compared with measured noise, not assumed;
 - pdserve-float32 on the device vs pdserve-float32 on CPU (the torch reference path), when the
   device is not the CPU.
+An arch named `<arch>-fp8` (deepseek_v3-fp8, deepseek_v32-fp8) is the same tiny checkpoint with
+every weight DeepSeek ships in FP8 quantized per 32 x 32 block (e4m3 + weight_scale_inv, a
+quantization_config): pdserve keeps it FP8 (ops.fp8_linear, ops.fused_moe_fp8), transformers
+runs the dequantized weights (the oracle: the same real numbers).
 The float32 rows must agree on every token. Each pdserve run also records its kernel calls
 (`ops.<kernel>` by the backend taken, Triton or torch) and its model forwards: DeepSeek-V4 must
 make exactly one sparse_mla_decode per layer per forward (its whole attention), all of them on
@@ -27,6 +31,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -52,7 +57,8 @@ NEW_TOKENS = 32
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-OPS = ("sparse_mla_decode", "indexer_topk", "mla_prefill_attention", "fused_moe")
+OPS = ("sparse_mla_decode", "indexer_topk", "mla_prefill_attention", "fused_moe", "fp8_linear", "fused_moe_fp8")
+FP8_BLOCK = (32, 32)  # the tiny models' widths (64 .. 256) are multiples; kv_a's 80 rows leave a partial block
 
 
 @contextlib.contextmanager
@@ -131,8 +137,39 @@ def first_divergence(a: list[list[int]], b: list[list[int]]) -> list[int | None]
     return [next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), None) for s, t in zip(a, b)]
 
 
+def fp8_checkpoint(path: str) -> tuple[str, str]:
+    """(FP8 copy, dequantized copy) of the tiny checkpoint at `path`: the linear weights of
+    attention, indexer, MLPs and experts quantized per FP8_BLOCK (what DeepSeek ships in FP8)."""
+    from safetensors.torch import load_file, save_file
+
+    from pdserve_kernels.ref_fp8 import dequant_block_fp8, quant_block_fp8
+
+    skip = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight", "weights_proj")
+    fp8, deq = {}, {}
+    for name, w in load_file(os.path.join(path, "model.safetensors")).items():
+        if w.dim() == 2 and name.endswith(".weight") and not any(s in name for s in skip):
+            q, s = quant_block_fp8(w, FP8_BLOCK)
+            fp8[name], fp8[name + "_scale_inv"], deq[name] = q, s, dequant_block_fp8(q, s, FP8_BLOCK)
+        else:
+            fp8[name] = deq[name] = w
+    config = json.load(open(os.path.join(path, "config.json")))
+    quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(FP8_BLOCK)}
+    out = []
+    for suffix, tensors, cfg in (("fp8", fp8, {**config, "quantization_config": quant}), ("deq", deq, config)):
+        folder = f"{path}-{suffix}"
+        shutil.copytree(path, folder)
+        save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        out.append(folder)
+    return out[0], out[1]
+
+
 def check_arch(arch: str, device: str, dtypes: list[str], root: str) -> tuple[list[dict], dict[str, dict]]:
-    path = str(make_tiny_model(os.path.join(root, arch), arch=arch, seed=0))
+    base, fp8 = arch.removesuffix("-fp8"), arch.endswith("-fp8")
+    path = hf_path = str(make_tiny_model(os.path.join(root, arch), arch=base, seed=0))
+    if fp8:
+        path, hf_path = fp8_checkpoint(path)
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
@@ -142,7 +179,7 @@ def check_arch(arch: str, device: str, dtypes: list[str], root: str) -> tuple[li
     for dt in dtypes:
         t0 = time.time()
         runs[f"pdserve-{device}-{dt}"], calls[f"pdserve-{device}-{dt}"] = pdserve_tokens(path, device, dt, prompts)
-        runs[f"HF-{device}-{dt}"] = hf_tokens(path, device, dt, prompts)
+        runs[f"HF-{device}-{dt}"] = hf_tokens(hf_path, device, dt, prompts)
         print(f"{arch} {dt}: pdserve + HF on {device} in {time.time() - t0:.1f}s", flush=True)
     if device != "cpu" and "float32" in dtypes:
         runs["pdserve-cpu-float32"], calls["pdserve-cpu-float32"] = pdserve_tokens(path, "cpu", "float32", prompts)
@@ -166,7 +203,8 @@ def check_arch(arch: str, device: str, dtypes: list[str], root: str) -> tuple[li
             c["v4_one_launch_per_layer"] = v4_calls_ok(c, run.split("-")[1])
         mla = c["sparse_mla_decode"]
         print(f"{arch} {run}: {c['forwards']} forwards x {c['num_layers']} layers; sparse_mla_decode "
-              f"triton {mla['triton']} torch {mla['torch']}; indexer_topk {c['indexer_topk']}", flush=True)
+              f"triton {mla['triton']} torch {mla['torch']}; indexer_topk {c['indexer_topk']}; "
+              f"fp8_linear {c['fp8_linear']}; fused_moe_fp8 {c['fused_moe_fp8']}", flush=True)
     return rows, calls
 
 
@@ -186,7 +224,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtypes", default="bfloat16,float32",
                     help="comma-separated; float32 is the oracle's dtype and must be included")
-    ap.add_argument("--archs", default=",".join(ARCHS))
+    ap.add_argument("--archs", default=",".join([*ARCHS, "deepseek_v3-fp8", "deepseek_v32-fp8"]))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     dtypes = args.dtypes.split(",")

@@ -65,7 +65,7 @@ def fill_random(model: nn.Module, seed: int = 0) -> None:
 def _fill_fp8(model: nn.Module, name: str, p: torch.Tensor, gen: torch.Generator) -> None:
     """p [..., N, K] e4m3 (a linear weight, or stacked experts) and its `<name>_scale_inv`, from
     N(0, 1 / K) quantized per block of the owning module's fp8_block, a few slices at a time."""
-    from pdserve_kernels.ref_fp8 import quant_block_fp8
+    from pdserve.model import ops
 
     owner, _, _ = name.rpartition(".")
     block = model.get_submodule(owner).fp8_block
@@ -74,7 +74,7 @@ def _fill_fp8(model: nn.Module, name: str, p: torch.Tensor, gen: torch.Generator
     step = max(1, 2**27 // (p.shape[-2] * p.shape[-1]))  # slices per draw: <= 512 MB of float32
     for i in range(0, w.shape[0], step):
         vals = torch.empty(w[i : i + step].shape, device=p.device).normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
-        q, qs = quant_block_fp8(vals, block)
+        q, qs = ops.quant_block_fp8(vals, block)
         w[i : i + step].copy_(q)
         s[i : i + step].copy_(qs)
 

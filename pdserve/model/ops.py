@@ -74,6 +74,14 @@ def fp8_linear(x, weight, weight_scale_inv, block: tuple[int, int], bias=None):
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
+def quant_block_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N, K] float -> (e4m3 values, float32 scale_inv per block): DeepSeek's quantizer (the
+    same on every device; dummy weights)."""
+    from pdserve_kernels.ref_fp8 import quant_block_fp8 as quant
+
+    return quant(w, block)
+
+
 def fused_moe_fp8(x, w13, w2, w13_scale_inv, w2_scale_inv, topk_weights, topk_ids, block: tuple[int, int]):
     """Experts in e4m3 with block scales (kernels/fused_moe_fp8.py; activations quantized per 128
     values unless x is float32)."""
