@@ -10,7 +10,8 @@ FP4 e2m1 routed experts (two values a byte, one ue8m0 scale per 32 values) kept 
 the modules that keep them (`quantization` unset or "fp8": the FP8 projections of deepseek_v4.py's
 docstring, scales as float32 `weight_scale_inv`; the experts' bytes and ue8m0 scale bytes copied
 into the stacked uint8 parameters of v4_moe.Experts), dequantized at load everywhere else
-(`quantization="none"`: everywhere). MTP layers (mtp.*, or layer index >= num_hidden_layers) are skipped, with one log line.
+(`quantization="none"`: everywhere). MTP layers (mtp.*, or layer index >= num_hidden_layers) are
+skipped, with one log line.
 Under tensor parallelism (`tp` of size > 1) each rank allocates only its shards and fills them
 with the slices its modules name (`shard_weight` / `shard_expert`, as loader.py does for V3):
 each full tensor is read (and dequantized), sliced, freed; packed FP4 bytes and their scales are
