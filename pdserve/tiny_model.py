@@ -358,6 +358,70 @@ def tiny_v4_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
     return w
 
 
+# where DeepSeek-V4-Flash ships FP8: the 2-D projections, except the embedding, the head, norms,
+# the routed experts (FP4), the router and the compressors' kv / gate and the indexer's weights
+# (bf16: transformers' deepseek_v4 lists them)
+_V4_NOT_FP8 = (
+    "embed_tokens.", "lm_head.", "norm.", ".experts.", ".mlp.gate.", "compressor.kv_proj", "compressor.gate_proj",
+    "indexer.kv_proj", "indexer.gate_proj", "weights_proj",
+)  # fmt: skip
+
+
+def quantize_tiny_v4(
+    src: str | Path, quant_dir: str | Path, ref_dir: str | Path, block: tuple[int, int] = (128, 128)
+) -> tuple[Path, Path]:
+    """Two checkpoints from the float V4 checkpoint in `src` (its other files copied): `quant_dir`
+    in DeepSeek-V4-Flash's formats - routed experts FP4 e2m1, one tensor per expert and projection
+    (`model.layers.N.mlp.experts.E.w1.weight` int8 [I, hidden/2] with `.scale` float8_e8m0fnu
+    [I, hidden/32]; w3, w2 alike), the other projections FP8 e4m3 with a ue8m0 scale per `block`
+    (`.weight_scale_inv`; the release's is 128x128, a tiny model's tensor-parallel shards need
+    32x32), config.json's quantization_config saying so - and `ref_dir` with those same values
+    dequantized to float32 (transformers' checkpoint for the oracle)."""
+    from safetensors.torch import load_file
+
+    from pdserve.model.fp4 import dequantize_fp4, quantize_fp4, scales_to_float
+    from pdserve.model.fp8 import dequantize_block_fp8
+
+    src, quant_dir, ref_dir = Path(src), Path(quant_dir), Path(ref_dir)
+    quant, ref = {}, {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            projs = ("w1", "w3") if name.endswith("gate_up_proj") else ("w2",)
+            ref[name] = torch.empty_like(t)
+            for e in range(t.shape[0]):
+                for proj, w, rows in zip(projs, t[e].chunk(len(projs)), ref[name][e].chunk(len(projs))):
+                    base = f"{name.rsplit('.', 1)[0]}.{e}.{proj}"
+                    quant[f"{base}.weight"], quant[f"{base}.scale"] = quantize_fp4(w)
+                    rows.copy_(dequantize_fp4(quant[f"{base}.weight"], quant[f"{base}.scale"]))
+        elif name.endswith(".weight") and t.dim() == 2 and not any(s in name for s in _V4_NOT_FP8):
+            q, scale = _block_fp8(t, block)
+            quant[name], quant[name + "_scale_inv"] = q, scale
+            ref[name] = dequantize_block_fp8(q, scales_to_float(scale), block)
+        else:
+            quant[name] = ref[name] = t
+    config = json.loads((src / "config.json").read_text())
+    quant_config = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": list(block), "expert_dtype": "fp4"}
+    for out, tensors, extra in ((quant_dir, quant, {"quantization_config": quant_config}), (ref_dir, ref, {})):
+        out.mkdir(parents=True, exist_ok=True)
+        for f in src.iterdir():
+            if f.name not in ("model.safetensors", "config.json"):
+                (out / f.name).write_bytes(f.read_bytes())
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+        _write_json(out / "config.json", {**config, **extra})
+    return quant_dir, ref_dir
+
+
+def _block_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (e4m3 [N, K], float8_e8m0fnu [ceil(N/bn), ceil(K/bk)]): per block the smallest
+    power of two s with amax / s <= 448."""
+    (N, K), (bn, bk) = w.shape, block
+    gn, gk = -(-N // bn), -(-K // bk)
+    blocks = torch.nn.functional.pad(w.float(), (0, gk * bk - K, 0, gn * bn - N)).view(gn, bn, gk, bk)
+    scale = torch.exp2(torch.ceil(torch.log2(blocks.abs().amax(dim=(1, 3)).clamp(min=2.0**-100) / 448.0)))
+    q = (blocks / scale[:, None, :, None]).view(gn * bn, gk * bk)[:N, :K].to(torch.float8_e4m3fn)
+    return q.contiguous(), scale.to(torch.float8_e8m0fnu)
+
+
 def _tokenizer_config() -> dict:
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",

@@ -17,7 +17,10 @@ the first token that differs:
 An arch named `<arch>-fp8` (deepseek_v3-fp8, deepseek_v32-fp8) is the same tiny checkpoint with
 every weight DeepSeek ships in FP8 quantized per 32 x 32 block (e4m3 + weight_scale_inv, a
 quantization_config): pdserve keeps it FP8 (ops.fp8_linear, ops.fused_moe_fp8), transformers
-runs the dequantized weights (the oracle: the same real numbers).
+runs the dequantized weights (the oracle: the same real numbers). `deepseek_v4-fp4` is the tiny
+V4 in V4-Flash's formats (`tiny_model.quantize_tiny_v4`: FP4 routed experts, FP8 projections per
+32 x 32 block), kept so on the device (ops.fused_moe_fp4, ops.fp8_linear): every one of its runs
+must call fused_moe_fp4, on the run's backend only.
 The float32 rows must agree on every token. Each pdserve run also records its kernel calls
 (`ops.<kernel>` by the backend taken, Triton or torch) and its model forwards: DeepSeek-V4 must
 make exactly one sparse_mla_decode per layer per forward (its whole attention), all of them on
@@ -39,7 +42,7 @@ import time
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.tiny_model import ARCHS, make_tiny_model
+from pdserve.tiny_model import ARCHS, make_tiny_model, quantize_tiny_v4
 
 PROMPTS = [
     "Hello!",
@@ -57,7 +60,7 @@ NEW_TOKENS = 32
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-OPS = ("sparse_mla_decode", "indexer_topk", "mla_prefill_attention", "fused_moe", "fp8_linear", "fused_moe_fp8")
+OPS = ("sparse_mla_decode", "indexer_topk", "mla_prefill_attention", "fused_moe", "fp8_linear", "fused_moe_fp8", "fused_moe_fp4")
 FP8_BLOCK = (32, 32)  # the tiny models' widths (64 .. 256) are multiples; kv_a's 80 rows leave a partial block
 
 
@@ -166,10 +169,12 @@ def fp8_checkpoint(path: str) -> tuple[str, str]:
 
 
 def check_arch(arch: str, device: str, dtypes: list[str], root: str) -> tuple[list[dict], dict[str, dict]]:
-    base, fp8 = arch.removesuffix("-fp8"), arch.endswith("-fp8")
+    base, fp8, fp4 = arch.removesuffix("-fp8").removesuffix("-fp4"), arch.endswith("-fp8"), arch.endswith("-fp4")
     path = hf_path = str(make_tiny_model(os.path.join(root, arch), arch=base, seed=0))
     if fp8:
         path, hf_path = fp8_checkpoint(path)
+    if fp4:
+        path, hf_path = map(str, quantize_tiny_v4(path, f"{path}-fp4", f"{path}-deq", block=FP8_BLOCK))
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
@@ -199,12 +204,15 @@ def check_arch(arch: str, device: str, dtypes: list[str], root: str) -> tuple[li
                          prompt_lens=[len(p) for p in prompts],
                          identical=sum(d is None for d in div), tokens=runs[a]))
     for run, c in calls.items():
-        if arch == "deepseek_v4":
+        if base == "deepseek_v4":
             c["v4_one_launch_per_layer"] = v4_calls_ok(c, run.split("-")[1])
+        if fp4:  # the experts ran packed, through the run's backend only
+            moe = c["fused_moe_fp4"]
+            c["v4_one_launch_per_layer"] &= moe["triton" if run.split("-")[1] != "cpu" else "torch"] == sum(moe.values()) > 0
         mla = c["sparse_mla_decode"]
         print(f"{arch} {run}: {c['forwards']} forwards x {c['num_layers']} layers; sparse_mla_decode "
               f"triton {mla['triton']} torch {mla['torch']}; indexer_topk {c['indexer_topk']}; "
-              f"fp8_linear {c['fp8_linear']}; fused_moe_fp8 {c['fused_moe_fp8']}", flush=True)
+              f"fp8_linear {c['fp8_linear']}; fused_moe_fp8 {c['fused_moe_fp8']}; fused_moe_fp4 {c['fused_moe_fp4']}", flush=True)
     return rows, calls
 
 
@@ -224,7 +232,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtypes", default="bfloat16,float32",
                     help="comma-separated; float32 is the oracle's dtype and must be included")
-    ap.add_argument("--archs", default=",".join([*ARCHS, "deepseek_v3-fp8", "deepseek_v32-fp8"]))
+    ap.add_argument("--archs", default=",".join([*ARCHS, "deepseek_v3-fp8", "deepseek_v32-fp8", "deepseek_v4-fp4"]))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     dtypes = args.dtypes.split(",")
@@ -251,7 +259,7 @@ def main() -> None:
     bad_calls = [run for c in calls.values() for run, k in c.items() if k.get("v4_one_launch_per_layer") is False]
     if bad or bad_calls:
         print(f"FAIL: {len(bad)} float32 comparison(s) disagree; {len(bad_calls)} V4 run(s) without "
-              "one sparse_mla_decode per layer per forward", file=sys.stderr)
+              "one sparse_mla_decode per layer per forward (or, -fp4, without its experts on fused_moe_fp4)", file=sys.stderr)
         sys.exit(1)
 
 

@@ -4,9 +4,15 @@ and window (8), an engine on the tiny checkpoint, and a run-to-completion loop."
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
+import torch.distributed as dist
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
+import v4_tp_rank
 from pdserve.disagg.fake_connector import FakeConnector, FakeFabric
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
@@ -99,13 +105,15 @@ def split_params(full: torch.nn.Module, part: torch.nn.Module, rank: int) -> set
     whole, split = dict(full.named_parameters()), set()
     for name, p in part.named_parameters():
         f = whole[name]
+        if p.element_size() == 1:  # FP8 / packed FP4: compare the bytes
+            p, f = p.view(torch.uint8), f.view(torch.uint8)
         if p.shape == f.shape:
             assert torch.equal(p, f), name
             continue
         split.add(name.split(".", 3)[-1] if name.startswith("model.layers.") else name)
         dim = next(d for d in range(f.dim()) if p.shape[d] != f.shape[d])
         n = p.shape[dim]
-        if name.endswith("gate_up_proj"):
+        if name.endswith(("gate_up_proj", "gate_up_proj_scale_inv")):
             gate, up = f.chunk(2, dim=1)
             want = torch.cat([gate.narrow(1, rank * n // 2, n // 2), up.narrow(1, rank * n // 2, n // 2)], dim=1)
         else:
@@ -121,3 +129,27 @@ V4_SPLIT = {
     "mlp.experts.gate_up_proj", "mlp.experts.down_proj",
     "mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight", "mlp.shared_experts.down_proj.weight",
 }  # fmt: skip
+# and, with the weights kept as V4-Flash ships them, the scales of the split FP8 and FP4 ones
+V4_SCALES = {
+    "self_attn.q_b_proj.weight_scale_inv", "self_attn.o_a_proj.weight_scale_inv", "self_attn.o_b_proj.weight_scale_inv",
+    "mlp.experts.gate_up_proj_scale_inv", "mlp.experts.down_proj_scale_inv", "mlp.shared_experts.gate_proj.weight_scale_inv",
+    "mlp.shared_experts.up_proj.weight_scale_inv", "mlp.shared_experts.down_proj.weight_scale_inv",
+}  # fmt: skip
+
+
+def ranks_logits(model_dir: Path, size: int, out: Path) -> list[torch.Tensor]:
+    """v4_tp_rank.run_steps on `size` gloo rank processes; rank 0's logits."""
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
+    script = Path(v4_tp_rank.__file__)
+    procs = [
+        subprocess.Popen([sys.executable, str(script), "--rank", str(r), "--size", str(size), "--store-port", str(store.port),
+                          "--model", str(model_dir), "--out", str(out)])  # fmt: skip
+        for r in range(size)
+    ]
+    try:
+        codes = [p.wait(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert codes == [0] * size
+    return torch.load(out)

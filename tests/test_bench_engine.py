@@ -51,7 +51,7 @@ def test_report_is_well_formed(model, tmp_path, capsys):
     "flags, says",
     [
         (["--model", "tiny-v4", "--dtype", "fp8"], "FP8 weights kept FP8 are built for V3.2"),
-        (["--dtype", "fp4"], "FP4 experts kept FP4 in the engine are not built yet"),
+        (["--dtype", "fp4"], "FP4 routed experts are DeepSeek-V4's"),
         (["--load-format", "auto"], "only 'dummy'"),
         (["--kv-cache-dtype", "bfloat16"], "auto (the weights' dtype) or fp8"),
         (["--model", "tiny-v4", "--kv-cache-dtype", "fp8"], "not built for DeepSeek-V4 yet"),  # the engine's own refusal
@@ -125,6 +125,29 @@ def test_fp8_run_and_floor_by_hand(tmp_path):
     dense_params = 2 * (values(attn) + attn_f32 + 2 * 128) + values(mlp) + values(shared) + 8 * 128 + 8 + 128 + 512 * 128
     attention_flops = 2 * 4 * 16 * (80 + 64) + 2 * 16 * 41 * 32
     assert cost.flops == 2 * B * dense_params + 2 * B * 2 * values(expert) + 2 * B * attention_flops
+
+
+def test_fp4_run_and_floor_by_hand(tmp_path):
+    """--dtype fp4 on tiny V4 (FP4 routed experts and FP8 projections kept, bf16 activations) runs,
+    and its floor counts an expert at 0.5 byte a value plus a 1-byte scale per 32 values; its flops
+    are the float model's (scales: bytes only)."""
+    out = tmp_path / "fp4.json"
+    assert main(["--model", "tiny-v4", "--num-layers", "2", "--batch-sizes", "2", "--context", "40", "--long-context", "0",
+                 "--warmup", "0", "--steps", "1", "--profile-steps", "0", "--baseline-steps", "0", "--device", "cpu",
+                 "--dtype", "fp4", "--out", str(out)]) == 0  # fmt: skip
+    report = json.loads(out.read_text())
+    assert report["settings"]["quantization"] == "fp4" and "error" not in report["rows"][0]
+    config = ModelConfig.from_dict(bench_config("tiny-v4", 2, "fp4"))
+    model = plan.meta_model(config)
+    layer = model.model.model.layers[1]  # PagedDeepseekV4 around the model
+    assert layer.mlp.experts.fp4 and layer.mlp.experts.down_proj.dtype == torch.uint8
+    assert layer.self_attn.q_b_proj.weight.dtype == torch.float8_e4m3fn
+    hidden, inter = 128, 64
+    per_expert = 2 * inter * hidden // 2 + 2 * inter * hidden // 32 + hidden * inter // 2 + hidden * inter // 32
+    cost = step_cost(model, config, 4, 40, kv_itemsize=2, experts_touched={0: 3, 1: 5})
+    assert cost.expert_bytes == (3 + 5) * per_expert
+    floats = plan.meta_model(ModelConfig.from_dict(bench_config("tiny-v4", 2)))
+    assert cost.flops == step_cost(floats, config, 4, 40, kv_itemsize=2, experts_touched={0: 3, 1: 5}).flops
 
 
 def test_v4_kv_read_by_hand():

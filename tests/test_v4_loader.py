@@ -15,7 +15,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
-from helpers_v4 import V4_SPLIT, split_params
+from helpers_v4 import V4_SCALES, V4_SPLIT, split_params
 from pdserve.distributed.group import TPGroup
 from pdserve.model.config import ConfigError, ModelConfig
 from pdserve.model.fp4 import dequantize_fp4, quantize_fp4, scales_to_float
@@ -29,7 +29,8 @@ pytestmark = pytest.mark.timeout(120)
 
 ORACLE = Fp8Dequantize(None)  # transformers' dequantization of FP8 / FP4 (with ue8m0 scales)
 E4M3_MAX = 448.0
-QUANT = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
+BLOCK = 32  # FP8 blocks: V4-Flash's are 128, the tiny model's TP2 shards need 32 to hold whole ones
+QUANT = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [BLOCK, BLOCK]}
 IDS = torch.arange(4, 44)
 
 
@@ -110,14 +111,14 @@ def _release_names(tiny: Path) -> dict[str, torch.Tensor]:
 
 
 def _fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] -> e4m3 [N, K] and one power-of-two scale per 128x128 block (partial ones too)."""
+    """w [N, K] -> e4m3 [N, K] and one power-of-two scale per BLOCK x BLOCK block (partial ones too)."""
     N, K = w.shape
-    bn, bk = -(-N // 128), -(-K // 128)
-    padded = torch.zeros(bn * 128, bk * 128)
+    bn, bk = -(-N // BLOCK), -(-K // BLOCK)
+    padded = torch.zeros(bn * BLOCK, bk * BLOCK)
     padded[:N, :K] = w
-    amax = padded.view(bn, 128, bk, 128).abs().amax(dim=(1, 3)).clamp(min=1e-30)
+    amax = padded.view(bn, BLOCK, bk, BLOCK).abs().amax(dim=(1, 3)).clamp(min=1e-30)
     scale = torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX)))  # [bn, bk]
-    full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:N, :K]
+    full = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:N, :K]
     return (w / full).to(torch.float8_e4m3fn), scale.to(torch.float8_e8m0fnu)
 
 
@@ -143,7 +144,7 @@ def quantized(tiny, tmp_path_factory) -> tuple[Path, Path]:
             w8, scale = _fp8(t)
             quant[name], quant[name[: -len("weight")] + "scale"] = w8, scale
             N, K = t.shape  # transformers' dequant needs whole blocks: pad, dequantize, cut
-            padded = torch.zeros(scale.shape[0] * 128, scale.shape[1] * 128, dtype=torch.float8_e4m3fn)
+            padded = torch.zeros(scale.shape[0] * BLOCK, scale.shape[1] * BLOCK, dtype=torch.float8_e4m3fn)
             padded[:N, :K] = w8
             ref[name] = ORACLE._dequantize_one(padded, scale, torch.float32)[:N, :K]
         else:
@@ -171,9 +172,10 @@ def _logits(model) -> torch.Tensor:
 
 
 def test_quantized_release_checkpoint_matches_float_reference(quantized, caplog):
+    """Everything dequantized at load (quantization "none"; tests/test_v4_fp4.py keeps the formats)."""
     quant_dir, ref_dir = quantized
     with caplog.at_level(logging.INFO, logger="pdserve.model.v4_loader"):
-        model = load_v4_model(quant_dir, dtype=torch.float32)
+        model = load_v4_model(quant_dir, dtype=torch.float32, quantization="none")
     assert "skipping 3 MTP tensors" in caplog.text
     assert ModelConfig.from_model_dir(quant_dir).quant.expert_dtype == "fp4"
     reference = load_v4_model(ref_dir, dtype=torch.float32)
@@ -191,13 +193,15 @@ def test_quantized_release_checkpoint_matches_float_reference(quantized, caplog)
     assert float((logits - expected).abs().max() / expected.abs().max()) < 1e-4
 
 
-def test_tensor_parallel_ranks_load_slices_of_the_release_checkpoint(quantized):
+@pytest.mark.parametrize("quantization", ["none", None], ids=["dequantized", "kept"])
+def test_tensor_parallel_ranks_load_slices_of_the_release_checkpoint(quantized, quantization):
     """Release names, FP8 projections and per-expert FP4 w1 / w3 / w2: each TP2 rank's tensors are
-    its slices of the TP1 load (every tensor dequantized whole, then sliced)."""
-    full = load_v4_model(quantized[0], dtype=torch.float32)
+    its slices of the TP1 load (every tensor dequantized whole, then sliced; or, kept, the weights
+    and their scales sliced together: FP8 on 32x32 block edges, FP4 on 32-value groups)."""
+    full = load_v4_model(quantized[0], dtype=torch.float32, quantization=quantization)
     for rank in range(2):
-        part = load_v4_model(quantized[0], dtype=torch.float32, tp=TPGroup(rank=rank, size=2))
-        assert split_params(full, part, rank) == V4_SPLIT
+        part = load_v4_model(quantized[0], dtype=torch.float32, tp=TPGroup(rank=rank, size=2), quantization=quantization)
+        assert split_params(full, part, rank) == (V4_SPLIT | V4_SCALES if quantization is None else V4_SPLIT)
 
 
 def test_bfloat16_load_keeps_float32_parameters(tiny):

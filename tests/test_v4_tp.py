@@ -17,17 +17,14 @@ Models: the tiny checkpoint (4 heads, 2 output groups: TP2 only) and TP8, made b
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
-import torch.distributed as dist
 
 import v4_tp_rank
-from helpers_v4 import NEW_TOKENS, PROMPT_LENS, V4_SPLIT, engine, hf_v4_model, pd_hand_off, requests, run, split_params
+from helpers_v4 import NEW_TOKENS, PROMPT_LENS, V4_SPLIT, engine, hf_v4_model, pd_hand_off, ranks_logits, requests, run, split_params
 from pdserve.distributed.group import TPGroup
 from pdserve.model.config import ModelConfig
 from pdserve.model.config_v4 import CSA, HCA, SLIDING
@@ -84,29 +81,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-def _ranks_logits(model_dir: Path, size: int, out: Path) -> list[torch.Tensor]:
-    """v4_tp_rank.run_steps on `size` gloo rank processes; rank 0's logits."""
-    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
-    script = Path(v4_tp_rank.__file__)
-    procs = [
-        subprocess.Popen([sys.executable, str(script), "--rank", str(r), "--size", str(size), "--store-port", str(store.port),
-                          "--model", str(model_dir), "--out", str(out)])  # fmt: skip
-        for r in range(size)
-    ]
-    try:
-        codes = [p.wait(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert codes == [0] * size
-    return torch.load(out)
-
-
 @pytest.mark.parametrize("size", [2, 4])
 def test_logits_equal_tp1_and_transformers(models, tmp_path, size):
     import transformers
 
-    got = _ranks_logits(models["tp8"], size, tmp_path / "logits.pt")
+    got = ranks_logits(models["tp8"], size, tmp_path / "logits.pt")
     tp1 = v4_tp_rank.run_steps(load_v4_model(models["tp8"], torch.float32))
     ref = transformers.AutoModelForCausalLM.from_pretrained(models["tp8"], dtype=torch.float32).eval()
     for seq, g, t in zip(v4_tp_rank.SEQUENCES, got, tp1):

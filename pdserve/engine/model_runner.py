@@ -254,10 +254,9 @@ def _load(config: EngineConfig, dtype: torch.dtype, device: torch.device, tp: TP
         from pdserve.model.loader import load_model
 
         return load_model(config.model, dtype, device, progress=tp.is_driver, tp=tp, quantization=config.quantization)
-    model_config_for(model_config, config.quantization)  # refuses fp8 for V4 (dequantized at load)
     from pdserve.model.v4_loader import load_v4_model
 
-    return PagedDeepseekV4(load_v4_model(config.model, dtype, device, tp=tp))
+    return PagedDeepseekV4(load_v4_model(config.model, dtype, device, tp=tp, quantization=config.quantization))
 
 
 def _check_shardable(config: EngineConfig) -> None:

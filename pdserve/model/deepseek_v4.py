@@ -28,6 +28,12 @@ states[b].num_tokens onwards, and its state advances in place (layer by layer: a
 exception the states are half-advanced and must be dropped). Whole-prompt prefill, chunked
 prefill and one-token decode give the same results.
 
+Weights are kept as `config.quant` says (build from a config whose quant is None to dequantize
+at load: v4_loader.py): FP8 e4m3 with 128x128 block scales for the projections V4-Flash ships
+FP8 (attention's q_a / q_b / kv / o_a / o_b, the indexer's q_b, the shared expert: config.fp8_block,
+`ops.fp8_linear`), and its FP4 routed experts packed (v4_moe.Experts, `ops.fused_moe_fp4`); the
+compressors, indexer keys and weights, router, embedding and head are bf16 in the checkpoint.
+
 Module and parameter names are transformers' (model.layers.N.self_attn.compressor.indexer...,
 mlp.experts.gate_up_proj, attn_hc.fn, model.hc_head.hc_fn, ...), so a transformers-format
 checkpoint maps one to one; v4_loader.py also maps DeepSeek's release names. MTP layers are not
@@ -52,7 +58,7 @@ from pdserve.model.hyper_connections import HyperConnection, HyperHead, hc_resid
 from pdserve.model.rope import RotaryEmbedding
 from pdserve.model.v4_attention import V4Attention
 from pdserve.model.v4_cache import LayerState, SequenceState
-from pdserve.model.v4_moe import V4MoE
+from pdserve.model.v4_moe import V4MoE, fp4_experts
 from pdserve.model.v4_ops import V4RMSNorm
 from pdserve.model.v4_step import V4Step, build_step
 
@@ -100,6 +106,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.config = config
         self.tp = tp or TPGroup.single()
         self.num_layers = config.num_hidden_layers
+        self.fp4_experts = fp4_experts(config)
         self.model = DeepseekV4Model(config, self.tp)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = {

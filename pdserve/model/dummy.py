@@ -11,6 +11,7 @@ parameter order, so every tensor-parallel rank fills its replicated weights the 
   - weights stored in a low-precision format (FILLERS, keyed by the parameter's dtype): FP8 e4m3
     kept FP8 - the same N(0, 1 / fan_in) values quantized per block as DeepSeek's checkpoints
     were, the scales into `<name>_scale_inv` (filled with their weight, skipped on their own).
+    FP4 experts kept FP4 (uint8) - random codes, a power-of-two scale (`fp4.fill_random_fp4_`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import nn
 
 from pdserve.distributed.group import TPGroup
 from pdserve.model.config import ModelConfig
+from pdserve.model.fp4 import fill_random_fp4_
 
 
 def dummy_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str, tp: TPGroup | None = None, seed: int = 0) -> nn.Module:
@@ -78,7 +80,10 @@ def _fill_fp8(model: nn.Module, name: str, p: torch.Tensor, gen: torch.Generator
 
 
 SCALE_SUFFIX = "_scale_inv"
-FILLERS = {torch.float8_e4m3fn: _fill_fp8}  # dtype -> filler(model, name, param, generator)
+FILLERS = {  # dtype -> filler(model, name, param, generator)
+    torch.float8_e4m3fn: _fill_fp8,
+    torch.uint8: lambda model, name, p, gen: fill_random_fp4_(name, p, gen),  # V4's packed experts, their scales
+}
 
 
 def _fill(name: str, p: torch.Tensor, gen: torch.Generator) -> None:

@@ -8,6 +8,8 @@ float4_e2m1fn_x2; element 2j in the low nibble, 2j+1 in the high one), with one 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 FP4_BLOCK = 32
@@ -26,9 +28,8 @@ def scales_to_float(scale: torch.Tensor) -> torch.Tensor:
     return scale.float()
 
 
-def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """packed [N, K/2], scale [N, K/32] -> float32 [N, K]. Raises ValueError on shapes that do
-    not fit."""
+def check_fp4_shapes(packed: torch.Tensor, scale: torch.Tensor) -> None:
+    """ValueError unless packed is [N, K/2] and scale [N, K/32]."""
     if packed.dim() != 2:
         raise ValueError(f"fp4 weights must be 2-D, got shape {tuple(packed.shape)}")
     N, K = packed.shape[0], 2 * packed.shape[1]
@@ -37,6 +38,13 @@ def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
             f"fp4 scale shape {tuple(scale.shape)} does not fit packed weight {tuple(packed.shape)} "
             f"({K} values a row, one scale per {FP4_BLOCK}): expected {(N, K // FP4_BLOCK)}"
         )
+
+
+def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """packed [N, K/2], scale [N, K/32] -> float32 [N, K]. Raises ValueError on shapes that do
+    not fit."""
+    check_fp4_shapes(packed, scale)
+    N, K = packed.shape[0], 2 * packed.shape[1]
     codes = packed.contiguous().view(torch.uint8)
     lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
     values = torch.stack([lut[(codes & 0xF).long()], lut[(codes >> 4).long()]], dim=-1).view(N, K)
@@ -55,3 +63,36 @@ def quantize_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = (scaled[..., None] - lut).abs().argmin(-1).to(torch.uint8)  # [N, K]
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).view(torch.int8)
     return packed, scale.to(torch.float8_e8m0fnu)
+
+
+def packed_bytes(packed: torch.Tensor) -> torch.Tensor:
+    """A checkpoint's packed e2m1 tensor (int8 / uint8 / float4_e2m1fn_x2) as the uint8 bytes the
+    kernels read: the same bytes, no copy."""
+    return packed.view(torch.uint8)
+
+
+def ue8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
+    """Scales as ue8m0 exponent bytes (uint8, 2^(b - 127)): float8_e8m0fnu and uint8 as they are,
+    float scales only when each is a power of two in range (ValueError otherwise)."""
+    if scale.dtype == torch.uint8:
+        return scale
+    if scale.dtype == getattr(torch, "float8_e8m0fnu", None):
+        return scale.view(torch.uint8)
+    mant, exp = torch.frexp(scale.float())  # scale = mant * 2^exp, mant in [0.5, 1)
+    b = exp.to(torch.int32) + 126
+    if not bool(((mant == 0.5) & (b >= 0) & (b <= 254)).all()):
+        raise ValueError("fp4 scales given as floats must be powers of two (ue8m0) to be kept FP4")
+    return b.to(torch.uint8)
+
+
+@torch.no_grad()
+def fill_random_fp4_(name: str, t: torch.Tensor, gen: torch.Generator) -> None:
+    """Random FP4 experts for `load_format: dummy`: packed codes uniform over all 16, and one scale
+    for the whole tensor (`*_scale_inv`), the power of two nearest to giving values of std
+    fan_in^-0.5 (fan_in = 32 x the groups a row), as the float matrices get."""
+    if not name.endswith("_scale_inv"):
+        t.random_(0, 256, generator=gen)
+        return
+    rms_code = (sum(v * v for v in E2M1_VALUES) / len(E2M1_VALUES)) ** 0.5  # ~2.93
+    exponent = round(math.log2((FP4_BLOCK * t.shape[-1]) ** -0.5 / rms_code))
+    t.fill_(127 + exponent)

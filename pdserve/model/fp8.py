@@ -107,11 +107,6 @@ def model_config_for(config: "ModelConfig", quantization: str | None, dummy: boo
 
     if quantization not in (None, *QUANTIZATIONS):
         raise ValueError(f"quantization {quantization!r}: choose fp8 or none, or leave it unset (follow the checkpoint)")
-    if config.v4 is not None:  # its loader dequantizes FP8 / FP4 at load (v4_loader.py)
-        if quantization == "fp8":
-            raise ValueError("quantization fp8: keeping DeepSeek-V4's FP8 / FP4 weights low-precision is not built "
-                             "(V4 checkpoints are dequantized at load); leave --quantization unset or use none")
-        return config
     if quantization == "none":
         return dataclasses.replace(config, quant=None)
     if config.quant is None and quantization == "fp8":

@@ -93,6 +93,17 @@ def fused_moe_fp8(x, w13, w2, w13_scale_inv, w2_scale_inv, topk_weights, topk_id
                              w2_scale_inv=w2_scale_inv, block_shape=block)
 
 
+def fused_moe_fp4(x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, swiglu_limit: float | None = None):
+    """Packed e2m1 expert weights with ue8m0 scales per 32 values (kernels/ref_fp4.py's layout)."""
+    if _use_triton(x):
+        from pdserve_kernels.fused_moe_fp4 import fused_moe_fp4 as kernel
+
+        return kernel(x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, swiglu_limit=swiglu_limit)
+    from pdserve_kernels.ref_fp4 import fused_moe_fp4_ref
+
+    return fused_moe_fp4_ref(x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, swiglu_limit=swiglu_limit)
+
+
 def indexer_topk(q, k_cache, weights, candidates, topk: int):
     if _use_triton(q):
         from pdserve_kernels import indexer_topk as kernel

@@ -28,6 +28,7 @@ from pdserve.distributed.group import TPGroup
 from pdserve.model import ops
 from pdserve.model.config import ModelConfig
 from pdserve.model.config_v4 import CSA, HCA, SLIDING
+from pdserve.model.fp8 import Block, fp8_params, linear, shard_scales
 from pdserve.model.parallel import ColumnParallelLinear, RowParallelLinear, narrow_shard
 from pdserve.model.v4_cache import LayerState
 from pdserve.model.v4_compressor import CSACompressor, HCACompressor, Indexer
@@ -37,23 +38,41 @@ from pdserve.model.v4_step import V4Step
 
 class GroupedLinear(nn.Module):
     """Block-diagonal projection: weight [G*Ro, in/G]; group g maps its slice of the input.
-    Under TP a rank holds G/tp whole groups (rows [r*G/tp*Ro, (r+1)*G/tp*Ro)); G below is that."""
+    Under TP a rank holds G/tp whole groups (rows [r*G/tp*Ro, (r+1)*G/tp*Ro)); G below is that.
+    FP8 (`fp8_block` (bn, bk)): the e4m3 weight with weight_scale_inv [G*Ro/bn, ceil(in/G/bk)],
+    one `ops.fp8_linear` a group, so a group's rows must start on a block edge (Ro % bn == 0)."""
 
-    def __init__(self, in_per_group: int, out_features: int, groups: int, tp: TPGroup | None = None) -> None:
+    def __init__(self, in_per_group: int, out_features: int, groups: int, tp: TPGroup | None = None,
+                 fp8_block: Block | None = None) -> None:
         super().__init__()
-        self.tp = tp or TPGroup.single()
+        self.tp, self.fp8_block = tp or TPGroup.single(), fp8_block
         first, self.groups = self.tp.shard(groups, "o_groups")
-        self.start, self.n = first * (out_features // groups), self.groups * (out_features // groups)
-        self.weight = nn.Parameter(torch.zeros(self.n, in_per_group))
+        self.rows = out_features // groups  # Ro
+        self.start, self.n = first * self.rows, self.groups * self.rows
+        if fp8_block is None:
+            self.weight = nn.Parameter(torch.zeros(self.n, in_per_group))
+            return
+        if self.rows % fp8_block[0]:
+            raise ValueError(f"o_lora_rank {self.rows} is not a multiple of the FP8 block's {fp8_block[0]} rows: "
+                             "each output group must start on a block edge (or --quantization none)")
+        self.weight, self.weight_scale_inv = fp8_params(self.n, in_per_group, fp8_block)
 
     def shard_weight(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """weight [G*Ro, in/G] -> this rank's groups' rows [G/tp*Ro, in/G]."""
+        """weight [G*Ro, in/G] -> this rank's groups' rows [G/tp*Ro, in/G] (and their scale rows)."""
+        if name == "weight_scale_inv":
+            return shard_scales(full, 0, self.start, self.n, self.fp8_block[0])
         return narrow_shard(full, 0, self.start, self.n, self.tp.size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, G, in/G] -> [T, G*Ro]."""
-        w = self.weight.view(self.groups, -1, self.weight.shape[-1])  # [G, Ro, in/G]
-        return torch.einsum("tgi,goi->tgo", x, w).flatten(1)
+        if self.fp8_block is None:
+            w = self.weight.view(self.groups, -1, self.weight.shape[-1])  # [G, Ro, in/G]
+            return torch.einsum("tgi,goi->tgo", x, w).flatten(1)
+        Ro, sr = self.rows, self.rows // self.fp8_block[0]  # rows and scale rows a group
+        return torch.cat([
+            ops.fp8_linear(x[:, g], self.weight[g * Ro : (g + 1) * Ro], self.weight_scale_inv[g * sr : (g + 1) * sr], self.fp8_block)
+            for g in range(self.groups)
+        ], dim=-1)  # fmt: skip
 
 
 class V4Attention(nn.Module):
@@ -82,20 +101,21 @@ class V4Attention(nn.Module):
         self.kind, self.heads, self.head_dim, self.eps = v4.layer_types[layer_idx], local_heads, D, eps
         self.window, self.scale = v4.sliding_window, D**-0.5
         self.rope_kind = "main" if self.kind == SLIDING else "compress"
-        self.q_a_proj = nn.Linear(hidden, Q, bias=False)
+        fp8 = config.fp8_block  # the checkpoint's FP8 projections, kept FP8 (None: floats)
+        self.q_a_proj = linear(hidden, Q, fp8_block=fp8)
         self.q_a_norm = V4RMSNorm(Q, eps)
-        self.q_b_proj = ColumnParallelLinear(Q, H * D, tp, what="q heads")
-        self.kv_proj = nn.Linear(hidden, D, bias=False)
+        self.q_b_proj = ColumnParallelLinear(Q, H * D, tp, what="q heads", fp8_block=fp8)
+        self.kv_proj = linear(hidden, D, fp8_block=fp8)
         self.kv_norm = V4RMSNorm(D, eps)
-        self.o_a_proj = GroupedLinear(H * D // G, G * v4.o_lora_rank, G, tp)
-        self.o_b_proj = RowParallelLinear(G * v4.o_lora_rank, hidden, tp, what="o_groups * o_lora_rank")
+        self.o_a_proj = GroupedLinear(H * D // G, G * v4.o_lora_rank, G, tp, fp8_block=fp8)
+        self.o_b_proj = RowParallelLinear(G * v4.o_lora_rank, hidden, tp, what="o_groups * o_lora_rank", fp8_block=fp8)
         self.sinks = nn.Parameter(torch.zeros(local_heads, dtype=torch.float32))  # this rank's heads
         self.compressor: nn.Module | None = None
         rate = v4.compress_rate(layer_idx)
         if self.kind == HCA:
             self.compressor = HCACompressor(hidden, D, rate, overlap=False, eps=eps)
         elif self.kind == CSA:
-            indexer = Indexer(hidden, Q, config.index_n_heads, config.index_head_dim, rate, config.index_topk, eps)
+            indexer = Indexer(hidden, Q, config.index_n_heads, config.index_head_dim, rate, config.index_topk, eps, fp8)
             self.compressor = CSACompressor(hidden, D, rate, eps, indexer)
 
     def shard_weight(self, name: str, full: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from pdserve.model import ops
+from pdserve.model.fp8 import Block, linear
 from pdserve.model.rope import RotaryEmbedding
 from pdserve.model.v4_cache import CompressorState
 from pdserve.model.v4_ops import V4RMSNorm, rope_tail
@@ -86,12 +87,14 @@ class IndexScorer(nn.Module):
 
 
 class Indexer(CompressedKV):
-    """The lightning indexer: its own overlapping compressor at Di, q_b_proj [Hi*Di, Q], scorer."""
+    """The lightning indexer: its own overlapping compressor at Di, q_b_proj [Hi*Di, Q] (FP8 in
+    V4-Flash, kept so with `fp8_block`; its compressor and weights_proj are bf16), scorer."""
 
-    def __init__(self, hidden: int, q_lora_rank: int, heads: int, head_dim: int, rate: int, topk: int, eps: float):
+    def __init__(self, hidden: int, q_lora_rank: int, heads: int, head_dim: int, rate: int, topk: int, eps: float,
+                 fp8_block: Block | None = None):
         super().__init__(hidden, head_dim, rate, overlap=True, eps=eps)
         self.heads, self.topk = heads, topk
-        self.q_b_proj = nn.Linear(q_lora_rank, heads * head_dim, bias=False)
+        self.q_b_proj = linear(q_lora_rank, heads * head_dim, fp8_block=fp8_block)
         self.scorer = IndexScorer(hidden, heads, head_dim)
 
     def select(self, x, q_res, cos, sin, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,8 @@ scores + e_score_correction_bias (the bias only selects); a "hash_moe" layer tak
 of a frozen table tid2eid[token id]. The weights are the chosen unbiased scores, normalized to
 sum 1, times routed_scaling_factor. Experts and the shared expert are SwiGLU with
 swiglu_limit: gate clamped to <= limit, up to [-limit, limit]. Experts are stacked as transformers
-holds them: gate_up_proj [E, 2I, hidden] (gate rows, then up rows), down_proj [E, hidden, I].
+holds them: gate_up_proj [E, 2I, hidden] (gate rows, then up rows), down_proj [E, hidden, I];
+FP4 checkpoints' experts (V4-Flash's) stay FP4 on the device (`Experts`, `fp4_experts`).
 
 Tensor parallelism splits I, as V3's MoE does (moe.py; I below is this rank's I/tp): every rank
 holds every expert's slice of the intermediate dim, and the shared expert's (gate / up
@@ -23,8 +24,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.distributed.group import TPGroup
+from pdserve.model import ops
 from pdserve.model.config import ModelConfig
+from pdserve.model.fp4 import FP4_BLOCK
+from pdserve.model.fp8 import Block
 from pdserve.model.parallel import ColumnParallelLinear, RowParallelLinear, shard_expert, shard_stacked_experts
+
+
+def fp4_experts(config: ModelConfig) -> bool:
+    """Whether the routed experts stay FP4: the checkpoint ships them so (V4-Flash does) and the
+    config the model is built from keeps its quantization (`quant`; None: dequantized at load)."""
+    return config.quant is not None and config.quant.expert_dtype == "fp4"
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -58,25 +68,61 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
+    """Routed experts: gate_up_proj [E, 2I, hidden] and down_proj [E, hidden, I] in the model's
+    dtype, or, kept FP4 (`fp4_experts`), the checkpoint's packed e2m1 bytes with their ue8m0 scales
+    (model/fp4.py: two values a byte, one scale per 32 along K): gate_up_proj [E, 2I, hidden/2],
+    gate_up_proj_scale_inv [E, 2I, ceil(hidden/32)], down_proj [E, hidden, I/2],
+    down_proj_scale_inv [E, hidden, ceil(I/32)], all uint8, read by ops.fused_moe_fp4 (the Triton
+    kernel on CUDA, which dequantizes in registers; the torch reference elsewhere).
+    Under TP, down_proj's I columns split: a rank's share must hold whole 32-value scale groups."""
+
     def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         E, hidden = config.n_routed_experts, config.hidden_size
-        self.size, self.limit = tp.size, config.v4.swiglu_limit
+        self.size, self.limit, self.fp4 = tp.size, config.v4.swiglu_limit, fp4_experts(config)
         self.start, I = tp.shard(config.moe_intermediate_size, "moe_intermediate_size")
         self.inter = I  # this rank's share
-        self.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * I, hidden))
-        self.down_proj = nn.Parameter(torch.zeros(E, hidden, I))
+        if not self.fp4:
+            self.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * I, hidden))
+            self.down_proj = nn.Parameter(torch.zeros(E, hidden, I))
+            return
+        if hidden % 2 or I % 2 or (tp.size > 1 and I % FP4_BLOCK):
+            raise ValueError(
+                f"FP4 experts: hidden_size {hidden} and moe_intermediate_size {config.moe_intermediate_size} "
+                f"over tensor_parallel_size {tp.size} ({I} a rank) must be even, and a rank's share a "
+                f"multiple of the {FP4_BLOCK}-value scale group (a shard may not cut one): choose another "
+                f"tensor_parallel_size, or --quantization none to dequantize the experts at load"
+            )
+
+        def packed(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.zeros(*shape, dtype=torch.uint8), requires_grad=False)
+
+        groups = -(-hidden // FP4_BLOCK), -(-I // FP4_BLOCK)
+        self.gate_up_proj, self.gate_up_proj_scale_inv = packed(E, 2 * I, hidden // 2), packed(E, 2 * I, groups[0])
+        self.down_proj, self.down_proj_scale_inv = packed(E, hidden, I // 2), packed(E, hidden, groups[1])
+
+    def _cols(self, proj: str) -> tuple[int, int]:
+        """(start, n) of this rank's down_proj columns: values, packed bytes (2 values) or scales (32)."""
+        per = FP4_BLOCK if proj.endswith("_scale_inv") else 2 if self.fp4 else 1
+        return self.start // per, self.inter // per
 
     def shard_expert(self, proj: str, full: torch.Tensor) -> torch.Tensor:
-        """One expert's checkpoint weight -> this rank's slice: gate/up [I, hidden], down [hidden, I]."""
-        return shard_expert(proj, full, self.start, self.inter, self.size)
+        """One expert's checkpoint tensor -> this rank's slice of I: gate/up rows [I, ...], down_proj
+        columns; `proj` is gate_proj / up_proj / down_proj, with `_scale_inv` for an FP4 scale."""
+        start, n = self._cols(proj) if proj.startswith("down_proj") else (self.start, self.inter)
+        return shard_expert(proj.removesuffix("_scale_inv"), full, start, n, self.size)
 
     def shard_weight(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """Stacked tensors: gate_up_proj [E, 2I, hidden], down_proj [E, hidden, I]."""
-        return shard_stacked_experts(name, full, self.start, self.inter, self.size)
+        """Stacked tensors: gate_up_proj [E, 2I, ...] (gate rows, then up rows), down_proj [E, hidden, I...]."""
+        if name.startswith("down_proj"):
+            return shard_stacked_experts("down_proj", full, *self._cols(name), self.size)
+        return shard_stacked_experts("gate_up_proj", full, self.start, self.inter, self.size)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], weights/ids [T, k] -> [T, hidden] (this rank's partial sum under TP)."""
+        if self.fp4:
+            return ops.fused_moe_fp4(x, self.gate_up_proj, self.down_proj, self.gate_up_proj_scale_inv,
+                                     self.down_proj_scale_inv, weights, ids, swiglu_limit=self.limit)
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
             tok, slot = torch.where(ids == e)
@@ -87,14 +133,15 @@ class Experts(nn.Module):
 
 
 class SharedExpert(nn.Module):
-    """Under TP: intermediate dim split, output a partial sum (no all-reduce of its own)."""
+    """Under TP: intermediate dim split, output a partial sum (no all-reduce of its own). FP8
+    (`fp8_block`) as the checkpoint ships it."""
 
-    def __init__(self, hidden: int, inter: int, limit: float, tp: TPGroup) -> None:
+    def __init__(self, hidden: int, inter: int, limit: float, tp: TPGroup, fp8_block: Block | None = None) -> None:
         super().__init__()
-        self.limit = limit
-        self.gate_proj = ColumnParallelLinear(hidden, inter, tp, what="moe_intermediate_size")
-        self.up_proj = ColumnParallelLinear(hidden, inter, tp, what="moe_intermediate_size")
-        self.down_proj = RowParallelLinear(inter, hidden, tp, reduce=False, what="moe_intermediate_size")
+        self.limit, what = limit, "moe_intermediate_size"
+        self.gate_proj = ColumnParallelLinear(hidden, inter, tp, what=what, fp8_block=fp8_block)
+        self.up_proj = ColumnParallelLinear(hidden, inter, tp, what=what, fp8_block=fp8_block)
+        self.down_proj = RowParallelLinear(inter, hidden, tp, reduce=False, what=what, fp8_block=fp8_block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
@@ -110,7 +157,7 @@ class V4MoE(nn.Module):
         self.experts = Experts(config, self.tp)
         # one shared expert of width I, whatever n_shared_experts says (as transformers builds it)
         inter, limit = config.moe_intermediate_size, config.v4.swiglu_limit
-        self.shared_experts = SharedExpert(config.hidden_size, inter, limit, self.tp)
+        self.shared_experts = SharedExpert(config.hidden_size, inter, limit, self.tp, config.fp8_block)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, input_ids)

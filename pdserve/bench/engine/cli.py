@@ -27,20 +27,14 @@ import torch
 
 from pdserve.bench.engine import ceilings, plan, profile
 from pdserve.bench.engine.floor import step_cost
-from pdserve.bench.engine.models import MODELS, bench_config, write_config
+from pdserve.bench.engine.models import MODELS, bench_config, engine_quantization, write_config
 from pdserve.bench.engine.report import format_baseline, format_header, format_row
-
-NOT_BUILT = {
-    "fp4": "FP4 experts kept FP4 in the engine are not built yet (issue 13 item 3): the engine dequantizes FP4 "
-    "experts at load, which --dtype bfloat16 measures",
-}
-
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=sorted(MODELS), default="v4-flash", help="layer dimensions (tiny-*: test models)")
     p.add_argument("--num-layers", type=int, help="layers to build (default: as many as fit on a GPU; all on the CPU)")
     p.add_argument("--load-format", default="dummy", help="dummy: random weights made in memory (the only one here)")
-    p.add_argument("--dtype", default="bfloat16", help="weights: bfloat16 | float16 | float32 | fp8 (= bfloat16 activations, --quantization fp8; fp4: not built yet)")
+    p.add_argument("--dtype", default="bfloat16", help="weights: bfloat16 | float16 | float32 | fp8 (= bfloat16 activations, --quantization fp8) | fp4 (DeepSeek-V4's release formats: FP4 routed experts, FP8 projections, bfloat16 activations)")
     p.add_argument("--quantization", "-q", choices=("fp8",), help="fp8: FP8 e4m3 weights with 128 x 128 block scales, kept FP8 (V3.2)")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (the weights' dtype) | fp8 (656-byte V3.2 records; not built for V4 yet)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (the engine captures decode graphs by default)")
@@ -62,8 +56,10 @@ def check_args(args: argparse.Namespace) -> None:
     """Refuse what the engine cannot run, saying why (ValueError)."""
     if args.load_format != "dummy":
         raise ValueError(f"--load-format {args.load_format}: bench-engine builds its model from --model's dimensions; only 'dummy'")
-    if args.dtype in NOT_BUILT:
-        raise ValueError(f"--dtype {args.dtype}: {NOT_BUILT[args.dtype]}")
+    if args.dtype == "fp4":  # V4-Flash as released: FP4 e2m1 routed experts, FP8 projections, bf16 activations
+        if "v4" not in args.model:
+            raise ValueError(f"--dtype fp4: FP4 routed experts are DeepSeek-V4's (--model v4-flash or tiny-v4), not {args.model}'s")
+        args.dtype, args.quantization = "bfloat16", "fp4"
     if args.dtype == "fp8":  # FP8 weights, bf16 activations
         args.dtype, args.quantization = "bfloat16", "fp8"
     if args.quantization == "fp8" and args.model.endswith("v4"):
@@ -102,7 +98,7 @@ def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-engine-") as folder:
         config = EngineConfig(
             model=str(write_config(model_json, Path(folder))), device=args.device, dtype=args.dtype,
-            load_format="dummy", quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
+            load_format="dummy", quantization=engine_quantization(args.quantization), kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
             kv_block_size=args.kv_block_size, num_kv_blocks=blocks,
             max_num_seqs=max(b for b, _ in rows), max_model_len=max(c for _, c in rows) + extra + 1, seed=args.seed,
         )  # fmt: skip

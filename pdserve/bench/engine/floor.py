@@ -9,7 +9,7 @@ Bytes:
     lm_head), except the embedding (B rows) and the routed experts: per MoE layer, only the
     experts the batch's top-k touched (counted in the run, or expected: E (1 - (1 - k/E)^B));
     as stored: FP8 weights 1 byte a value plus their float32 block scales (`*_scale_inv`, bytes
-    only: no flops);
+    only: no flops), FP4 experts (packed uint8) 0.5 byte a value plus a 1-byte scale per 32;
   - KV, per layer and sequence: dense MLA all n latent records (kv_lora_rank + rope dims); V3.2
     the indexer keys of all n positions (Di) and the top-k min(K, n) latent records; V4 the window
     min(n, W) records (D), CSA the indexer keys of all n // m entries (Di) and the top-k
@@ -81,7 +81,8 @@ def step_cost(
             layer = int(_LAYER.search(name).group(1))
             touched = (experts_touched or {}).get(layer, expected_distinct_experts(E, k, batch))
             experts += round(touched * nbytes / E)
-            flops += 0 if name.endswith(_SCALE) else 2 * batch * k * p.numel() // E
+            values = p.numel() * (2 if p.dtype == torch.uint8 else 1)  # packed FP4: two values a byte
+            flops += 0 if name.endswith(_SCALE) else 2 * batch * k * values // E
         else:
             dense += round(nbytes)
             flops += 0 if name.endswith(_SCALE) else 2 * batch * p.numel()

@@ -1,6 +1,6 @@
 """The models `pdserve bench-engine` builds: the layer dimensions of DeepSeek-V3.2 and
-DeepSeek-V4-Flash as their released config.json give them (bf16, no quantization_config: the
-engine dequantizes FP8 checkpoints at load today), and the tiny test models.
+DeepSeek-V4-Flash as their released config.json give them (bf16; --dtype fp8 / fp4 add the
+quantization_config: `bench_config`), and the tiny test models.
 
 `--num-layers N` keeps the released proportions of layer kinds, at least one of each:
   - V3.2 (61 layers, the first 3 dense MLP, then MoE): max(1, round(3N/61)) dense, the rest MoE;
@@ -60,19 +60,28 @@ MODELS = {
 }
 
 
+def engine_quantization(quantization: str | None) -> str | None:
+    """The engine's --quantization for a bench one: "fp4" is an FP8 quantization_config (with FP4
+    experts), which the engine keeps as it is."""
+    return "fp8" if quantization == "fp4" else quantization
+
+
 def real_num_layers(name: str) -> int:
     return MODELS[name]()["num_hidden_layers"]
 
 
 def bench_config(name: str, num_layers: int | None = None, quantization: str | None = None) -> dict:
     """config.json of model `name` with `num_layers` layers (None: all of them), kinds mixed as
-    the module docstring says; quantization "fp8": with an FP8 quantization_config."""
+    the module docstring says; quantization "fp8": with an FP8 quantization_config; "fp4"
+    (DeepSeek-V4): the same with FP4 routed experts (expert_dtype fp4), as V4-Flash ships."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)}")
     d = MODELS[name]()
-    if quantization == "fp8":
+    if quantization in ("fp8", "fp4"):
         block = [FP8_BLOCK[name]] * 2
         d["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": block}
+    if quantization == "fp4":
+        d["quantization_config"].update(scale_fmt="ue8m0", expert_dtype="fp4")
     full = d["num_hidden_layers"]
     n = full if num_layers is None else num_layers
     if n < 1:

@@ -9,7 +9,7 @@ import math
 import torch
 from torch import nn
 
-from pdserve.bench.engine.models import bench_config, real_num_layers
+from pdserve.bench.engine.models import bench_config, engine_quantization, real_num_layers
 from pdserve.model.config import ModelConfig
 from pdserve.model.kv_cache import STATE, TOKENS, WINDOW, KVCache
 
@@ -42,7 +42,7 @@ def footprint(
     from pdserve.model.fp8 import model_config_for
 
     config = ModelConfig.from_dict(bench_config(name, num_layers, quantization))
-    model = meta_model(model_config_for(config, quantization, dummy=True))
+    model = meta_model(model_config_for(config, engine_quantization(quantization), dummy=True))
     itemsize = torch.empty((), dtype=dtype).element_size()
     weights = sum(p.numel() * param_itemsize(n, p, itemsize) for n, p in model.named_parameters())
     specs = model.kv_cache_specs(kv_cache_dtype)
@@ -56,9 +56,10 @@ def footprint(
 
 def param_itemsize(name: str, p: torch.Tensor, itemsize: int) -> int:
     """Bytes a value of a meta parameter will take: the weights' dtype, unless the model chose its
-    storage (FP8 values: 1 byte; block scales `*_scale_inv`: float32)."""
+    storage (FP8 values and packed FP4 bytes: 1 byte; block scales `*_scale_inv`: float32, ue8m0
+    bytes for FP4)."""
     if name.endswith("_scale_inv"):
-        return 4
+        return p.element_size()
     return p.element_size() if p.dtype != torch.get_default_dtype() else itemsize
 
 

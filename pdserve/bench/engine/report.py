@@ -21,6 +21,8 @@ def format_header(report: dict) -> str:
 
 
 def weights(s: dict) -> str:
+    if s.get("quantization") == "fp4":
+        return f"FP4 e2m1 routed experts + FP8 e4m3 projections (kept), {s['dtype']} activations"
     if s.get("quantization") == "fp8":
         return f"FP8 e4m3 weights (block-scaled, kept FP8), {s['dtype']} activations"
     return f"{s['dtype']} weights"
