@@ -86,7 +86,8 @@ MLA = {
     (CPU, "fp8", "small"): MLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, min_tiles=1),
     (CPU, "fp8", "large"): MLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, min_tiles=1),
     # DeepSeek-V4 fp8_ds_v4 pages (no rope tail: always "small")
-    (90, "fp8_v4", "small"): MLAConfig(block_h=16, block_n=64, num_warps=4, num_stages=2, min_tiles=1),
+    # sm_90 BN 32: BN 64 x 4 warps spills (255 regs + 96-752 B stack), BN 32 compiles to 178 regs
+    (90, "fp8_v4", "small"): MLAConfig(block_h=16, block_n=32, num_warps=4, num_stages=2, min_tiles=1),
     (120, "fp8_v4", "small"): MLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=3, min_tiles=1),
     (CPU, "fp8_v4", "small"): MLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, min_tiles=1),
 }

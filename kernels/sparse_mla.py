@@ -96,7 +96,7 @@ def _mla_split_kernel(
         rows = kv_ptr + idx.to(tl.int64)[:, None] * s_kvn
         if KV_V4:  # s_kvn: the page stride
             kv_v = _v4_rows(kv_ptr, idx, valid, s_kvn, offs_v, D_V, V4_NOPE, V4_SB, V4_PAGE,
-                            BLOCK_N, BLOCK_V).to(q_v.dtype)
+                            BLOCK_N, BLOCK_V, q_v.dtype)
         elif KV_FP8:
             # record: D_V e4m3 bytes | D_V / GROUP fp32 scales | D_T bf16 tail
             NG: tl.constexpr = BLOCK_V // GROUP
@@ -172,13 +172,17 @@ def _mla_split_kernel(
 
 @triton.jit
 def _v4_rows(kv_ptr, idx, valid, s_page, offs_v, D: tl.constexpr, NOPE: tl.constexpr,
-             SB: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
-    """[BN, BLOCK_V] float32 K = V rows of slots idx from fp8_ds_v4 pages (kv_fp8.py): slot s is
-    record s % PAGE of page s // PAGE; its NOPE e4m3 values times their group's ue8m0 scale, then
-    its D - NOPE bf16 rope values; zero where not valid or past D."""
+             SB: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+             DT: tl.constexpr):
+    """[BN, BLOCK_V] K = V rows in dtype DT (q's) of slots idx from fp8_ds_v4 pages (kv_fp8.py):
+    slot s is record s % PAGE of page s // PAGE; its NOPE e4m3 values times their group's ue8m0
+    scale, then its D - NOPE bf16 rope values; zero where not valid or past D. The scaling runs
+    in DT: e4m3 x a power of two is one rounding either way (exact in bf16 / fp32), and DT's
+    packed math halves the registers of the tile against float32."""
     VB: tl.constexpr = NOPE + 2 * (D - NOPE)  # value bytes of a record
     NG: tl.constexpr = BLOCK_V // 64
     slot = tl.where(valid, idx, 0).to(tl.int64)
+    s_page = tl.multiple_of(s_page, 8)  # checked by the wrapper: 8-byte loads even at P = 1 (584 B)
     page = kv_ptr + (slot // PAGE) * s_page
     rec = slot % PAGE
     vals_at = page + rec * VB  # [BN]
@@ -187,13 +191,13 @@ def _v4_rows(kv_ptr, idx, valid, s_page, offs_v, D: tl.constexpr, NOPE: tl.const
     offs_g = tl.arange(0, NG)
     e = tl.load((page + PAGE * VB + rec * SB)[:, None] + offs_g[None, :],
                 mask=valid[:, None] & (offs_g * 64 < NOPE)[None, :], other=0)
-    scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # ue8m0 byte b: 2^(b - 127)
-    vals = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True).to(DT)  # ue8m0 byte b: 2^(b - 127)
+    vals = raw.to(tl.float8e4nv, bitcast=True).to(DT)
     vals = tl.reshape(tl.reshape(vals, [BLOCK_N, NG, 64]) * scale[:, :, None], [BLOCK_N, BLOCK_V])
     rope_at = (vals_at + NOPE).to(tl.pointer_type(tl.bfloat16))
     rope = tl.load(rope_at[:, None] + (offs_v - NOPE)[None, :],
                    mask=valid[:, None] & (~nope & (offs_v < D))[None, :], other=0.0)
-    return tl.where(nope[None, :], vals, rope.to(tl.float32))
+    return tl.where(nope[None, :], vals, rope.to(DT))
 
 
 @triton.jit
