@@ -37,6 +37,7 @@ WORKER_FLAGS = {
     "enforce_eager": "worker.enforce_eager", "cuda_graph_max_bs": "worker.cuda_graph_max_bs", "kv_cache_dtype": "worker.kv_cache_dtype",
     "transfer_backend": "transfer.backend", "transfer_timeout": "transfer.timeout",
     "metadata_timeout": "transfer.metadata_timeout", "kv_load_failure_policy": "transfer.kv_load_failure_policy",
+    "kv_transfer_staging": "transfer.staging.mode",
 }  # fmt: skip
 ROUTER_FLAGS = {
     "prefill": "prefill", "decode": "decode", "colocated": "colocated", "served_model_name": "served_model_name",
@@ -79,6 +80,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     w("--transfer-timeout", help="seconds for one request's KV read")
     w("--metadata-timeout", help="seconds for decode to fetch a prefill peer's transfer metadata")
     w("--peer", action="append", metavar="URL", help="a worker whose transfer metadata may be fetched (repeatable)")
+    w("--kv-transfer-staging", help="staged KV transfer, one slab a request: auto (on for GPU pools) | on | off")
     w("--kv-load-failure-policy", help="decode: a failed KV read fails the request (fail) or computes the prompt here (recompute)")
     w("--max-open-requests", help="requests admitted at once before 429 (default max(8 x max-num-seqs, 256))")
     w("--stall-timeout", help="seconds without a finished engine step, while requests are open, before /health says 503 (default 60)")

@@ -17,6 +17,12 @@ Every NIXL failure becomes a TransferError naming the request, the stage and the
 UCX picks cma for data and tcp for messages; no UCX variables are needed. Over cma a large READ
 completes inside transfer() (seen from ~1 MiB up), so start_load then costs the copy itself.
 
+A decode READ completes only while the prefill side's UCX progresses too (measured: with the
+prefill side progressing only when its engine polls - every 20 ms while it holds KV, never during
+a step - a 1 MiB read took 20-30 ms; with a 1 ms poll, 1.1 ms). A prefill worker therefore runs a
+small thread (`progress_interval_ms`) that progresses UCX and collects release messages, which
+poll_releases then reads; NIXL's own progress thread does the same but busy-polls a core.
+
 A pool on the GPU gets UCX defaults before the agent (and UCX) is created: `UCX_GPU_DEFAULTS`
 (cuda_ipc GET zero-copy: without it UCX reads VRAM over tcp at 0.5 GB/s) and `UCX_MODULE_DIR` set
 to the UCX plugin folder of the installed NIXL wheel (`ucx_module_dir()`), each only where the
@@ -29,11 +35,12 @@ import base64
 import importlib.util
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pdserve.disagg.base import KVHandle, PeerMetadata, TransferError, TransferStage
 from pdserve.disagg.factory import ConnectorRole, StagingOptions
@@ -99,6 +106,9 @@ class NixlOptions(BaseModel):
     # core per idle worker. Off (default), transfers advance when the engine loop polls them, which
     # it does every millisecond while a load is in flight and every 20 ms while prefill holds KV.
     progress_thread: bool = False
+    # prefill workers without it: a thread progresses UCX (and collects release messages) this
+    # often, so decode's READs complete during prefill's steps too; 0: only when the engine polls
+    progress_interval_ms: float = Field(1.0, ge=0)
     # a pool on the GPU: set UCX_GPU_DEFAULTS and UCX_MODULE_DIR where the environment does not
     ucx_gpu_defaults: bool = True
 
@@ -164,6 +174,7 @@ class NixlConnector(LeasingConnector):
         lease_margin_s: float = 1.0,
         version: str | None = None,
         progress_thread: bool = True,
+        progress_interval_ms: float = 1.0,
         ucx_gpu_defaults: bool = True,
         role: ConnectorRole = "both",
         staging: StagingOptions | None = None,
@@ -172,6 +183,8 @@ class NixlConnector(LeasingConnector):
         progress_thread: NIXL's own UCX progress thread; without it transfers advance only inside
         poll_loads / poll_releases calls, so a peer must poll while it holds KV (as the engine
         loop does). Workers take NixlOptions' default (off); on here for a caller that never polls.
+        progress_interval_ms: a prefill-role connector without the progress thread progresses UCX
+        from a thread of its own this often (0: never).
         ucx_gpu_defaults: for a pool on the GPU, set the UCX defaults above (unless set already).
         The NIXL agent is created by register_kv_cache, once the pool's device is known."""
         if importlib.util.find_spec("nixl") is None:
@@ -187,6 +200,11 @@ class NixlConnector(LeasingConnector):
         self._reg = None
         self._metadata = b""
         self._peers: dict[str, _Peer] = {}
+        self._progress_interval_s = progress_interval_ms / 1000
+        self._agent_lock = threading.Lock()  # the progress thread and poll_releases share the agent
+        self._inbox: list[bytes] = []  # release messages the progress thread collected
+        self._stop = threading.Event()
+        self._progress: threading.Thread | None = None
         self._zombies: list[tuple[object, int | None]] = []  # xfer handles NIXL could not cancel yet, their landing room
 
     # -- registration --
@@ -228,6 +246,16 @@ class NixlConnector(LeasingConnector):
         )
         # built once: the HTTP server thread serves these bytes without touching the agent
         self._metadata = info.model_dump_json().encode()
+        if self.role == "prefill" and not self._progress_thread and self._progress_interval_s > 0:
+            self._progress = threading.Thread(target=self._progress_loop, name="nixl-progress", daemon=True)
+            self._progress.start()
+
+    def _progress_loop(self) -> None:
+        """Prefill side: progress UCX (peers' READs of our memory) and keep what notifications arrive."""
+        while not self._stop.wait(self._progress_interval_s):
+            with self._agent_lock:
+                notifs = self.agent.get_new_notifs()
+                self._inbox.extend(msg for msgs in notifs.values() for msg in msgs)
 
     def peer_metadata(self) -> bytes:
         """This worker's NixlPeerInfo as JSON bytes, for its HTTP server to serve at metadata_url."""
@@ -237,8 +265,12 @@ class NixlConnector(LeasingConnector):
 
     # -- prefill side --
     def poll_releases(self) -> list[str]:
-        notifs = self.agent.get_new_notifs() if self.agent is not None else {}
-        return self._released(msg for msgs in notifs.values() for msg in msgs)
+        if self.agent is None:
+            return self._released([])
+        with self._agent_lock:
+            notifs = self.agent.get_new_notifs()
+            inbox, self._inbox = self._inbox, []
+        return self._released(inbox + [msg for msgs in notifs.values() for msg in msgs])
 
     # -- decode side --
     def add_peer(self, metadata: bytes, engine_id: str | None = None, instance_id: str | None = None) -> NixlPeerInfo:
@@ -380,6 +412,10 @@ class NixlConnector(LeasingConnector):
     def shutdown(self) -> None:
         if self.agent is None:  # never registered
             return
+        self._stop.set()
+        if self._progress is not None:
+            self._progress.join()
+            self._progress = None
         for rid in list(self._loads):
             self.cancel_load(rid)
         self._retry_zombies()
