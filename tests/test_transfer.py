@@ -265,12 +265,12 @@ def test_ucx_gpu_defaults_leave_the_users_settings_alone():
 class Peer:
     """tests/transfer_peer.py as a prefill worker process."""
 
-    def __init__(self, dtype: str, seed: int = 0, lease_s: float = 60.0, staging_mib: int = 0) -> None:
+    def __init__(self, dtype: str, seed: int = 0, lease_s: float = 60.0, staging_mib: int = 0, poll_ms: float = 20.0) -> None:
         self.engine_id = f"prefill-{uuid.uuid4().hex[:8]}"
         self.seed, self.dtype = seed, dtype
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         args = ["--engine-id", self.engine_id, "--dtype", dtype, "--seed", str(seed), "--lease-s", str(lease_s)]
-        args += ["--staging-mib", str(staging_mib)]
+        args += ["--staging-mib", str(staging_mib), "--poll-ms", str(poll_ms)]
         self.proc = subprocess.Popen(
             [sys.executable, os.path.join(ROOT, "tests", "transfer_peer.py"), *args],
             stdin=subprocess.PIPE,
@@ -391,6 +391,23 @@ def test_nixl_staged_read_is_one_descriptor_and_falls_back_when_the_landing_aren
         assert decode.stats.staged[("decode", "arena_full")] == 1 and decode.stats.descriptors_sum == 1 + 2 * 6
         decode.landing_arena.free(blocker)
         assert peer.wait_released("s2")["staging_used"] == 0
+    finally:
+        decode.shutdown()
+        peer.stop()
+
+
+def test_nixl_reads_complete_while_the_prefill_engine_is_busy():
+    # the peer's engine loop polls every 3 s (a long prefill step); its connector's progress thread
+    # advances its side of the reads: without it a read waits for the next poll (0-3 s)
+    peer = Peer("float32", poll_ms=3000)
+    decode = nixl_decode("float32")
+    try:
+        first = peer.prefill("p0", [1])
+        assert run_load(decode, first, [1], peer=fetch(first)) is None  # connection set up
+        for i in range(3):
+            started = time.monotonic()
+            assert run_load(decode, peer.prefill(f"p{i + 1}", [2, 3]), [4, 5], limit_s=10.0) is None
+            assert time.monotonic() - started < 0.5
     finally:
         decode.shutdown()
         peer.stop()

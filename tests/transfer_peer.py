@@ -71,22 +71,25 @@ def main() -> None:
     p.add_argument("--num-blocks", type=int, default=32)
     p.add_argument("--lease-s", type=float, default=60.0)
     p.add_argument("--staging-mib", type=int, default=0, help="a staging arena of this size (0: staging off)")
+    p.add_argument("--poll-ms", type=float, default=20.0, help="the engine loop's poll interval while it holds KV")
+    p.add_argument("--progress-interval-ms", type=float, default=1.0, help="the connector's progress thread (0: none)")
     args = p.parse_args()
 
     staging = StagingOptions(mode="on" if args.staging_mib else "off", prefill_arena_mib=args.staging_mib, decode_arena_mib=0)
     conn = NixlConnector(
-        args.engine_id, model_id=args.model_id, lease_s=args.lease_s, progress_thread=False, role="prefill", staging=staging
+        args.engine_id, model_id=args.model_id, lease_s=args.lease_s, progress_thread=False, role="prefill", staging=staging,
+        progress_interval_ms=args.progress_interval_ms,
     )  # as a worker runs it
     conn.register_kv_cache(make_kv(getattr(torch, args.dtype), args.seed, args.num_blocks))
     server = serve_metadata(conn.peer_metadata())
     conn.metadata_url = f"http://127.0.0.1:{server.server_address[1]}/metadata"
 
     # what a prefill worker's engine loop does while it holds KV: poll the connector every 20 ms
-    # (with NIXL's progress thread off, that is what advances the peer's side of a read)
+    # (beside the connector's own progress thread, which advances the peer's side of a read)
     lock, released, stop = threading.Lock(), [], threading.Event()
 
     def poller() -> None:
-        while not stop.wait(0.02):
+        while not stop.wait(args.poll_ms / 1000):
             with lock:
                 released.extend(conn.poll_releases())
 
