@@ -210,3 +210,17 @@ def test_staged_counts_are_exported_as_metrics():
     m.sync_transfer(dec.stats)  # exported once
     value = m.registry.get_sample_value("pdserve_kv_transfer_staged_total", {"side": "decode", "result": "staged"})
     assert value == 1.0
+
+
+def test_serve_flag_sets_the_staging_mode():
+    import argparse
+
+    from pdserve.serve import add_serve_args, config_from_args
+
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    base = ["--role", "decode", "--model", "tiny:deepseek_v3", "--peer", "http://127.0.0.1:1"]
+    assert config_from_args(p.parse_args(base + ["--kv-transfer-staging", "off"])).transfer.staging.mode == "off"
+    assert config_from_args(p.parse_args(base)).transfer.staging.mode == "auto"
+    with pytest.raises(Exception, match="staging"):
+        config_from_args(p.parse_args(base + ["--kv-transfer-staging", "sometimes"]))
