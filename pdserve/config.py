@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pdserve.disagg.factory import TransferBackend
+from pdserve.disagg.factory import StagingOptions, TransferBackend
 from pdserve.engine.config import DType, EngineConfig, KVCacheDType, KVLoadFailurePolicy, LoadFormat, Quantization, check_device
 
 # configs/ sits beside the package in the source tree (the repo is installed editable).
@@ -183,6 +183,7 @@ class TransferConfig(_Strict):
     metadata_timeout: float = Field(5.0, gt=0)  # seconds for decode to fetch a prefill peer's metadata
     kv_load_failure_policy: KVLoadFailurePolicy = "fail"  # decode: a failed read fails the request, or recomputes it
     options: dict[str, Any] = Field(default_factory=dict)  # the backend's own (nixl: progress_thread)
+    staging: StagingOptions = Field(default_factory=StagingOptions)  # staged transfer: mode, arena MiB
     ucx: dict[str, str | int | float] = Field(default_factory=dict)  # UCX_* env for the workers
 
     @field_validator("ucx")

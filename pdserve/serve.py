@@ -38,6 +38,7 @@ WORKER_FLAGS = {
     "quantization": "worker.quantization",
     "transfer_backend": "transfer.backend", "transfer_timeout": "transfer.timeout",
     "metadata_timeout": "transfer.metadata_timeout", "kv_load_failure_policy": "transfer.kv_load_failure_policy",
+    "kv_transfer_staging": "transfer.staging.mode",
 }  # fmt: skip
 ROUTER_FLAGS = {
     "prefill": "prefill", "decode": "decode", "colocated": "colocated", "served_model_name": "served_model_name",
@@ -81,6 +82,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     w("--transfer-timeout", help="seconds for one request's KV read")
     w("--metadata-timeout", help="seconds for decode to fetch a prefill peer's transfer metadata")
     w("--peer", action="append", metavar="URL", help="a worker whose transfer metadata may be fetched (repeatable)")
+    w("--kv-transfer-staging", help="staged KV transfer, one slab a request: auto (on for GPU pools) | on | off")
     w("--kv-load-failure-policy", help="decode: a failed KV read fails the request (fail) or computes the prompt here (recompute)")
     w("--max-open-requests", help="requests admitted at once before 429 (default max(8 x max-num-seqs, 256))")
     w("--stall-timeout", help="seconds without a finished engine step, while requests are open, before /health says 503 (default 60)")

@@ -15,7 +15,15 @@ byte-exact once.
 
 --layouts: `layer` is pdserve's pool (KVCache: [L, N, bs, dim], a descriptor per (layer, run));
 `block` emulates a block-major pool ([N, L, bs, dim]: one block of all layers contiguous, a
-descriptor per run) as a one-layer pool of L*bs-token blocks: the same bytes per block.
+descriptor per run) as a one-layer pool of L*bs-token blocks: the same bytes per block;
+`staged` is pdserve's pool with staged transfer (pdserve/disagg/staging.py): the peer gathers the
+request's blocks into one slab of its staging arena (`gather`), decode READs it as one
+descriptor into its landing arena (`read`) and scatters it into its blocks (`scatter`), each timed.
+
+The peer runs as a prefill worker's engine loop does: every --peer-poll-ms it polls the connector
+(release notifications; NIXL's progress thread is off, as in a worker, unless --peer-progress-thread)
+and, with --peer-busy-ms B, runs B ms of GPU matmuls before each poll (a prefill step in the other
+process: what a decode read competes with on a shared GPU).
 --settings runs the whole measurement once per UCX setting, each in fresh processes (UCX reads
 its variables once): `default` (no UCX variables), `zcopy` (UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y),
 `zcopy+moddir` (and UCX_MODULE_DIR = the NIXL wheel's UCX folder), `pdserve` (none set by hand:
@@ -77,9 +85,14 @@ def block_bytes(num_layers: int) -> int:
 
 def run_peer(args: argparse.Namespace) -> None:
     replies, sys.stdout = sys.stdout, sys.stderr  # nixl logs to stdout
+    from pdserve.disagg.factory import StagingOptions
     from pdserve.disagg.nixl_connector import NixlConnector
 
-    conn = NixlConnector("bench-prefill", model_id="bench", ucx_gpu_defaults=args.setting == "pdserve")
+    staged = args.layout == "staged"
+    staging = StagingOptions(mode="on" if staged else "off", prefill_arena_mib=args.arena_mib, decode_arena_mib=0)
+    conn = NixlConnector("bench-prefill", model_id="bench", ucx_gpu_defaults=args.setting == "pdserve",
+                         progress_thread=args.peer_progress_thread, progress_interval_ms=float(args.peer_progress_interval_ms),
+                         role="prefill", staging=staging, lease_s=3600.0)
     conn.register_kv_cache(make_pool(args.layers, args.num_blocks, args.device, seed=0, layout=args.layout))
     body = conn.peer_metadata()
 
@@ -95,11 +108,52 @@ def run_peer(args: argparse.Namespace) -> None:
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    inbox: list[dict] = []
+    lock, stop = threading.Lock(), threading.Event()
+    busy = busy_work(args.device, float(args.peer_busy_ms))
+
+    def engine_loop() -> None:  # one thread owns the connector, as a worker's engine thread does
+        while not stop.is_set():
+            busy()
+            with lock:
+                cmds, inbox[:] = list(inbox), []
+            conn.poll_releases()
+            for cmd in cmds:
+                before = conn.stats.stage_seconds_sum
+                handle = conn.on_prefill_finished(cmd["rid"], cmd["ids"], cmd["tokens"])
+                gather_s = conn.stats.stage_seconds_sum - before
+                replies.write("HANDLE " + json.dumps({"handle": handle.model_dump(), "gather_s": gather_s}) + "\n")
+                replies.flush()
+            time.sleep(args.peer_poll_ms / 1000)
+
+    loop = threading.Thread(target=engine_loop, daemon=True)
+    loop.start()
     replies.write(f"URL http://127.0.0.1:{server.server_address[1]}/metadata\n")  # UCX may print to fd 1 too
     replies.flush()
-    sys.stdin.read()  # until the decode side closes our stdin
+    for line in sys.stdin:  # until the decode side closes our stdin
+        with lock:
+            inbox.append(json.loads(line))
+    stop.set()
+    loop.join()
     conn.shutdown()
     server.shutdown()
+
+
+def busy_work(device: str, busy_ms: float):
+    """A callable that keeps the GPU busy for about busy_ms (bf16 matmuls, synchronized), or does nothing."""
+    if busy_ms <= 0 or not device.startswith("cuda"):
+        return lambda: None
+    a = torch.randn(4096, 4096, dtype=torch.bfloat16, device=device)
+    b = torch.empty_like(a)
+
+    def run() -> None:
+        t0 = time.perf_counter()
+        while (time.perf_counter() - t0) * 1000 < busy_ms:
+            for _ in range(8):
+                torch.mm(a, a, out=b)
+            torch.cuda.synchronize(device)
+
+    return run
 
 
 def timed_read(conn, handle: KVHandle, dst_ids: list[int]) -> float:
@@ -156,12 +210,16 @@ def timed_copy(dst: torch.Tensor, src: torch.Tensor, src_ids: list[int], dst_ids
 PEER: dict[str, PeerMetadata] = {}  # metadata URL -> the peer's metadata, fetched once (as a decode worker does)
 
 
+def fetch_peer(url: str) -> PeerMetadata:
+    body = httpx.get(url, timeout=10).content
+    info = json.loads(body)
+    return PeerMetadata(engine_id=info["engine_id"], instance_id=info["instance_id"], data=body)
+
+
 def handle_for(url: str, request_id: str, block_ids: list[int], compat: str) -> KVHandle:
-    # the bench's peer holds no leases: its pool is static, so the handle is made here
+    # per-block layouts: the peer's pool is static, so the handle is made here (no lease)
     if url not in PEER:
-        body = httpx.get(url, timeout=10).content
-        info = json.loads(body)
-        PEER[url] = PeerMetadata(engine_id=info["engine_id"], instance_id=info["instance_id"], data=body)
+        PEER[url] = fetch_peer(url)
     return KVHandle(
         request_id=request_id,
         engine_id="bench-prefill",
@@ -174,17 +232,52 @@ def handle_for(url: str, request_id: str, block_ids: list[int], compat: str) -> 
     )
 
 
-def measure(conn, url: str, src: torch.Tensor, src_ids: list[int], dst_ids: list[int], reps: int, name: str):
-    """(NIXL read seconds, copy seconds) of every rep for one request shape."""
+class PeerProc:
+    """The prefill peer process: its metadata URL, and handles it makes (a staged one gathers)."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc, self.url = proc, ""
+        for line in proc.stdout:  # lines UCX itself printed come first, if any
+            if line.startswith("URL "):
+                self.url = line.split()[1]
+                break
+        if not self.url:
+            raise SystemExit(f"the prefill peer exited with {proc.wait()}")
+
+    def prefill(self, rid: str, ids: list[int]) -> tuple[KVHandle, float]:
+        self.proc.stdin.write(json.dumps({"rid": rid, "ids": ids, "tokens": len(ids) * BLOCK_SIZE}) + "\n")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            if line.startswith("HANDLE "):
+                doc = json.loads(line[len("HANDLE "):])
+                return KVHandle.model_validate(doc["handle"]), doc["gather_s"]
+        raise SystemExit(f"the prefill peer exited with {self.proc.wait()}")
+
+
+def measure(conn, peer: PeerProc, src: torch.Tensor, src_ids: list[int], dst_ids: list[int], reps: int, name: str, staged: bool):
+    """Seconds of every rep for one request shape: NIXL read (start_load..done: for a staged
+    layout the READ and the scatter, split by the connector's own scatter time), gather (staged:
+    in the peer), in-process copy."""
     dst = conn.kv.regions["latent"]
-    read_s, copy_s = [], []
+    out = {"read_s": [], "copy_s": [], "gather_s": [], "scatter_s": []}
     for rep in range(reps):
         dst.zero_()
-        read_s.append(timed_read(conn, handle_for(url, f"{name}-{rep}", src_ids, conn.compat_hash), dst_ids))
+        if staged:
+            handle, gather_s = peer.prefill(f"{name}-{rep}", src_ids)
+            if handle.staged is None:
+                raise SystemExit(f"{name}: the peer's staging arena had no room (--arena-mib)")
+            out["gather_s"].append(gather_s)
+        else:
+            handle = handle_for(peer.url, f"{name}-{rep}", src_ids, conn.compat_hash)
+        before = conn.stats.stage_seconds_sum
+        total = timed_read(conn, handle, dst_ids)
+        scatter_s = conn.stats.stage_seconds_sum - before
+        out["read_s"].append(total - scatter_s if staged else total)
+        out["scatter_s"].append(scatter_s)
         if rep == 0 and not torch.equal(dst[:, dst_ids].view(torch.int16), src[:, src_ids].to(dst.device).view(torch.int16)):
             raise SystemExit(f"NIXL READ {name} is not byte-exact")
-        copy_s.append(timed_copy(dst, src, src_ids, dst_ids))
-    return read_s, copy_s
+        out["copy_s"].append(timed_copy(dst, src, src_ids, dst_ids))
+    return out
 
 
 def parse_args() -> argparse.Namespace:
@@ -197,14 +290,24 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads for the in-process copy (cma reads use one)")
     p.add_argument("--mean-run", type=float, default=4.0, help="mean run length of the `request` block lists")
     p.add_argument("--settings", help="comma list of " + ", ".join(SETTINGS) + ": one fresh run each")
-    p.add_argument("--layouts", default="layer", help="comma list of layer, block")
+    p.add_argument("--layouts", default="layer", help="comma list of layer, block, staged")
+    p.add_argument("--kinds", default="contiguous,request,scattered", help="block lists to read (comma list)")
+    p.add_argument("--arena-mib", type=int, default=0, help="staged: each side's arena (default: 2x the largest size)")
+    p.add_argument("--peer-poll-ms", type=float, default=20.0, help="the peer polls its connector this often (a worker: 20)")
+    p.add_argument("--peer-busy-ms", default="0", help="comma list: GPU work (ms) the peer runs before each poll; one run each")
+    p.add_argument("--peer-progress-thread", action="store_true", help="the peer runs NIXL's progress thread (a worker does not)")
+    p.add_argument("--peer-progress-interval-ms", default="1", help="comma list: the peer connector's progress thread interval (0: none); one run each")
+    p.add_argument("--tag", default="", help="a name for this run's rows (e.g. the environment it set)")
     p.add_argument("--json", help="write every row here (with --settings)")
     p.add_argument("--setting", default="", help=argparse.SUPPRESS)
     p.add_argument("--layout", default="layer", help=argparse.SUPPRESS)
     p.add_argument("--rows-out", help=argparse.SUPPRESS)
     p.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--num-blocks", type=int, default=0, help=argparse.SUPPRESS)
-    return p.parse_args()
+    args = p.parse_args()
+    if not args.arena_mib:
+        args.arena_mib = max(1, int(2 * max(float(x) for x in args.sizes.split(",")) + 1))
+    return args
 
 
 def main() -> None:
@@ -228,18 +331,24 @@ def drive(args: argparse.Namespace) -> None:
     from pdserve.disagg.nixl_connector import ucx_module_dir
 
     rows, base = [], {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
-    keep = ["--layers", str(args.layers), "--device", args.device,
-            "--threads", str(args.threads), "--mean-run", str(args.mean_run)]
+    keep = ["--layers", str(args.layers), "--device", args.device, "--threads", str(args.threads),
+            "--mean-run", str(args.mean_run), "--kinds", args.kinds, "--arena-mib", str(args.arena_mib),
+            "--peer-poll-ms", str(args.peer_poll_ms), "--tag", args.tag]
+    if args.peer_progress_thread:
+        keep.append("--peer-progress-thread")
     if args.peer_device:
         keep += ["--peer-device", args.peer_device]
     for setting in args.settings.split(","):
         env = dict(base, **{k: v or ucx_module_dir() or "" for k, v in SETTINGS[setting].items()})
         reps = min(args.reps, 2) if setting == "default" else args.reps  # tcp: slow, and known
         sizes = args.sizes.split(",")[0] if setting == "default" else args.sizes
-        for layout in args.layouts.split(","):
+        runs = [(lo, b, i) for lo in args.layouts.split(",") for b in args.peer_busy_ms.split(",")
+                for i in args.peer_progress_interval_ms.split(",")]
+        for layout, busy, interval in runs:
             out = f"/tmp/bench_transfer_{os.getpid()}_{setting}_{layout}.json"
             cmd = [sys.executable, os.path.abspath(__file__), *keep, "--sizes", sizes, "--reps", str(reps),
-                   "--setting", setting, "--layout", layout, "--rows-out", out]
+                   "--setting", setting, "--layout", layout, "--rows-out", out, "--peer-busy-ms", busy,
+                   "--peer-progress-interval-ms", interval]
             t0 = time.perf_counter()
             done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=900)
             if done.returncode != 0:
@@ -248,7 +357,7 @@ def drive(args: argparse.Namespace) -> None:
             with open(out) as f:
                 rows += json.load(f)
             os.remove(out)
-            print(f"{setting} {layout}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+            print(f"{setting} {layout} busy {busy} progress {interval}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
             if args.json:  # after every pair: a run cut short keeps what it measured
                 meta = dict(device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                             date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), args=vars(args))
@@ -267,24 +376,26 @@ def run_one(args: argparse.Namespace, counts: list[int], per_block: int) -> list
     cmd = [sys.executable, os.path.abspath(__file__), "--peer", "--layers", str(args.layers)]
     peer_device = args.peer_device or args.device
     cmd += ["--device", peer_device, "--num-blocks", str(args.num_blocks), "--sizes", args.sizes]
-    cmd += ["--setting", args.setting, "--layout", args.layout]
-    peer = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    cmd += ["--setting", args.setting, "--layout", args.layout, "--arena-mib", str(args.arena_mib)]
+    cmd += ["--peer-poll-ms", str(args.peer_poll_ms), "--peer-busy-ms", str(args.peer_busy_ms)]
+    cmd += ["--peer-progress-interval-ms", str(args.peer_progress_interval_ms)]
+    if args.peer_progress_thread:
+        cmd.append("--peer-progress-thread")
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     rows = []
+    staged = args.layout == "staged"
     layers_per_desc = 1 if args.layout == "block" else args.layers
     try:
-        url = ""
-        for line in peer.stdout:  # lines UCX itself printed come first, if any
-            if line.startswith("URL "):
-                url = line.split()[1]
-                break
-        if not url:
-            raise SystemExit(f"the prefill peer exited with {peer.wait()}")
+        peer = PeerProc(proc)
         sys.stdout, console = sys.stderr, sys.stdout  # nixl logs to stdout; keep it for the table
-        conn = NixlConnector("bench-decode", model_id="bench", transfer_timeout_s=120.0,
-                             ucx_gpu_defaults=args.setting == "pdserve")
+        from pdserve.disagg.factory import StagingOptions
+
+        staging = StagingOptions(mode="on" if staged else "off", prefill_arena_mib=0, decode_arena_mib=args.arena_mib)
+        conn = NixlConnector("bench-decode", model_id="bench", transfer_timeout_s=120.0, role="decode", staging=staging,
+                             ucx_gpu_defaults=args.setting == "pdserve", progress_thread=False)  # as a worker
         conn.register_kv_cache(make_pool(args.layers, args.num_blocks, args.device, seed=None, layout=args.layout))
         src = make_pool(args.layers, args.num_blocks, peer_device, seed=0, layout=args.layout).regions["latent"]
-        timed_read(conn, handle_for(url, "warm-up", [0], conn.compat_hash), [0])  # connection setup
+        timed_read(conn, handle_for(peer.url, "warm-up", [0], conn.compat_hash), [0])  # connection setup
         for n in counts:
             shapes = {
                 "contiguous": (list(range(n)), list(range(n))),
@@ -293,17 +404,20 @@ def run_one(args: argparse.Namespace, counts: list[int], per_block: int) -> list
                 "scattered": (list(range(0, 2 * n, 2)), list(range(1, 2 * n, 2))),
             }
             dev_s = device_copy_s(n * per_block, args.device, args.reps)
-            for kind, (src_ids, dst_ids) in shapes.items():
-                read_s, copy_s = measure(conn, url, src, src_ids, dst_ids, args.reps, f"{kind}-{n}")
-                descs = len(block_runs(src_ids, dst_ids)) * layers_per_desc
-                rows.append(dict(setting=args.setting or "env", layout=args.layout, nbytes=n * per_block,
-                                 blocks=n, kind=kind, descs=descs, read_s=read_s, copy_s=copy_s, dev_copy_s=dev_s))
+            for kind in args.kinds.split(","):
+                src_ids, dst_ids = shapes[kind]
+                times = measure(conn, peer, src, src_ids, dst_ids, args.reps, f"{kind}-{n}", staged)
+                descs = 1 if staged else len(block_runs(src_ids, dst_ids)) * layers_per_desc
+                rows.append(dict(setting=args.setting or "env", tag=args.tag, layout=args.layout, nbytes=n * per_block,
+                                 blocks=n, kind=kind, descs=descs, dev_copy_s=dev_s, peer_busy_ms=float(args.peer_busy_ms),
+                                 peer_progress_thread=args.peer_progress_thread,
+                                 peer_progress_interval_ms=float(args.peer_progress_interval_ms), **times))
         conn.shutdown()
     except TransferError as e:
         raise SystemExit(str(e)) from e
     finally:
-        peer.stdin.close()
-        peer.wait(timeout=30)
+        proc.stdin.close()
+        proc.wait(timeout=30)
     sys.stdout = console
     return rows
 
@@ -313,16 +427,22 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     print(f"KV pool: 1 bf16 region, {args.layers} layers, {BLOCK_SIZE}-token blocks of {DIM} values on {where}")
     print(f"GB/s: median (best) of the reps; NIXL: start_load..poll_loads done, between two processes;")
     print(f"copy: the same runs with torch copy_ in one process; dev copy: one contiguous copy_ of the bytes")
-    print(f"{'setting':>12} {'layout':>6} {'MiB':>7} {'blocks':>6} {'blocks as':>10} {'descs':>6} "
-          f"{'NIXL GB/s':>14} {'copy GB/s':>14} {'dev copy':>8} {'NIXL/dev':>8}")
+    print("staged: NIXL = gather + READ + scatter (end to end, each in ms after it); busy: the peer's GPU work per poll (ms)")
+    print(f"{'setting':>12} {'layout':>6} {'busy':>5} {'prog':>4} {'MiB':>7} {'blocks':>6} {'blocks as':>10} {'descs':>6} "
+          f"{'NIXL GB/s':>14} {'copy GB/s':>14} {'dev copy':>8} {'NIXL/dev':>8} {'read ms':>8} {'max ms':>7}  staged ms")
     for r in rows:
-        nbytes = r["nbytes"]
-        nixl, copy = nbytes / statistics.median(r["read_s"]) / 1e9, nbytes / statistics.median(r["copy_s"]) / 1e9
-        nixl_best, copy_best = nbytes / min(r["read_s"]) / 1e9, nbytes / min(r["copy_s"]) / 1e9
+        nbytes, med = r["nbytes"], statistics.median
+        gather, scatter = med(r.get("gather_s") or [0.0]), med(r.get("scatter_s") or [0.0])
+        total = med(r["read_s"]) + gather + scatter
+        nixl, copy = nbytes / total / 1e9, nbytes / med(r["copy_s"]) / 1e9
+        nixl_best, copy_best = nbytes / (min(r["read_s"]) + gather + scatter) / 1e9, nbytes / min(r["copy_s"]) / 1e9
         dev = nbytes / r["dev_copy_s"] / 1e9
         cols = f"{nixl:6.2f} ({nixl_best:5.2f}) {copy:6.2f} ({copy_best:5.2f}) {dev:8.1f} {nixl / dev:8.3f}"
-        print(f"{r['setting']:>12} {r['layout']:>6} {nbytes / MIB:7.1f} {r['blocks']:6d} {r['kind']:>10} "
-              f"{r['descs']:6d} {cols}")
+        times = f"{med(r['read_s']) * 1e3:8.3f} {max(r['read_s']) * 1e3:7.2f}"
+        split = f"  gather {gather * 1e3:.3f} read {med(r['read_s']) * 1e3:.3f} scatter {scatter * 1e3:.3f}" if r.get("gather_s") else ""
+        prog = "nixl" if r.get("peer_progress_thread") else f"{r.get('peer_progress_interval_ms', 0):4.0f}"
+        print(f"{r['setting']:>12} {r['layout']:>6} {r.get('peer_busy_ms', 0):5.0f} {prog:>4} {nbytes / MIB:7.1f} {r['blocks']:6d} "
+              f"{r['kind']:>10} {r['descs']:6d} {cols} {times}{split}")
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@
 #
 #   scripts/pd_gpu_bench.sh OUT_DIR MODEL_DIR
 #
-# Writes OUT_DIR/pd.json, colocated.json, advise.txt and logs.tar.gz (every process's log, from
-# LOGS: /tmp/pd_gpu_bench_logs).
+# Writes OUT_DIR/pd.json, colocated.json, advise.txt and logs.tar.gz (every process's log and each
+# worker's /metrics after its sweep, from LOGS: /tmp/pd_gpu_bench_logs).
 # Settings (environment):
 #   PD_CONFIG (configs/pd-1gpu.yaml)  COLOCATED_CONFIG (configs/colocated-1gpu.yaml)
 #   PD_METRICS ("http://127.0.0.1:30000 http://127.0.0.1:30001")  COLOCATED_METRICS ("http://127.0.0.1:30002")
@@ -58,6 +58,10 @@ run() {  # $1: name, $2: config, $3: worker metrics URLs
         timeout "${BENCH_S:-150}" "$PY" -m pdserve bench --base-url "$ROUTER" --input-len "${INPUT_LEN:-1024}" \
             --output-len "${OUTPUT_LEN:-128}" --concurrency "${CONCURRENCY:-1,8,16,32}" --num-prompts "${NUM_PROMPTS:-4,16,32,64}" \
             --disable-tqdm "${metrics[@]}" --out "$OUT/$name.json" || rc=$?
+        for u in $3; do  # the workers' counters after the sweep (staged transfers, KV seconds, steps)
+            "$PY" -c "import sys, httpx; print(httpx.get(sys.argv[1] + '/metrics', timeout=5).text)" "$u" \
+                >"$LOGS/$name.${u##*:}.metrics.txt" 2>&1
+        done
     else
         rc=1
         tail -n 30 "$LOGS/$name.launch.log"

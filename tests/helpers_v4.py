@@ -54,12 +54,13 @@ def requests(prompts, **kw) -> list[Request]:
 
 
 
-def pd_hand_off(tiny, prompts, prefill_kw, decode_kw) -> tuple[dict, LLMEngine, LLMEngine, FakeConnector]:
+def pd_hand_off(tiny, prompts, prefill_kw, decode_kw, staging=None) -> tuple[dict, LLMEngine, LLMEngine, FakeConnector]:
     """Prefill `prompts` on one engine, hand the KV to another through the fake connector (onto
     other block ids: decode's pool is partly taken) and decode there; (decode's final outputs by
-    request id, prefill engine, decode engine, decode's connector)."""
+    request id, prefill engine, decode engine, decode's connector). staging: both connectors'
+    StagingOptions (None: off, as on CPU by default)."""
     fabric = FakeFabric()
-    conns = [FakeConnector(e, model_id="tiny", fabric=fabric, lease_margin_s=0.0) for e in ("P", "D")]
+    conns = [FakeConnector(e, model_id="tiny", fabric=fabric, lease_margin_s=0.0, staging=staging) for e in ("P", "D")]
     prefill, decode = engine(tiny, conns[0], **prefill_kw), engine(tiny, conns[1], **decode_kw)
     decode.add_request(Request(request_id="other", prompt_token_ids=prompts[-1], params=greedy(3)))
     decode.step()  # decode's pool is partly taken: the request's blocks land on other ids

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from pdserve.disagg.base import KVHandle, PeerMetadata, TransferError, TransferStage
-from pdserve.disagg.factory import ConnectorSettings, make_connector
+from pdserve.disagg.factory import ConnectorSettings, StagingOptions, make_connector
 from pdserve.disagg.fake_connector import FakeConnector, FakeFabric
 from pdserve.disagg.layout import compat_hash
 from pdserve.disagg.lease_table import LeaseTable
@@ -265,11 +265,12 @@ def test_ucx_gpu_defaults_leave_the_users_settings_alone():
 class Peer:
     """tests/transfer_peer.py as a prefill worker process."""
 
-    def __init__(self, dtype: str, seed: int = 0, lease_s: float = 60.0) -> None:
+    def __init__(self, dtype: str, seed: int = 0, lease_s: float = 60.0, staging_mib: int = 0, poll_ms: float = 20.0) -> None:
         self.engine_id = f"prefill-{uuid.uuid4().hex[:8]}"
         self.seed, self.dtype = seed, dtype
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         args = ["--engine-id", self.engine_id, "--dtype", dtype, "--seed", str(seed), "--lease-s", str(lease_s)]
+        args += ["--staging-mib", str(staging_mib), "--poll-ms", str(poll_ms)]
         self.proc = subprocess.Popen(
             [sys.executable, os.path.join(ROOT, "tests", "transfer_peer.py"), *args],
             stdin=subprocess.PIPE,
@@ -328,8 +329,9 @@ def peer(request):
         p.stop()
 
 
-def nixl_decode(dtype: str, model_id: str = "tiny"):
-    settings = ConnectorSettings(model_id=model_id, lease_margin_s=0.5, transfer_timeout_s=5.0)
+def nixl_decode(dtype: str, model_id: str = "tiny", landing_mib: int = 0):
+    staging = StagingOptions(mode="on" if landing_mib else "off", prefill_arena_mib=0, decode_arena_mib=landing_mib)
+    settings = ConnectorSettings(model_id=model_id, lease_margin_s=0.5, transfer_timeout_s=5.0, role="decode", staging=staging)
     conn = make_connector("nixl", f"decode-{uuid.uuid4().hex[:8]}", settings)
     conn.register_kv_cache(make_kv(getattr(torch, dtype), 1, 40))
     return conn
@@ -363,6 +365,52 @@ def test_nixl_read_is_byte_exact_and_notification_releases_the_lease(peer, decod
     assert run_load(decode, peer.prefill("r2", [0]), [1]) is None
     assert_blocks_equal(decode.kv, [1], peer.kv(), [0])
     peer.wait_released("r2")
+
+
+def test_nixl_staged_read_is_one_descriptor_and_falls_back_when_the_landing_arena_is_full():
+    peer = Peer("bfloat16", seed=5, staging_mib=1)
+    decode = nixl_decode("bfloat16", landing_mib=1)
+    try:
+        src_ids, dst_ids = [3, 4, 5, 9, 20, 21], [7, 8, 9, 0, 30, 31]
+        handle = peer.prefill("s1", src_ids)
+        assert handle.staged is not None and handle.staged.nbytes >= 6 * 3 * 4 * (40 + 16) * 2
+        before = {n: t.clone() for n, t in decode.kv.regions.items()}
+        assert run_load(decode, handle, dst_ids, peer=fetch(handle)) is None
+        assert_blocks_equal(decode.kv, dst_ids, peer.kv(), src_ids)
+        untouched = [b for b in range(40) if b not in dst_ids]
+        for name, t in decode.kv.regions.items():
+            assert torch.equal(as_bytes(t[:, untouched]), as_bytes(before[name][:, untouched]))
+        assert decode.stats.descriptors_sum == 1 and decode.stats.staged == {("decode", "staged"): 1}
+        assert decode.stats.bytes_transferred == 6 * 3 * 4 * (40 + 16) * 2 and decode.landing_arena.used_bytes == 0
+        assert peer.wait_released("s1")["staging_used"] == 0
+        # no landing room: the pinned blocks are read one run at a time, as without staging
+        blocker = decode.landing_arena.alloc(decode.landing_arena.capacity - 256)
+        handle = peer.prefill("s2", [10, 1])
+        assert run_load(decode, handle, [2, 3]) is None
+        assert_blocks_equal(decode.kv, [2, 3], peer.kv(), [10, 1])
+        assert decode.stats.staged[("decode", "arena_full")] == 1 and decode.stats.descriptors_sum == 1 + 2 * 6
+        decode.landing_arena.free(blocker)
+        assert peer.wait_released("s2")["staging_used"] == 0
+    finally:
+        decode.shutdown()
+        peer.stop()
+
+
+def test_nixl_reads_complete_while_the_prefill_engine_is_busy():
+    # the peer's engine loop polls every 3 s (a long prefill step); its connector's progress thread
+    # advances its side of the reads: without it a read waits for the next poll (0-3 s)
+    peer = Peer("float32", poll_ms=3000)
+    decode = nixl_decode("float32")
+    try:
+        first = peer.prefill("p0", [1])
+        assert run_load(decode, first, [1], peer=fetch(first)) is None  # connection set up
+        for i in range(3):
+            started = time.monotonic()
+            assert run_load(decode, peer.prefill(f"p{i + 1}", [2, 3]), [4, 5], limit_s=10.0) is None
+            assert time.monotonic() - started < 0.5
+    finally:
+        decode.shutdown()
+        peer.stop()
 
 
 def test_nixl_lease_expiry_releases_without_notification(peer):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.disagg.factory import StagingOptions
 from pdserve.tiny_model import make_tiny_model
 from helpers_v4 import PROMPT_LENS, engine, pd_hand_off, requests, run
 
@@ -32,11 +33,15 @@ def colocated(tiny, prompts):
     return [out[str(i)].outputs[0].token_ids for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("chunked", [False, True])
-def test_pd_hand_off_continues_exactly(tiny, prompts, colocated, chunked):
+@pytest.mark.parametrize("chunked,staged", [(False, False), (True, False), (True, True)])
+def test_pd_hand_off_continues_exactly(tiny, prompts, colocated, chunked, staged):
     kw = dict(kv_block_size=4, max_num_batched_tokens=10) if chunked else {}
-    final, prefill, decode, conn = pd_hand_off(tiny, prompts, kw, dict(kw, num_kv_blocks=300))
+    staging = StagingOptions(mode="on", prefill_arena_mib=4, decode_arena_mib=4) if staged else None
+    final, prefill, decode, conn = pd_hand_off(tiny, prompts, kw, dict(kw, num_kv_blocks=300), staging)
     assert [final[str(i)].outputs[0].token_ids for i in range(len(prompts))] == colocated
+    if staged:  # every request moved as one slab; both arenas empty again
+        assert conn.stats.staged == {("decode", "staged"): len(prompts)} and conn.stats.descriptors_sum == len(prompts)
+        assert conn.landing_arena.used_bytes == 0 and prefill.connector.staging_arena.used_bytes == 0
     # what moved is what the layout says a later step reads: every entry and indexer key, the window's
     # last W-1 positions, the state in the first block; never the window blocks behind the window
     want = [conn.layout.request_bytes(len(p)) for p in prompts]

@@ -5,7 +5,8 @@ metadata at http://127.0.0.1:<free port>/metadata, prints one JSON line {"metada
 then answers JSON-line commands on stdin, one JSON line each on stdout:
 
     {"op": "prefill", "request_id": str, "block_ids": [int], "num_tokens": int} -> {"handle": KVHandle}
-    {"op": "poll"}  -> {"released": [str], "leases": int, "leases_released": int, "lease_expirations": int}
+    {"op": "poll"}  -> {"released": [str], "leases": int, "leases_released": int, "lease_expirations": int,
+                        "staging_used": int (bytes of the staging arena in slabs)}
     {"op": "exit"}  -> {"bye": true}, after shutdown()
 
 All connector calls happen on the main thread; the HTTP thread serves bytes built at registration.
@@ -59,6 +60,7 @@ def serve_metadata(body: bytes) -> ThreadingHTTPServer:
 def main() -> None:
     # nixl's Python logger writes to sys.stdout; keep stdout for the replies only
     replies, sys.stdout = sys.stdout, sys.stderr
+    from pdserve.disagg.factory import StagingOptions
     from pdserve.disagg.nixl_connector import NixlConnector
 
     p = argparse.ArgumentParser()
@@ -68,19 +70,26 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-blocks", type=int, default=32)
     p.add_argument("--lease-s", type=float, default=60.0)
+    p.add_argument("--staging-mib", type=int, default=0, help="a staging arena of this size (0: staging off)")
+    p.add_argument("--poll-ms", type=float, default=20.0, help="the engine loop's poll interval while it holds KV")
+    p.add_argument("--progress-interval-ms", type=float, default=1.0, help="the connector's progress thread (0: none)")
     args = p.parse_args()
 
-    conn = NixlConnector(args.engine_id, model_id=args.model_id, lease_s=args.lease_s, progress_thread=False)  # as a worker runs it
+    staging = StagingOptions(mode="on" if args.staging_mib else "off", prefill_arena_mib=args.staging_mib, decode_arena_mib=0)
+    conn = NixlConnector(
+        args.engine_id, model_id=args.model_id, lease_s=args.lease_s, progress_thread=False, role="prefill", staging=staging,
+        progress_interval_ms=args.progress_interval_ms,
+    )  # as a worker runs it
     conn.register_kv_cache(make_kv(getattr(torch, args.dtype), args.seed, args.num_blocks))
     server = serve_metadata(conn.peer_metadata())
     conn.metadata_url = f"http://127.0.0.1:{server.server_address[1]}/metadata"
 
     # what a prefill worker's engine loop does while it holds KV: poll the connector every 20 ms
-    # (with NIXL's progress thread off, that is what advances the peer's side of a read)
+    # (beside the connector's own progress thread, which advances the peer's side of a read)
     lock, released, stop = threading.Lock(), [], threading.Event()
 
     def poller() -> None:
-        while not stop.wait(0.02):
+        while not stop.wait(args.poll_ms / 1000):
             with lock:
                 released.extend(conn.poll_releases())
 
@@ -102,7 +111,9 @@ def main() -> None:
                 released.extend(conn.poll_releases())
                 done, released[:] = list(released), []
                 s = conn.stats
-                reply({"released": done, "leases": len(conn.leases), "leases_released": s.leases_released, "lease_expirations": s.lease_expirations})
+                used = conn.staging_arena.used_bytes if conn.staging_arena is not None else 0
+                reply({"released": done, "leases": len(conn.leases), "leases_released": s.leases_released,
+                       "lease_expirations": s.lease_expirations, "staging_used": used})  # fmt: skip
         elif cmd["op"] == "exit":
             break
         else:

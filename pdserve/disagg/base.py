@@ -5,13 +5,15 @@ Life of a PD request (decode pulls, as vLLM's NixlConnector does):
     prefill worker                                   decode worker
     --------------                                   -------------
     run prompt, sample first token
-    on_prefill_finished -> KVHandle (blocks pinned)
+    on_prefill_finished -> KVHandle (blocks pinned;
+      + gathered into one staged slab: staging.py)
           |  handle travels router -> decode  |
     peer_metadata() <--HTTP GET handle.metadata_url-- the decode worker (worker/peers.py), before
                                                      the request enters its engine
                                                      check handle.compat_hash
                                                      allocate local blocks
-                                                     start_load(handle, local blocks, peer) [READ]
+                                                     start_load(handle, local blocks, peer) [READ:
+                                                       the slab if both sides have room, else blocks]
                                                      poll_loads -> done | TransferError
           <----------- notify "release <request_id>" ---
     poll_releases -> free blocks
@@ -36,7 +38,17 @@ if TYPE_CHECKING:  # no torch at import: the router reads KVHandle too
     from pdserve.disagg.stats import TransferStats
     from pdserve.model.kv_cache import KVCache
 
-KV_HANDLE_VERSION = 3
+KV_HANDLE_VERSION = 4
+
+
+class StagedSlab(BaseModel):
+    """Where the prefill side gathered a request's blocks (staging.py): bytes [offset, offset +
+    nbytes) of its staging arena, the regions' needed blocks one after another."""
+
+    model_config = ConfigDict(frozen=True)
+
+    offset: int = Field(ge=0)
+    nbytes: int = Field(gt=0)
 
 
 class KVHandle(BaseModel):
@@ -57,6 +69,9 @@ class KVHandle(BaseModel):
     num_tokens: int  # tokens whose KV is in those blocks
     compat_hash: str  # hash over model, dtype, KV layout, block size, pdserve version
     lease_expires_at: float  # prefill's wall clock (time.time()) when it frees the blocks anyway
+    # the same KV gathered into one slab (None: the arena had no room, or staging is off); the
+    # blocks above stay pinned too, so a decode side without landing room reads them instead
+    staged: StagedSlab | None = None
 
 
 class TransferStage(enum.IntEnum):

@@ -14,6 +14,23 @@ from pydantic import BaseModel, ConfigDict, Field
 from pdserve.disagg.base import KVConnector
 
 TransferBackend = Literal["nixl"]
+ConnectorRole = Literal["prefill", "decode", "both"]
+
+
+class StagingOptions(BaseModel):
+    """Staged transfer (staging.py): the prefill side gathers a request's blocks into a slab of its
+    staging arena, the decode side reads it with one descriptor into its landing arena and scatters.
+    A request that finds no room in either arena moves as per-block descriptors (counted)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # auto: on for pools on the GPU (a real request is ~60x fewer descriptors: docs/pd-gpu.md), off on CPU
+    mode: Literal["auto", "on", "off"] = "auto"
+    prefill_arena_mib: int = Field(1024, ge=0)  # a prefill worker's staging arena, on the pool's device
+    decode_arena_mib: int = Field(1024, ge=0)  # a decode worker's landing arena
+
+    def enabled(self, on_gpu: bool) -> bool:
+        return self.mode == "on" or (self.mode == "auto" and on_gpu)
 
 
 class ConnectorSettings(BaseModel):
@@ -26,6 +43,8 @@ class ConnectorSettings(BaseModel):
     lease_s: float = Field(60.0, gt=0)
     transfer_timeout_s: float = Field(30.0, gt=0)
     lease_margin_s: float = Field(1.0, ge=0)
+    role: ConnectorRole = "both"  # which arena it needs: prefill staging, decode landing, or both
+    staging: StagingOptions = Field(default_factory=StagingOptions)
     options: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -35,5 +54,5 @@ def make_connector(backend: TransferBackend, engine_id: str, settings: Connector
     from pdserve.disagg.nixl_connector import NixlConnector, NixlOptions
 
     options = NixlOptions.model_validate(settings.options)
-    common = settings.model_dump(exclude={"options"})
+    common = {k: v for k, v in settings if k != "options"}  # StagingOptions stays a model
     return NixlConnector(engine_id, **common, **options.model_dump())

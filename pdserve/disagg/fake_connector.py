@@ -15,9 +15,11 @@ import time
 from dataclasses import dataclass
 
 from pdserve.disagg.base import KVHandle, PeerMetadata, TransferError, TransferStage
+from pdserve.disagg.factory import ConnectorRole, StagingOptions
 from pdserve.disagg.lease_table import DEFAULT_LEASE_S, release_message
 from pdserve.disagg.layout import KVLayout, Runs
 from pdserve.disagg.leasing_connector import LeasingConnector
+from pdserve.disagg.staging import payload_bytes
 from pdserve.disagg.stats import LoadRecord
 from pdserve.model.kv_cache import KVCache
 
@@ -46,9 +48,11 @@ class _Load:
     handle: KVHandle
     local_block_ids: list[int]
     runs: Runs  # per region: (remote start, local start, count), as NIXL would read them
-    num_descs: int  # what the NIXL connector would post: one per (region, layer, run)
+    num_descs: int  # what the NIXL connector would post: one per (region, layer, run), 1 for a slab
     started: float  # monotonic
     deadline: float  # monotonic
+    landing: int | None = None  # a staged read: the slab's room in the landing arena
+    local_blocks: dict[str, list[int]] | None = None
 
 
 class FakeConnector(LeasingConnector):
@@ -63,10 +67,13 @@ class FakeConnector(LeasingConnector):
         lease_margin_s: float = 1.0,
         version: str | None = None,
         fabric: FakeFabric | None = None,
+        role: ConnectorRole = "both",
+        staging: StagingOptions | None = None,
     ) -> None:
         super().__init__(
             engine_id, model_id=model_id, metadata_url=metadata_url, lease_s=lease_s,
             transfer_timeout_s=transfer_timeout_s, lease_margin_s=lease_margin_s, version=version,
+            role=role, staging=staging,
         )  # fmt: skip
         self.fabric = DEFAULT_FABRIC if fabric is None else fabric
         self.hold_loads = False
@@ -108,10 +115,12 @@ class FakeConnector(LeasingConnector):
             self._fail_now(handle.request_id, TransferStage.HANDSHAKE, f"engine {handle.engine_id} is not reachable")
         return remote, remote.layout
 
-    def _post(self, handle: KVHandle, remote: FakeConnector, local_block_ids: list[int], runs: Runs) -> _Load:
+    def _post(self, handle: KVHandle, remote: FakeConnector, local_block_ids: list[int], runs: Runs, local_blocks: dict[str, list[int]]) -> _Load:
         now = time.monotonic()
-        num_descs = sum(len(runs[r.name]) * r.num_layers for r in self.layout.regions)
-        return _Load(handle, local_block_ids, runs, num_descs, now, now + self.transfer_timeout_s)
+        arena = remote.staging_arena
+        landing = self._take_landing(handle, local_blocks, arena.capacity if arena is not None else 0)
+        num_descs = 1 if landing is not None else sum(len(runs[r.name]) * r.num_layers for r in self.layout.regions)
+        return _Load(handle, local_block_ids, runs, num_descs, now, now + self.transfer_timeout_s, landing, local_blocks)
 
     def poll_loads(self) -> tuple[list[str], list[TransferError]]:
         done = []
@@ -128,8 +137,13 @@ class FakeConnector(LeasingConnector):
                 if time.monotonic() > load.deadline:
                     self._fail_load(rid, TransferStage.READING, f"no completion within {self.transfer_timeout_s} s")
                 continue
-            nbytes = self._copy(peer, load)
             del self._loads[rid]
+            try:
+                nbytes = self._copy(peer, load)
+            except Exception as e:  # as the NIXL connector: a failed scatter fails the request
+                self.stats.record_failed(TransferStage.READING.name)
+                self._failed.append(TransferError(rid, TransferStage.READING, f"scattering the slab: {type(e).__name__}: {e}"))
+                continue
             peer._inbox.append(release_message(rid))
             self.stats.record_done(LoadRecord(rid, nbytes, load.started, time.monotonic() - load.started, load.num_descs))
             done.append(rid)
@@ -139,6 +153,7 @@ class FakeConnector(LeasingConnector):
     def cancel_load(self, request_id: str) -> None:
         load = self._loads.pop(request_id, None)
         if load is not None:
+            self._drop_landing(load.landing)
             self._notify(load.handle.engine_id, request_id)
 
     def shutdown(self) -> None:
@@ -149,6 +164,12 @@ class FakeConnector(LeasingConnector):
 
     # -- helpers --
     def _copy(self, peer: FakeConnector, load: _Load) -> int:
+        if load.landing is not None:  # the slab's bytes, as one descriptor would move them, then scattered
+            slab = load.handle.staged
+            room = self.landing_arena.slab(load.landing, slab.nbytes)
+            room.copy_(peer.staging_arena.slab(slab.offset, slab.nbytes).to(room.device))
+            self._land(load.landing, slab.nbytes, load.local_blocks)
+            return payload_bytes(self.layout, load.local_blocks)
         # src/dst: [Lr, N, rpb, dim] per region; each run is a slice of the block axis on both sides
         nbytes = 0
         for r in self.layout.regions:
@@ -165,6 +186,7 @@ class FakeConnector(LeasingConnector):
 
     def _fail_load(self, rid: str, stage: TransferStage, reason: str) -> None:
         load = self._loads.pop(rid)
+        self._drop_landing(load.landing)
         self._notify(load.handle.engine_id, rid)
         self.stats.record_failed(stage.name)
         self._failed.append(TransferError(rid, stage, reason))

@@ -180,32 +180,23 @@ def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, i
 Runs = dict[str, list[tuple[int, int, int]]]  # region name -> (src_start, dst_start, count) runs
 
 
-def region_runs(
-    layout: KVLayout,
-    src_ids: list[int],
-    dst_ids: list[int],
-    num_tokens: int,
-    src_window: list[int] | None = None,
-    dst_window: list[int] | None = None,
-    state_slots: tuple[int, int] = (-1, -1),
-) -> Runs:
-    """block_runs of each region over the blocks a later step reads there (see needed_blocks);
-    window regions pair the two sides' window tables (src_window, dst_window) at those indices,
-    state regions the two sides' state slots (prefill's, decode's)."""
-    if len(src_ids) != len(dst_ids):
-        raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
+def region_blocks(
+    layout: KVLayout, block_ids: list[int], num_tokens: int, window: list[int] | None = None, state_slot: int = -1, side: str = "prefill"
+) -> dict[str, list[int]]:
+    """One side's block ids, per region, of the blocks a later step reads there (needed_blocks), in
+    sequence order: token regions from block_ids, window regions from that side's window table at
+    the same indices, state regions its state slot. What a staged slab holds (staging.py)."""
     out = {}
     for r in layout.regions:
-        idx = r.needed_blocks(len(src_ids), num_tokens)
+        idx = r.needed_blocks(len(block_ids), num_tokens)
         if r.space == TOKENS:
-            out[r.name] = block_runs([src_ids[i] for i in idx], [dst_ids[i] for i in idx])
+            out[r.name] = [block_ids[i] for i in idx]
         elif r.space == WINDOW:
-            src, dst = [_window_id(src_window, i, "prefill") for i in idx], [_window_id(dst_window, i, "decode") for i in idx]
-            out[r.name] = block_runs(src, dst)
+            out[r.name] = [_window_id(window, i, side) for i in idx]
         elif len(idx):
-            if min(state_slots) < 0:
-                raise ValueError(f"region {r.name!r} holds per-sequence state but a side has no state slot {state_slots}")
-            out[r.name] = [(state_slots[0], state_slots[1], 1)]
+            if state_slot < 0:
+                raise ValueError(f"region {r.name!r} holds per-sequence state but {side} has no state slot")
+            out[r.name] = [state_slot]
         else:
             out[r.name] = []
     return out
@@ -228,7 +219,7 @@ def build_descriptors(
 ) -> list[Descriptor]:
     """One descriptor per (region, layer, run), in that order, for one side of a transfer.
 
-    runs: per region (region_runs), or one list for every region. side: 0 for the run's source
+    runs: per region (block_runs of both sides' region_blocks), or one list for every region. side: 0 for the run's source
     block ids (the prefill pool), 1 for its destination (decode). Both sides built from the same
     runs have equal lengths entry by entry."""
     descs: list[Descriptor] = []

@@ -6,12 +6,19 @@ messages, so both derive from LeasingConnector and fill in three hooks:
 
     _registered(kv_cache)              the pool is known: register it with the transport
     _connect(handle, peer) -> (remote, its KVLayout)   the prefill engine the handle names, ready to read from
-    _post(handle, remote, local_block_ids, runs) -> load    start the read; kept in self._loads
-                                       (runs: per region, over the blocks that region needs)
+    _post(handle, remote, local_block_ids, runs, local_blocks) -> load    start the read; kept in
+                                       self._loads (runs: per region, over the blocks that region
+                                       needs; local_blocks: those blocks on this side, per region)
+
+Staged transfer (staging.py) is shared too: register_kv_cache makes the arenas its role needs,
+on_prefill_finished gathers into a slab of the staging arena (freed with the lease: release,
+decode's message or expiry), and a backend's _post asks _take_landing for room to READ the slab
+into, then _land scatters it (or _drop_landing frees it on a failed or cancelled load).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from abc import abstractmethod
@@ -19,11 +26,15 @@ from collections.abc import Iterable
 from typing import Any, NoReturn
 
 from pdserve import __version__
-from pdserve.disagg.base import KVConnector, KVHandle, PeerMetadata, TransferError, TransferStage
-from pdserve.disagg.layout import KVLayout, Runs, check_block_ids, compat_hash, region_runs
+from pdserve.disagg.base import KVConnector, KVHandle, PeerMetadata, StagedSlab, TransferError, TransferStage
+from pdserve.disagg.factory import ConnectorRole, StagingOptions
+from pdserve.disagg.layout import KVLayout, Runs, block_runs, check_block_ids, compat_hash, region_blocks
 from pdserve.disagg.lease_table import LeaseTable, parse_release
+from pdserve.disagg.staging import MIB, StagingArena, gather, scatter, slab_parts, synchronize
 from pdserve.disagg.stats import TransferStats
 from pdserve.model.kv_cache import KVCache
+
+log = logging.getLogger("pdserve.disagg")
 
 
 class LeasingConnector(KVConnector):
@@ -37,9 +48,12 @@ class LeasingConnector(KVConnector):
         transfer_timeout_s: float,
         lease_margin_s: float,
         version: str | None,
+        role: ConnectorRole = "both",
+        staging: StagingOptions | None = None,
     ) -> None:
         """metadata_url: where this worker serves its transfer metadata (goes into handles).
-        lease_margin_s: a handle whose lease ends sooner than this is refused (clock skew, read time)."""
+        lease_margin_s: a handle whose lease ends sooner than this is refused (clock skew, read time).
+        role, staging: which staged-transfer arenas register_kv_cache makes, and their sizes."""
         self.engine_id = engine_id
         self.instance_id = uuid.uuid4().hex[:16]  # tells a restarted engine of the same id apart
         self.model_id = model_id
@@ -54,6 +68,11 @@ class LeasingConnector(KVConnector):
         self.compat_hash = ""  # set when the pool is registered
         self._loads: dict[str, Any] = {}  # request id -> the backend's in-flight load
         self._failed: list[TransferError] = []
+        self.role = role
+        self.staging = staging or StagingOptions()
+        self.staging_arena: StagingArena | None = None  # prefill: gathered slabs, read by decode
+        self.landing_arena: StagingArena | None = None  # decode: slabs read from prefill, then scattered
+        self._slabs: dict[str, int] = {}  # request id -> its slab's offset in the staging arena
 
     # -- registration --
     def register_kv_cache(self, kv_cache: KVCache) -> None:
@@ -62,7 +81,18 @@ class LeasingConnector(KVConnector):
         self.kv = kv_cache
         self.layout = KVLayout.from_kv_cache(kv_cache)
         self.compat_hash = compat_hash(self.model_id, kv_cache.dtype, self.layout, kv_cache.block_size, self.version)
+        first = next(iter(kv_cache.regions.values()))
+        if self.staging.enabled(first.is_cuda):
+            s = self.staging
+            if self.role != "decode" and s.prefill_arena_mib > 0:
+                self.staging_arena = StagingArena(s.prefill_arena_mib * MIB, first.device)
+            if self.role != "prefill" and s.decode_arena_mib > 0:
+                self.landing_arena = StagingArena(s.decode_arena_mib * MIB, first.device)
         self._registered(kv_cache)
+
+    def arenas(self) -> list[StagingArena]:
+        """The staging arenas this worker made (registered with the transport beside the pool)."""
+        return [a for a in (self.staging_arena, self.landing_arena) if a is not None]
 
     # -- prefill side --
     def on_prefill_finished(
@@ -70,6 +100,7 @@ class LeasingConnector(KVConnector):
     ) -> KVHandle:
         window = list(window_block_ids or [])
         lease_s = self.leases.add(request_id, block_ids)
+        staged = self._stage(request_id, list(block_ids), num_tokens, window, state_slot)
         return KVHandle(
             request_id=request_id,
             engine_id=self.engine_id,
@@ -81,9 +112,39 @@ class LeasingConnector(KVConnector):
             num_tokens=num_tokens,
             compat_hash=self.compat_hash,
             lease_expires_at=time.time() + lease_s,
+            staged=staged,
         )
 
+    def _stage(self, rid: str, block_ids: list[int], num_tokens: int, window: list[int], state_slot: int) -> StagedSlab | None:
+        """Gather the request's needed blocks into a slab of the staging arena; None without room."""
+        arena = self.staging_arena
+        if arena is None:
+            return None
+        try:
+            blocks = region_blocks(self.layout, block_ids, num_tokens, window, state_slot)
+        except ValueError as e:  # the decode side names the same problem when it reads the blocks
+            log.warning("request %s not staged: %s", rid, e)
+            return None
+        _, nbytes = slab_parts(self.layout, {k: len(v) for k, v in blocks.items()})
+        offset = arena.alloc(nbytes) if nbytes > 0 else None
+        if offset is None:
+            self.stats.record_staged("prefill", "arena_full")
+            return None
+        t0 = time.monotonic()
+        slab = arena.slab(offset, nbytes)
+        gather(self.kv.regions, self.layout, blocks, slab)
+        synchronize(slab)  # whole before the handle (and so a READ) can leave
+        self._slabs[rid] = offset
+        self.stats.record_staged("prefill", "staged", time.monotonic() - t0)
+        return StagedSlab(offset=offset, nbytes=nbytes)
+
+    def _free_slab(self, request_id: str) -> None:
+        offset = self._slabs.pop(request_id, None)
+        if offset is not None:
+            self.staging_arena.free(offset)
+
     def release(self, request_id: str) -> None:
+        self._free_slab(request_id)
         if self.leases.release(request_id) is not None:
             self.stats.leases_released += 1
 
@@ -97,6 +158,8 @@ class LeasingConnector(KVConnector):
                 released.append(rid)
         expired = self.leases.expired()
         self.stats.lease_expirations += len(expired)
+        for rid in released + expired:
+            self._free_slab(rid)
         return released + expired
 
     # -- decode side --
@@ -127,13 +190,49 @@ class LeasingConnector(KVConnector):
             check_block_ids([b for b in local_window if b >= 0], self.layout.num_window_blocks, "decode window")
             check_block_ids([handle.state_slot] if handle.state_slot >= 0 else [], remote_layout.num_state_slots, "prefill state")
             check_block_ids([local_state_slot] if local_state_slot >= 0 else [], self.layout.num_state_slots, "decode state")
-            runs = region_runs(
-                self.layout, handle.block_ids, local_block_ids, handle.num_tokens, handle.window_block_ids, local_window,
-                (handle.state_slot, local_state_slot),
-            )
+            if len(handle.block_ids) != len(local_block_ids):
+                raise ValueError(f"{len(handle.block_ids)} source blocks but {len(local_block_ids)} destination blocks")
+            src = region_blocks(self.layout, handle.block_ids, handle.num_tokens, handle.window_block_ids, handle.state_slot, "prefill")
+            dst = region_blocks(self.layout, list(local_block_ids), handle.num_tokens, local_window, local_state_slot, "decode")
         except ValueError as e:
             self._fail_now(rid, TransferStage.PENDING, str(e))
-        self._loads[rid] = self._post(handle, remote, list(local_block_ids), runs)
+        runs = {name: block_runs(src[name], dst[name]) for name in src}
+        self._loads[rid] = self._post(handle, remote, list(local_block_ids), runs, dst)
+
+    # -- decode side, staged --
+    def _take_landing(self, handle: KVHandle, local_blocks: dict[str, list[int]], remote_arena_bytes: int) -> int | None:
+        """Room in the landing arena for handle's slab (in the peer's staging arena of
+        remote_arena_bytes), or None: read the blocks one by one instead."""
+        if self.landing_arena is None:
+            return None
+        slab = handle.staged
+        if slab is None or slab.offset + slab.nbytes > remote_arena_bytes:
+            self.stats.record_staged("decode", "not_staged")
+            return None
+        _, nbytes = slab_parts(self.layout, {k: len(v) for k, v in local_blocks.items()})
+        if nbytes != handle.staged.nbytes:  # same layout signature, same counts: never expected
+            log.warning("request %s: slab of %d bytes, %d expected; reading its blocks", handle.request_id, handle.staged.nbytes, nbytes)
+            self.stats.record_staged("decode", "not_staged")
+            return None
+        offset = self.landing_arena.alloc(nbytes)
+        if offset is None:
+            self.stats.record_staged("decode", "arena_full")
+        return offset
+
+    def _land(self, offset: int, nbytes: int, local_blocks: dict[str, list[int]]) -> None:
+        """Scatter a slab that has arrived into the pool's blocks, then free its landing room."""
+        t0 = time.monotonic()
+        slab = self.landing_arena.slab(offset, nbytes)
+        try:
+            scatter(slab, self.layout, local_blocks, self.kv.regions)
+            synchronize(slab)  # the room may be read into again at once
+        finally:
+            self.landing_arena.free(offset)
+        self.stats.record_staged("decode", "staged", time.monotonic() - t0)
+
+    def _drop_landing(self, offset: int | None) -> None:
+        if offset is not None:
+            self.landing_arena.free(offset)
 
     # -- backend hooks --
     @abstractmethod
@@ -145,8 +244,9 @@ class LeasingConnector(KVConnector):
         """(the remote engine, its pool's layout); raises TransferError (HANDSHAKE)."""
 
     @abstractmethod
-    def _post(self, handle: KVHandle, remote: Any, local_block_ids: list[int], runs: Runs) -> Any:
-        """Start reading `runs` (per region: remote start, local start, length) from remote; the load record."""
+    def _post(self, handle: KVHandle, remote: Any, local_block_ids: list[int], runs: Runs, local_blocks: dict[str, list[int]]) -> Any:
+        """Start reading `runs` (per region: remote start, local start, length) from remote, or its
+        staged slab into landing room (_take_landing) to be scattered into local_blocks; the load record."""
 
     # -- helpers --
     def _mismatch(self, engine_id: str, theirs: str) -> str:

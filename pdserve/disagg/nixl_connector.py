@@ -6,14 +6,22 @@
                                                         start_load(handle, blocks, peer): the shared
                                                           checks (leasing_connector.py), then
                                                           add_remote_agent once per engine instance
-    on_prefill_finished: lease(blocks)                    descriptors per (region, layer, run)
+    on_prefill_finished: lease(blocks),                   staged slab + landing room: 1 descriptor,
+      gather into a slab of the staging arena             else one per (region, layer, run)
                                                           initialize_xfer(READ, notif "release:<id>")
     poll_releases: get_new_notifs  <--UCX notif--       poll_loads: check_xfer_state until DONE,
-                   + expired leases                       ERR, or the transfer timeout
+                   + expired leases (slabs freed)         ERR, or the transfer timeout; a slab is
+                                                          scattered into the blocks, its room freed
 
 Every NIXL failure becomes a TransferError naming the request, the stage and the reason. On CPU,
 UCX picks cma for data and tcp for messages; no UCX variables are needed. Over cma a large READ
 completes inside transfer() (seen from ~1 MiB up), so start_load then costs the copy itself.
+
+A decode READ completes only while the prefill side's UCX progresses too (measured: with the
+prefill side progressing only when its engine polls - every 20 ms while it holds KV, never during
+a step - a 1 MiB read took 20-30 ms; with a 1 ms poll, 1.1 ms). A prefill worker therefore runs a
+small thread (`progress_interval_ms`) that progresses UCX and collects release messages, which
+poll_releases then reads; NIXL's own progress thread does the same but busy-polls a core.
 
 A pool on the GPU gets UCX defaults before the agent (and UCX) is created: `UCX_GPU_DEFAULTS`
 (cuda_ipc GET zero-copy: without it UCX reads VRAM over tcp at 0.5 GB/s) and `UCX_MODULE_DIR` set
@@ -27,22 +35,25 @@ import base64
 import importlib.util
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pdserve.disagg.base import KVHandle, PeerMetadata, TransferError, TransferStage
-from pdserve.disagg.layout import KVLayout, Runs, build_descriptors, device_id, region_addrs
+from pdserve.disagg.factory import ConnectorRole, StagingOptions
+from pdserve.disagg.layout import Descriptor, KVLayout, Runs, build_descriptors, device_id, region_addrs
 from pdserve.disagg.lease_table import DEFAULT_LEASE_S, release_message
 from pdserve.disagg.leasing_connector import LeasingConnector
+from pdserve.disagg.staging import payload_bytes
 from pdserve.disagg.stats import LoadRecord
 from pdserve.model.kv_cache import KVCache
 
 log = logging.getLogger("pdserve.disagg.nixl")
 
-PEER_INFO_VERSION = 2
+PEER_INFO_VERSION = 3
 
 # set for a pool on the GPU unless the environment sets them (H200, 2026-12-03: 0.5 GB/s without)
 UCX_GPU_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
@@ -95,6 +106,9 @@ class NixlOptions(BaseModel):
     # core per idle worker. Off (default), transfers advance when the engine loop polls them, which
     # it does every millisecond while a load is in flight and every 20 ms while prefill holds KV.
     progress_thread: bool = False
+    # prefill workers without it: a thread progresses UCX (and collects release messages) this
+    # often, so decode's READs complete during prefill's steps too; 0: only when the engine polls
+    progress_interval_ms: float = Field(1.0, ge=0)
     # a pool on the GPU: set UCX_GPU_DEFAULTS and UCX_MODULE_DIR where the environment does not
     ucx_gpu_defaults: bool = True
 
@@ -110,6 +124,8 @@ class NixlPeerInfo(BaseModel):
     region_addrs: dict[str, int]  # region name -> base address in the peer's address space
     mem_type: str  # "DRAM" | "VRAM"
     dev_id: int
+    staging_addr: int = 0  # its staging arena (KVHandle.staged offsets are into it); 0 bytes: none
+    staging_bytes: int = 0
     agent_metadata: str  # base64 of nixl_agent.get_agent_metadata()
 
 
@@ -136,6 +152,8 @@ class _Load:
     deadline: float  # monotonic
     nbytes: int
     num_descs: int
+    landing: int | None = None  # offset of the slab's room in the landing arena (a staged read)
+    local_blocks: dict[str, list[int]] | None = None  # where a staged slab is scattered to
     finished_at: float | None = None  # wall clock when the READ was seen complete
     seconds: float = 0.0  # post to completion
 
@@ -156,12 +174,17 @@ class NixlConnector(LeasingConnector):
         lease_margin_s: float = 1.0,
         version: str | None = None,
         progress_thread: bool = True,
+        progress_interval_ms: float = 1.0,
         ucx_gpu_defaults: bool = True,
+        role: ConnectorRole = "both",
+        staging: StagingOptions | None = None,
     ) -> None:
         """See LeasingConnector for the common arguments.
         progress_thread: NIXL's own UCX progress thread; without it transfers advance only inside
         poll_loads / poll_releases calls, so a peer must poll while it holds KV (as the engine
         loop does). Workers take NixlOptions' default (off); on here for a caller that never polls.
+        progress_interval_ms: a prefill-role connector without the progress thread progresses UCX
+        from a thread of its own this often (0: never).
         ucx_gpu_defaults: for a pool on the GPU, set the UCX defaults above (unless set already).
         The NIXL agent is created by register_kv_cache, once the pool's device is known."""
         if importlib.util.find_spec("nixl") is None:
@@ -169,6 +192,7 @@ class NixlConnector(LeasingConnector):
         super().__init__(
             engine_id, model_id=model_id, metadata_url=metadata_url, lease_s=lease_s,
             transfer_timeout_s=transfer_timeout_s, lease_margin_s=lease_margin_s, version=version,
+            role=role, staging=staging,
         )  # fmt: skip
         self._progress_thread, self._ucx_gpu_defaults = progress_thread, ucx_gpu_defaults
         self.agent = None
@@ -176,7 +200,12 @@ class NixlConnector(LeasingConnector):
         self._reg = None
         self._metadata = b""
         self._peers: dict[str, _Peer] = {}
-        self._zombies: list[object] = []  # xfer handles NIXL could not cancel yet
+        self._progress_interval_s = progress_interval_ms / 1000
+        self._agent_lock = threading.Lock()  # the progress thread and poll_releases share the agent
+        self._inbox: list[bytes] = []  # release messages the progress thread collected
+        self._stop = threading.Event()
+        self._progress: threading.Thread | None = None
+        self._zombies: list[tuple[object, int | None]] = []  # xfer handles NIXL could not cancel yet, their landing room
 
     # -- registration --
     def _make_agent(self) -> None:
@@ -201,7 +230,8 @@ class NixlConnector(LeasingConnector):
         first = next(iter(kv_cache.regions.values()))
         self.mem_type = "DRAM" if first.device.type == "cpu" else "VRAM"
         self._make_agent()
-        self._reg = self.agent.register_memory(list(kv_cache.regions.values()))
+        self._reg = self.agent.register_memory(list(kv_cache.regions.values()) + [a.buffer for a in self.arenas()])
+        staging = self.staging_arena
         info = NixlPeerInfo(
             engine_id=self.engine_id,
             instance_id=self.instance_id,
@@ -210,10 +240,22 @@ class NixlConnector(LeasingConnector):
             region_addrs=self._addrs,
             mem_type=self.mem_type,
             dev_id=self._dev_id,
+            staging_addr=staging.addr if staging is not None else 0,
+            staging_bytes=staging.capacity if staging is not None else 0,
             agent_metadata=base64.b64encode(self.agent.get_agent_metadata()).decode(),
         )
         # built once: the HTTP server thread serves these bytes without touching the agent
         self._metadata = info.model_dump_json().encode()
+        if self.role == "prefill" and not self._progress_thread and self._progress_interval_s > 0:
+            self._progress = threading.Thread(target=self._progress_loop, name="nixl-progress", daemon=True)
+            self._progress.start()
+
+    def _progress_loop(self) -> None:
+        """Prefill side: progress UCX (peers' READs of our memory) and keep what notifications arrive."""
+        while not self._stop.wait(self._progress_interval_s):
+            with self._agent_lock:
+                notifs = self.agent.get_new_notifs()
+                self._inbox.extend(msg for msgs in notifs.values() for msg in msgs)
 
     def peer_metadata(self) -> bytes:
         """This worker's NixlPeerInfo as JSON bytes, for its HTTP server to serve at metadata_url."""
@@ -223,8 +265,12 @@ class NixlConnector(LeasingConnector):
 
     # -- prefill side --
     def poll_releases(self) -> list[str]:
-        notifs = self.agent.get_new_notifs() if self.agent is not None else {}
-        return self._released(msg for msgs in notifs.values() for msg in msgs)
+        if self.agent is None:
+            return self._released([])
+        with self._agent_lock:
+            notifs = self.agent.get_new_notifs()
+            inbox, self._inbox = self._inbox, []
+        return self._released(inbox + [msg for msgs in notifs.values() for msg in msgs])
 
     # -- decode side --
     def add_peer(self, metadata: bytes, engine_id: str | None = None, instance_id: str | None = None) -> NixlPeerInfo:
@@ -269,7 +315,7 @@ class NixlConnector(LeasingConnector):
         peer_ = self._peers[handle.engine_id]
         return peer_, peer_.info.layout
 
-    def _post(self, handle: KVHandle, peer: _Peer, local_block_ids: list[int], runs: Runs) -> _Load:
+    def _post(self, handle: KVHandle, peer: _Peer, local_block_ids: list[int], runs: Runs, local_blocks: dict[str, list[int]]) -> _Load:
         """Build both descriptor lists and post the READ; NIXL sends the release notif when it is done."""
         rid, info = handle.request_id, peer.info
         if not any(runs.values()):  # nothing to read: let prefill free its lease now
@@ -277,8 +323,14 @@ class NixlConnector(LeasingConnector):
             load = _Load(handle, peer.agent_name, None, time.monotonic(), 0.0, 0, 0)
             load.finish()
             return load
-        remote = build_descriptors(info.layout, info.region_addrs, info.dev_id, runs, 0)
-        local = build_descriptors(self.layout, self._addrs, self._dev_id, runs, 1)
+        slab = handle.staged
+        landing = self._take_landing(handle, local_blocks, info.staging_bytes)
+        if landing is not None:  # the slab, one descriptor each side
+            remote: list[Descriptor] = [(info.staging_addr + slab.offset, slab.nbytes, info.dev_id)]
+            local: list[Descriptor] = [(self.landing_arena.addr + landing, slab.nbytes, self._dev_id)]
+        else:
+            remote = build_descriptors(info.layout, info.region_addrs, info.dev_id, runs, 0)
+            local = build_descriptors(self.layout, self._addrs, self._dev_id, runs, 1)
         started = time.monotonic()
         xfer = None
         try:
@@ -291,14 +343,14 @@ class NixlConnector(LeasingConnector):
             )
             state = self.agent.transfer(xfer)
         except Exception as e:  # NIXL raises one unrelated class per status code
-            self._release_xfer(xfer)  # a handle made before transfer() raised is ours to free
+            self._release_xfer(xfer, landing)  # a handle made before transfer() raised is ours to free
             self._drop_peer_if_gone(peer, e)
             self._fail_now(rid, TransferStage.READING, f"posting the READ from {info.engine_id}: {_nixl_reason(e)}")
         if state == "ERR":
-            self._release_xfer(xfer)
+            self._release_xfer(xfer, landing)
             self._fail_now(rid, TransferStage.READING, f"NIXL refused the READ from {info.engine_id} (state ERR)")
-        nbytes = sum(d[1] for d in local)
-        load = _Load(handle, peer.agent_name, xfer, started, started + self.transfer_timeout_s, nbytes, len(local))
+        nbytes = payload_bytes(self.layout, local_blocks) if landing is not None else sum(d[1] for d in local)
+        load = _Load(handle, peer.agent_name, xfer, started, started + self.transfer_timeout_s, nbytes, len(local), landing, local_blocks)
         if state == "DONE":  # large reads over cma complete inside transfer()
             load.finish()
         return load
@@ -319,6 +371,14 @@ class NixlConnector(LeasingConnector):
                 continue
             del self._loads[rid]
             self._release_xfer(load.xfer)
+            if load.landing is not None:  # the slab has arrived: into the pool's blocks
+                try:
+                    self._land(load.landing, load.handle.staged.nbytes, load.local_blocks)
+                except Exception as e:  # the blocks are not whole: fail the request, not the engine
+                    self.stats.record_failed(TransferStage.READING.name)
+                    self._failed.append(TransferError(rid, TransferStage.READING, f"scattering the slab: {_nixl_reason(e)}"))
+                    continue
+                load.seconds = time.monotonic() - load.started
             self.stats.record_done(LoadRecord(rid, load.nbytes, load.started, load.seconds, load.num_descs))
             done.append(rid)
         failed, self._failed = self._failed, []
@@ -346,12 +406,16 @@ class NixlConnector(LeasingConnector):
     def cancel_load(self, request_id: str) -> None:
         load = self._loads.pop(request_id, None)
         if load is not None:
-            self._release_xfer(load.xfer)
+            self._release_xfer(load.xfer, load.landing)
             self._notify(load.agent_name, request_id)
 
     def shutdown(self) -> None:
         if self.agent is None:  # never registered
             return
+        self._stop.set()
+        if self._progress is not None:
+            self._progress.join()
+            self._progress = None
         for rid in list(self._loads):
             self.cancel_load(rid)
         self._retry_zombies()
@@ -364,7 +428,7 @@ class NixlConnector(LeasingConnector):
     # -- helpers --
     def _fail_load(self, rid: str, stage: TransferStage, reason: str) -> None:
         load = self._loads.pop(rid)
-        self._release_xfer(load.xfer)
+        self._release_xfer(load.xfer, load.landing)
         if load.handle.engine_id in self._peers:
             self._notify(load.agent_name, rid)  # let prefill free its blocks now, not at lease expiry
         self.stats.record_failed(stage.name)
@@ -377,18 +441,20 @@ class NixlConnector(LeasingConnector):
             self.stats.record_control_failure("notify")
             log.warning("release notification for %s to %s failed: %s", rid, agent_name, _nixl_reason(e))
 
-    def _release_xfer(self, xfer: object) -> None:
-        if xfer is None:
-            return
-        try:
-            xfer.release()  # cancels the transfer if it is still active
-        except Exception:
-            self._zombies.append(xfer)
+    def _release_xfer(self, xfer: object, landing: int | None = None) -> None:
+        """Free a transfer handle, then its landing room (never while NIXL may still write into it)."""
+        if xfer is not None:
+            try:
+                xfer.release()  # cancels the transfer if it is still active
+            except Exception:
+                self._zombies.append((xfer, landing))
+                return
+        self._drop_landing(landing)
 
     def _retry_zombies(self) -> None:
         zombies, self._zombies = self._zombies, []
-        for xfer in zombies:
-            self._release_xfer(xfer)
+        for xfer, landing in zombies:
+            self._release_xfer(xfer, landing)
 
     def _drop_peer_if_gone(self, peer: _Peer, e: Exception) -> None:
         if _is_disconnect(e):

@@ -35,6 +35,10 @@ class TransferStats:
     leases_released: int = 0  # by a decode notification or an explicit release
     lease_expirations: int = 0
     control_failures: dict[str, int] = field(default_factory=dict)  # notify / drop_peer calls that raised
+    # staged transfer (staging.py), by (side, result): prefill gathers ("staged" | "arena_full"),
+    # decode reads ("staged" | "arena_full": no landing room | "not_staged": the handle has no slab)
+    staged: dict[tuple[str, str], int] = field(default_factory=dict)
+    stage_seconds_sum: float = 0.0  # prefill: gathers, decode: scatters (device time, synchronized)
 
     def record_done(self, load: LoadRecord) -> None:
         self.bytes_transferred += load.nbytes
@@ -50,6 +54,11 @@ class TransferStats:
     def record_failed(self, stage_name: str) -> None:
         self.transfers_failed += 1
         self.failures_by_stage[stage_name] = self.failures_by_stage.get(stage_name, 0) + 1
+
+    def record_staged(self, side: str, result: str, seconds: float = 0.0) -> None:
+        key = (side, result)
+        self.staged[key] = self.staged.get(key, 0) + 1
+        self.stage_seconds_sum += seconds
 
     def record_control_failure(self, what: str) -> None:
         self.control_failures[what] = self.control_failures.get(what, 0) + 1

@@ -77,6 +77,8 @@ def _connector(cfg: WorkerServeConfig) -> KVConnector:
         metadata_url=f"{w.advertised_url()}/internal/kv_metadata",
         lease_s=w.lease_seconds,
         transfer_timeout_s=t.timeout,
+        role=cfg.role,
+        staging=t.staging,
         options=t.options,
     )
     return make_connector(t.backend, cfg.engine_id, settings)
