@@ -62,6 +62,7 @@ class Fp8GemmConfig:
     fp8_act: bool = False  # quantize x per 128 values and dot in e4m3 (bf16 / fp16 x only)
     split_k: bool = True  # split K when the output tiles alone are fewer than the multiprocessors
     waves: int = 2  # programs aimed for per multiprocessor when splitting K
+    dequant: bool = False  # large M: dequantize the weight to x's dtype, then a torch (cuBLAS) matmul
 
 
 @dataclass(frozen=True)
@@ -126,9 +127,10 @@ MOE_FP8 = {
 }
 
 # block-scaled FP8 GEMM (dense projections): keyed by capability, then by M (rows of x) bucket.
-# Small M is memory-bound: thin BM, K split over the multiprocessors, the weight read once.
+# Small M is memory-bound: thin BM, K split over the multiprocessors, the weight read once. BN is
+# the MMA's M side (the kernel swaps operands): 64 rows a warpgroup.
 FP8_GEMM = {
-    90: {16: Fp8GemmConfig(16, 64, 128, 4, 4), 64: Fp8GemmConfig(64, 64, 128, 4, 4),
+    90: {16: Fp8GemmConfig(16, 128, 128, 4, 4), 64: Fp8GemmConfig(64, 128, 128, 8, 3),
          256: Fp8GemmConfig(64, 128, 128, 4, 3), 10**9: Fp8GemmConfig(128, 128, 128, 8, 3, fp8_act=True)},
     120: {16: Fp8GemmConfig(16, 64, 128, 4, 4), 64: Fp8GemmConfig(64, 64, 64, 4, 3),
           256: Fp8GemmConfig(64, 128, 64, 4, 3), 10**9: Fp8GemmConfig(128, 64, 128, 8, 3, fp8_act=True)},
