@@ -99,7 +99,7 @@ def test_configs_respect_shared_memory_and_buckets():
         for table in configs.FP8_GEMM[cc].values():
             assert 128 % table.block_k == 0
         assert configs.fp8_gemm_config(cc, 1).block_m == 16
-        assert not configs.fp8_gemm_config(cc, 64).fp8_act
+        assert configs.fp8_gemm_config(cc, 64).fp8_act and configs.fp8_gemm_config(cc, 4096).dequant
     assert configs.fp8_gemm_config(90, 4096, torch.float32) is configs.FP8_GEMM_FP32
 
 
