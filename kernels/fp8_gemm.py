@@ -4,21 +4,19 @@ Legend: M rows of x (tokens), K in features, N out features, bn x bk weight bloc
 BM/BN/BK tile (BK divides bk: one weight scale per column per K step), S K-splits.
 
 Weight W [N, K] float8_e4m3fn and `weight_scale_inv` [ceil(N / bn), ceil(K / bk)] float32: the
-real weight is W * scale_inv of its block (last row/column blocks may be partial). Two paths,
-one kernel (the `FP8_ACT` constexpr):
-- w8a16 (decode, any M): the e4m3 tile is upcast in registers to x's dtype (exact: e4m3 values
-  are bf16 / fp16 values), one `tl.dot` in x's dtype, and the float32 accumulator gets
-  dot * scale of each column's block. The step is memory-bound at small M: the weight is read
-  once, at 1 byte a value. float32 x (parity runs) dots in IEEE float32.
-- fp8 activations (large M, bf16 / fp16 x, bk = BK): x is quantized in registers per row and
-  per group of bk values (DeepSeek's act_quant: s = max(amax, 1e-10) / 448) and one e4m3 x e4m3
-  `tl.dot` runs per K step: acc += (q_x @ q_w) * s_x * s_w (twice the tensor-core rate of bf16).
-Both dots run with the operands swapped (acc^T = W x^T): the weight tile is the MMA's M side, so a
-decode step's few rows do not pad a 64-row MMA, and on sm_90 the upcast weight can feed wgmma
-from registers while x^T comes from shared memory.
-Large M (prefill chunks) is compute-bound and the Triton dots above reach about a third of
-cuBLAS's rate there, so that bucket (`dequant`) dequantizes the weight into x's dtype with one
-small kernel (1 byte read, 2 written a value) and multiplies with torch (cuBLAS).
+real weight is W * scale_inv of its block (last row/column blocks may be partial). One Triton
+kernel, two dots (the `FP8_ACT` constexpr), operands swapped (acc^T = W x^T: the weight tile is
+the MMA's M side, so a decode step's few rows do not pad a 64-row MMA):
+- fp8 activations (bf16 / fp16 x; sm_90's choice up to M = 256, configs.FP8_GEMM): x quantized in
+  registers per row and per group of bk values (DeepSeek's act_quant: s = max(amax, 1e-10) / 448),
+  one e4m3 x e4m3 `tl.dot` per K step: acc += (q_w @ q_x^T) * s_w * s_x. Measured faster than
+  upcasting the weight tile at decode (docs/kernels.md).
+- w8a16: the e4m3 tile upcast in registers to x's dtype (exact: e4m3 values are bf16 / fp16
+  values), one `tl.dot` in x's dtype, acc += dot * scale of each weight row's block. float32 x
+  (parity runs) always takes it, with IEEE dots.
+Large M (`dequant`: prefill chunks, compute-bound) dequantizes the weight into x's dtype with one
+small kernel (1 byte read, 2 written a value) and multiplies with torch (cuBLAS): the Triton dots
+reached about a third of cuBLAS's rate there on the H200.
 Small grids split K (S programs per output tile, partial sums in float32, reduced by a second
 small kernel that adds the bias and casts): at M = 1 a projection has only N / BN tiles, too few
 to keep the copy engines of every multiprocessor busy.
