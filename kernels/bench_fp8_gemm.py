@@ -37,12 +37,14 @@ SHAPES = [
 SMOKE_SHAPES = [("small", 96, 160), ("odd", 75, 300)]
 L2_BYTES = 50 * 2**20
 C = configs.Fp8GemmConfig
-SWEEP = {  # candidates by M bucket, timed on o_proj and q_a_proj with --sweep
-    "decode": [C(16, 64, 128, 4, 4), C(16, 32, 128, 4, 4), C(16, 128, 128, 4, 3), C(16, 64, 64, 4, 5),
-               C(16, 64, 128, 4, 4, waves=4), C(16, 64, 128, 4, 4, split_k=False)],
-    "mid": [C(64, 64, 128, 4, 4), C(32, 64, 128, 4, 4), C(64, 128, 128, 4, 3), C(64, 64, 128, 4, 4, fp8_act=True)],
+SWEEP = {  # candidates by M bucket, timed on o_proj and q_a_proj with --sweep (BN: the MMA's M side)
+    "decode": [C(16, 64, 128, 4, 4), C(16, 128, 128, 4, 4), C(16, 128, 128, 8, 4), C(16, 64, 128, 4, 6),
+               C(16, 128, 128, 4, 4, waves=4), C(16, 64, 128, 4, 4, waves=8), C(16, 128, 128, 4, 4, fp8_act=True),
+               C(16, 256, 128, 8, 3)],
+    "mid": [C(64, 64, 128, 4, 4), C(64, 128, 128, 4, 3), C(64, 128, 128, 8, 3), C(32, 128, 128, 4, 4),
+            C(64, 128, 128, 4, 3, fp8_act=True), C(64, 128, 128, 8, 3, dequant=True)],
     "prefill": [C(128, 128, 128, 8, 3, fp8_act=True), C(128, 128, 128, 8, 3), C(128, 128, 64, 8, 4),
-                C(128, 256, 128, 8, 3, fp8_act=True), C(64, 128, 128, 4, 3, fp8_act=True)],
+                C(64, 128, 128, 4, 3), C(128, 256, 128, 8, 3, fp8_act=True), C(128, 128, 128, 8, 3, dequant=True)],
 }
 
 
@@ -84,7 +86,7 @@ def run(args) -> dict:
             want = ref_fp8.fp8_linear_ref(x, *ws[0], act_quant=cfg.fp8_act)
             row = dict(shape=name, N=N, K=K, M=M, config=dataclasses.asdict(cfg), rel_err=rel_err(y, want),
                        nan=bool(y.isnan().any()))
-            floor_s = max((wbytes + 2 * M * (K + N)) / (bw / 2), 2 * M * N * K / mm)  # bw counts read + write
+            floor_s = max((wbytes + 2 * M * (K + N)) / bw, 2 * M * N * K / mm)  # bw: bytes moved a second
             row["floor_us"] = 1e6 * floor_s
             if not args.smoke:
                 row["fp8_us"] = 1e3 * graph_ms([lambda q=q, s=s: fp8_linear(x, q, s) for q, s in ws])

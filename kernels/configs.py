@@ -62,6 +62,7 @@ class Fp8GemmConfig:
     fp8_act: bool = False  # quantize x per 128 values and dot in e4m3 (bf16 / fp16 x only)
     split_k: bool = True  # split K when the output tiles alone are fewer than the multiprocessors
     waves: int = 2  # programs aimed for per multiprocessor when splitting K
+    dequant: bool = False  # large M: dequantize the weight to x's dtype, then a torch (cuBLAS) matmul
 
 
 @dataclass(frozen=True)
@@ -131,12 +132,16 @@ MOE_FP8 = {
 }
 
 # block-scaled FP8 GEMM (dense projections): keyed by capability, then by M (rows of x) bucket.
-# Small M is memory-bound: thin BM, K split over the multiprocessors, the weight read once.
+# BN is the MMA's M side (the kernel swaps operands). sm_90 from the H200 sweep (docs/kernels.md,
+# 2026-12-03): up to M = 256 the e4m3 x e4m3 dots (fp8_act) beat upcasting the weight (o_proj at
+# M = 1: 40 vs 63-75 us) with K split over the SMs; above, the Triton dots
+# reached a third of cuBLAS, so large M dequantizes once and multiplies with cuBLAS (o_proj
+# M = 2048: 680 us vs 1,630). sm_120 entries: the same choices sized to 99 KB, compiled, not run.
 FP8_GEMM = {
-    90: {16: Fp8GemmConfig(16, 64, 128, 4, 4), 64: Fp8GemmConfig(64, 64, 128, 4, 4),
-         256: Fp8GemmConfig(64, 128, 128, 4, 3), 10**9: Fp8GemmConfig(128, 128, 128, 8, 3, fp8_act=True)},
-    120: {16: Fp8GemmConfig(16, 64, 128, 4, 4), 64: Fp8GemmConfig(64, 64, 64, 4, 3),
-          256: Fp8GemmConfig(64, 128, 64, 4, 3), 10**9: Fp8GemmConfig(128, 64, 128, 8, 3, fp8_act=True)},
+    90: {16: Fp8GemmConfig(16, 128, 128, 4, 4, fp8_act=True), 256: Fp8GemmConfig(64, 128, 128, 4, 3, fp8_act=True),
+         10**9: Fp8GemmConfig(128, 128, 128, 8, 3, dequant=True)},
+    120: {16: Fp8GemmConfig(16, 64, 128, 4, 4, fp8_act=True), 256: Fp8GemmConfig(64, 64, 128, 4, 3, fp8_act=True),
+          10**9: Fp8GemmConfig(128, 64, 128, 8, 3, dequant=True)},
     CPU: {16: Fp8GemmConfig(16, 32, 32, 4, 1), 10**9: Fp8GemmConfig(32, 32, 32, 4, 1)},
 }
 # float32 x (parity checks only: IEEE dots, speed does not matter): a tile any GPU fits

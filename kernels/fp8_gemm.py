@@ -4,15 +4,19 @@ Legend: M rows of x (tokens), K in features, N out features, bn x bk weight bloc
 BM/BN/BK tile (BK divides bk: one weight scale per column per K step), S K-splits.
 
 Weight W [N, K] float8_e4m3fn and `weight_scale_inv` [ceil(N / bn), ceil(K / bk)] float32: the
-real weight is W * scale_inv of its block (last row/column blocks may be partial). Two paths,
-one kernel (the `FP8_ACT` constexpr):
-- w8a16 (decode, any M): the e4m3 tile is upcast in registers to x's dtype (exact: e4m3 values
-  are bf16 / fp16 values), one `tl.dot` in x's dtype, and the float32 accumulator gets
-  dot * scale of each column's block. The step is memory-bound at small M: the weight is read
-  once, at 1 byte a value. float32 x (parity runs) dots in IEEE float32.
-- fp8 activations (large M, bf16 / fp16 x, bk = BK): x is quantized in registers per row and
-  per group of bk values (DeepSeek's act_quant: s = max(amax, 1e-10) / 448) and one e4m3 x e4m3
-  `tl.dot` runs per K step: acc += (q_x @ q_w) * s_x * s_w (twice the tensor-core rate of bf16).
+real weight is W * scale_inv of its block (last row/column blocks may be partial). One Triton
+kernel, two dots (the `FP8_ACT` constexpr), operands swapped (acc^T = W x^T: the weight tile is
+the MMA's M side, so a decode step's few rows do not pad a 64-row MMA):
+- fp8 activations (bf16 / fp16 x; sm_90's choice up to M = 256, configs.FP8_GEMM): x quantized in
+  registers per row and per group of bk values (DeepSeek's act_quant: s = max(amax, 1e-10) / 448),
+  one e4m3 x e4m3 `tl.dot` per K step: acc += (q_w @ q_x^T) * s_w * s_x. Measured faster than
+  upcasting the weight tile at decode (docs/kernels.md).
+- w8a16: the e4m3 tile upcast in registers to x's dtype (exact: e4m3 values are bf16 / fp16
+  values), one `tl.dot` in x's dtype, acc += dot * scale of each weight row's block. float32 x
+  (parity runs) always takes it, with IEEE dots.
+Large M (`dequant`: prefill chunks, compute-bound) dequantizes the weight into x's dtype with one
+small kernel (1 byte read, 2 written a value) and multiplies with torch (cuBLAS): the Triton dots
+reached about a third of cuBLAS's rate there on the H200.
 Small grids split K (S programs per output tile, partial sums in float32, reduced by a second
 small kernel that adds the bias and casts): at M = 1 a projection has only N / BN tiles, too few
 to keep the copy engines of every multiprocessor busy.
@@ -27,7 +31,7 @@ import triton.language as tl
 
 from pdserve_kernels import configs
 from pdserve_kernels._launch import capability, interpreting, sm_count
-from pdserve_kernels.fused_moe_fp8 import _quant_rows
+from pdserve_kernels.fused_moe_fp8 import _round_e4m3
 
 
 @triton.jit
@@ -38,6 +42,8 @@ def _fp8_gemm_kernel(
     W_BLOCK_K: tl.constexpr, FP8_ACT: tl.constexpr, IEEE: tl.constexpr, HAS_BIAS: tl.constexpr,
     INTERPRET: tl.constexpr, K_C: tl.constexpr,
 ):
+    """acc^T [BN, BM] += W tile [BN, BK] @ x^T tile [BK, BM]: the weight is the MMA's M side (64+
+    rows even when M is 1), its upcast tile an operand from registers, x^T from shared memory."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -48,28 +54,44 @@ def _fp8_gemm_kernel(
     n_ok = offs_n < N
     k_lo = pid_s * K_SPLIT
     k_hi = tl.minimum(K, k_lo + K_SPLIT)
-    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * s_xm + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * s_wn + offs_k[:, None]
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[None, :] * s_xm + offs_k[:, None]  # x^T [BK, BM]
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * s_wn + offs_k[None, :]  # W [BN, BK]
     s_ptrs = s_ptr + (offs_n // W_BLOCK_N) * s_sn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     # the interpreter cannot loop to a runtime bound: it walks all of K, masked to [k_lo, k_hi)
     for k0 in range(0 if INTERPRET else k_lo, K_C if INTERPRET else k_hi, BLOCK_K):
         k = k0 + offs_k
         k_ok = (k >= k_lo) & (k < k_hi)
-        x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0).to(tl.float8e4nv, bitcast=True)
+        xt = tl.load(x_ptrs + k0, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0).to(tl.float8e4nv, bitcast=True)
         s = tl.load(s_ptrs + (k0 // W_BLOCK_K) * s_sk, mask=n_ok, other=0.0)
-        if FP8_ACT:
-            x_q, x_s = _quant_rows(x.to(tl.float32), INTERPRET)
-            acc += tl.dot(x_q, w) * x_s[:, None] * s[None, :]
+        if FP8_ACT:  # x quantized per token (a column of x^T) and per BK = bk values
+            x_s = tl.maximum(tl.max(tl.abs(xt.to(tl.float32)), 0), 1e-10) / 448.0
+            x_q = tl.minimum(tl.maximum(xt.to(tl.float32) / x_s[None, :], -448.0), 448.0)
+            if INTERPRET:
+                x_q = _round_e4m3(x_q)
+            acc += tl.dot(w, x_q.to(tl.float8e4nv)) * s[:, None] * x_s[None, :]
         elif IEEE:
-            acc += tl.dot(x, w.to(tl.float32), input_precision="ieee") * s[None, :]
+            acc += tl.dot(w.to(tl.float32), xt, input_precision="ieee") * s[:, None]
         else:
-            acc += tl.dot(x, w.to(x_ptr.dtype.element_ty)) * s[None, :]
+            acc += tl.dot(w.to(x_ptr.dtype.element_ty), xt) * s[:, None]
     if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out = y_ptr + pid_s * s_ys + offs_m.to(tl.int64)[:, None] * s_ym + offs_n[None, :]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    out = y_ptr + pid_s * s_ys + offs_m.to(tl.int64)[None, :] * s_ym + offs_n[:, None]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+
+
+@triton.jit
+def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, s_wn, s_sn, s_sk, s_on,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_BLOCK_N: tl.constexpr, W_BLOCK_K: tl.constexpr):
+    """out [N, K] (x's dtype) = W * its block scale: the large-M path then multiplies with cuBLAS."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ok = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+    w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * s_wn + offs_k[None, :], mask=ok, other=0)
+    s = tl.load(s_ptr + (offs_n // W_BLOCK_N)[:, None] * s_sn + (offs_k // W_BLOCK_K)[None, :] * s_sk, mask=ok, other=0.0)
+    out = w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s
+    tl.store(out_ptr + offs_n.to(tl.int64)[:, None] * s_on + offs_k[None, :], out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -129,6 +151,13 @@ def fp8_linear(
     if M == 0:
         return y
     cfg = config or configs.fp8_gemm_config(capability(x.device), M, x.dtype)
+    if cfg.dequant and x.dtype != torch.float32:  # compute-bound: dequantize (1 + 2 B a value), then cuBLAS
+        w = torch.empty(N, K, dtype=x.dtype, device=x.device)
+        _dequant_kernel[(triton.cdiv(N, 64), triton.cdiv(K, 128))](
+            weight.view(torch.uint8), weight_scale_inv, w, N, K, weight.stride(0), *weight_scale_inv.stride(), w.stride(0),
+            BLOCK_N=64, BLOCK_K=128, W_BLOCK_N=bn, W_BLOCK_K=bk,
+        )
+        return torch.nn.functional.linear(x, w, bias)
     fp8_act = cfg.fp8_act and x.dtype != torch.float32
     block_k = bk if fp8_act else min(cfg.block_k, bk)  # one scale per K step; fp8: one act group
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)

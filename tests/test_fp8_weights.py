@@ -179,3 +179,19 @@ def test_dummy_fp8_weights(checkpoints):
     plain = ModelConfig.from_model_dir(checkpoints[1])
     assert model_config_for(plain, "fp8", dummy=True).fp8_block == (128, 128)
     assert model_config_for(plain, None, dummy=True).fp8_block is None
+
+
+def test_quantization_flag(checkpoints):
+    """`pdserve serve --quantization` (vLLM's name) reaches the engine config; bad values are refused."""
+    import argparse
+
+    from pdserve.serve import add_serve_args, config_from_args
+
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    args = lambda *a: p.parse_args(["--role", "colocated", "--model", checkpoints[0], *a])  # noqa: E731
+    cfg = config_from_args(args("--quantization", "none"))
+    assert cfg.worker.quantization == "none" and cfg.worker.engine_config(checkpoints[0]).quantization == "none"
+    assert config_from_args(args()).worker.engine_config(checkpoints[0]).quantization is None
+    with pytest.raises(ValueError, match="quantization"):
+        config_from_args(args("-q", "awq"))

@@ -99,5 +99,12 @@ def test_configs_respect_shared_memory_and_buckets():
         for table in configs.FP8_GEMM[cc].values():
             assert 128 % table.block_k == 0
         assert configs.fp8_gemm_config(cc, 1).block_m == 16
-        assert not configs.fp8_gemm_config(cc, 64).fp8_act
+        assert configs.fp8_gemm_config(cc, 64).fp8_act and configs.fp8_gemm_config(cc, 4096).dequant
     assert configs.fp8_gemm_config(90, 4096, torch.float32) is configs.FP8_GEMM_FP32
+
+
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
+def test_dequantize_then_matmul(dtype):
+    """The large-M path: the weight dequantized by `_dequant_kernel` (partial blocks), then torch."""
+    cfg = configs.Fp8GemmConfig(16, 32, 32, 4, 1, dequant=True)
+    check(37, 75, 150, (32, 32), dtype, seed=11, bias=True, config=cfg)

@@ -62,7 +62,7 @@ def check_args(args: argparse.Namespace) -> None:
         args.dtype, args.quantization = "bfloat16", "fp4"
     if args.dtype == "fp8":  # FP8 weights, bf16 activations
         args.dtype, args.quantization = "bfloat16", "fp8"
-    if args.quantization == "fp8" and args.model.endswith("v4"):
+    if args.quantization == "fp8" and MODELS[args.model]()["model_type"] == "deepseek_v4":
         raise ValueError("--quantization fp8: FP8 weights kept FP8 are built for V3.2 (DeepSeek-V4's are dequantized at load)")
     if args.dtype not in ("bfloat16", "float16", "float32"):
         raise ValueError(f"--dtype {args.dtype}: choose bfloat16, float16 or float32")
