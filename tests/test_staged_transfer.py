@@ -224,3 +224,17 @@ def test_serve_flag_sets_the_staging_mode():
     assert config_from_args(p.parse_args(base)).transfer.staging.mode == "auto"
     with pytest.raises(Exception, match="staging"):
         config_from_args(p.parse_args(base + ["--kv-transfer-staging", "sometimes"]))
+
+
+def test_a_failed_scatter_fails_the_request_and_frees_both_slabs(monkeypatch):
+    pre, dec = pair("v32")
+    hand_off(pre, dec, "r", "v32")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr("pdserve.disagg.leasing_connector.scatter", broken)
+    done, failed = dec.poll_loads()
+    assert done == [] and failed[0].stage is TransferStage.READING and "scattering the slab" in failed[0].reason
+    assert dec.landing_arena.used_bytes == 0 and dec.stats.transfers_failed == 1
+    assert pre.poll_releases() == ["r"] and pre.staging_arena.used_bytes == 0

@@ -141,6 +141,7 @@ class FakeConnector(LeasingConnector):
             try:
                 nbytes = self._copy(peer, load)
             except Exception as e:  # as the NIXL connector: a failed scatter fails the request
+                peer._inbox.append(release_message(rid))  # the read itself completed (NIXL notifies)
                 self.stats.record_failed(TransferStage.READING.name)
                 self._failed.append(TransferError(rid, TransferStage.READING, f"scattering the slab: {type(e).__name__}: {e}"))
                 continue
@@ -167,8 +168,12 @@ class FakeConnector(LeasingConnector):
         if load.landing is not None:  # the slab's bytes, as one descriptor would move them, then scattered
             slab = load.handle.staged
             room = self.landing_arena.slab(load.landing, slab.nbytes)
-            room.copy_(peer.staging_arena.slab(slab.offset, slab.nbytes).to(room.device))
-            self._land(load.landing, slab.nbytes, load.local_blocks)
+            try:
+                room.copy_(peer.staging_arena.slab(slab.offset, slab.nbytes).to(room.device))
+            except Exception:
+                self._drop_landing(load.landing)
+                raise
+            self._land(load.landing, slab.nbytes, load.local_blocks)  # frees the room, scattered or not
             return payload_bytes(self.layout, load.local_blocks)
         # src/dst: [Lr, N, rpb, dim] per region; each run is a slice of the block axis on both sides
         nbytes = 0

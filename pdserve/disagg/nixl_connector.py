@@ -17,11 +17,12 @@ Every NIXL failure becomes a TransferError naming the request, the stage and the
 UCX picks cma for data and tcp for messages; no UCX variables are needed. Over cma a large READ
 completes inside transfer() (seen from ~1 MiB up), so start_load then costs the copy itself.
 
-A decode READ completes only while the prefill side's UCX progresses too (measured: with the
-prefill side progressing only when its engine polls - every 20 ms while it holds KV, never during
-a step - a 1 MiB read took 20-30 ms; with a 1 ms poll, 1.1 ms). A prefill worker therefore runs a
-small thread (`progress_interval_ms`) that progresses UCX and collects release messages, which
-poll_releases then reads; NIXL's own progress thread does the same but busy-polls a core.
+A decode READ completes only while the prefill side's UCX progresses too, over cuda_ipc as over
+cma. With the prefill side progressed only when its engine polls (every 20 ms while it holds KV,
+never during a step), a 4.5 MiB VRAM read on an H200 took 20 ms with prefill idle and 120 ms
+with it running 100 ms steps; progressed every 1 ms, 0.8 and 1.8 ms (docs/pd-gpu.md). So a
+prefill connector runs a small thread (`progress_interval_ms`) that progresses UCX and collects
+release messages for poll_releases; NIXL's own progress thread does the same, busy-polling a core.
 
 A pool on the GPU gets UCX defaults before the agent (and UCX) is created: `UCX_GPU_DEFAULTS`
 (cuda_ipc GET zero-copy: without it UCX reads VRAM over tcp at 0.5 GB/s) and `UCX_MODULE_DIR` set
@@ -103,8 +104,8 @@ class NixlOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # NIXL's own UCX progress thread busy-polls (nixl's Python agent sets its delay to 0): ~90% of a
-    # core per idle worker. Off (default), transfers advance when the engine loop polls them, which
-    # it does every millisecond while a load is in flight and every 20 ms while prefill holds KV.
+    # core per idle worker. Off (default), transfers advance when the engine loop polls them (every
+    # millisecond while a load is in flight) and, on a prefill worker, from progress_interval_ms.
     progress_thread: bool = False
     # prefill workers without it: a thread progresses UCX (and collects release messages) this
     # often, so decode's READs complete during prefill's steps too; 0: only when the engine polls
@@ -253,9 +254,14 @@ class NixlConnector(LeasingConnector):
     def _progress_loop(self) -> None:
         """Prefill side: progress UCX (peers' READs of our memory) and keep what notifications arrive."""
         while not self._stop.wait(self._progress_interval_s):
-            with self._agent_lock:
-                notifs = self.agent.get_new_notifs()
-                self._inbox.extend(msg for msgs in notifs.values() for msg in msgs)
+            try:
+                with self._agent_lock:
+                    notifs = self.agent.get_new_notifs()
+                    self._inbox.extend(msg for msgs in notifs.values() for msg in msgs)
+            except Exception as e:  # keep progressing: reads stall without it; poll_releases sees the error too
+                self.stats.record_control_failure("progress")
+                log.warning("NIXL progress: %s", _nixl_reason(e))
+                self._stop.wait(1.0)
 
     def peer_metadata(self) -> bytes:
         """This worker's NixlPeerInfo as JSON bytes, for its HTTP server to serve at metadata_url."""
