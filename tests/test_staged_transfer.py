@@ -6,6 +6,7 @@ Real NIXL (two processes) is in tests/test_transfer.py.
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import pytest
@@ -238,3 +239,17 @@ def test_a_failed_scatter_fails_the_request_and_frees_both_slabs(monkeypatch):
     assert done == [] and failed[0].stage is TransferStage.READING and "scattering the slab" in failed[0].reason
     assert dec.landing_arena.used_bytes == 0 and dec.stats.transfers_failed == 1
     assert pre.poll_releases() == ["r"] and pre.staging_arena.used_bytes == 0
+
+
+def test_a_gpu_worker_keeps_its_arena_out_of_the_kv_pool_budget():
+    from pdserve.serve import add_serve_args, config_from_args
+    from pdserve.worker.build import arena_mib
+
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    decode = ["--role", "decode", "--model", "tiny:deepseek_v3", "--peer", "http://127.0.0.1:1"]
+    prefill = ["--role", "prefill", "--model", "tiny:deepseek_v3"]
+    assert arena_mib(config_from_args(p.parse_args(decode + ["--device", "cuda"]))) == StagingOptions().decode_arena_mib
+    assert arena_mib(config_from_args(p.parse_args(prefill + ["--device", "cuda:0"]))) == StagingOptions().prefill_arena_mib
+    assert arena_mib(config_from_args(p.parse_args(decode + ["--device", "cuda", "--kv-transfer-staging", "off"]))) == 0
+    assert arena_mib(config_from_args(p.parse_args(decode))) == 0  # CPU pool: staging is off under auto

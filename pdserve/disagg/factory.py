@@ -12,27 +12,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.disagg.base import KVConnector
+from pdserve.disagg.staging import ConnectorRole, StagingOptions
 
 TransferBackend = Literal["nixl"]
-ConnectorRole = Literal["prefill", "decode", "both"]
-
-
-class StagingOptions(BaseModel):
-    """Staged transfer (staging.py): the prefill side gathers a request's blocks into a slab of its
-    staging arena, the decode side reads it with one descriptor into its landing arena and scatters.
-    A request that finds no room in either arena moves as per-block descriptors (counted)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    # auto: on for pools on the GPU (a real request is ~60x fewer descriptors: docs/pd-gpu.md), off on CPU
-    mode: Literal["auto", "on", "off"] = "auto"
-    prefill_arena_mib: int = Field(1024, ge=0)  # a prefill worker's staging arena, on the pool's device
-    decode_arena_mib: int = Field(1024, ge=0)  # a decode worker's landing arena
-
-    def enabled(self, on_gpu: bool) -> bool:
-        return self.mode == "on" or (self.mode == "auto" and on_gpu)
-
-
 class ConnectorSettings(BaseModel):
     """What every backend takes; `options` are the backend's own (validated by its Options model)."""
 

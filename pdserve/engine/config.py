@@ -46,6 +46,9 @@ class EngineConfig(BaseModel):
     num_kv_blocks: int | None = Field(None, ge=1)
     kv_cache_memory_gb: float | None = Field(None, gt=0)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    # device memory taken outside the pool after it is sized (the KV transfer's staging / landing
+    # arenas: set by the worker from transfer.staging), kept out of the gpu_memory_utilization budget
+    reserved_memory_mib: int = Field(0, ge=0)
     max_num_seqs: int = Field(256, ge=1)
     max_num_batched_tokens: int = Field(8192, ge=1)  # token budget per step; longer prompts are chunked
     max_model_len: int | None = Field(None, ge=2)  # None: min(max_position_embeddings, KV capacity)

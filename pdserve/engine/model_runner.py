@@ -117,7 +117,7 @@ class ModelRunner:
             budget = c.kv_cache_memory_gb * 2**30
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = c.gpu_memory_utilization * total - (total - free)
+            budget = c.gpu_memory_utilization * total - (total - free) - c.reserved_memory_mib * 2**20
         else:
             budget = DEFAULT_CPU_KV_GB * 2**30
         useful = c.max_num_seqs * math.ceil(max_len / self.block_size)  # more could never be used

@@ -34,7 +34,8 @@ log = logging.getLogger("pdserve.worker")
 
 def build_worker(cfg: WorkerServeConfig) -> FastAPI:
     w, t = cfg.worker, cfg.transfer
-    engine_config = w.engine_config(cfg.model)
+    # the connector's arenas are made after the pool is sized: keep them out of its budget
+    engine_config = w.engine_config(cfg.model).model_copy(update={"reserved_memory_mib": arena_mib(cfg)})
     connector = _connector(cfg) if cfg.role != "colocated" else None
     log.info("loading %s on %s for role %s", cfg.model, w.device, cfg.role)
     engine = LLMEngine(engine_config, connector, kv_load_failure_policy=t.kv_load_failure_policy)
@@ -66,6 +67,15 @@ def build_worker(cfg: WorkerServeConfig) -> FastAPI:
     app = build_worker_app(state, cfg.cluster_secret)
     app.router.lifespan_context = _lifespan(state, connector)
     return app
+
+
+def arena_mib(cfg: WorkerServeConfig) -> int:
+    """Device memory (MiB) the worker's staged-transfer arena will take: prefill's staging arena or
+    decode's landing arena when staging is on for a GPU pool (disagg/staging.py), else 0."""
+    staging = cfg.transfer.staging
+    if cfg.role == "colocated" or not cfg.worker.device.startswith("cuda") or not staging.enabled(on_gpu=True):
+        return 0
+    return staging.prefill_arena_mib if cfg.role == "prefill" else staging.decode_arena_mib
 
 
 def _connector(cfg: WorkerServeConfig) -> KVConnector:
