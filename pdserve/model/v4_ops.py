@@ -42,4 +42,3 @@ def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     rotated_half = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)  # (-x1, x0) per pair
     rotated = (rope.float() * c + rotated_half.float() * s).to(x.dtype)
     return torch.cat([nope, rotated], dim=-1)
-
