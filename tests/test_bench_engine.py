@@ -50,7 +50,7 @@ def test_report_is_well_formed(model, tmp_path, capsys):
 @pytest.mark.parametrize(
     "flags, says",
     [
-        (["--model", "tiny-v4", "--dtype", "fp8"], "FP8 weights kept FP8 are built for V3.2"),
+        (["--model", "tiny-v4", "--dtype", "fp8"], "for DeepSeek-V4 use --dtype fp4"),
         (["--dtype", "fp4"], "FP4 routed experts are DeepSeek-V4's"),
         (["--load-format", "auto"], "only 'dummy'"),
         (["--kv-cache-dtype", "bfloat16"], "auto (the weights' dtype) or fp8"),

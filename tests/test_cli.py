@@ -157,7 +157,7 @@ def test_bench_engine_gets_all_of_its_argv(capsys):
     assert err.value.code == 0
     assert "--num-layers" in capsys.readouterr().out
     assert main(["bench-engine", "--dtype", "fp8"]) == 2  # its own check (default model v4-flash), before any model is built
-    assert "FP8 weights kept FP8 are built for V3.2" in capsys.readouterr().err
+    assert "for DeepSeek-V4 use --dtype fp4" in capsys.readouterr().err
 
 
 def test_console_script_runs_cli_main():

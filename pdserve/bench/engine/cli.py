@@ -63,7 +63,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.dtype == "fp8":  # FP8 weights, bf16 activations
         args.dtype, args.quantization = "bfloat16", "fp8"
     if args.quantization == "fp8" and MODELS[args.model]()["model_type"] == "deepseek_v4":
-        raise ValueError("--quantization fp8: FP8 weights kept FP8 are built for V3.2 (DeepSeek-V4's are dequantized at load)")
+        raise ValueError("--quantization fp8: for DeepSeek-V4 use --dtype fp4 (its release formats: FP4 routed experts, FP8 projections); the bench has no V4 variant with FP8 experts")
     if args.dtype not in ("bfloat16", "float16", "float32"):
         raise ValueError(f"--dtype {args.dtype}: choose bfloat16, float16 or float32")
     if args.kv_cache_dtype not in ("auto", "fp8"):
