@@ -135,6 +135,13 @@ def fp8_v4_record_bytes(dim: int, rope: int) -> int:
     return V4Record(dim, rope).bytes
 
 
+def pack_kv_fp8_v4(kv: torch.Tensor, rope: int, page: int = 1) -> torch.Tensor:
+    """[n, D] values -> fp8_ds_v4 pages [ceil(n / page), page, R] uint8 (page 1: one record a row)."""
+    from pdserve_kernels.kv_fp8 import V4Record, pack_kv_fp8_v4 as pack
+
+    return pack(kv, page, V4Record(kv.shape[1], rope))
+
+
 def store_kv_fp8_v4(pages: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, rope: int) -> None:
     """Quantize kv [n, D] into the fp8_ds_v4 records of `slots` [n] of pages [Nb, P, R], in place."""
     from pdserve_kernels.kv_fp8 import V4Record, store_kv_fp8_v4 as store
