@@ -68,7 +68,7 @@ class IndexerConfig:
 
 
 # sparse MLA decode: keyed by (capability, kv format, size); "small" for few query heads in the
-# batch, "large" where B * S * H >= LARGE_MLA_ROWS (V3.2 records); block_h is capped by H.
+# batch, "large" where B * S * H >= LARGE_MLA_ROWS (V3.2 records and V4's fp8_v4 pages; V4 bf16 stays "small"); block_h is capped by H.
 # sm_90 picks from the H200 sweep (docs/kernels.md): larger gathered tiles (64 rows) always won;
 # 64 heads per program won from B * H = 2048 up, 16 below and for V4-Flash (no rope tail).
 LARGE_MLA_ROWS = 2048
