@@ -81,7 +81,7 @@ class IndexerConfig:
 
 
 # sparse MLA decode: keyed by (capability, kv format, size); "small" for few query heads in the
-# batch, "large" where B * S * H >= LARGE_MLA_ROWS (V3.2 records); block_h is capped by H.
+# batch, "large" where B * S * H >= LARGE_MLA_ROWS (V3.2 records and V4's fp8_v4 pages; V4 bf16 stays "small"); block_h is capped by H.
 # sm_90 picks from the H200 sweep (docs/kernels.md): larger gathered tiles (64 rows) always won;
 # 64 heads per program won from B * H = 2048 up, 16 below and for V4-Flash (no rope tail).
 LARGE_MLA_ROWS = 2048
@@ -98,11 +98,15 @@ MLA = {
     (CPU, "bf16", "large"): MLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, min_tiles=1),
     (CPU, "fp8", "small"): MLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, min_tiles=1),
     (CPU, "fp8", "large"): MLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, min_tiles=1),
-    # DeepSeek-V4 fp8_ds_v4 pages (no rope tail: always "small")
-    # sm_90 BN 32: BN 64 x 4 warps spills (255 regs + 96-752 B stack), BN 32 compiles to 178 regs
-    (90, "fp8_v4", "small"): MLAConfig(block_h=16, block_n=32, num_warps=4, num_stages=2, min_tiles=1),
+    # DeepSeek-V4 fp8_ds_v4 pages; sm_90 from the H200 run of 2026-12-03 (docs/kernels.md): BN 64
+    # x 4 warps spills, 1 stage beat 2 (31.7 vs 50.9 us at B=16 H=64), 64 heads per program won
+    # at B*H = 4096 (66.8 us vs 100.2) and lost at 1024 (it dequantizes a tile once for 64 heads)
+    (90, "fp8_v4", "small"): MLAConfig(block_h=16, block_n=32, num_warps=4, num_stages=1, min_tiles=1),
+    (90, "fp8_v4", "large"): MLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=1),
     (120, "fp8_v4", "small"): MLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=3, min_tiles=1),
+    (120, "fp8_v4", "large"): MLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=3),
     (CPU, "fp8_v4", "small"): MLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, min_tiles=1),
+    (CPU, "fp8_v4", "large"): MLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, min_tiles=1),
 }
 # float32 q (parity checks only: IEEE dots, speed does not matter): one small tile that fits
 # either GPU's shared memory at D = 512 (+ 64), where the bf16 tiles would not in float32
@@ -190,7 +194,7 @@ def mla_config(cc: int, kv_format: str, heads: int, rows: int = 1, has_tail: boo
                fp32: bool = False) -> MLAConfig:
     """Tiles for `rows` = B * S queries of `heads` heads; `has_tail`: D > d_v (rope dims);
     `fp32`: float32 q on a GPU (the parity tile)."""
-    size = "large" if rows * heads >= LARGE_MLA_ROWS and has_tail else "small"
+    size = "large" if rows * heads >= LARGE_MLA_ROWS and (has_tail or kv_format == "fp8_v4") else "small"
     cfg = MLA_FP32 if fp32 and cc != CPU else MLA[(_family(cc), kv_format, size)]
     block_h = max(16, min(cfg.block_h, 1 << (max(heads, 1) - 1).bit_length()))
     if block_h == cfg.block_h:

@@ -30,9 +30,10 @@ from pdserve_kernels.bench_util import graph_ms, ms, poisoned_empty, rel_err
 from pdserve_kernels.sparse_mla import sparse_mla_decode, sparse_mla_decode_fp8_v4
 
 N, D, ROPE, K = 262144, 512, 64, 640
-SHAPES = [(64, 1), (64, 16), (64, 64), (16, 1), (16, 64)]  # (H, B): all heads; 16 a TP4 rank
+SHAPES = [(64, 64), (64, 16), (64, 1), (16, 64), (16, 1)]  # (H, B): all heads; 16 a TP4 rank
 C = configs.MLAConfig
-SWEEP = [C(16, 32, 4, 1, min_tiles=1), C(64, 32, 8, 1), C(64, 16, 4, 1)]
+# the tiles the sm_90 defaults were picked from (2026-12-03): 2 vs 1 stage, 16 vs 64 heads a program
+SWEEP = [C(16, 32, 4, 2, min_tiles=1), C(16, 32, 4, 1, min_tiles=1), C(64, 32, 8, 1)]
 SWEEP_SHAPES = [(64, 1), (64, 16), (64, 64), (16, 64)]
 
 

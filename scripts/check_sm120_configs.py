@@ -140,7 +140,7 @@ def cases(families):
         # (gathered records), 584 bytes a record
         from pdserve_kernels.sparse_mla import sparse_mla_decode_fp8_v4
 
-        for B, H, P in ((1, 64, 64), (64, 16, 64), (64, 64, 1)):
+        for B, H, P in ((1, 64, 64), (64, 64, 64), (64, 16, 1)):
             out.append(("mla", f"fp8_v4 (V4-Flash B={B} H={H} P={P}, sinks)",
                         lambda B=B, H=H, P=P: sparse_mla_decode_fp8_v4(
                             _e(B, 1, H, 512), _e(4096 // P, P, 584, dtype=torch.uint8), idx(B, 640), 0.1,

@@ -163,14 +163,16 @@ def test_paged_mode_matches_reference():
     assert torch.equal(out[1], torch.zeros_like(out[1]))
 
 
-def test_gathered_records_read_the_same():
-    """gather_kv_fp8_v4 (P = 1 copies of some slots) gives the kernel the same keys as the pool."""
+@pytest.mark.parametrize("page", [1, 4])
+def test_gathered_records_read_the_same(page):
+    """gather_kv_fp8_v4 (copies of some slots, in pages of 1 or 4) gives the kernel the same keys
+    as the pool."""
     gen = torch.Generator().manual_seed(2)
     pages = kv_fp8.pack_kv_fp8_v4(torch.randn(64, 512, generator=gen), 16)
     slots = torch.randint(0, 64, (30,), generator=gen)
-    flat = kv_fp8.gather_kv_fp8_v4(pages, slots)
-    assert flat.shape == (30, 1, 584)
-    assert torch.equal(kv_fp8.unpack_kv_fp8_v4(flat), kv_fp8.unpack_kv_fp8_v4(pages)[slots])
+    flat = kv_fp8.gather_kv_fp8_v4(pages, slots, page=page)
+    assert flat.shape == (-(-30 // page), page, 584)
+    assert torch.equal(kv_fp8.unpack_kv_fp8_v4(flat)[:30], kv_fp8.unpack_kv_fp8_v4(pages)[slots])
     q = torch.randn(1, 1, 16, 512, generator=gen).to(DEVICE, torch.float16)
     idx = torch.arange(30, dtype=torch.int32, device=DEVICE).view(1, 1, 30)
     out_flat, _ = sparse_mla_decode_fp8_v4(q, flat.to(DEVICE), idx, 0.05)

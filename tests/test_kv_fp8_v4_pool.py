@@ -64,6 +64,17 @@ def test_store_then_decode_through_ops_matches_the_reference():
     local = torch.tensor([[0, 1, 2, 3, 4, 5], [6, 7, -1, -1, 10, 11]], dtype=torch.int32)[:, None]
     out2, _ = ops.sparse_mla_decode_fp8_v4(q, flat, local, D**-0.5, ROPE, sink=sink)
     torch.testing.assert_close(out2, out, rtol=0, atol=0)
+    # a step's key buffer: pages of 16 (even: 16-byte aligned), the pool's records copied to slots
+    # 0..5, the step's new rows quantized into slots 6..8
+    new = torch.randn(3, D, generator=gen)
+    step = torch.zeros(1, 16, REC, dtype=torch.uint8)
+    ops.copy_kv_fp8_v4(pages, slots, step, torch.arange(6), D, ROPE)
+    ops.store_kv_fp8_v4(step, torch.arange(6, 9), new, ROPE)
+    keys = torch.cat([ops.unpack_kv_fp8_v4(pages, D, ROPE)[slots], ops.unpack_kv_fp8_v4(ops.pack_kv_fp8_v4(new, ROPE, page=4), D, ROPE)[:3]])
+    idx3 = torch.tensor([[0, 2, 6, 7, 8, -1], [8, -1, 1, 3, 5, 6]], dtype=torch.int32)[:, None]
+    out3, _ = ops.sparse_mla_decode_fp8_v4(q, step, idx3, D**-0.5, ROPE, sink=sink)
+    want3, _ = ref.sparse_mla_decode_ref(q.double(), keys.double(), idx3, D**-0.5, D, sink=sink.double())
+    torch.testing.assert_close(out3.double(), want3, rtol=1e-5, atol=1e-5)
 
 
 def test_compat_hash_refuses_other_records():

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.disagg.base import KVConnector
-from pdserve.disagg.staging import ConnectorRole, StagingOptions
+from pdserve.disagg.options import ConnectorRole, StagingOptions
 
 TransferBackend = Literal["nixl"]
 class ConnectorSettings(BaseModel):

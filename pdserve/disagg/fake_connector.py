@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass
 
 from pdserve.disagg.base import KVHandle, PeerMetadata, TransferError, TransferStage
-from pdserve.disagg.staging import ConnectorRole, StagingOptions, payload_bytes
+from pdserve.disagg.options import ConnectorRole, StagingOptions
+from pdserve.disagg.staging import payload_bytes
 from pdserve.disagg.lease_table import DEFAULT_LEASE_S, release_message
 from pdserve.disagg.layout import KVLayout, Runs
 from pdserve.disagg.leasing_connector import LeasingConnector

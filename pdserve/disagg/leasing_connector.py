@@ -27,7 +27,8 @@ from typing import Any, NoReturn
 
 from pdserve import __version__
 from pdserve.disagg.base import KVConnector, KVHandle, PeerMetadata, StagedSlab, TransferError, TransferStage
-from pdserve.disagg.staging import MIB, ConnectorRole, StagingArena, StagingOptions, gather, scatter, slab_parts, synchronize
+from pdserve.disagg.options import ConnectorRole, StagingOptions
+from pdserve.disagg.staging import MIB, StagingArena, gather, scatter, slab_parts, synchronize
 from pdserve.disagg.layout import KVLayout, Runs, block_runs, check_block_ids, compat_hash, region_blocks
 from pdserve.disagg.lease_table import LeaseTable, parse_release
 from pdserve.disagg.stats import TransferStats

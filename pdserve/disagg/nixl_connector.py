@@ -44,7 +44,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pdserve.disagg.base import KVHandle, PeerMetadata, TransferError, TransferStage
-from pdserve.disagg.staging import ConnectorRole, StagingOptions, payload_bytes
+from pdserve.disagg.options import ConnectorRole, StagingOptions
+from pdserve.disagg.staging import payload_bytes
 from pdserve.disagg.layout import Descriptor, KVLayout, Runs, build_descriptors, device_id, region_addrs
 from pdserve.disagg.lease_table import DEFAULT_LEASE_S, release_message
 from pdserve.disagg.leasing_connector import LeasingConnector

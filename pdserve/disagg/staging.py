@@ -19,34 +19,13 @@ Legend: Lr layers of a region, N blocks in the pool, n blocks of the request, rp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.disagg.layout import KVLayout
 
 SLAB_ALIGN = 256  # bytes: every region part (and every slab) starts on this boundary
 MIB = 1 << 20
-
-ConnectorRole = Literal["prefill", "decode", "both"]
-
-
-class StagingOptions(BaseModel):
-    """Staged transfer (this module): the prefill side gathers a request's blocks into a slab of its
-    staging arena, the decode side reads it with one descriptor into its landing arena and scatters.
-    A request that finds no room in either arena moves as per-block descriptors (counted)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    # auto: on for pools on the GPU (a real request is ~60x fewer descriptors: docs/pd-gpu.md), off on CPU
-    mode: Literal["auto", "on", "off"] = "auto"
-    prefill_arena_mib: int = Field(1024, ge=0)  # a prefill worker's staging arena, on the pool's device
-    decode_arena_mib: int = Field(1024, ge=0)  # a decode worker's landing arena
-
-    def enabled(self, on_gpu: bool) -> bool:
-        return self.mode == "on" or (self.mode == "auto" and on_gpu)
-
 
 def _align(n: int) -> int:
     return -(-n // SLAB_ALIGN) * SLAB_ALIGN

@@ -155,9 +155,11 @@ def unpack_kv_fp8(records: torch.Tensor, d_v: int, dim: int) -> torch.Tensor:
 
 
 def sparse_mla_decode_fp8_v4(q, pages, indices, sm_scale: float, rope: int, sink=None):
-    """DeepSeek-V4 decode over fp8_ds_v4 pages [Nb, P, R] uint8 (kernels/kv_fp8.py; a KVCache
-    region's `layer_pages`, or `gather_kv_fp8_v4` rows with P = 1): indices [B, S, K] int32 slot
-    ids (page * P + record), -1 = padding. Returns out [B, S, H, D] (K = V, rope dims included)."""
+    """DeepSeek-V4 decode over fp8_ds_v4 pages [Nb, P, R] uint8 (kernels/kv_fp8.py): a KVCache
+    region's `layer_pages`, or a step buffer filled by `copy_kv_fp8_v4` / `store_kv_fp8_v4` (an
+    even P keeps pages 16-byte aligned: P = 1 read 1.4x slower on the H200). indices [B, S, K]
+    int32 slot ids (page * P + record), -1 = padding. Returns out [B, S, H, D] (K = V, rope dims
+    included) and lse [B, S, H]."""
     if _use_triton(q):
         from pdserve_kernels import sparse_mla_decode_fp8_v4 as kernel
 
@@ -179,6 +181,13 @@ def fp8_v4_record_bytes(dim: int, rope: int) -> int:
     return V4Record(dim, rope).bytes
 
 
+def pack_kv_fp8_v4(kv: torch.Tensor, rope: int, page: int = 1) -> torch.Tensor:
+    """[n, D] values -> fp8_ds_v4 pages [ceil(n / page), page, R] uint8 (page 1: one record a row)."""
+    from pdserve_kernels.kv_fp8 import V4Record, pack_kv_fp8_v4 as pack
+
+    return pack(kv, page, V4Record(kv.shape[1], rope))
+
+
 def store_kv_fp8_v4(pages: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, rope: int) -> None:
     """Quantize kv [n, D] into the fp8_ds_v4 records of `slots` [n] of pages [Nb, P, R], in place."""
     from pdserve_kernels.kv_fp8 import V4Record, store_kv_fp8_v4 as store
@@ -186,11 +195,19 @@ def store_kv_fp8_v4(pages: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, 
     store(pages, slots, kv, V4Record(kv.shape[1], rope))
 
 
-def gather_kv_fp8_v4(pages: torch.Tensor, slots: torch.Tensor, dim: int, rope: int) -> torch.Tensor:
-    """The fp8_ds_v4 records of `slots` [n] as [n, 1, R] pages of one record (bytes, no requantization)."""
+def gather_kv_fp8_v4(pages: torch.Tensor, slots: torch.Tensor, dim: int, rope: int, page: int = 1) -> torch.Tensor:
+    """The fp8_ds_v4 records of `slots` [n] as new pages [ceil(n / page), page, R], slot i = the
+    i-th of `slots` (bytes, no requantization)."""
     from pdserve_kernels.kv_fp8 import V4Record, gather_kv_fp8_v4 as gather
 
-    return gather(pages, slots, V4Record(dim, rope))
+    return gather(pages, slots, V4Record(dim, rope), page)
+
+
+def copy_kv_fp8_v4(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor, dim: int, rope: int) -> None:
+    """Copy fp8_ds_v4 records between page tensors of any page sizes, slot by slot (bytes)."""
+    from pdserve_kernels.kv_fp8 import V4Record, copy_kv_fp8_v4 as copy
+
+    copy(src, src_slots, dst, dst_slots, V4Record(dim, rope))
 
 
 def unpack_kv_fp8_v4(pages: torch.Tensor, dim: int, rope: int) -> torch.Tensor:
