@@ -52,7 +52,7 @@ NEW_TOKENS = 32
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-OPS = ("sparse_mla_decode", "indexer_topk", "mla_prefill_attention", "fused_moe")
+OPS = ("sparse_mla_decode", "indexer_topk", "indexer_topk_paged", "mla_prefill_attention", "fused_moe")
 
 
 @contextlib.contextmanager
@@ -166,7 +166,7 @@ def check_arch(arch: str, device: str, dtypes: list[str], root: str) -> tuple[li
             c["v4_one_launch_per_layer"] = v4_calls_ok(c, run.split("-")[1])
         mla = c["sparse_mla_decode"]
         print(f"{arch} {run}: {c['forwards']} forwards x {c['num_layers']} layers; sparse_mla_decode "
-              f"triton {mla['triton']} torch {mla['torch']}; indexer_topk {c['indexer_topk']}", flush=True)
+              f"triton {mla['triton']} torch {mla['torch']}; indexer_topk {c['indexer_topk']} paged {c['indexer_topk_paged']}", flush=True)
     return rows, calls
 
 
