@@ -115,3 +115,19 @@ def test_v4_padded_static_batch_gives_the_eager_rows(tmp_path):
         if name in ("window", "csa_kv", "csa_index_k", "hca_kv", "csa_state", "hca_state"):
             assert region[:, n].abs().sum() > 0, name  # the padding row wrote there
         assert eager_kv.regions[name][:, n].abs().sum() == 0, name  # the eager step never does
+
+
+def test_static_batch_is_views_of_the_runner_buffers(model):
+    """A captured graph reads its inputs where they were at capture: every tensor of the static
+    batch must live in a buffer the runner keeps (a tensor made per call would be freed after
+    capture and its memory reused; DeepSeek-V4's compressors read `lens`)."""
+    from dataclasses import fields
+
+    kv = KVCache(model.kv_cache_specs(), model.num_layers, 5, BS, torch.float32, "cpu")
+    runner = CudaGraphRunner(model, kv, max_bs=4, max_len=16, scratch_block=4)
+    kept = {t.untyped_storage().data_ptr() for t in vars(runner).values() if isinstance(t, torch.Tensor)}
+    batch = runner.static_batch(2, 16)
+    for f in fields(batch):
+        value = getattr(batch, f.name)
+        if isinstance(value, torch.Tensor):
+            assert value.untyped_storage().data_ptr() in kept, f.name

@@ -63,6 +63,7 @@ class CudaGraphRunner:
         dev, G = next(iter(kv_cache.regions.values())).device, self.sizes[-1]
         self.input_ids = torch.zeros(G, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(G, dtype=torch.int64, device=dev)
+        self.lens = torch.ones(G, dtype=torch.int64, device=dev)  # static too: a graph must not read a freed tensor
         self.slot_mapping = torch.full((G,), self.scratch_slot, dtype=torch.int64, device=dev)
         self.seq_ids = torch.zeros(G, dtype=torch.int32, device=dev)
         self.context_lens = torch.zeros(G, dtype=torch.int32, device=dev)
@@ -80,7 +81,7 @@ class CudaGraphRunner:
         return ForwardBatch(
             input_ids=self.input_ids[:g], positions=self.positions[:g], slot_mapping=self.slot_mapping[:g],
             seq_ids=self.seq_ids[:g], context_lens=self.context_lens[:g], decode_rows=self.rows[:g], prefill=None,
-            logits_indices=self.rows[:g], starts=self.positions[:g], lens=torch.ones_like(self.positions[:g]),
+            logits_indices=self.rows[:g], starts=self.positions[:g], lens=self.lens[:g],
             block_tables=self.block_tables[:g], window_tables=self.window_tables[:g], state_slots=self.state_slots[:g],
             block_size=self.block_size, max_context=bucket,
         )  # fmt: skip
