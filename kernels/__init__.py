@@ -21,6 +21,7 @@ from pdserve_kernels.ref import (
 _LAZY = {  # name -> module; fp8 / fp4 references and quantizers: pdserve_kernels.ref_fp8 / ref_fp4
     "sparse_mla_decode": "pdserve_kernels.sparse_mla",
     "sparse_mla_decode_fp8": "pdserve_kernels.sparse_mla",
+    "sparse_mla_decode_fp8_v4": "pdserve_kernels.sparse_mla",
     "paged_mla_decode": "pdserve_kernels.sparse_mla",
     "fused_moe": "pdserve_kernels.fused_moe",
     "fused_moe_fp8": "pdserve_kernels.fused_moe_fp8",

@@ -85,6 +85,11 @@ MLA = {
     (CPU, "bf16", "large"): MLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, min_tiles=1),
     (CPU, "fp8", "small"): MLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, min_tiles=1),
     (CPU, "fp8", "large"): MLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, min_tiles=1),
+    # DeepSeek-V4 fp8_ds_v4 pages (no rope tail: always "small")
+    # sm_90 BN 32: BN 64 x 4 warps spills (255 regs + 96-752 B stack), BN 32 compiles to 178 regs
+    (90, "fp8_v4", "small"): MLAConfig(block_h=16, block_n=32, num_warps=4, num_stages=2, min_tiles=1),
+    (120, "fp8_v4", "small"): MLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=3, min_tiles=1),
+    (CPU, "fp8_v4", "small"): MLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, min_tiles=1),
 }
 # float32 q (parity checks only: IEEE dots, speed does not matter): one small tile that fits
 # either GPU's shared memory at D = 512 (+ 64), where the bf16 tiles would not in float32
@@ -198,6 +203,11 @@ def mla_smem_bytes(cfg: MLAConfig, block_v: int, block_t: int, kv_format: str) -
         # raw record bytes per stage (e4m3 values, fp32 group scales, bf16 tail) + dequantized tile
         raw = cfg.block_n * (block_v + 4 * (block_v // 128) + 2 * block_t)
         tiles = cfg.num_stages * raw + cfg.block_n * (block_v + block_t) * 2
+    elif kv_format == "fp8_v4":
+        # raw bytes per stage: at most block_v values of 1-2 bytes (V4: 448 e4m3 + 64 bf16) and 8
+        # scale bytes, taken as 1.25 B a value; + the dequantized tile
+        raw = cfg.block_n * (block_v * 5 // 4 + 8)
+        tiles = cfg.num_stages * raw + cfg.block_n * block_v * 2
     else:
         tiles = cfg.num_stages * cfg.block_n * (block_v + block_t) * 2
     q = cfg.block_h * (block_v + block_t) * 2

@@ -22,6 +22,9 @@ KV formats:
 - bf16/fp16 (`sparse_mla_decode`): kv [N, D] in q's dtype, any row stride.
 - fp8 (`sparse_mla_decode_fp8`): uint8 records, layout in `kv_fp8.py` (V3.2: 656 bytes =
   512 e4m3 + 4 fp32 scales, one per 128 values + 64 bf16 rope), dequantized in the kernel.
+- fp8_v4 (`sparse_mla_decode_fp8_v4`, DeepSeek-V4, K = V): pages of P records (`kv_fp8.py`,
+  "fp8_ds_v4": per page P x (448 e4m3 + 64 bf16 rope) then P x (7 ue8m0 scales + 1 pad) = P x 584
+  bytes), dequantized in the kernel; the output has all 512 dims (rope included).
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ def _mla_split_kernel(
     FUSED_MERGE: tl.constexpr, KV_FP8: tl.constexpr, GROUP: tl.constexpr, FP32_DOT: tl.constexpr,
     INTERPRET: tl.constexpr, TILES_C: tl.constexpr, SPLITS_C: tl.constexpr,
     PAGED: tl.constexpr = False, PAGE: tl.constexpr = 1, EXTRA: tl.constexpr = False,
+    KV_V4: tl.constexpr = False, V4_NOPE: tl.constexpr = 0, V4_SB: tl.constexpr = 8,
+    V4_PAGE: tl.constexpr = 1,
 ):
     pid_h = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -92,12 +97,15 @@ def _mla_split_kernel(
                                 mask=(offs_n >= K1) & (offs_n < K), other=-1)
                 idx = tl.where(offs_n < K1, idx, idx_x)
         valid = idx >= 0
-        if EXTRA:
+        if EXTRA:  # (not with KV_V4: its wrapper takes one source)
             rows = tl.where((offs_n < K1)[:, None], kv_ptr + idx.to(tl.int64)[:, None] * s_kvn,
                             kv2_ptr + idx.to(tl.int64)[:, None] * s_kv2n)
         else:
             rows = kv_ptr + idx.to(tl.int64)[:, None] * s_kvn
-        if KV_FP8:
+        if KV_V4:  # s_kvn: the page stride
+            kv_v = _v4_rows(kv_ptr, idx, valid, s_kvn, offs_v, D_V, V4_NOPE, V4_SB, V4_PAGE,
+                            BLOCK_N, BLOCK_V, q_v.dtype)
+        elif KV_FP8:
             # record: D_V e4m3 bytes | D_V / GROUP fp32 scales | D_T bf16 tail
             NG: tl.constexpr = BLOCK_V // GROUP
             raw = tl.load(rows + offs_v[None, :], mask=valid[:, None], other=0)
@@ -168,6 +176,37 @@ def _mla_split_kernel(
                                   s_pb, s_ps, s_ph, s_ob, s_oh, BLOCK_H, BLOCK_V, HAS_SINK,
                                   INTERPRET, SPLITS_C)
                 tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # zero for the next launch
+
+
+@triton.jit
+def _v4_rows(kv_ptr, idx, valid, s_page, offs_v, D: tl.constexpr, NOPE: tl.constexpr,
+             SB: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+             DT: tl.constexpr):
+    """[BN, BLOCK_V] K = V rows in dtype DT (q's) of slots idx from fp8_ds_v4 pages (kv_fp8.py):
+    slot s is record s % PAGE of page s // PAGE; its NOPE e4m3 values times their group's ue8m0
+    scale, then its D - NOPE bf16 rope values; zero where not valid or past D. The scaling runs
+    in DT: e4m3 x a power of two is one rounding either way (exact in bf16 / fp32), and DT's
+    packed math halves the registers of the tile against float32."""
+    VB: tl.constexpr = NOPE + 2 * (D - NOPE)  # value bytes of a record
+    NG: tl.constexpr = BLOCK_V // 64
+    slot = tl.where(valid, idx, 0).to(tl.int64)
+    s_page = tl.multiple_of(s_page, 8)  # checked by the wrapper: 8-byte loads even at P = 1 (584 B)
+    page = kv_ptr + (slot // PAGE) * s_page
+    rec = slot % PAGE
+    vals_at = page + rec * VB  # [BN]
+    offs_g = tl.arange(0, NG)
+    col = offs_g[:, None] * 64 + tl.arange(0, 64)[None, :]  # [NG, 64]: value index of (group, lane)
+    nope = col < NOPE
+    ok = valid[:, None, None]
+    raw = tl.load(vals_at[:, None, None] + col[None, :, :], mask=ok & nope[None, :, :], other=0)
+    e = tl.load((page + PAGE * VB + rec * SB)[:, None] + offs_g[None, :],
+                mask=valid[:, None] & (offs_g * 64 < NOPE)[None, :], other=0)
+    scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True).to(DT)  # ue8m0 byte b: 2^(b - 127)
+    vals = raw.to(tl.float8e4nv, bitcast=True).to(DT) * scale[:, :, None]
+    rope_at = (vals_at + NOPE).to(tl.pointer_type(tl.bfloat16))
+    rope = tl.load(rope_at[:, None, None] + (col - NOPE)[None, :, :],
+                   mask=ok & (~nope & (col < D))[None, :, :], other=0.0)
+    return tl.reshape(tl.where(nope[None, :, :], vals, rope.to(DT)), [BLOCK_N, BLOCK_V])
 
 
 @triton.jit
@@ -297,11 +336,12 @@ def _check(q, indices, sm_scale, d_v, sink) -> None:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
 
 
-def _run(q, kv, s_kvn, s_kvd, indices, sm_scale, d_v, sink, kv_format, cfg, paged=None, extra=None):
+def _run(q, kv, s_kvn, s_kvd, indices, sm_scale, d_v, sink, kv_format, cfg, paged=None, record=None, extra=None):
     """paged: (block_tables [Bt, W], seq_ids [B*S], context_lens [B*S], page, max_len) instead
     of indices (then None): the key list of row r is its sequence's positions 0..len-1.
+    record: the kernel's record constexprs of kv_format "fp8_v4" (`_v4_record`).
     extra: (kv2 [N2, D] in kv's format, indices2 [B, S, K2]): row r's key list goes on with
-    rows of kv2 (same row layout and column stride as kv)."""
+    rows of kv2 (same row layout and column stride as kv; not with "fp8_v4")."""
     B, S, H, D = q.shape
     K1 = indices.shape[2] if paged is None else paged[4]
     K = K1 + (extra[1].shape[2] if extra is not None else 0)
@@ -355,6 +395,7 @@ def _run(q, kv, s_kvn, s_kvd, indices, sm_scale, d_v, sink, kv_format, cfg, page
         KV_FP8=kv_format == "fp8", GROUP=kv_fp8.GROUP, FP32_DOT=q.dtype == torch.float32,
         INTERPRET=interp, TILES_C=per if interp else 0, SPLITS_C=splits if interp else 0,
         PAGED=paged is not None, PAGE=page, EXTRA=extra is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **(record or {}),
     )
     if not direct and not fused:
         block_p = next_pow2(splits)
@@ -479,3 +520,67 @@ def paged_mla_decode(
     _check(q, empty_idx, sm_scale, d_v, sink)
     return _run(q, kv, kv.stride(0), 1 if fp8 else kv.stride(1), empty_idx, sm_scale, d_v, sink,
                 "fp8" if fp8 else "bf16", config, paged=(block_tables, seq_ids, context_lens, page, max_len))
+
+
+def sparse_mla_decode_fp8_v4(
+    q: torch.Tensor,  # [B, S, H, D] bf16/fp16 (fp32 for tests); D = the record's dim (V4: 512)
+    kv: torch.Tensor,  # [Nb, P, R] uint8 fp8_ds_v4 pages (kv_fp8.py; V4: R = 584), any page stride
+    indices: torch.Tensor,  # [B, S, K] int32 slot ids (page * P + record), -1 = padding
+    sm_scale: float,
+    rope: int = 64,  # trailing dims of each record kept in bf16
+    sink: torch.Tensor | None = None,  # [H] float32 attention-sink logits
+    config: configs.MLAConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4 sparse decode (one K = V head) over FP8 pages, dequantized in the kernel
+    (e4m3 x power-of-two scale, bf16 rope, rounded to q's dtype before the dots). Returns out
+    [B, S, H, D] (d_v = D: the rope dims included) and lse [B, S, H]; same contract as
+    `sparse_mla_decode`. Reference: `kv_fp8.sparse_mla_decode_fp8_v4_ref`."""
+    D = q.shape[3] if q.dim() == 4 else 0
+    _check(q, indices, sm_scale, D, sink)
+    record = _v4_record(q, kv, rope)
+    return _run(q, kv, kv.stride(0), 1, indices, sm_scale, D, sink, "fp8_v4", config, record=record)
+
+
+def paged_mla_decode_fp8_v4(
+    q: torch.Tensor,  # [T, 1, H, D]
+    kv: torch.Tensor,  # [Nb, page, R] uint8 fp8_ds_v4 pages: block b of the tables is page b
+    block_tables: torch.Tensor,  # [B, W] int32
+    seq_ids: torch.Tensor,  # [T] int32
+    context_lens: torch.Tensor,  # [T] int32
+    max_len: int,
+    sm_scale: float,
+    rope: int = 64,
+    sink: torch.Tensor | None = None,
+    config: configs.MLAConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`paged_mla_decode` over fp8_ds_v4 pages (the page size is the pool's: kv.shape[1])."""
+    T, page = q.shape[0], kv.shape[1] if kv.dim() == 3 else 0
+    if q.dim() != 4 or q.shape[1] != 1:
+        raise ValueError(f"q must be [T, 1, H, D], got {tuple(q.shape)}")
+    for name, t in (("seq_ids", seq_ids), ("context_lens", context_lens)):
+        if t.dtype != torch.int32 or tuple(t.shape) != (T,) or t.device != q.device:
+            raise ValueError(f"{name} must be int32 ({T},) on {q.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.device != q.device:
+        raise ValueError(f"block_tables must be int32 [B, W] on {q.device}, got {block_tables.dtype} {tuple(block_tables.shape)}")
+    if max_len < 0:
+        raise ValueError(f"max_len must be >= 0, got {max_len}")
+    empty_idx = torch.empty(T, 1, 0, dtype=torch.int32, device=q.device)
+    _check(q, empty_idx, sm_scale, q.shape[3], sink)
+    record = _v4_record(q, kv, rope)
+    return _run(q, kv, kv.stride(0), 1, empty_idx, sm_scale, q.shape[3], sink, "fp8_v4", config,
+                paged=(block_tables, seq_ids, context_lens, page, max_len), record=record)
+
+
+def _v4_record(q: torch.Tensor, kv: torch.Tensor, rope: int) -> dict:
+    """Checks fp8_ds_v4 pages against q; the kernel's record constexprs."""
+    rec = kv_fp8.V4Record(q.shape[3], rope)
+    if kv.dtype != torch.uint8 or kv.dim() != 3 or kv.shape[2] != rec.bytes or kv.stride(2) != 1 or kv.stride(1) != rec.bytes:
+        raise ValueError(f"kv must be uint8 [Nb, P, {rec.bytes}] pages (each page's bytes contiguous), got "
+                         f"{kv.dtype} {tuple(kv.shape)} strides {kv.stride()}")
+    if kv.device != q.device:
+        raise ValueError(f"kv is on {kv.device}, q on {q.device}")
+    if rec.dim < 33:
+        raise ValueError(f"fp8_ds_v4 records need D > 32 (one 64-value scale group per tile), got {rec.dim}")
+    if kv.data_ptr() % 16 or kv.stride(0) % 8:
+        raise ValueError("fp8_ds_v4 pages must start on a 16-byte boundary and have a page stride multiple of 8")
+    return dict(KV_V4=True, V4_NOPE=rec.nope, V4_SB=rec.scale_bytes, V4_PAGE=kv.shape[1])

@@ -136,6 +136,15 @@ def cases(families):
             out.append(("mla", f"{name} (V4-Flash B={B} H={H}, sinks)",
                         lambda B=B, H=H, dt=dt: sparse_mla_decode(_e(B, 1, H, 512, dtype=dt), _e(4096, 512, dtype=dt),
                                                                   idx(B, 640), 0.1, 512, sink=sink(H))))
+        # V4-Flash with --kv-cache-dtype fp8: fp8_ds_v4 pages of 64 records (the pool) or of 1
+        # (gathered records), 584 bytes a record
+        from pdserve_kernels.sparse_mla import sparse_mla_decode_fp8_v4
+
+        for B, H, P in ((1, 64, 64), (64, 16, 64), (64, 64, 1)):
+            out.append(("mla", f"fp8_v4 (V4-Flash B={B} H={H} P={P}, sinks)",
+                        lambda B=B, H=H, P=P: sparse_mla_decode_fp8_v4(
+                            _e(B, 1, H, 512), _e(4096 // P, P, 584, dtype=torch.uint8), idx(B, 640), 0.1,
+                            sink=sink(H))))
     if "mla_prefill" in families:  # V3 / V3.2 dims: qk 192 = 128 + 64, v 128, 128 heads
         from pdserve_kernels.mla_prefill import mla_prefill_attention
 

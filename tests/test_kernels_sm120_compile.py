@@ -27,9 +27,10 @@ def test_sm120_configs_compile_within_shared_memory(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert {r["family"] for r in rows} >= {"mla", "indexer", "moe", "moe_fp8", "moe_fp4"}
-    # DeepSeek-V4-Flash's attention (D = d_v = 512, sinks) in bf16 and at the float32 parity tile
+    # DeepSeek-V4-Flash's attention (D = d_v = 512, sinks) in bf16, over fp8_ds_v4 pages and at
+    # the float32 parity tile
     v4 = {r["case"].split()[0] for r in rows if r["kernel"] == "_mla_split_kernel" and "V4-Flash" in r["case"]}
-    assert v4 == {"bf16", "fp32"}, v4
+    assert v4 == {"bf16", "fp8_v4", "fp32"}, v4
     for r in rows:
         assert r["fits"] and r["shared_total"] <= 101376, r
         if r["family"] != "moe_fp4_dot_scaled":  # the engine's configs: no local-memory spills

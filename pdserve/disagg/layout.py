@@ -27,9 +27,9 @@ import hashlib
 import json
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
-from pdserve.model.kv_cache import STATE, TOKENS, WINDOW, KVCache
+from pdserve.model.kv_cache import BYTE_RECORDS, STATE, TOKENS, WINDOW, KVCache
 
 KV_LAYOUT_VERSION = 3
 
@@ -50,9 +50,17 @@ class KVRegionLayout(BaseModel):
     dim: int  # values per record
     dtype: str  # torch dtype name of the values, e.g. "bfloat16"
     record_bytes: int  # bytes of one record
-    record: str = "values"  # its format: dim values of dtype, or a named byte format ("fp8_ds_mla")
+    record: str = "values"  # its format: dim values of dtype, or a named byte format (BYTE_RECORDS:
+    # "fp8_ds_mla", "fp8_ds_v4"); part of the compat hash, so pools of different records refuse each other
     last_tokens: int | None = None  # only the last this many positions' records are read (sliding window)
     bytes: int  # whole region: Lr * N * rpb * record_bytes
+
+    @field_validator("record")
+    @classmethod
+    def _known_record(cls, v: str) -> str:
+        if v != "values" and v not in BYTE_RECORDS:
+            raise ValueError(f"unknown KV record format {v!r} (values, {', '.join(BYTE_RECORDS)}): a peer on another pdserve version?")
+        return v
 
     @property
     def space(self) -> str:

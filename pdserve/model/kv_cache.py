@@ -27,7 +27,11 @@ Records: `dim` values of the pool dtype (`record` "values"), or a byte format of
   DeepSeek-V3/V3.2: latent (kv_lora_rank + qk_rope_head_dim = 576 values per token; with fp8 the
   656-byte "fp8_ds_mla" record of pdserve_kernels.kv_fp8: 512 e4m3 + 4 fp32 scales + 64 bf16
   rope) and, for V3.2, index_k (the DSA indexer key, index_head_dim values per token), every layer.
-  DeepSeek-V4: see v4_paged.py (window, compressed entries, indexer keys, compressor state).
+  DeepSeek-V4: see v4_paged.py (window, compressed entries, indexer keys, compressor state); with
+  fp8 its K = V records (window, compressed entries) are "fp8_ds_v4" (kv_fp8.py, FlashMLA's V4
+  layout: 584 bytes a token for V4-Flash), a format by pages: a block is one page whose records'
+  values come first and their scales after them, so such a region is read by `layer_pages`
+  (record r of block b is slot b * records_per_block + r, as `slots` numbers them), never by row.
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ from dataclasses import dataclass
 import torch
 
 PER_SEQUENCE = 0  # tokens_per_record of a region with one record per sequence (the state space)
+# byte record formats (`KVRegionSpec.record`, kernels/kv_fp8.py) -> how a block holds its records:
+# "rows" (record r is bytes [r * dim, (r + 1) * dim) of the block) or "pages" (the block is one page)
+BYTE_RECORDS = {"fp8_ds_mla": "rows", "fp8_ds_v4": "pages"}
 TOKENS, WINDOW, STATE = "tokens", "window", "state"  # the block spaces a region can be paged by
 
 
@@ -47,7 +54,11 @@ class KVRegionSpec:
     layers: tuple[int, ...] | None = None  # model layers with this region (None: all of them)
     tokens_per_record: int = 1  # 1: per token; m: per m tokens; PER_SEQUENCE (0): one per sequence
     last_tokens: int | None = None  # a later step reads only the records of the last this many tokens
-    record: str = "values"  # "values": dim values of the pool dtype; else a byte format of dim uint8 ("fp8_ds_mla")
+    record: str = "values"  # "values": dim values of the pool dtype; else a byte format of dim uint8 (BYTE_RECORDS)
+
+    def __post_init__(self) -> None:
+        if self.record != "values" and self.record not in BYTE_RECORDS:
+            raise ValueError(f"KV region {self.name!r}: unknown record format {self.record!r} (values, {', '.join(BYTE_RECORDS)})")
 
     @property
     def byte_record(self) -> bool:
@@ -121,8 +132,14 @@ class KVCache:
 
     def layer(self, name: str, layer: int) -> torch.Tensor:
         """Model layer `layer` of region `name`, flat: [num_blocks * records_per_block, dim]."""
+        if BYTE_RECORDS.get(self.specs[name].record) == "pages":
+            raise ValueError(f"region {name!r} holds {self.specs[name].record} pages (a record's scales sit at the end of its block): use layer_pages")
         t = self.regions[name][self._row[name][layer]]
         return t.view(-1, t.shape[-1])
+
+    def layer_pages(self, name: str, layer: int) -> torch.Tensor:
+        """Model layer `layer` of region `name` by blocks: [blocks, records_per_block, dim]."""
+        return self.regions[name][self._row[name][layer]]
 
     def slots(self, name: str, block_table: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Flat record ids [end - start] (int64, rows of `layer(name, l)`) of tokens / entries

@@ -120,6 +120,59 @@ def unpack_kv_fp8(records: torch.Tensor, d_v: int, dim: int) -> torch.Tensor:
     return unpack(records, d_v, dim)
 
 
+def sparse_mla_decode_fp8_v4(q, pages, indices, sm_scale: float, rope: int, sink=None):
+    """DeepSeek-V4 decode over fp8_ds_v4 pages [Nb, P, R] uint8 (kernels/kv_fp8.py; a KVCache
+    region's `layer_pages`, or `gather_kv_fp8_v4` rows with P = 1): indices [B, S, K] int32 slot
+    ids (page * P + record), -1 = padding. Returns out [B, S, H, D] (K = V, rope dims included)."""
+    if _use_triton(q):
+        from pdserve_kernels import sparse_mla_decode_fp8_v4 as kernel
+
+        out, lse = kernel(_half(q), pages, indices, sm_scale, rope, sink=sink)
+        return out.to(q.dtype), lse
+    from pdserve_kernels.kv_fp8 import V4Record, gather_kv_fp8_v4, unpack_kv_fp8_v4
+
+    rec = V4Record(q.shape[3], rope)
+    flat = indices.clamp(min=0).long().flatten()  # dequantize only the rows the queries read
+    rows = unpack_kv_fp8_v4(gather_kv_fp8_v4(pages, flat, rec), rec).to(q.dtype)
+    local = torch.where(indices >= 0, torch.arange(flat.numel(), device=flat.device).view_as(indices), -1).to(torch.int32)
+    return ref.sparse_mla_decode_ref(q, rows, local, sm_scale, q.shape[3], sink=sink)
+
+
+def fp8_v4_record_bytes(dim: int, rope: int) -> int:
+    """Bytes of one fp8_ds_v4 record (V4-Flash: dim 512, rope 64 -> 584)."""
+    from pdserve_kernels.kv_fp8 import V4Record
+
+    return V4Record(dim, rope).bytes
+
+
+def pack_kv_fp8_v4(kv: torch.Tensor, rope: int, page: int = 1) -> torch.Tensor:
+    """[n, D] values -> fp8_ds_v4 pages [ceil(n / page), page, R] uint8 (page 1: one record a row)."""
+    from pdserve_kernels.kv_fp8 import V4Record, pack_kv_fp8_v4 as pack
+
+    return pack(kv, page, V4Record(kv.shape[1], rope))
+
+
+def store_kv_fp8_v4(pages: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, rope: int) -> None:
+    """Quantize kv [n, D] into the fp8_ds_v4 records of `slots` [n] of pages [Nb, P, R], in place."""
+    from pdserve_kernels.kv_fp8 import V4Record, store_kv_fp8_v4 as store
+
+    store(pages, slots, kv, V4Record(kv.shape[1], rope))
+
+
+def gather_kv_fp8_v4(pages: torch.Tensor, slots: torch.Tensor, dim: int, rope: int) -> torch.Tensor:
+    """The fp8_ds_v4 records of `slots` [n] as [n, 1, R] pages of one record (bytes, no requantization)."""
+    from pdserve_kernels.kv_fp8 import V4Record, gather_kv_fp8_v4 as gather
+
+    return gather(pages, slots, V4Record(dim, rope))
+
+
+def unpack_kv_fp8_v4(pages: torch.Tensor, dim: int, rope: int) -> torch.Tensor:
+    """fp8_ds_v4 pages [Nb, P, R] -> [Nb * P, dim] float32 (row = slot id)."""
+    from pdserve_kernels.kv_fp8 import V4Record, unpack_kv_fp8_v4 as unpack
+
+    return unpack(pages, V4Record(dim, rope))
+
+
 def indexer_topk_paged(q, k_cache, weights, block_tables, seq_ids, context_lens, page: int, max_len: int, topk: int):
     if _use_triton(q):
         from pdserve_kernels import indexer_topk_paged as kernel

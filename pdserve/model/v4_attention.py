@@ -16,7 +16,10 @@ The attention of a layer is one `ops.sparse_mla_decode` over the whole flat batc
 sinks) that reads the pool where it lies: the layer's window region (the step's new kv written
 there first) through the step's window rows [T, W], and its entries region through a second
 index list (HCA: every visible entry; CSA: the indexer's top-k, `ops.indexer_topk_paged` over the
-region's indexer keys), -1 padded. The indices are built once per step (v4_step.py).
+region's indexer keys), -1 padded. The indices are built once per step (v4_step.py). With FP8
+records (`--kv-cache-dtype fp8`: window and entries as fp8_ds_v4 pages) the records each query
+reads are gathered from both regions into one source first (`ops.sparse_mla_decode_fp8_v4`
+takes one): T * (W + K2) records a layer.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from pdserve.model.config_v4 import CSA, HCA, SLIDING
 from pdserve.model.kv_cache import KVCache
 from pdserve.model.parallel import ColumnParallelLinear, RowParallelLinear, narrow_shard
 from pdserve.model.v4_compressor import CSACompressor, HCACompressor, Indexer
-from pdserve.model.v4_ops import V4RMSNorm, rms_norm, rope_tail
+from pdserve.model.v4_ops import V4RMSNorm, rms_norm, rope_tail, store_records
 from pdserve.model.v4_step import V4Step
 
 
@@ -80,7 +83,7 @@ class V4Attention(nn.Module):
         self.tp = tp
         self.head_start, local_heads = tp.shard(H, "num_attention_heads")
         self.kind, self.heads, self.head_dim, self.eps = v4.layer_types[layer_idx], local_heads, D, eps
-        self.window, self.scale = v4.sliding_window, D**-0.5
+        self.window, self.scale, self.rope = v4.sliding_window, D**-0.5, config.qk_rope_head_dim
         self.rope_kind = "main" if self.kind == SLIDING else "compress"
         self.q_a_proj = nn.Linear(hidden, Q, bias=False)
         self.q_a_norm = V4RMSNorm(Q, eps)
@@ -112,27 +115,52 @@ class V4Attention(nn.Module):
         q_res = self.q_a_norm(self.q_a_proj(x))  # [T, Q]
         q = rms_norm(self.q_b_proj(q_res).view(T, self.heads, self.head_dim), self.eps)
         q = rope_tail(q, cos, sin)  # [T, H, D]
-        kv = rope_tail(self.kv_norm(self.kv_proj(x)), cos, sin)  # [T, D]
-        window = kv_cache.layer("window", layer)  # [Nw, D]
+        kv = self._kv(x, cos, sin)  # [T, D]
+        window = _region(kv_cache, "window", layer)  # [Nw, D] values, or fp8_ds_v4 pages
         new = kv if step.window_src is None else kv[step.window_src]
-        window.index_copy_(0, step.window_write, new.to(window.dtype))  # the records later steps read
-        keys = window if step.window_old is None else torch.cat([window[step.window_old], kv.to(window.dtype)])
+        store_records(window, step.window_write, new, self.rope)  # the records later steps read
         extra = self._compress(x, q_res, step, kv_cache, layer) if self.compressor is not None else None
-        out, _ = ops.sparse_mla_decode(
-            q[:, None], keys, step.window[:, None], self.scale, self.head_dim, sink=self.sinks, extra=extra
-        )  # [T, 1, H, D]
+        if window.dtype == torch.uint8:
+            out = self._attend_fp8(q, kv, window, step, extra)
+        else:
+            keys = window if step.window_old is None else torch.cat([window[step.window_old], kv.to(window.dtype)])
+            out, _ = ops.sparse_mla_decode(
+                q[:, None], keys, step.window[:, None], self.scale, self.head_dim, sink=self.sinks, extra=extra
+            )  # [T, 1, H, D]
         out = rope_tail(out[:, 0], cos, -sin)  # undo the values' rope at the query position
         out = self.o_a_proj(out.reshape(T, self.o_a_proj.groups, -1))  # [T, G*Ro]
         return self.o_b_proj(out)
 
+    def _kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> the step's K = V records [T, D] (normed, roped)."""
+        return rope_tail(self.kv_norm(self.kv_proj(x)), cos, sin)
+
+    def _attend_fp8(self, q, kv, window: torch.Tensor, step: V4Step, extra) -> torch.Tensor:
+        """The attention over fp8_ds_v4 records: the records each query reads, gathered from both
+        regions into pages of one record (bytes as stored; the new kv of a step with longer
+        chunks packed as the pool would hold it) -> [T, 1, H, D]."""
+        D, R = self.head_dim, self.rope
+        if step.window_old is None:
+            pages, idx = _gather_fp8(window, step.window, D, R)
+        else:
+            pages = torch.cat([ops.gather_kv_fp8_v4(window, step.window_old, D, R), ops.pack_kv_fp8_v4(kv, R)])
+            idx = step.window
+        if extra is not None:
+            more, more_idx = _gather_fp8(extra[0], extra[1][:, 0], D, R)
+            idx = torch.cat([idx, torch.where(more_idx >= 0, more_idx + pages.shape[0], -1)], dim=1)
+            pages = torch.cat([pages, more])
+        out, _ = ops.sparse_mla_decode_fp8_v4(q[:, None], pages, idx[:, None].to(torch.int32), self.scale, R, sink=self.sinks)
+        return out
+
     def _compress(self, x, q_res, step: V4Step, kv_cache: KVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Advance every sequence's compressor (and indexer) by its new tokens, in the pool;
-        returns the attention's second key source: (this layer's entries region [N, D], the rows
-        each query reads [T, 1, K2]), or None when no query sees an entry yet."""
+        returns the attention's second key source: (this layer's entries region, [N, D] values
+        or fp8_ds_v4 pages; the rows each query reads [T, 1, K2]), or None when no query sees an
+        entry yet."""
         comp, ix = self.compressor, step.entries[self.compressor.rate]
         csa = isinstance(comp, CSACompressor)
         name = "csa" if csa else "hca"
-        entries = kv_cache.layer(f"{name}_kv", layer)
+        entries = _region(kv_cache, f"{name}_kv", layer)
         comp.update(x, ix, step.state_slots, entries, kv_cache.layer(f"{name}_state", layer))
         if csa:
             keys = kv_cache.layer("csa_index_k", layer)
@@ -142,3 +170,15 @@ class V4Attention(nn.Module):
         else:
             rows = ix.visible  # [T, Em]
         return (entries, rows[:, None]) if rows.shape[1] else None
+
+
+def _region(kv_cache: KVCache, name: str, layer: int) -> torch.Tensor:
+    """A layer's K = V region: flat values [N, D], or fp8_ds_v4 pages [blocks, records, bytes]."""
+    return kv_cache.layer_pages(name, layer) if kv_cache.specs[name].byte_record else kv_cache.layer(name, layer)
+
+
+def _gather_fp8(pages: torch.Tensor, rows: torch.Tensor, dim: int, rope: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [T, K] (slots, -1 pad) -> (their records as pages of one [T*K, 1, bytes], indices [T, K] into them)."""
+    flat = rows.clamp(min=0).long().flatten()
+    local = torch.arange(flat.numel(), device=rows.device).view_as(rows)
+    return ops.gather_kv_fp8_v4(pages, flat, dim, rope), torch.where(rows >= 0, local, -1)

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from pdserve.model import ops
-from pdserve.model.v4_ops import V4RMSNorm, rope_tail
+from pdserve.model.v4_ops import V4RMSNorm, rope_tail, store_records
 from pdserve.model.v4_step import EntryIndex
 
 
@@ -45,8 +45,9 @@ class CompressedKV(nn.Module):
 
     def update(self, x: torch.Tensor, ix: EntryIndex, slots: torch.Tensor, entries: torch.Tensor, states: torch.Tensor) -> None:
         """Feed every sequence's new tokens x [T, hidden] (state records states[slots], slots [B]):
-        writes the entries of the groups the step touches into `entries` [N, Dc] and each
-        sequence's new record into `states` [S, state_dim] (both pool regions of this layer)."""
+        writes the entries of the groups the step touches into `entries` (this layer's region:
+        [N, Dc] values or fp8_ds_v4 pages) and each sequence's new record into `states`
+        [S, state_dim]."""
         plan, m, dim, C = ix.groups, self.rate, self.dim, self.width
         B, n = slots.shape[0], (self.rate - 1) * self.width
         rec = states[slots]  # [B, state_dim]
@@ -67,7 +68,7 @@ class CompressedKV(nn.Module):
             gate = torch.cat([prev_gate, gate[..., dim:]], dim=1)
         pooled = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)  # [U, Dc]
         cos, sin = plan.rope
-        entries.index_copy_(0, plan.slot, rope_tail(self.kv_norm(pooled), cos, sin).to(entries.dtype))
+        store_records(entries, plan.slot, rope_tail(self.kv_norm(pooled), cos, sin), 2 * cos.shape[-1])
         states.index_copy_(0, slots, self._record(plan, raw_kv, raw_gate, biased, prev_kv, prev_gate).to(states.dtype))
 
     def _record(self, plan, raw_kv, raw_gate, biased, prev_kv, prev_gate) -> torch.Tensor:

@@ -37,28 +37,35 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pdserve.model import ops
 from pdserve.model.batch import ForwardBatch
 from pdserve.model.config import ModelConfig
 from pdserve.model.config_v4 import CSA, HCA
 from pdserve.model.deepseek_v4 import DeepseekV4ForCausalLM
 from pdserve.model.kv_cache import PER_SEQUENCE, KVCache, KVRegionSpec
 
-def v4_kv_specs(config: ModelConfig) -> list[KVRegionSpec]:
+def v4_kv_specs(config: ModelConfig, kv_cache_dtype: str = "auto") -> list[KVRegionSpec]:
+    """The pool's regions; kv_cache_dtype "fp8": the K = V records (window, entries) as
+    fp8_ds_v4 records (584 bytes for V4-Flash), the indexer keys and states as values."""
     v4, D, Di = config.v4, config.v4.head_dim, config.index_head_dim
     csa = tuple(i for i, t in enumerate(v4.layer_types) if t == CSA)
     hca = tuple(i for i, t in enumerate(v4.layer_types) if t == HCA)
-    specs = [KVRegionSpec("window", D, last_tokens=v4.sliding_window - 1)]
+    kv = dict(dim=D) if kv_cache_dtype == "auto" else dict(dim=ops.fp8_v4_record_bytes(D, config.qk_rope_head_dim), record="fp8_ds_v4")
+    specs = [KVRegionSpec("window", last_tokens=v4.sliding_window - 1, **kv)]
     if csa:
         mc = v4.csa_rate
         specs += [
-            KVRegionSpec("csa_kv", D, csa, mc),
+            KVRegionSpec("csa_kv", layers=csa, tokens_per_record=mc, **kv),
             KVRegionSpec("csa_index_k", Di, csa, mc),
             KVRegionSpec("csa_state", _state_dim(D, mc, True), csa, PER_SEQUENCE),
             KVRegionSpec("csa_index_state", _state_dim(Di, mc, True), csa, PER_SEQUENCE),
         ]
     if hca:
         mh = v4.hca_rate
-        specs += [KVRegionSpec("hca_kv", D, hca, mh), KVRegionSpec("hca_state", _state_dim(D, mh, False), hca, PER_SEQUENCE)]
+        specs += [
+            KVRegionSpec("hca_kv", layers=hca, tokens_per_record=mh, **kv),
+            KVRegionSpec("hca_state", _state_dim(D, mh, False), hca, PER_SEQUENCE),
+        ]
     return [s for s in specs if s.dim > 0]
 
 
@@ -80,9 +87,9 @@ class PagedDeepseekV4(nn.Module):
         self.supports_cuda_graphs = all(getattr(layer.mlp.experts, "fp4", False) for layer in model.model.layers)
 
     def kv_cache_specs(self, kv_cache_dtype: str = "auto") -> list[KVRegionSpec]:
-        if kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not built for DeepSeek-V4 yet (its records are the model dtype)")
-        return v4_kv_specs(self.config)
+        if kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: DeepSeek-V4 takes auto (the model dtype) or fp8 (fp8_ds_v4 records)")
+        return v4_kv_specs(self.config, kv_cache_dtype)
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
