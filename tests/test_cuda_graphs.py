@@ -81,16 +81,18 @@ def test_what_runs_eagerly(model):
     assert not runner.fits(no_sample)
 
 
-def test_v4_padded_static_batch_gives_the_eager_rows(tmp_path):
-    """DeepSeek-V4 (window, entries, indexer keys, compressor state): the padded static batch gives
-    the real rows the eager step's hidden states and pool writes (the decode tokens close CSA and
-    HCA groups), and its padding rows write only the scratch block, window block and state slot."""
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_v4_padded_static_batch_gives_the_eager_rows(tmp_path, kv_cache_dtype):
+    """DeepSeek-V4 (window, entries, indexer keys, compressor state; fp8: window and entries as
+    fp8_ds_v4 pages): the padded static batch gives the real rows the eager step's hidden states
+    and pool writes (the decode tokens close CSA and HCA groups), and its padding rows write only
+    the scratch block, window block and state slot."""
     from pdserve.model.v4_loader import load_v4_model
     from pdserve.model.v4_paged import PagedDeepseekV4
 
     model = PagedDeepseekV4(load_v4_model(make_tiny_model(tmp_path, "deepseek_v4", seed=0), dtype=torch.float32))
     blocks, wblocks, slots = 12, 12, 3  # + one scratch each
-    kv = KVCache(model.kv_cache_specs(), model.num_layers, blocks + 1, BS, torch.float32, "cpu", wblocks + 1, slots + 1)
+    kv = KVCache(model.kv_cache_specs(kv_cache_dtype), model.num_layers, blocks + 1, BS, torch.float32, "cpu", wblocks + 1, slots + 1)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(4, 300, (n,), generator=g).tolist() for n in (15, 3, 7)]
     tables, wtables = [[7, 2, 11, 4], [0], [5, 9]], [[3, 10, 1, 6], [8], [2, 0]]
@@ -113,8 +115,8 @@ def test_v4_padded_static_batch_gives_the_eager_rows(tmp_path):
         n = region.shape[1] - 1  # the scratch is the last block / slot of its space
         torch.testing.assert_close(region[:, :n], eager_kv.regions[name][:, :n], rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")
         if name in ("window", "csa_kv", "csa_index_k", "hca_kv", "csa_state", "hca_state"):
-            assert region[:, n].abs().sum() > 0, name  # the padding row wrote there
-        assert eager_kv.regions[name][:, n].abs().sum() == 0, name  # the eager step never does
+            assert region[:, n].float().abs().sum() > 0, name  # the padding row wrote there
+        assert eager_kv.regions[name][:, n].float().abs().sum() == 0, name  # the eager step never does
 
 
 def test_static_batch_is_views_of_the_runner_buffers(model):
