@@ -26,12 +26,18 @@ def sparse_mla_decode_ref(
     sm_scale: float,
     d_v: int,
     sink: torch.Tensor | None = None,  # [H] attention-sink logits (DeepSeek-V4)
+    extra_kv: torch.Tensor | None = None,  # [N2, D] a second key source
+    extra_indices: torch.Tensor | None = None,  # [B, S, K2] int32 rows of extra_kv, -1 = padding
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of every query over its own K gathered KV rows. Returns (out [B,S,H,d_v] in
-    q's dtype, lse [B,S,H] float32, natural log). All-padding queries get zeros and lse=-inf.
-    The sink adds exp(sink[h]) to the softmax denominator only (it has no value row)."""
+    """Attention of every query over its own K gathered KV rows (and K2 rows of extra_kv, in
+    the same softmax). Returns (out [B,S,H,d_v] in q's dtype, lse [B,S,H] float32, natural
+    log). All-padding queries get zeros and lse=-inf. The sink adds exp(sink[h]) to the
+    softmax denominator only (it has no value row)."""
     valid = indices >= 0  # [B, S, K]
     rows = _up(kv[indices.clamp(min=0).long()])  # [B, S, K, D]
+    if extra_kv is not None:
+        valid = torch.cat([valid, extra_indices >= 0], dim=2)
+        rows = torch.cat([rows, _up(extra_kv[extra_indices.clamp(min=0).long()])], dim=2)
     scores = torch.einsum("bshd,bskd->bshk", _up(q), rows) * sm_scale
     scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [B, S, H]

@@ -45,14 +45,14 @@ LAST_COMPILED: dict = {}  # kernel name -> last compiled kernel, for bench.py's 
 @triton.jit
 def _mla_split_kernel(
     q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, cnt_ptr,
-    bt_ptr, seq_ptr, len_ptr,
-    scale_log2, H, K, tiles_per_split,
-    s_qb, s_qh, s_qd, s_kvn, s_kvd, s_ib, s_ik, s_ob, s_oh, s_pb, s_ps, s_ph, s_bt,
+    bt_ptr, seq_ptr, len_ptr, kv2_ptr, idx2_ptr,
+    scale_log2, H, K, K1, tiles_per_split,
+    s_qb, s_qh, s_qd, s_kvn, s_kvd, s_ib, s_ik, s_ob, s_oh, s_pb, s_ps, s_ph, s_bt, s_kv2n, s_i2b, s_i2k,
     D_V: tl.constexpr, D_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr, HAS_SINK: tl.constexpr, DIRECT: tl.constexpr,
     FUSED_MERGE: tl.constexpr, KV_FP8: tl.constexpr, GROUP: tl.constexpr, FP32_DOT: tl.constexpr,
     INTERPRET: tl.constexpr, TILES_C: tl.constexpr, SPLITS_C: tl.constexpr,
-    PAGED: tl.constexpr = False, PAGE: tl.constexpr = 1,
+    PAGED: tl.constexpr = False, PAGE: tl.constexpr = 1, EXTRA: tl.constexpr = False,
     KV_V4: tl.constexpr = False, V4_NOPE: tl.constexpr = 0, V4_SB: tl.constexpr = 8,
     V4_PAGE: tl.constexpr = 1,
 ):
@@ -91,9 +91,17 @@ def _mla_split_kernel(
             page = tl.load(bt_ptr + seq * s_bt + offs_n // PAGE, mask=seen, other=0)
             idx = tl.where(seen, page * PAGE + offs_n % PAGE, -1)
         else:
-            idx = tl.load(idx_ptr + pid_b * s_ib + offs_n * s_ik, mask=offs_n < K, other=-1)
+            idx = tl.load(idx_ptr + pid_b * s_ib + offs_n * s_ik, mask=offs_n < K1, other=-1)
+            if EXTRA:  # key list K1.. reads the second source
+                idx_x = tl.load(idx2_ptr + pid_b * s_i2b + (offs_n - K1) * s_i2k,
+                                mask=(offs_n >= K1) & (offs_n < K), other=-1)
+                idx = tl.where(offs_n < K1, idx, idx_x)
         valid = idx >= 0
-        rows = kv_ptr + idx.to(tl.int64)[:, None] * s_kvn
+        if EXTRA:  # (not with KV_V4: its wrapper takes one source)
+            rows = tl.where((offs_n < K1)[:, None], kv_ptr + idx.to(tl.int64)[:, None] * s_kvn,
+                            kv2_ptr + idx.to(tl.int64)[:, None] * s_kv2n)
+        else:
+            rows = kv_ptr + idx.to(tl.int64)[:, None] * s_kvn
         if KV_V4:  # s_kvn: the page stride
             kv_v = _v4_rows(kv_ptr, idx, valid, s_kvn, offs_v, D_V, V4_NOPE, V4_SB, V4_PAGE,
                             BLOCK_N, BLOCK_V, q_v.dtype)
@@ -329,12 +337,15 @@ def _check(q, indices, sm_scale, d_v, sink) -> None:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
 
 
-def _run(q, kv, s_kvn, s_kvd, indices, sm_scale, d_v, sink, kv_format, cfg, paged=None, record=None):
+def _run(q, kv, s_kvn, s_kvd, indices, sm_scale, d_v, sink, kv_format, cfg, paged=None, record=None, extra=None):
     """paged: (block_tables [Bt, W], seq_ids [B*S], context_lens [B*S], page, max_len) instead
     of indices (then None): the key list of row r is its sequence's positions 0..len-1.
-    record: the kernel's record constexprs of kv_format "fp8_v4" (`_v4_record`)."""
+    record: the kernel's record constexprs of kv_format "fp8_v4" (`_v4_record`).
+    extra: (kv2 [N2, D] in kv's format, indices2 [B, S, K2]): row r's key list goes on with
+    rows of kv2 (same row layout and column stride as kv; not with "fp8_v4")."""
     B, S, H, D = q.shape
-    K = indices.shape[2] if paged is None else paged[4]
+    K1 = indices.shape[2] if paged is None else paged[4]
+    K = K1 + (extra[1].shape[2] if extra is not None else 0)
     BS = B * S
     out = torch.empty(B, S, H, d_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, S, H, dtype=torch.float32, device=q.device)
@@ -349,7 +360,7 @@ def _run(q, kv, s_kvn, s_kvd, indices, sm_scale, d_v, sink, kv_format, cfg, page
     cfg = cfg or configs.mla_config(cc, kv_format, H, BS, has_tail=D > d_v, fp32=q.dtype == torch.float32)
     q3 = q.reshape(BS, H, D)
     if paged is None:
-        idx2 = indices.reshape(BS, K)
+        idx2 = indices.reshape(BS, K1)
         tables, seq_ids, lens, page = idx2, idx2, idx2, 1  # tables..lens unused
     else:
         tables, seq_ids, lens, page, _ = paged
@@ -373,17 +384,18 @@ def _run(q, kv, s_kvn, s_kvd, indices, sm_scale, d_v, sink, kv_format, cfg, page
         s_p = part_out.stride()[:3]
     counters = _counters(q.device, BS * head_blocks) if fused else lse  # lse: unused
     sink_arg = sink if sink is not None else lse
+    kv2, idx_x = (extra[0], extra[1].reshape(BS, -1)) if extra is not None else (kv, idx2)  # else unused
     LAST_COMPILED["split"] = _mla_split_kernel[(head_blocks, splits, BS)](
         q3, kv, idx2, sink_arg, out, lse, part_out, part_lse, counters,
-        tables, seq_ids, lens,
-        sm_scale * LOG2E, H, K, per,
+        tables, seq_ids, lens, kv2, idx_x,
+        sm_scale * LOG2E, H, K, K1, per,
         q3.stride(0), q3.stride(1), q3.stride(2), s_kvn, s_kvd, idx2.stride(0), idx2.stride(1),
-        H * d_v, d_v, *s_p, tables.stride(0),
+        H * d_v, d_v, *s_p, tables.stride(0), kv2.stride(0), idx_x.stride(0), idx_x.stride(1),
         D_V=d_v, D_T=d_t, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_V=block_v,
         BLOCK_T=block_t, HAS_SINK=sink is not None, DIRECT=direct, FUSED_MERGE=fused,
         KV_FP8=kv_format == "fp8", GROUP=kv_fp8.GROUP, FP32_DOT=q.dtype == torch.float32,
         INTERPRET=interp, TILES_C=per if interp else 0, SPLITS_C=splits if interp else 0,
-        PAGED=paged is not None, PAGE=page, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PAGED=paged is not None, PAGE=page, EXTRA=extra is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **(record or {}),
     )
     if not direct and not fused:
@@ -404,18 +416,34 @@ def sparse_mla_decode(
     d_v: int,
     sink: torch.Tensor | None = None,  # [H] attention-sink logits (DeepSeek-V4)
     config: configs.MLAConfig | None = None,  # tile override (benchmark sweeps)
+    extra_kv: torch.Tensor | None = None,  # [N2, D] a second key source, kv's dtype and column stride
+    extra_indices: torch.Tensor | None = None,  # [B, S, K2] int32 rows of extra_kv, -1 = padding
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA decode. Returns out [B, S, H, d_v] in q's dtype and lse [B, S, H] float32
     (natural log, including the sink). A query whose indices are all -1 gets zeros and
-    lse = -inf (= the sink when one is given). Same contract as `ref.sparse_mla_decode_ref`."""
+    lse = -inf (= the sink when one is given). Same contract as `ref.sparse_mla_decode_ref`.
+    With extra_kv, each query attends to its K rows of kv and its K2 rows of extra_kv in one
+    softmax (FlashMLA's extra cache: DeepSeek-V4's window records and compressed entries live
+    in two pool regions, read where they are)."""
     _check(q, indices, sm_scale, d_v, sink)
-    if kv.dim() != 2 or kv.shape[1] != q.shape[3]:
-        raise ValueError(f"kv must be [N, D={q.shape[3]}], got {tuple(kv.shape)}")
-    if kv.dtype != q.dtype:
-        raise ValueError(f"kv dtype {kv.dtype} must match q dtype {q.dtype}")
-    if kv.device != q.device:
-        raise ValueError(f"kv is on {kv.device}, q on {q.device}")
-    return _run(q, kv, kv.stride(0), kv.stride(1), indices, sm_scale, d_v, sink, "bf16", config)
+    for name, t in (("kv", kv), ("extra_kv", extra_kv)):
+        if t is None:
+            continue
+        if t.dim() != 2 or t.shape[1] != q.shape[3]:
+            raise ValueError(f"{name} must be [N, D={q.shape[3]}], got {tuple(t.shape)}")
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name} dtype {t.dtype} must match q dtype {q.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    extra = None
+    if (extra_kv is None) != (extra_indices is None):
+        raise ValueError("extra_kv and extra_indices come together")
+    if extra_kv is not None:
+        _check(q, extra_indices, sm_scale, d_v, sink)
+        if extra_kv.stride(1) != kv.stride(1):
+            raise ValueError(f"extra_kv's column stride {extra_kv.stride(1)} must be kv's ({kv.stride(1)})")
+        extra = (extra_kv, extra_indices)
+    return _run(q, kv, kv.stride(0), kv.stride(1), indices, sm_scale, d_v, sink, "bf16", config, extra=extra)
 
 
 def sparse_mla_decode_fp8(
@@ -426,13 +454,22 @@ def sparse_mla_decode_fp8(
     d_v: int,
     sink: torch.Tensor | None = None,  # [H]
     config: configs.MLAConfig | None = None,
+    extra_kv: torch.Tensor | None = None,  # [N2, R] uint8 records of a second source
+    extra_indices: torch.Tensor | None = None,  # [B, S, K2] int32, -1 = padding
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA decode over FP8 KV records, dequantized in the kernel (values x their group's
-    fp32 scale, rounded to q's dtype before the dots). Same outputs as `sparse_mla_decode`;
-    reference: `kv_fp8.sparse_mla_decode_fp8_ref`."""
+    fp32 scale, rounded to q's dtype before the dots). Same outputs as `sparse_mla_decode`
+    (extra_kv too); reference: `kv_fp8.sparse_mla_decode_fp8_ref`."""
     _check(q, indices, sm_scale, d_v, sink)
     _check_fp8_records(q, kv, d_v)
-    return _run(q, kv, kv.stride(0), 1, indices, sm_scale, d_v, sink, "fp8", config)
+    extra = None
+    if (extra_kv is None) != (extra_indices is None):
+        raise ValueError("extra_kv and extra_indices come together")
+    if extra_kv is not None:
+        _check(q, extra_indices, sm_scale, d_v, sink)
+        _check_fp8_records(q, extra_kv, d_v)
+        extra = (extra_kv, extra_indices)
+    return _run(q, kv, kv.stride(0), 1, indices, sm_scale, d_v, sink, "fp8", config, extra=extra)
 
 
 def _check_fp8_records(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> None:

@@ -60,7 +60,7 @@ NEW_TOKENS = 32
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-OPS = ("sparse_mla_decode", "indexer_topk", "mla_prefill_attention", "fused_moe", "fp8_linear", "fused_moe_fp8", "fused_moe_fp4")
+OPS = ("sparse_mla_decode", "indexer_topk", "indexer_topk_paged", "mla_prefill_attention", "fused_moe", "fp8_linear", "fused_moe_fp8", "fused_moe_fp4")
 FP8_BLOCK = (32, 32)  # the tiny models' widths (64 .. 256) are multiples; kv_a's 80 rows leave a partial block
 
 
@@ -211,7 +211,7 @@ def check_arch(arch: str, device: str, dtypes: list[str], root: str) -> tuple[li
             c["v4_one_launch_per_layer"] &= moe["triton" if run.split("-")[1] != "cpu" else "torch"] == sum(moe.values()) > 0
         mla = c["sparse_mla_decode"]
         print(f"{arch} {run}: {c['forwards']} forwards x {c['num_layers']} layers; sparse_mla_decode "
-              f"triton {mla['triton']} torch {mla['torch']}; indexer_topk {c['indexer_topk']}; "
+              f"triton {mla['triton']} torch {mla['torch']}; indexer_topk {c['indexer_topk']} paged {c['indexer_topk_paged']}; "
               f"fp8_linear {c['fp8_linear']}; fused_moe_fp8 {c['fused_moe_fp8']}; fused_moe_fp4 {c['fused_moe_fp4']}", flush=True)
     return rows, calls
 

@@ -54,7 +54,7 @@ def test_report_is_well_formed(model, tmp_path, capsys):
         (["--dtype", "fp4"], "FP4 routed experts are DeepSeek-V4's"),
         (["--load-format", "auto"], "only 'dummy'"),
         (["--kv-cache-dtype", "bfloat16"], "auto (the weights' dtype) or fp8"),
-        (["--model", "tiny-v4", "--kv-cache-dtype", "fp8"], "not built for DeepSeek-V4 yet"),  # the engine's own refusal
+        (["--model", "tiny-v4", "--kv-cache-dtype", "fp8"], "count only V3.2's fp8_ds_mla records"),
     ],
 )
 def test_refuses_what_is_not_built(flags, says, capsys):

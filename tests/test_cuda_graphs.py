@@ -79,3 +79,57 @@ def test_what_runs_eagerly(model):
     no_sample = step([[1]], [3], [[0]])
     no_sample.samples[:] = False  # a one-token chunk that does not end its prompt
     assert not runner.fits(no_sample)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_v4_padded_static_batch_gives_the_eager_rows(tmp_path, kv_cache_dtype):
+    """DeepSeek-V4 (window, entries, indexer keys, compressor state; fp8: window and entries as
+    fp8_ds_v4 pages): the padded static batch gives the real rows the eager step's hidden states
+    and pool writes (the decode tokens close CSA and HCA groups), and its padding rows write only
+    the scratch block, window block and state slot."""
+    from pdserve.model.v4_loader import load_v4_model
+    from pdserve.model.v4_paged import PagedDeepseekV4
+
+    model = PagedDeepseekV4(load_v4_model(make_tiny_model(tmp_path, "deepseek_v4", seed=0), dtype=torch.float32))
+    blocks, wblocks, slots = 12, 12, 3  # + one scratch each
+    kv = KVCache(model.kv_cache_specs(kv_cache_dtype), model.num_layers, blocks + 1, BS, torch.float32, "cpu", wblocks + 1, slots + 1)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(4, 300, (n,), generator=g).tolist() for n in (15, 3, 7)]
+    tables, wtables = [[7, 2, 11, 4], [0], [5, 9]], [[3, 10, 1, 6], [8], [2, 0]]
+    st = step(prompts, [0, 0, 0], tables)
+    st.window_tables, st.state_slots = torch.tensor([t + [-1] * (4 - len(t)) for t in wtables]), torch.tensor([2, 0, 1])
+    model.forward(ForwardBatch.build(st, BS), kv)  # prefill all three
+    decode = step([[21], [22], [23]], [15, 3, 7], tables)
+    decode.window_tables, decode.state_slots = st.window_tables, st.state_slots
+    eager_kv = copy.deepcopy(kv)
+    want = model.forward(ForwardBatch.build(decode, BS), eager_kv)  # [3, hidden]
+
+    runner = CudaGraphRunner(model, kv, max_bs=8, max_len=40, scratch_block=blocks, scratch_window_block=wblocks, scratch_state_slot=slots)
+    runner.buckets = [8, 16, 40]  # this step's longest context, 16, takes the second
+    runner.replay = lambda key: runner.outputs.__setitem__(key, model.forward(runner.static_batch(*key), kv))
+    assert runner.fits(decode)
+    got = runner.run(decode)  # 3 rows padded to a graph of 4
+    assert list(runner.outputs) == [(4, 16)]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    for name, region in kv.regions.items():
+        n = region.shape[1] - 1  # the scratch is the last block / slot of its space
+        torch.testing.assert_close(region[:, :n], eager_kv.regions[name][:, :n], rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        if name in ("window", "csa_kv", "csa_index_k", "hca_kv", "csa_state", "hca_state"):
+            assert region[:, n].float().abs().sum() > 0, name  # the padding row wrote there
+        assert eager_kv.regions[name][:, n].float().abs().sum() == 0, name  # the eager step never does
+
+
+def test_static_batch_is_views_of_the_runner_buffers(model):
+    """A captured graph reads its inputs where they were at capture: every tensor of the static
+    batch must live in a buffer the runner keeps (a tensor made per call would be freed after
+    capture and its memory reused; DeepSeek-V4's compressors read `lens`)."""
+    from dataclasses import fields
+
+    kv = KVCache(model.kv_cache_specs(), model.num_layers, 5, BS, torch.float32, "cpu")
+    runner = CudaGraphRunner(model, kv, max_bs=4, max_len=16, scratch_block=4)
+    kept = {t.untyped_storage().data_ptr() for t in vars(runner).values() if isinstance(t, torch.Tensor)}
+    batch = runner.static_batch(2, 16)
+    for f in fields(batch):
+        value = getattr(batch, f.name)
+        if isinstance(value, torch.Tensor):
+            assert value.untyped_storage().data_ptr() in kept, f.name

@@ -2,8 +2,8 @@
 
 Tiny random models are made by transformers itself (every bias, sink and position bias made
 non-zero, hash tables random), saved with save_pretrained and loaded with pdserve's V4 loader.
-pdserve runs them incrementally (flat batches of several sequences, explicit cache state);
-transformers runs each prompt alone, as a whole.
+pdserve runs them incrementally (flat batches of several sequences over a paged pool, as the
+engine does: tests/v4_pool.py); transformers runs each prompt alone, as a whole.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from helpers_v4 import VOCAB, hf_v4_model
 from pdserve.model.config_v4 import CSA, HCA, SLIDING
 from pdserve.model.v4_loader import load_v4_model
 from pdserve.tiny_model import make_tiny_model
+from v4_pool import PoolRunner
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -53,27 +54,19 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-def _run(model, pieces: list[list[int]], state) -> torch.Tensor:
-    """Feed `pieces` of one sequence one forward each; logits of every token [sum, V]."""
-    out = [model.compute_logits(model(torch.tensor(p), [len(p)], [state])) for p in pieces]
-    return torch.cat(out)
+def _run(model, pieces: list[list[int]], block_size: int = 8) -> torch.Tensor:
+    """Feed `pieces` of one new sequence one forward each; logits of every token [sum, V]."""
+    pool = PoolRunner(model, block_size=block_size)
+    seq = pool.new_sequence()
+    return torch.cat([pool.compute_logits(pool(torch.tensor(p), [len(p)], [seq])) for p in pieces])
 
 
 def test_prefill_logits_match_transformers(pair):
     ref, model = pair
     with torch.no_grad():
         expected = ref(PROMPT[None]).logits[0]
-    state = model.new_state()
-    got = _run(model, [PROMPT.tolist()], state)
-    assert _rel(got, expected) < 1e-4
-    # the state holds what the docs say: window W-1, one entry per complete group, the rest pending
-    W, n = model.config.v4.sliding_window, len(PROMPT)
-    for i, layer in enumerate(state.layers):
-        assert layer.window.shape[0] == W - 1
-        if layer.compressor is not None:
-            m = model.config.v4.compress_rate(i)
-            assert layer.compressor.entries.shape[0] == n // m and layer.compressor.pending_kv.shape[0] == n % m
-    assert state.num_tokens == n
+    for bs in (4, 8, 32):  # an HCA entry per 2 blocks, one a block, several a block
+        assert _rel(_run(model, [PROMPT.tolist()], bs), expected) < 1e-4
 
 
 def test_chunked_prefill_matches_whole_prefill(pair):
@@ -81,10 +74,10 @@ def test_chunked_prefill_matches_whole_prefill(pair):
     with torch.no_grad():
         expected = ref(PROMPT[None]).logits[0]
     ids = PROMPT.tolist()
-    whole = _run(model, [ids], model.new_state())
+    whole = _run(model, [ids])
     for cuts in ((1, 2, 3, 9, 16, 17, 30), (5, 13, 21, 29, 37), tuple(range(1, 45))):
         bounds = (0, *cuts, len(ids))
-        chunked = _run(model, [ids[a:b] for a, b in zip(bounds[:-1], bounds[1:])], model.new_state())
+        chunked = _run(model, [ids[a:b] for a, b in zip(bounds[:-1], bounds[1:])])
         assert _rel(chunked, whole) < 1e-5
         assert _rel(chunked, expected) < 1e-4
 
@@ -92,12 +85,12 @@ def test_chunked_prefill_matches_whole_prefill(pair):
 def test_indexer_drops_entries(pair):
     """The sparse path is taken: with a top-k covering every entry, the logits change."""
     _, model = pair
-    logits = _run(model, [PROMPT.tolist()], model.new_state())
+    logits = _run(model, [PROMPT.tolist()])
     indexers = [layer.self_attn.compressor.indexer for layer in model.model.layers if layer.self_attn.kind == CSA]
     for ix in indexers:
         ix.topk = 1000
     try:
-        dense = _run(model, [PROMPT.tolist()], model.new_state())
+        dense = _run(model, [PROMPT.tolist()])
     finally:
         for ix in indexers:
             ix.topk = model.config.index_topk
@@ -117,7 +110,8 @@ def test_batched_greedy_matches_transformers_generate(pair):
         out = ref.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
         expected.append(out[0, len(p) :].tolist())
 
-    states = [model.new_state() for _ in prompts]
+    pool = PoolRunner(model)
+    seqs = [pool.new_sequence() for _ in prompts]
     generated: list[list[int]] = [[] for _ in prompts]
     todo = {i: list(p) for i, p in enumerate(prompts)}  # prompt tokens not yet fed
     half = len(prompts) // 2
@@ -135,13 +129,37 @@ def test_batched_greedy_matches_transformers_generate(pair):
         if not work:
             break
         ids = torch.tensor([t for _, toks in work for t in toks])
-        hidden = model(ids, [len(toks) for _, toks in work], [states[i] for i, _ in work])
+        hidden = pool(ids, [len(toks) for _, toks in work], [seqs[i] for i, _ in work])
         last_rows = torch.cumsum(torch.tensor([len(toks) for _, toks in work]), 0) - 1
-        next_ids = model.compute_logits(hidden[last_rows]).argmax(-1).tolist()
+        next_ids = pool.compute_logits(hidden[last_rows]).argmax(-1).tolist()
         for (i, _), tok in zip(work, next_ids):
             if not todo[i]:  # the whole prompt is in: this token is sampled
                 generated[i].append(tok)
     assert generated == expected
+
+
+def test_mixed_batch_logits_match_transformers(pair):
+    """One step holding decode tokens, prefill chunks that start mid-prompt (past a window, at and
+    off group boundaries) and a fresh prompt, then one decode step of all of them: every token's
+    logits equal transformers' over the whole sequence (the pool path against the oracle itself,
+    not against the per-sequence path it replaced)."""
+    ref, model = pair
+    g = torch.Generator().manual_seed(3)
+    plan = [(8, 1), (16, 1), (20, 13), (0, 12), (31, 9), (3, 1)]  # (tokens cached before, new this step)
+    tokens = [torch.randint(4, VOCAB, (c + n + 1,), generator=g) for c, n in plan]
+    pool = PoolRunner(model, block_size=4)
+    seqs = [pool.new_sequence() for _ in plan]
+    for s, (c, _), toks in zip(seqs, plan, tokens):
+        if c:  # earlier steps, one sequence each
+            pool(toks[:c], [c], [s])
+    for new in ([n for _, n in plan], [1] * len(plan)):  # the mixed step, then a decode-only step
+        starts = [pool.lengths[s] for s in seqs]
+        ids = torch.cat([toks[c : c + n] for c, n, toks in zip(starts, new, tokens)])
+        got = pool.compute_logits(pool(ids, new, seqs)).split(new)
+        for c, n, toks, logits in zip(starts, new, tokens, got):
+            with torch.no_grad():
+                want = ref(toks[None, : c + n]).logits[0, c:]
+            assert _rel(logits, want) < 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +179,7 @@ def test_tiny_model_loads_in_transformers_and_pdserve(tiny):
     ids = torch.arange(4, 60)
     with torch.no_grad():
         expected = ref.eval()(ids[None]).logits[0]
-    assert _rel(_run(model, [ids.tolist()], model.new_state()), expected) < 1e-4
+    assert _rel(_run(model, [ids.tolist()]), expected) < 1e-4
     tok = transformers.AutoTokenizer.from_pretrained(tiny)
     prompt = tok("The capital of France is", return_tensors="pt")
     out = ref.generate(**prompt, max_new_tokens=16, do_sample=False)

@@ -285,3 +285,37 @@ def test_reference_sink_is_transformers_sink():
         combined = torch.cat([logits, sink[:, None]], dim=-1)
         probs = torch.softmax(combined - combined.max(-1, keepdim=True).values, dim=-1)[:, :-1]
         torch.testing.assert_close(out[t, 0], probs @ kv[keep], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [1, 4])
+def test_two_sources_equal_one_concatenated_buffer(dtype, splits):
+    """DeepSeek-V4 reads its window records and its compressed entries where they lie (two pool
+    regions): attention over (kv, indices) + (extra_kv, extra_indices) equals attention over one
+    buffer cat([kv, extra_kv]) with the extra indices shifted by N, in float64. K is not a
+    multiple of the tile, so a tile straddles the two sources; rows of both sources are strided."""
+    T, H, D, N, N2, W, E = 5, 8, 64, 90, 70, 9, 23
+    gen = torch.Generator().manual_seed(11 + splits)
+    q = torch.randn(T, 1, H, D, generator=gen).to(DEVICE, dtype)
+    kv = torch.randn(N, D + 16, generator=gen).to(DEVICE, dtype)[:, :D]
+    extra = torch.randn(N2, D + 8, generator=gen).to(DEVICE, dtype)[:, :D]
+    idx = v4_indices(T, W, 3, N, gen)[:, :, :W]  # window rows, leading -1
+    idx2 = torch.randint(0, N2, (T, 1, E), generator=gen, dtype=torch.int32)
+    idx2[torch.rand(T, 1, E, generator=gen) < 0.3] = -1
+    idx2[-1] = -1  # the last query reads nothing of the second source
+    idx2 = idx2.to(DEVICE)
+    sink = torch.randn(H, generator=gen).to(DEVICE)
+    cfg = configs.MLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, min_tiles=1, max_splits=splits,
+                            fused_merge=True)
+    scale = D**-0.5
+    with poisoned_empty():
+        out, lse = sparse_mla_decode(q, kv, idx, scale, D, sink=sink, config=cfg, extra_kv=extra, extra_indices=idx2)
+    flat = torch.cat([kv, extra]).double()
+    joined = torch.cat([idx, torch.where(idx2 >= 0, idx2 + N, -1)], dim=2)
+    want, want_lse = sparse_mla_decode_ref(q.double(), flat, joined, scale, D, sink=sink.double())
+    assert_close(out, want, dtype)
+    check_lse(lse, want_lse)
+    got, got_lse = sparse_mla_decode_ref(q.double(), kv.double(), idx, scale, D, sink=sink.double(),
+                                         extra_kv=extra.double(), extra_indices=idx2)
+    torch.testing.assert_close(got, want)  # the reference's own two-source path
+    torch.testing.assert_close(got_lse, want_lse)

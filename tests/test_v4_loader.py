@@ -24,6 +24,7 @@ from pdserve.model.loader import CheckpointError, load_model
 from pdserve.model.v4_cache import cache_bytes
 from pdserve.model.v4_loader import load_v4_model
 from pdserve.tiny_model import make_tiny_model
+from v4_pool import PoolRunner
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -168,7 +169,8 @@ def _write(path: Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
 
 
 def _logits(model) -> torch.Tensor:
-    return model.compute_logits(model(IDS, [len(IDS)], [model.new_state()]))
+    pool = PoolRunner(model)
+    return pool.compute_logits(pool(IDS, [len(IDS)], [pool.new_sequence()]))
 
 
 def test_quantized_release_checkpoint_matches_float_reference(quantized, caplog):

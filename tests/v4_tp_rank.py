@@ -19,10 +19,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pdserve.distributed.group import join  # noqa: E402
 from pdserve.model.deepseek_v4 import DeepseekV4ForCausalLM  # noqa: E402
 from pdserve.model.v4_loader import load_v4_model  # noqa: E402
+from v4_pool import PoolRunner  # noqa: E402
 
 # prompt lengths around the rates (4, 8) and the window (8); each sequence: prompt + 6 fed tokens
 PROMPT_LENS = (3, 8, 9, 17, 30)
@@ -35,8 +37,9 @@ CHUNK = 7  # prefill chunk size: longer prompts take several steps beside the ot
 @torch.no_grad()
 def run_steps(model: DeepseekV4ForCausalLM) -> list[torch.Tensor]:
     """Feed SEQUENCES as an engine would: sequence b joins at step b % 3, its prompt in chunks of
-    CHUNK, then one token a step; all running sequences in one flat forward. Logits [n, V] each."""
-    states = [model.new_state() for _ in SEQUENCES]
+    CHUNK, then one token a step; all running sequences in one flat forward over a paged pool (v4_pool.py). Logits [n, V] each."""
+    pool = PoolRunner(model)
+    seqs = [pool.new_sequence() for _ in SEQUENCES]
     fed, out = [0] * len(SEQUENCES), [[] for _ in SEQUENCES]
     step = 0
     while any(f < len(s) for f, s in zip(fed, SEQUENCES)):
@@ -46,8 +49,8 @@ def run_steps(model: DeepseekV4ForCausalLM) -> list[torch.Tensor]:
                 n = min(CHUNK, n_prompt - fed[b]) if fed[b] < n_prompt else 1
                 work.append((b, seq[fed[b] : fed[b] + n]))
         lens = [len(toks) for _, toks in work]
-        hidden = model(torch.tensor([t for _, toks in work for t in toks]), lens, [states[b] for b, _ in work])
-        for (b, _), logits in zip(work, model.compute_logits(hidden).split(lens)):
+        hidden = pool(torch.tensor([t for _, toks in work for t in toks]), lens, [seqs[b] for b, _ in work])
+        for (b, _), logits in zip(work, pool.compute_logits(hidden).split(lens)):
             out[b].append(logits)
             fed[b] += logits.shape[0]
         step += 1

@@ -7,14 +7,16 @@ pool, captured largest first. A step of B one-token decodes whose longest contex
 graph of the smallest size >= B and the smallest bucket >= C; the graph reads its inputs from
 static buffers that the step fills first. The extra rows are padding: they attend to nothing
 (context length 0) and write their KV records into the pool's scratch block, one block past those
-the BlockManager hands out, so no sequence's record is touched. The paged kernels' grids (and the
-indexer's [G, C] scores and top-k) are sized by the bucket, not by max_model_len, and each query
-stops at its own context.
+the BlockManager hands out (and, for DeepSeek-V4, the scratch window block and state slot past
+those of the window and state spaces: a padding row is a sequence at position 0 whose every table
+points there), so no sequence's record is touched. The paged kernels' grids (and the indexer's
+[G, C] scores and top-k; V4's entry lists, C / m wide) are sized by the bucket, not by
+max_model_len, and each query stops at its own context.
 
 Used when: CUDA, not `enforce_eager`, one engine rank (tensor parallelism runs eager), a model that
-declares `supports_cuda_graphs` (DeepSeek-V3/V3.2; V4's per-sequence cache state is gathered on
-the host), every chunk of the step one token that samples, B <= the largest size. Anything else
-runs eagerly, as before.
+declares `supports_cuda_graphs` (DeepSeek-V3/V3.2; V4 when its routed experts run in a fused
+kernel: v4_paged.py), every chunk of the step one token that samples, B <= the largest size.
+Anything else runs eagerly, as before.
 
 Legend: B decode tokens in the step, G rows of the graph replayed (>= B), W block-table width of
 max_model_len.
@@ -46,7 +48,11 @@ def graph_sizes(max_bs: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, *, max_bs: int, max_len: int, scratch_block: int) -> None:
+    def __init__(
+        self, model: torch.nn.Module, kv_cache: KVCache, *, max_bs: int, max_len: int, scratch_block: int,
+        scratch_window_block: int = -1, scratch_state_slot: int = -1,
+    ) -> None:
+        """scratch_*: the padding rows' block, window block and state slot (-1: the pool has no such space)."""
         self.model, self.kv_cache = model, kv_cache
         self.sizes = graph_sizes(max_bs)
         self.buckets = context_buckets(max_len)
@@ -57,10 +63,14 @@ class CudaGraphRunner:
         dev, G = next(iter(kv_cache.regions.values())).device, self.sizes[-1]
         self.input_ids = torch.zeros(G, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(G, dtype=torch.int64, device=dev)
+        self.lens = torch.ones(G, dtype=torch.int64, device=dev)  # static too: a graph must not read a freed tensor
         self.slot_mapping = torch.full((G,), self.scratch_slot, dtype=torch.int64, device=dev)
         self.seq_ids = torch.zeros(G, dtype=torch.int32, device=dev)
         self.context_lens = torch.zeros(G, dtype=torch.int32, device=dev)
-        self.block_tables = torch.zeros(G, self.width, dtype=torch.int32, device=dev)
+        self.scratch_block, self.scratch_window_block, self.scratch_state_slot = scratch_block, scratch_window_block, scratch_state_slot
+        self.block_tables = torch.full((G, self.width), scratch_block, dtype=torch.int32, device=dev)
+        self.window_tables = torch.full((G, self.width), scratch_window_block, dtype=torch.int64, device=dev)
+        self.state_slots = torch.full((G,), scratch_state_slot, dtype=torch.int64, device=dev)
         self.rows = torch.arange(G, device=dev)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}  # (G, bucket) -> [G, hidden] output buffer
@@ -68,12 +78,11 @@ class CudaGraphRunner:
     def static_batch(self, g: int, bucket: int) -> ForwardBatch:
         """The ForwardBatch a graph of g rows and contexts up to `bucket` is captured with: views
         of the static buffers."""
-        none = torch.full((g, 1), -1, dtype=torch.int64, device=self.rows.device)
         return ForwardBatch(
             input_ids=self.input_ids[:g], positions=self.positions[:g], slot_mapping=self.slot_mapping[:g],
             seq_ids=self.seq_ids[:g], context_lens=self.context_lens[:g], decode_rows=self.rows[:g], prefill=None,
-            logits_indices=self.rows[:g], starts=self.positions[:g], lens=torch.ones_like(self.positions[:g]),
-            block_tables=self.block_tables[:g], window_tables=none, state_slots=none[:, 0],
+            logits_indices=self.rows[:g], starts=self.positions[:g], lens=self.lens[:g],
+            block_tables=self.block_tables[:g], window_tables=self.window_tables[:g], state_slots=self.state_slots[:g],
             block_size=self.block_size, max_context=bucket,
         )  # fmt: skip
 
@@ -121,13 +130,20 @@ class CudaGraphRunner:
             torch.cat([step.input_ids, step.input_ids.new_zeros(pad)]),
             torch.cat([pos, pos.new_zeros(pad)]),
             torch.cat([slots, slots.new_full((pad,), self.scratch_slot)]),
-            torch.cat([torch.arange(B), torch.zeros(pad, dtype=torch.int64)]),
+            torch.arange(g),  # a padding row is its own sequence (V4 reads its tables: the scratch)
             torch.cat([pos + 1, pos.new_zeros(pad)]),
         ])  # fmt: skip
         rows = rows.to(self.input_ids.device, non_blocking=True)
         self.input_ids[:g], self.positions[:g], self.slot_mapping[:g] = rows[0], rows[1], rows[2]
         self.seq_ids[:g], self.context_lens[:g] = rows[3].to(torch.int32), rows[4].to(torch.int32)
-        self.block_tables[:B, : tables.shape[1]] = tables.to(self.block_tables.device, torch.int32, non_blocking=True)
+        dev, w = self.block_tables.device, tables.shape[1]
+        self.block_tables[:B, :w] = tables.to(dev, torch.int32, non_blocking=True)
+        self.block_tables[B:g] = self.scratch_block  # padding rows: every table points at the scratch
+        if self.scratch_window_block >= 0:  # DeepSeek-V4's window tables and state slots
+            self.window_tables[:B, :w] = step.window_tables.to(dev, non_blocking=True)
+            self.window_tables[B:g] = self.scratch_window_block
+            self.state_slots[:B] = step.state_slots.to(dev, non_blocking=True)
+            self.state_slots[B:g] = self.scratch_state_slot
         return g, bucket
 
     def replay(self, key: tuple[int, int]) -> None:

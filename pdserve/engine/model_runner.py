@@ -95,14 +95,17 @@ class ModelRunner:
         use_graphs = (
             self.device.type == "cuda" and not config.enforce_eager and self.tp.size == 1 and getattr(model, "supports_cuda_graphs", False)
         )
-        pool_blocks = self.num_kv_blocks + (1 if use_graphs else 0)  # + the graphs' scratch block (cuda_graphs.py)
-        self.kv_cache = KVCache(
-            specs, model.num_layers, pool_blocks, self.block_size, self.dtype, self.device, self.num_window_blocks, self.num_state_slots
-        )
+        # + the graphs' scratch block in each space the pool has (cuda_graphs.py)
+        scratch = [n + (1 if use_graphs and n else 0) for n in (self.num_kv_blocks, self.num_window_blocks, self.num_state_slots)]
+        self.kv_cache = KVCache(specs, model.num_layers, scratch[0], self.block_size, self.dtype, self.device, scratch[1], scratch[2])
         self.graphs: CudaGraphRunner | None = None
         if use_graphs:
             max_bs = config.cuda_graph_max_bs or min(config.max_num_seqs, 256)
-            self.graphs = CudaGraphRunner(model, self.kv_cache, max_bs=max_bs, max_len=self.max_model_len, scratch_block=self.num_kv_blocks)
+            self.graphs = CudaGraphRunner(
+                model, self.kv_cache, max_bs=max_bs, max_len=self.max_model_len, scratch_block=self.num_kv_blocks,
+                scratch_window_block=self.num_window_blocks if self.num_window_blocks else -1,
+                scratch_state_slot=self.num_state_slots if self.num_state_slots else -1,
+            )
             self.graphs.capture()
         self.eos_token_ids = set(model.config.eos_token_ids) | _ids(config.generation_config().get("eos_token_id"))
         self.sampler = Sampler(self.device, config.seed, sorted(self.eos_token_ids), config.logprobs_mode)

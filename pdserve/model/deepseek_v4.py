@@ -1,17 +1,17 @@
-"""DeepSeek-V4 (V4-Flash) causal LM over a flat batch of new tokens and explicit per-sequence state.
+"""DeepSeek-V4 (V4-Flash) causal LM over a flat batch of new tokens and the paged KV pool.
 
 Legend: T new tokens of the step (all sequences), B sequences, N hc_mult streams, V vocab,
 n tokens of a sequence so far, D head_dim, Di index_head_dim, W sliding_window.
 
-Cache state (SequenceState in v4_cache.py: what the engine pages and transfers), per sequence
-and layer (LayerState), by layer kind:
-  - every layer: `window` [min(n, W-1), D], K=V records of the last positions (normed, roped);
-  - CSA layers (rate 4): `compressor.entries` [n // 4, D] and `indexer.entries` [n // 4, Di]
-    (the indexer keys), plus their running state: pending group [n % 4, 2D] / [n % 4, 2Di] for
-    kv and for gate logits, and the overlap (last group's Ca) [4, D] / [4, Di] for kv and gate;
-  - HCA layers (rate 128): `compressor.entries` [n // 128, D], pending group [n % 128, D] kv + gate.
+Cache state, per sequence and layer, by layer kind, all of it in the pool (regions in
+v4_paged.py: what the engine pages and transfers):
+  - every layer: the K=V records of its last W-1 positions (normed, roped; window region);
+  - CSA layers (rate 4): n // 4 entries [D] and indexer keys [Di], plus their running state:
+    pending group [n % 4, 2D] / [n % 4, 2Di] for kv and for gate logits, and the overlap (last
+    group's Ca) [4, D] / [4, Di] for kv and gate;
+  - HCA layers (rate 128): n // 128 entries [D], pending group [n % 128, D] kv + gate.
 Entry e pools positions e*m .. e*m+m-1 (CSA: and the m before) and is visible from positions
-p >= e*m + m - 1; window row j holds position n - len(window) + j.
+p >= e*m + m - 1.
 Sizes for the released V4-Flash config (43 layers: 2 sliding, 21 CSA, 20 HCA; D 512, Di 128,
 W 128) in bf16, computed by v4_cache.cache_bytes (and checked in tests/test_v4_loader.py):
   - growing: CSA (512 + 128) / 4 values = 320 B/token/layer, HCA 512 / 128 = 8 B/token/layer;
@@ -22,11 +22,12 @@ W 128) in bf16, computed by v4_cache.cache_bytes (and checked in tests/test_v4_l
     folded into an online-softmax accumulator of 3 * 512 values; kept raw here, so that the
     pooling runs in transformers' order of operations).
 
-Forward: `forward(input_ids, lens, states)` runs the new tokens of B sequences (prefill
-chunks and decode tokens alike) concatenated; sequence b's tokens take positions
-states[b].num_tokens onwards, and its state advances in place (layer by layer: after an
-exception the states are half-advanced and must be dropped). Whole-prompt prefill, chunked
-prefill and one-token decode give the same results.
+Forward: `forward(batch, kv_cache)` runs the new tokens of B sequences (prefill chunks and
+decode tokens alike, a ForwardBatch) concatenated; sequence b's tokens take positions
+batch.starts[b] onwards. The step's indices are built on the device once (v4_step.py) and each
+layer reads and writes its regions of the pool in place (after an exception the sequences' pool
+state is half-advanced and must be dropped). Whole-prompt prefill, chunked prefill and one-token
+decode give the same results.
 
 Weights are kept as `config.quant` says (build from a config whose quant is None to dequantize
 at load: v4_loader.py): FP8 e4m3 with 128x128 block scales for the projections V4-Flash ships
@@ -52,12 +53,13 @@ import torch
 from torch import nn
 
 from pdserve.distributed.group import TPGroup
+from pdserve.model.batch import ForwardBatch
 from pdserve.model.config import ModelConfig
 from pdserve.model.config_v4 import CSA, HCA
 from pdserve.model.hyper_connections import HyperConnection, HyperHead, hc_residual
+from pdserve.model.kv_cache import KVCache
 from pdserve.model.rope import RotaryEmbedding
 from pdserve.model.v4_attention import V4Attention
-from pdserve.model.v4_cache import LayerState, SequenceState
 from pdserve.model.v4_moe import V4MoE, fp4_experts
 from pdserve.model.v4_ops import V4RMSNorm
 from pdserve.model.v4_step import V4Step, build_step
@@ -80,10 +82,10 @@ class V4DecoderLayer(nn.Module):
         self.attn_hc = HyperConnection(hidden, v4.hc_mult, v4.hc_sinkhorn_iters, v4.hc_eps, eps)
         self.ffn_hc = HyperConnection(hidden, v4.hc_mult, v4.hc_sinkhorn_iters, v4.hc_eps, eps)
 
-    def forward(self, h: torch.Tensor, step: V4Step, states: list[LayerState]) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, step: V4Step, kv_cache: KVCache, layer: int) -> torch.Tensor:
         """h [T, N, hidden] -> [T, N, hidden]."""
         post, comb, x = self.attn_hc(h)
-        h = hc_residual(h, self.self_attn(self.input_layernorm(x), step, states), post, comb)
+        h = hc_residual(h, self.self_attn(self.input_layernorm(x), step, kv_cache, layer), post, comb)
         post, comb, x = self.ffn_hc(h)
         return hc_residual(h, self.mlp(self.post_attention_layernorm(x), step.input_ids), post, comb)
 
@@ -119,31 +121,21 @@ class DeepseekV4ForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def new_state(self, dtype: torch.dtype | None = None, device=None) -> SequenceState:
-        """An empty cache state for one new sequence, in the model's dtype and device."""
-        ref = self.model.embed_tokens.weight
-        return SequenceState.empty(self.config, dtype or ref.dtype, device or ref.device)
-
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, lens: list[int], states: list[SequenceState]) -> torch.Tensor:
-        """input_ids [T] (B sequences' new tokens, concatenated; lens [B] of them) -> final-normed
-        hidden [T, hidden]. Advances every states[b] by lens[b] tokens."""
-        if len(lens) != len(states) or sum(lens) != input_ids.shape[0] or min(lens, default=1) < 1:
-            raise ValueError(f"lens {lens}: one >= 1 per state ({len(states)}), summing to {input_ids.shape[0]}")
-        step = self._step(input_ids, lens, states)
-        h = self.model.embed_tokens(input_ids)  # [T, hidden]
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        """Every token of the batch (on the model's device) -> final-normed hidden [T, hidden];
+        writes what each sequence's cache gains into kv_cache (v4_paged.v4_kv_specs' regions)."""
+        step = self.step(batch)
+        h = self.model.embed_tokens(step.input_ids)  # [T, hidden]
         h = h.unsqueeze(1).expand(-1, self.config.v4.hc_mult, -1).contiguous()  # [T, N, hidden]
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, step, [st.layers[i] for st in states])
-        for st, n in zip(states, lens):
-            st.num_tokens += n
+            h = layer(h, step, kv_cache, i)
         return self.model.norm(self.model.hc_head(h))
 
-    def _step(self, input_ids: torch.Tensor, lens: list[int], states: list[SequenceState]) -> V4Step:
+    def step(self, batch: ForwardBatch) -> V4Step:
         v4 = self.config.v4
         rates = {kind: {v4.compress_rate(i) for i, t in enumerate(v4.layer_types) if t == kind} for kind in (CSA, HCA)}
-        starts = [st.num_tokens for st in states]
-        return build_step(input_ids, starts, lens, self.rotary, v4.sliding_window, rates[CSA], rates[HCA])
+        return build_step(batch, self.rotary, v4.sliding_window, rates[CSA], rates[HCA])
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

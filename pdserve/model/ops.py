@@ -27,23 +27,33 @@ def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
-def sparse_mla_decode(q, kv, indices, sm_scale: float, d_v: int, sink=None):
-    """kv: [N, D] values, or [N, R] uint8 FP8 records (kernels/kv_fp8.py)."""
+def sparse_mla_decode(q, kv, indices, sm_scale: float, d_v: int, sink=None, extra=None):
+    """kv: [N, D] values, or [N, R] uint8 FP8 records (kernels/kv_fp8.py). extra: (kv2,
+    indices2 [B, S, K2]), a second key source in kv's format read in the same softmax."""
+    x_kv, x_idx = extra if extra is not None else (None, None)
     if _use_triton(q):
         if kv.dtype == torch.uint8:
             from pdserve_kernels import sparse_mla_decode_fp8 as fp8_kernel
 
-            out, lse = fp8_kernel(_half(q), kv, indices, sm_scale, d_v, sink=sink)
+            out, lse = fp8_kernel(_half(q), kv, indices, sm_scale, d_v, sink=sink, extra_kv=x_kv, extra_indices=x_idx)
             return out.to(q.dtype), lse
         from pdserve_kernels import sparse_mla_decode as kernel
 
-        return kernel(q, kv, indices, sm_scale, d_v, sink=sink)
+        return kernel(q, kv, indices, sm_scale, d_v, sink=sink, extra_kv=x_kv, extra_indices=x_idx)
     if kv.dtype == torch.uint8:  # dequantize only the rows the queries read
-        flat = indices.clamp(min=0).long().flatten()
-        rows = unpack_kv_fp8(kv[flat], d_v, q.shape[3]).to(q.dtype)
-        local = torch.where(indices >= 0, torch.arange(flat.numel(), device=flat.device).view_as(indices), -1).to(torch.int32)
-        return ref.sparse_mla_decode_ref(q, rows, local, sm_scale, d_v, sink=sink)
-    return ref.sparse_mla_decode_ref(q, kv, indices, sm_scale, d_v, sink=sink)
+        rows, local = _fp8_rows(kv, indices, d_v, q)
+        if extra is not None:
+            x_kv, x_idx = _fp8_rows(x_kv, x_idx, d_v, q)
+        return ref.sparse_mla_decode_ref(q, rows, local, sm_scale, d_v, sink=sink, extra_kv=x_kv, extra_indices=x_idx)
+    return ref.sparse_mla_decode_ref(q, kv, indices, sm_scale, d_v, sink=sink, extra_kv=x_kv, extra_indices=x_idx)
+
+
+def _fp8_rows(kv: torch.Tensor, indices: torch.Tensor, d_v: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 records `indices` name, dequantized [K', D], and indices into them."""
+    flat = indices.clamp(min=0).long().flatten()
+    rows = unpack_kv_fp8(kv[flat], d_v, q.shape[3]).to(q.dtype)
+    local = torch.where(indices >= 0, torch.arange(flat.numel(), device=flat.device).view_as(indices), -1).to(torch.int32)
+    return rows, local
 
 
 def _half(q: torch.Tensor) -> torch.Tensor:

@@ -13,10 +13,13 @@ output projection maps each group of H/G heads to Ro dims (o_a_proj) and all G*R
 Sliding-only layers use the "main" rope; CSA/HCA layers the "compress" rope (YaRN), everywhere.
 
 The attention of a layer is one `ops.sparse_mla_decode` over the whole flat batch (D = d_v, the
-sinks): one key buffer [N, D] (every sequence's window records, the step's new kv, every
-sequence's entries; layout in v4_step.py) and K indices per query, -1 padded. The window's
-indices and an HCA layer's are built once per step (V4Step); a CSA layer adds the indexer's
-picks (`ops.indexer_topk` over the visible entries).
+sinks) that reads the pool where it lies: the layer's window region (the step's new kv written
+there first) through the step's window rows [T, W], and its entries region through a second
+index list (HCA: every visible entry; CSA: the indexer's top-k, `ops.indexer_topk_paged` over the
+region's indexer keys), -1 padded. The indices are built once per step (v4_step.py). With FP8
+records (`--kv-cache-dtype fp8`: window and entries as fp8_ds_v4 pages) the records each query
+reads are gathered from both regions into one source first (`ops.sparse_mla_decode_fp8_v4`
+takes one): T * (W + K2) records a layer.
 """
 
 from __future__ import annotations
@@ -29,10 +32,10 @@ from pdserve.model import ops
 from pdserve.model.config import ModelConfig
 from pdserve.model.config_v4 import CSA, HCA, SLIDING
 from pdserve.model.fp8 import Block, fp8_params, linear, shard_scales
+from pdserve.model.kv_cache import KVCache
 from pdserve.model.parallel import ColumnParallelLinear, RowParallelLinear, narrow_shard
-from pdserve.model.v4_cache import LayerState
 from pdserve.model.v4_compressor import CSACompressor, HCACompressor, Indexer
-from pdserve.model.v4_ops import V4RMSNorm, rms_norm, rope_tail
+from pdserve.model.v4_ops import V4RMSNorm, rms_norm, rope_tail, store_records
 from pdserve.model.v4_step import V4Step
 
 
@@ -99,7 +102,7 @@ class V4Attention(nn.Module):
         self.tp = tp
         self.head_start, local_heads = tp.shard(H, "num_attention_heads")
         self.kind, self.heads, self.head_dim, self.eps = v4.layer_types[layer_idx], local_heads, D, eps
-        self.window, self.scale = v4.sliding_window, D**-0.5
+        self.window, self.scale, self.rope = v4.sliding_window, D**-0.5, config.qk_rope_head_dim
         self.rope_kind = "main" if self.kind == SLIDING else "compress"
         fp8 = config.fp8_block  # the checkpoint's FP8 projections, kept FP8 (None: floats)
         self.q_a_proj = linear(hidden, Q, fp8_block=fp8)
@@ -124,41 +127,78 @@ class V4Attention(nn.Module):
             return full
         return narrow_shard(full, 0, self.head_start, self.heads, self.tp.size)
 
-    def forward(self, x: torch.Tensor, step: V4Step, states: list[LayerState]) -> torch.Tensor:
-        """x [T, hidden] (normed) -> [T, hidden]; reads and advances each sequence's LayerState."""
+    def forward(self, x: torch.Tensor, step: V4Step, kv_cache: KVCache, layer: int) -> torch.Tensor:
+        """x [T, hidden] (normed) -> [T, hidden]; writes the step's window records, entries and
+        compressor state of this layer into the pool and reads its keys from there."""
         T = x.shape[0]
         cos, sin = step.rope[self.rope_kind]
         q_res = self.q_a_norm(self.q_a_proj(x))  # [T, Q]
         q = rms_norm(self.q_b_proj(q_res).view(T, self.heads, self.head_dim), self.eps)
         q = rope_tail(q, cos, sin)  # [T, H, D]
-        kv = rope_tail(self.kv_norm(self.kv_proj(x)), cos, sin)  # [T, D]
-        keys = [st.window for st in states] + [kv]  # the window part of the key buffer
-        indices = step.window  # [T, W]
-        if self.compressor is not None:
-            entries, indices = self._compress(x, q_res, step, states)
-            keys.append(entries)
-        for st, rows in zip(states, step.rows):  # keep the last W-1 records for the next step
-            seen = torch.cat([st.window, kv[rows]])
-            st.window = seen[seen.shape[0] - min(seen.shape[0], self.window - 1) :]
-        out, _ = ops.sparse_mla_decode(
-            q[:, None], torch.cat(keys), indices[:, None], self.scale, self.head_dim, sink=self.sinks
-        )  # [T, 1, H, D]
+        kv = self._kv(x, cos, sin)  # [T, D]
+        window = _region(kv_cache, "window", layer)  # [Nw, D] values, or fp8_ds_v4 pages
+        new = kv if step.window_src is None else kv[step.window_src]
+        store_records(window, step.window_write, new, self.rope)  # the records later steps read
+        extra = self._compress(x, q_res, step, kv_cache, layer) if self.compressor is not None else None
+        if window.dtype == torch.uint8:
+            out = self._attend_fp8(q, kv, window, step, extra)
+        else:
+            keys = window if step.window_old is None else torch.cat([window[step.window_old], kv.to(window.dtype)])
+            out, _ = ops.sparse_mla_decode(
+                q[:, None], keys, step.window[:, None], self.scale, self.head_dim, sink=self.sinks, extra=extra
+            )  # [T, 1, H, D]
         out = rope_tail(out[:, 0], cos, -sin)  # undo the values' rope at the query position
         out = self.o_a_proj(out.reshape(T, self.o_a_proj.groups, -1))  # [T, G*Ro]
         return self.o_b_proj(out)
 
-    def _compress(self, x, q_res, step: V4Step, states: list[LayerState]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Advance each sequence's compressor (and indexer) by its new tokens; returns the entries
-        part of the key buffer [sum E, D] and the layer's attention indices [T, K]."""
-        comp = self.compressor
-        for rows, st in zip(step.rows, states):
-            comp.append(x[rows], st.compressor, step.compress_rotary)
-            if isinstance(comp, CSACompressor):
-                comp.indexer.append(x[rows], st.indexer, step.compress_rotary)
-        entries = torch.cat([st.compressor.entries for st in states])  # [sum E, D]
-        if isinstance(comp, HCACompressor):
-            return entries, step.dense[comp.rate]
-        index_keys = torch.cat([st.indexer.entries for st in states])  # [sum E, Di]
-        cos, sin = step.rope["compress"]
-        chosen = comp.indexer.select(x, q_res, cos, sin, index_keys, step.visible[comp.rate])  # [T, k]
-        return entries, step.with_entries(chosen)
+    def _kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> the step's K = V records [T, D] (normed, roped)."""
+        return rope_tail(self.kv_norm(self.kv_proj(x)), cos, sin)
+
+    def _attend_fp8(self, q, kv, window: torch.Tensor, step: V4Step, extra) -> torch.Tensor:
+        """The attention over fp8_ds_v4 records: the records each query reads, gathered from both
+        regions into pages of one record (bytes as stored; the new kv of a step with longer
+        chunks packed as the pool would hold it) -> [T, 1, H, D]."""
+        D, R = self.head_dim, self.rope
+        if step.window_old is None:
+            pages, idx = _gather_fp8(window, step.window, D, R)
+        else:
+            pages = torch.cat([ops.gather_kv_fp8_v4(window, step.window_old, D, R), ops.pack_kv_fp8_v4(kv, R)])
+            idx = step.window
+        if extra is not None:
+            more, more_idx = _gather_fp8(extra[0], extra[1][:, 0], D, R)
+            idx = torch.cat([idx, torch.where(more_idx >= 0, more_idx + pages.shape[0], -1)], dim=1)
+            pages = torch.cat([pages, more])
+        out, _ = ops.sparse_mla_decode_fp8_v4(q[:, None], pages, idx[:, None].to(torch.int32), self.scale, R, sink=self.sinks)
+        return out
+
+    def _compress(self, x, q_res, step: V4Step, kv_cache: KVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Advance every sequence's compressor (and indexer) by its new tokens, in the pool;
+        returns the attention's second key source: (this layer's entries region, [N, D] values
+        or fp8_ds_v4 pages; the rows each query reads [T, 1, K2]), or None when no query sees an
+        entry yet."""
+        comp, ix = self.compressor, step.entries[self.compressor.rate]
+        csa = isinstance(comp, CSACompressor)
+        name = "csa" if csa else "hca"
+        entries = _region(kv_cache, f"{name}_kv", layer)
+        comp.update(x, ix, step.state_slots, entries, kv_cache.layer(f"{name}_state", layer))
+        if csa:
+            keys = kv_cache.layer("csa_index_k", layer)
+            comp.indexer.update(x, ix, step.state_slots, keys, kv_cache.layer("csa_index_state", layer))
+            cos, sin = step.rope["compress"]
+            rows = comp.indexer.select(x, q_res, cos, sin, keys, ix, step.seq_ids)  # [T, k]
+        else:
+            rows = ix.visible  # [T, Em]
+        return (entries, rows[:, None]) if rows.shape[1] else None
+
+
+def _region(kv_cache: KVCache, name: str, layer: int) -> torch.Tensor:
+    """A layer's K = V region: flat values [N, D], or fp8_ds_v4 pages [blocks, records, bytes]."""
+    return kv_cache.layer_pages(name, layer) if kv_cache.specs[name].byte_record else kv_cache.layer(name, layer)
+
+
+def _gather_fp8(pages: torch.Tensor, rows: torch.Tensor, dim: int, rope: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [T, K] (slots, -1 pad) -> (their records as pages of one [T*K, 1, bytes], indices [T, K] into them)."""
+    flat = rows.clamp(min=0).long().flatten()
+    local = torch.arange(flat.numel(), device=rows.device).view_as(rows)
+    return ops.gather_kv_fp8_v4(pages, flat, dim, rope), torch.where(rows >= 0, local, -1)

@@ -1,10 +1,9 @@
-"""DeepSeek-V4's KV compressors (CSA and HCA) and the CSA lightning indexer.
+"""DeepSeek-V4's KV compressors (CSA and HCA) and the CSA lightning indexer, over the paged pool.
 
-Legend: L new tokens of one sequence, T of the step (all sequences), hidden model width, m rate
-(tokens per entry), Dc entry dim (head_dim, or index_head_dim for the indexer), C projection width
-(Dc, or 2*Dc with overlap), G complete groups closed by this step, E entries after it, Q
-q_lora_rank, Hi/Di indexer heads/dim, N indexer keys of the step (every sequence's entries), Em
-the most entries of one sequence, R rope dims.
+Legend: T tokens of the step (all sequences), B sequences, hidden model width, m rate (tokens per
+entry), Dc entry dim (head_dim, or index_head_dim for the indexer), C projection width (Dc, or
+2*Dc with overlap), U groups the step touches (v4_step.GroupPlan), Hi/Di indexer heads/dim, Q
+q_lora_rank, R rope dims.
 
 A compressor pools every m consecutive tokens into one entry:
     entry = kv_norm(sum_j softmax_j(gate_j + position_bias_j) * kv_j), roped at position e*m.
@@ -12,10 +11,14 @@ HCA pools its group only (C = Dc). CSA (overlap) projects two series per token, 
 Cb = [Dc:], and pools 2m slots: the previous group's Ca and its own group's Cb, so windows of
 2m tokens overlap by m. The indexer is a CSA compressor of its own (at Di) plus a scorer: each
 query keeps the top `index_topk` entries by sum_h w_h * relu(q_h . k) among those it may see
-(`ops.indexer_topk`, over the whole flat batch at once).
+(`ops.indexer_topk_paged`, over the whole flat batch at once, reading the pool's keys).
 
-The running state (incomplete group, last Ca, entries) is an explicit CompressorState
-(see v4_cache.py), so prefill, chunked prefill and decode give the same entries.
+Running state, one record a sequence in the state region (v4_paged.py): the raw kv and gate of
+the incomplete group's P = n % m tokens ([m-1, C] each, zero past P) and, with overlap, the Ca of
+the last complete group ([m, Dc] kv and gate with position bias). `CompressedKV.update` advances
+every sequence of the step at once: it gathers each touched group's m rows from the records and
+the step's projections, pools them all, writes the entries (one scatter) and the new records (one
+scatter), so prefill, chunked prefill and decode give the same entries.
 """
 
 from __future__ import annotations
@@ -25,9 +28,8 @@ from torch import nn
 
 from pdserve.model import ops
 from pdserve.model.fp8 import Block, linear
-from pdserve.model.rope import RotaryEmbedding
-from pdserve.model.v4_cache import CompressorState
-from pdserve.model.v4_ops import V4RMSNorm, rope_tail
+from pdserve.model.v4_ops import V4RMSNorm, rope_tail, store_records
+from pdserve.model.v4_step import EntryIndex
 
 
 class CompressedKV(nn.Module):
@@ -36,40 +38,58 @@ class CompressedKV(nn.Module):
     def __init__(self, hidden: int, dim: int, rate: int, overlap: bool, eps: float) -> None:
         super().__init__()
         width = 2 * dim if overlap else dim
-        self.dim, self.rate, self.overlap = dim, rate, overlap
+        self.dim, self.rate, self.overlap, self.width = dim, rate, overlap, width
         self.kv_proj = nn.Linear(hidden, width, bias=False)
         self.gate_proj = nn.Linear(hidden, width, bias=False)
         self.position_bias = nn.Parameter(torch.zeros(rate, width, dtype=torch.float32))
         self.kv_norm = V4RMSNorm(dim, eps)
 
-    def append(self, x: torch.Tensor, state: CompressorState, rotary: RotaryEmbedding) -> None:
-        """Feed one sequence's new tokens x [L, hidden]; closes complete groups into entries."""
-        m, dim = self.rate, self.dim
-        kv = torch.cat([state.pending_kv, self.kv_proj(x)])  # [P + L, C]
-        gate = torch.cat([state.pending_gate, self.gate_proj(x)])
-        groups = kv.shape[0] // m
-        state.pending_kv, state.pending_gate = kv[groups * m :], gate[groups * m :]
-        if groups == 0:
-            return
-        kv = kv[: groups * m].view(groups, m, -1)  # [G, m, C]
-        gate = gate[: groups * m].view(groups, m, -1) + self.position_bias
+    def update(self, x: torch.Tensor, ix: EntryIndex, slots: torch.Tensor, entries: torch.Tensor, states: torch.Tensor) -> None:
+        """Feed every sequence's new tokens x [T, hidden] (state records states[slots], slots [B]):
+        writes the entries of the groups the step touches into `entries` (this layer's region:
+        [N, Dc] values or fp8_ds_v4 pages) and each sequence's new record into `states`
+        [S, state_dim]."""
+        plan, m, dim, C = ix.groups, self.rate, self.dim, self.width
+        B, n = slots.shape[0], (self.rate - 1) * self.width
+        rec = states[slots]  # [B, state_dim]
+        raw_kv = torch.cat([rec[:, :n].reshape(-1, C).to(x.dtype), self.kv_proj(x)])[plan.src]  # [U, m, C]
+        raw_gate = torch.cat([rec[:, n : 2 * n].reshape(-1, C).to(x.dtype), self.gate_proj(x)])[plan.src]
+        biased = (raw_gate + self.position_bias).masked_fill(~plan.present[..., None], float("-inf"))  # float32
+        kv, gate, prev_kv, prev_gate = raw_kv, biased, None, None
         if self.overlap:
-            prev_kv = torch.cat([state.overlap_kv[None].to(kv.dtype), kv[:-1, :, :dim]])  # [G, m, Dc]: Ca
-            prev_gate = torch.cat([state.overlap_gate[None].to(gate.dtype), gate[:-1, :, :dim]])
-            state.overlap_kv, state.overlap_gate = kv[-1, :, :dim], gate[-1, :, :dim]
-            kv = torch.cat([prev_kv, kv[..., dim:]], dim=1)  # [G, 2m, Dc]: previous Ca, own Cb
+            own_kv, own_gate = raw_kv[..., :dim], biased[..., :dim]  # [U, m, Dc]: this group's Ca
+            stored = rec[:, 2 * n :].view(B, 2, m, dim)[plan.seq]  # [U, 2, m, Dc]: the state's last Ca
+            first = plan.first[:, None, None]
+            prev_kv = torch.where(first, stored[:, 0].to(x.dtype), own_kv[plan.prev])
+            prev_gate = torch.where(first, stored[:, 1].to(gate.dtype), own_gate[plan.prev])
+            none = ~plan.has_prev[:, None, None]  # before the first group: kv 0, gate -inf
+            prev_kv = prev_kv.masked_fill(none, 0.0)
+            prev_gate = prev_gate.masked_fill(none, float("-inf"))
+            kv = torch.cat([prev_kv, raw_kv[..., dim:]], dim=1)  # [U, 2m, Dc]: previous Ca, own Cb
             gate = torch.cat([prev_gate, gate[..., dim:]], dim=1)
-        pooled = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)  # [G, Dc]
-        pooled = self.kv_norm(pooled)
-        first = state.entries.shape[0]
-        positions = torch.arange(first, first + groups, device=x.device) * m
-        cos, sin = rotary(positions)
-        state.entries = torch.cat([state.entries, rope_tail(pooled, cos, sin)])
+        pooled = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)  # [U, Dc]
+        cos, sin = plan.rope
+        store_records(entries, plan.slot, rope_tail(self.kv_norm(pooled), cos, sin), 2 * cos.shape[-1])
+        states.index_copy_(0, slots, self._record(plan, raw_kv, raw_gate, biased, prev_kv, prev_gate).to(states.dtype))
+
+    def _record(self, plan, raw_kv, raw_gate, biased, prev_kv, prev_gate) -> torch.Tensor:
+        """[B, state_dim]: each sequence's last group's first P rows (raw kv, raw gate; zero
+        past P) and, with overlap, the Ca of its last complete group (kv, gate + bias)."""
+        m, dim, last = self.rate, self.dim, plan.last
+        keep = (torch.arange(m - 1, device=last.device) < plan.pending[:, None])[..., None]  # [B, m-1, 1]
+        parts = [torch.where(keep, raw_kv[last, : m - 1], 0.0), torch.where(keep, raw_gate[last, : m - 1], 0.0)]
+        if self.overlap:
+            full = (plan.pending == 0)[:, None, None]  # the last group is complete: its own Ca
+            parts += [
+                torch.where(full, raw_kv[last, :, :dim], prev_kv[last]),
+                torch.where(full, biased[last, :, :dim], prev_gate[last]),
+            ]
+        return torch.cat([p.float().flatten(1) for p in parts], dim=1)
 
 
 class HCACompressor(CompressedKV):
     """Heavily compressed attention: dense over its non-overlapping entries (which ones a query
-    may see: V4Step.visible, built once per step)."""
+    may see: EntryIndex.visible, built once per step)."""
 
 
 class IndexScorer(nn.Module):
@@ -97,14 +117,15 @@ class Indexer(CompressedKV):
         self.q_b_proj = linear(q_lora_rank, heads * head_dim, fp8_block=fp8_block)
         self.scorer = IndexScorer(hidden, heads, head_dim)
 
-    def select(self, x, q_res, cos, sin, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden], q_res [T, Q], cos/sin [T, R/2] (compress rope), keys [N, Di] (every
-        sequence's indexer entries), visible [T, Em] int32 (rows of keys a query may see, -1 pad)
-        -> [T, min(topk, Em)] int32: the rows of each query's top-k visible entries, -1 pad."""
-        if visible.shape[1] == 0:
-            return visible
+    def select(self, x, q_res, cos, sin, keys: torch.Tensor, ix: EntryIndex, seq_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden], q_res [T, Q], cos/sin [T, R/2] (compress rope), keys [N, Di] (this
+        layer's indexer-key region), ix the rate's entries, seq_ids [T] int32 -> [T, min(topk, Em)]
+        int32: the region rows of each query's top-k visible entries, -1 pad."""
+        if ix.max_seen == 0:
+            return ix.seen.new_empty(x.shape[0], 0)
         q = rope_tail(self.q_b_proj(q_res).view(x.shape[0], self.heads, self.dim), cos, sin)  # [T, Hi, Di]
-        return ops.indexer_topk(q, keys, self.scorer.weights(x), visible, self.topk)
+        w = self.scorer.weights(x)
+        return ops.indexer_topk_paged(q, keys, w, ix.table, seq_ids, ix.seen, ix.page, ix.max_seen, self.topk)
 
 
 class CSACompressor(CompressedKV):

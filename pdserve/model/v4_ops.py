@@ -5,12 +5,16 @@ Legend: T tokens, D features, R rope dims (the trailing R of D), ... any middle 
 V4's RMSNorm keeps its weight in float32 and multiplies before casting back (transformers'
 DeepseekV4RMSNorm), unlike V3's. Rope rotates the *last* R dims of each vector as interleaved
 pairs (2i, 2i+1) and writes them back in place, so the layout stays [nope | rope].
+`store_records` writes K = V records into a pool region of either kind: values [N, D], or
+"fp8_ds_v4" pages [blocks, records a block, bytes] (`--kv-cache-dtype fp8`).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from pdserve.model import ops
 
 
 def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -42,3 +46,12 @@ def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     rotated_half = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)  # (-x1, x0) per pair
     rotated = (rope.float() * c + rotated_half.float() * s).to(x.dtype)
     return torch.cat([nope, rotated], dim=-1)
+
+
+def store_records(region: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, rope: int) -> None:
+    """values [n, D] -> records `slots` [n] of a pool region (a slot written twice gets the same
+    values both times: v4_step's padding repeats)."""
+    if region.dtype == torch.uint8:  # fp8_ds_v4 pages: quantized, rope dims in bf16
+        ops.store_kv_fp8_v4(region, slots, values, rope)
+    else:
+        region.index_copy_(0, slots, values.to(region.dtype))
