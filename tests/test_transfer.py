@@ -346,6 +346,13 @@ def decode(peer):
         conn.shutdown()
 
 
+def assert_untouched(kv, before: dict, written: list[int]) -> None:
+    """Every block of every region but `written` holds the bytes it held `before`."""
+    untouched = [b for b in range(kv.num_blocks) if b not in written]
+    for name, t in kv.regions.items():
+        assert torch.equal(as_bytes(t[:, untouched]), as_bytes(before[name][:, untouched]))
+
+
 def test_nixl_read_is_byte_exact_and_notification_releases_the_lease(peer, decode):
     assert decode.ucx_env_applied == {}  # a pool in host memory gets no GPU defaults
     src_ids, dst_ids = [3, 4, 5, 9, 20, 21], [7, 8, 9, 0, 30, 31]
@@ -353,9 +360,7 @@ def test_nixl_read_is_byte_exact_and_notification_releases_the_lease(peer, decod
     before = {n: t.clone() for n, t in decode.kv.regions.items()}
     assert run_load(decode, handle, dst_ids, peer=fetch(handle)) is None
     assert_blocks_equal(decode.kv, dst_ids, peer.kv(), src_ids)
-    untouched = [b for b in range(40) if b not in dst_ids]
-    for name, t in decode.kv.regions.items():
-        assert torch.equal(as_bytes(t[:, untouched]), as_bytes(before[name][:, untouched]))
+    assert_untouched(decode.kv, before, dst_ids)
     # runs (3..5 -> 7..9), (9 -> 0), (20..21 -> 30..31): 3 descriptors per layer, 2 regions x 3 layers
     assert decode.stats.descriptors_sum == 18
     assert decode.stats.bytes_transferred == 6 * 3 * 4 * (40 + 16) * decode.kv.regions["latent"].element_size()
@@ -377,9 +382,7 @@ def test_nixl_staged_read_is_one_descriptor_and_falls_back_when_the_landing_aren
         before = {n: t.clone() for n, t in decode.kv.regions.items()}
         assert run_load(decode, handle, dst_ids, peer=fetch(handle)) is None
         assert_blocks_equal(decode.kv, dst_ids, peer.kv(), src_ids)
-        untouched = [b for b in range(40) if b not in dst_ids]
-        for name, t in decode.kv.regions.items():
-            assert torch.equal(as_bytes(t[:, untouched]), as_bytes(before[name][:, untouched]))
+        assert_untouched(decode.kv, before, dst_ids)
         assert decode.stats.descriptors_sum == 1 and decode.stats.staged == {("decode", "staged"): 1}
         assert decode.stats.bytes_transferred == 6 * 3 * 4 * (40 + 16) * 2 and decode.landing_arena.used_bytes == 0
         assert peer.wait_released("s1")["staging_used"] == 0
