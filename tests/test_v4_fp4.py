@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 
 import v4_tp_rank
 from helpers_v4 import NEW_TOKENS, PROMPT_LENS, engine, ranks_logits, requests, run
+from v4_pool import PoolRunner
 from pdserve.distributed.group import TPGroup
 from pdserve.model.config import ModelConfig
 from pdserve.model.deepseek_v4 import DeepseekV4ForCausalLM
@@ -74,7 +75,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _logits(model) -> torch.Tensor:
-    return model.compute_logits(model(IDS, [len(IDS)], [model.new_state()]))
+    """The prompt's logits, the model run over its own pool as the engine runs it."""
+    pool = PoolRunner(model)
+    return pool.compute_logits(pool(IDS, [len(IDS)], [pool.new_sequence()]))
 
 
 def test_weights_hold_the_checkpoints_bytes(ckpt):
