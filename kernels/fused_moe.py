@@ -107,9 +107,9 @@ def moe_align_fast(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 @triton.jit
 def _w13_kernel(
     x_ptr, w_ptr, act_ptr, pairs_ptr, bexp_ptr, P, INTER, HIDDEN,
-    s_xt, s_we, s_wn, s_wk, s_at,
+    s_xt, s_we, s_wn, s_wk, s_at, limit,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FP32_DOT: tl.constexpr, INTERPRET: tl.constexpr, HIDDEN_C: tl.constexpr,
+    FP32_DOT: tl.constexpr, INTERPRET: tl.constexpr, HIDDEN_C: tl.constexpr, HAS_LIMIT: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -140,6 +140,9 @@ def _w13_kernel(
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K * s_wk
         u_ptrs += BLOCK_K * s_wk
+    if HAS_LIMIT:  # DeepSeek-V4's clamped SwiGLU: gate <= limit, -limit <= up <= limit
+        acc_g = tl.minimum(acc_g, limit)
+        acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     out = act_ptr + pairs.to(tl.int64)[:, None] * s_at + offs_n[None, :]
     tl.store(out, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
@@ -191,11 +194,14 @@ def fused_moe(
     w13_scale_inv: torch.Tensor | None = None,  # fp8 weights only: [E, ceil(2I/bn), ceil(hidden/bk)]
     w2_scale_inv: torch.Tensor | None = None,  # fp8 weights only: [E, ceil(hidden/bn), ceil(I/bk)]
     block_shape: tuple[int, int] = (128, 128),  # fp8 weights only: (bn, bk) of the scales
+    swiglu_limit: float | None = None,  # DeepSeek-V4: gate clamped to <= limit, up to [-limit, limit]
 ) -> torch.Tensor:
     """y [T, hidden] in x's dtype: y[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(gate_e x[t])
     * up_e x[t]), e = topk_ids[t, j]. Same contract as `ref.fused_moe_ref`. With float8_e4m3fn
     weights and their block scales this is `fused_moe_fp8.fused_moe_fp8` (FP8 activations too)."""
     if w13.dtype == torch.float8_e4m3fn or w2.dtype == torch.float8_e4m3fn:
+        if swiglu_limit is not None:
+            raise ValueError("swiglu_limit is for bf16 / fp16 / fp32 weights here (FP8 experts: not built)")
         from pdserve_kernels.fused_moe_fp8 import fused_moe_fp8
 
         return fused_moe_fp8(x, w13, w2, w13_scale_inv, w2_scale_inv, topk_weights, topk_ids,
@@ -232,8 +238,9 @@ def fused_moe(
     _w13_kernel[(blocks, cdiv(inter, cfg.block_n))](
         x, w13, act, pairs, bexp, P, inter, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
+        float(swiglu_limit or 0.0),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        FP32_DOT=fp32, INTERPRET=interp, HIDDEN_C=hidden if interp else 0,
+        FP32_DOT=fp32, INTERPRET=interp, HIDDEN_C=hidden if interp else 0, HAS_LIMIT=swiglu_limit is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     _w2_kernel[(blocks, cdiv(hidden, cfg.w2_block_n))](

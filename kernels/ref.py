@@ -94,11 +94,14 @@ def fused_moe_ref(
     w13_scale_inv: torch.Tensor | None = None,  # fp8 weights only (see ref_fp8.py)
     w2_scale_inv: torch.Tensor | None = None,
     block_shape: tuple[int, int] = (128, 128),
+    swiglu_limit: float | None = None,  # DeepSeek-V4: gate <= limit, -limit <= up <= limit
 ) -> torch.Tensor:
     """y[t] = sum_j topk_weights[t,j] * w2[e] @ (silu(gate_e x) * up_e x), e = topk_ids[t,j].
     float8_e4m3fn weights with block scales: `ref_fp8.fused_moe_fp8_ref`, activations quantized
     as the kernel does (not for float32 / float64 x)."""
     if w13.dtype == torch.float8_e4m3fn or w2.dtype == torch.float8_e4m3fn:
+        if swiglu_limit is not None:
+            raise ValueError("swiglu_limit is for bf16 / fp16 / fp32 weights here (FP8 experts: not built)")
         from pdserve_kernels.ref_fp8 import fused_moe_fp8_ref
 
         return fused_moe_fp8_ref(x, w13, w2, w13_scale_inv, w2_scale_inv, topk_weights, topk_ids,
@@ -110,7 +113,10 @@ def fused_moe_ref(
     for e in torch.unique(flat_ids).tolist():
         tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
         h = _up(x[tok]) @ _up(w13[e]).t()  # [n, 2I]
-        act = F.silu(h[:, :inter]) * h[:, inter:]
+        gate, up = h[:, :inter], h[:, inter:]
+        if swiglu_limit is not None:
+            gate, up = gate.clamp(max=swiglu_limit), up.clamp(min=-swiglu_limit, max=swiglu_limit)
+        act = F.silu(gate) * up
         out = act @ _up(w2[e]).t()  # [n, hidden]
         y.index_add_(0, tok, out * _up(topk_weights[tok, slot, None]).to(y.dtype))
     return y.to(x.dtype)

@@ -61,6 +61,22 @@ def test_empty_experts_and_one_hot_expert(dtype):
     check(*make(T, E, k, 64, 32, dtype, gen, ids=ids), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_limit_clamps_gate_and_up(dtype):
+    """DeepSeek-V4's clamped SwiGLU: gate <= limit, -limit <= up <= limit. Inputs scaled so that
+    about half of the gate and up values lie beyond the limit (the clamp decides the result)."""
+    gen = torch.Generator().manual_seed(7)
+    x, w13, w2, weights, ids = make(9, 6, 2, 80, 48, dtype, gen)
+    x = (x.float() * 4).to(dtype)
+    limit = 1.5
+    with poisoned_empty():
+        y = fused_moe(x, w13, w2, weights, ids, swiglu_limit=limit)
+    want = fused_moe_ref(x.double(), w13.double(), w2.double(), weights.double(), ids, swiglu_limit=limit)
+    plain = fused_moe_ref(x.double(), w13.double(), w2.double(), weights.double(), ids)
+    assert (want - plain).norm() > 0.1 * want.norm()  # the clamp is active
+    assert_close(y, want, dtype)
+
+
 def test_larger_block_m_and_tail_tiles():
     gen = torch.Generator().manual_seed(2)
     cfg = configs.MoEConfig(block_m=32, block_n=32, block_k=32, num_warps=4, num_stages=1)

@@ -14,8 +14,8 @@ points there), so no sequence's record is touched. The paged kernels' grids (and
 max_model_len, and each query stops at its own context.
 
 Used when: CUDA, not `enforce_eager`, one engine rank (tensor parallelism runs eager), a model that
-declares `supports_cuda_graphs` (DeepSeek-V3/V3.2; V4 when its routed experts run in a fused
-kernel: v4_paged.py), every chunk of the step one token that samples, B <= the largest size.
+declares `supports_cuda_graphs` (DeepSeek-V3/V3.2 and V4: its routed experts run in one fused
+kernel a layer, v4_paged.py), every chunk of the step one token that samples, B <= the largest size.
 Anything else runs eagerly, as before.
 
 Legend: B decode tokens in the step, G rows of the graph replayed (>= B), W block-table width of

@@ -62,12 +62,13 @@ def _half(q: torch.Tensor) -> torch.Tensor:
     return q.to(torch.bfloat16) if q.dtype == torch.float32 else q
 
 
-def fused_moe(x, w13, w2, topk_weights, topk_ids):
+def fused_moe(x, w13, w2, topk_weights, topk_ids, swiglu_limit: float | None = None):
+    """swiglu_limit: DeepSeek-V4's clamped SwiGLU (None: plain SwiGLU)."""
     if _use_triton(x):
         from pdserve_kernels.fused_moe import fused_moe as kernel  # the submodule of the same name shadows the lazy export
 
-        return kernel(x, w13, w2, topk_weights, topk_ids)
-    return ref.fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+        return kernel(x, w13, w2, topk_weights, topk_ids, swiglu_limit=swiglu_limit)
+    return ref.fused_moe_ref(x, w13, w2, topk_weights, topk_ids, swiglu_limit=swiglu_limit)
 
 
 def fp8_linear(x, weight, weight_scale_inv, block: tuple[int, int], bias=None):
