@@ -202,7 +202,7 @@ def test_ttft_breakdown_pd(cluster, tmp_path, capsys):
     (r,) = doc["results"]
     b = _check_ttft_parts(r)
     handoff = b["handoff_ms"]
-    assert set(handoff) == {"decode_queue", "kv_transfer", "first_decode", "other"}
+    assert set(handoff) == {"dispatch", "decode_queue", "kv_transfer", "first_decode", "other"} and handoff["dispatch"] > 0
     assert all(v is not None and v >= 0 for v in handoff.values()) and handoff["kv_transfer"] > 0 and handoff["first_decode"] > 0
     # the hand-off ends at decode's first token, before the last: within the client's e2el - ttft
     assert sum(handoff.values()) <= r["mean_e2el_ms"] - r["mean_ttft_ms"] + 5.0

@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.bench.breakdown import HANDOFF_PARTS
+
 THROUGHPUT_GAIN = 1.2  # PD/colocated peak output throughput that counts as a gain
 FLAT_SCALING = 1.5  # throughput grows less than this from lowest to highest concurrency
 MIN_CONCURRENCY_SPAN = 2  # highest/lowest concurrency needed to call throughput flat
@@ -182,7 +184,7 @@ def _ttft_lines(c: int, col: Level, pd: Level) -> list[str]:
         kv = "" if mb is None else f" ({mb / 1e6:.1f} MB a request at {_num(b.get('kv_gb_per_s'), 2)} GB/s)"
         lines.append(
             f"c={c}: PD hand-off, first token -> decode's first token, {total:.1f} ms (mean) = "
-            f"{_parts(b, ('decode_queue', 'kv_transfer', 'first_decode', 'other'), 'handoff_ms')} ms{kv}: "
+            f"{_parts(b, HANDOFF_PARTS, 'handoff_ms')} ms{kv}: "
             "the first token is prefill's, so this is PD's cost to the second token, not to TTFT"
         )
     return lines

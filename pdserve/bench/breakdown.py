@@ -6,8 +6,10 @@ Two scrapes of the router around a level give each part's mean over that level's
 
     TTFT (router arrival -> first token) = queue + prefill + other, on the worker that made the
         first token (PD: the prefill worker; other = router, HTTP, network)
-    PD hand-off (first token -> decode's first token) = decode_queue + kv_transfer + first_decode
-        + other, with the KV bytes per request and their rate (bytes / transfer seconds)
+    PD hand-off (first token -> decode's first token) = dispatch + decode_queue + kv_transfer
+        + first_decode + other, with the KV bytes per request and their rate (bytes / transfer
+        seconds); dispatch = first token -> decode's response headers (router loop, HTTP, decode's
+        handler), other = the first chunk's way back and what no part names
 
 In pdserve the first token is prefill's: PD's KV transfer is not in TTFT but in the hand-off, the
 wait for the second token.
@@ -25,7 +27,7 @@ HANDOFF = "pdserve_router_pd_handoff_seconds"
 KV_BYTES = "pdserve_router_kv_transfer_bytes_total"
 ROUTER_TTFT = "pdserve_time_to_first_token_seconds"
 TTFT_PARTS = ("queue", "prefill", "other")
-HANDOFF_PARTS = ("decode_queue", "kv_transfer", "first_decode", "other")
+HANDOFF_PARTS = ("dispatch", "decode_queue", "kv_transfer", "first_decode", "other")
 
 Scrape = dict[str, float]  # "name" or "name{part}" -> value
 
@@ -108,7 +110,7 @@ def _ms(v: float | None) -> str:
 
 def format_table(results: list[dict[str, Any]]) -> str:
     """One row per level: TTFT's parts and, for PD, the hand-off's (mean ms)."""
-    head = ["conc", "TTFT", "queue", "prefill", "other", "handoff: dec queue", "KV xfer", "first dec", "other", "KV MB/req", "KV GB/s"]
+    head = ["conc", "TTFT", "queue", "prefill", "other", "handoff: dispatch", "dec queue", "KV xfer", "first dec", "other", "KV MB/req", "KV GB/s"]
     rows = [head]
     for r in results:
         b = r.get("ttft_breakdown") or {}

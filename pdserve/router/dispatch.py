@@ -120,10 +120,11 @@ class Dispatcher:
         try:
             yield first
             dw, dresp = await self._open("decode", dreq, first=decode)
+            dispatched = time.monotonic() - t1  # the hand-off's own HTTP leg, up to decode's headers
             async for chunk in self._read(dw, dresp):
                 decode_read = chunk.finish_reason != "error"  # decode streams tokens only once the KV has arrived
                 _raise_if_failed(chunk, "decode")
-                self.metrics.observe_handoff(chunk.timing, time.monotonic() - t1)
+                self.metrics.observe_handoff(chunk.timing, time.monotonic() - t1, dispatched)
                 finished = chunk.finish_reason is not None
                 yield chunk
         finally:

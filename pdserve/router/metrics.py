@@ -57,14 +57,17 @@ class RouterMetrics:
         self.ttft_parts.labels("prefill").observe(timing.compute_s)
         self.ttft_parts.labels("other").observe(max(0.0, seconds - timing.queue_s - timing.compute_s))
 
-    def observe_handoff(self, timing: RequestTiming | None, seconds: float) -> None:
-        """PD: the span from the first token to decode's first chunk (`seconds`), split likewise."""
+    def observe_handoff(self, timing: RequestTiming | None, seconds: float, dispatch_s: float = 0.0) -> None:
+        """PD: the span from the first token to decode's first chunk (`seconds`), split likewise;
+        `dispatch_s`: first token -> the decode worker's response headers (the router's loop, the
+        request's HTTP, decode's handler up to adding it to its engine)."""
         if timing is None:
             return
         worker = timing.queue_s + timing.compute_s + (timing.transfer_s or 0.0)
+        self.handoff_parts.labels("dispatch").observe(dispatch_s)
         self.handoff_parts.labels("decode_queue").observe(timing.queue_s)
         if timing.transfer_s is not None:
             self.handoff_parts.labels("kv_transfer").observe(timing.transfer_s)
             self.kv_bytes.inc(timing.transfer_bytes or 0)
         self.handoff_parts.labels("first_decode").observe(timing.compute_s)
-        self.handoff_parts.labels("other").observe(max(0.0, seconds - worker))
+        self.handoff_parts.labels("other").observe(max(0.0, seconds - worker - dispatch_s))
