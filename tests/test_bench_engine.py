@@ -54,7 +54,6 @@ def test_report_is_well_formed(model, tmp_path, capsys):
         (["--dtype", "fp4"], "FP4 routed experts are DeepSeek-V4's"),
         (["--load-format", "auto"], "only 'dummy'"),
         (["--kv-cache-dtype", "bfloat16"], "auto (the weights' dtype) or fp8"),
-        (["--model", "tiny-v4", "--kv-cache-dtype", "fp8"], "count only V3.2's fp8_ds_mla records"),
     ],
 )
 def test_refuses_what_is_not_built(flags, says, capsys):
@@ -158,6 +157,35 @@ def test_v4_kv_read_by_hand():
     values = 8 * 64 + ((8 + 4) * 64 + 10 * 32) + (8 + 2) * 64
     flops = 4 * 4 * 8 * 64 + (4 * 4 * 12 * 64 + 2 * 16 * 10 * 32) + 4 * 4 * 10 * 64
     assert attention_cost(config, 2, 39, 4) == (2 * values * 4, 2 * flops)
+
+
+def test_v4_fp8_kv_read_by_hand(tmp_path):
+    """--kv-cache-dtype fp8 on tiny V4 runs, and its floor reads each window / entry record as one
+    88-byte fp8_ds_v4 record (48 e4m3 + 16 bf16 rope + 8 scale bytes); index keys stay values."""
+    config = ModelConfig.from_dict(bench_config("tiny-v4", 3))
+    values = 8 * 64 + ((8 + 4) * 64 + 10 * 32) + (8 + 2) * 64
+    records = 8 + (8 + 4) + (8 + 2)
+    assert attention_cost(config, 2, 39, 2, record_bytes=88) == (2 * (2 * (values - 64 * records) + 88 * records), attention_cost(config, 2, 39, 2)[1])
+    out = tmp_path / "fp8kv.json"
+    assert main(["--model", "tiny-v4", *TINY_RUN[:8], "--warmup", "0", "--steps", "1", "--baseline-steps", "0", "--dtype", "float32", "--device", "cpu",
+                 "--kv-cache-dtype", "fp8", "--out", str(out)]) == 0  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    two = ModelConfig.from_dict(bench_config("tiny-v4", 2))
+    for r in rows:  # float32 index keys (4 bytes a value), 88-byte records
+        assert "error" not in r and r["step_ms"] > 0
+        assert r["cost"]["kv_bytes"] == attention_cost(two, r["batch"], r["context"], 4, record_bytes=88)[0]
+
+
+def test_fp8_v4_pages_filled_finite():
+    """The bench's random fp8_ds_v4 pages (V4-Flash's 584-byte records) dequantize to finite values."""
+    from pdserve.bench.engine.decode import _fill_fp8_v4_pages
+    from pdserve_kernels.kv_fp8 import unpack_kv_fp8_v4
+
+    pages = torch.zeros(3, 16, 584, dtype=torch.uint8)
+    _fill_fp8_v4_pages(pages, 64, torch.Generator().manual_seed(0))
+    kv = unpack_kv_fp8_v4(pages)
+    assert kv.shape == (48, 512) and torch.isfinite(kv).all()
+    assert kv[:, :448].abs().max() <= 1.0 and kv[:, :448].std() > 0.1 and 0.5 < kv[:, 448:].std() < 2
 
 
 def test_expected_distinct_experts():

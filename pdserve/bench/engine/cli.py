@@ -36,7 +36,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default="dummy", help="dummy: random weights made in memory (the only one here)")
     p.add_argument("--dtype", default="bfloat16", help="weights: bfloat16 | float16 | float32 | fp8 (= bfloat16 activations, --quantization fp8) | fp4 (DeepSeek-V4's release formats: FP4 routed experts, FP8 projections, bfloat16 activations)")
     p.add_argument("--quantization", "-q", choices=("fp8",), help="fp8: FP8 e4m3 weights with 128 x 128 block scales, kept FP8 (V3.2)")
-    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the weights' dtype) | fp8 (656-byte V3.2 records; V4's not counted here yet)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the weights' dtype) | fp8 (V3.2: 656-byte latent records; V4: 584-byte fp8_ds_v4 window and entry records)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (the engine captures decode graphs by default)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batch-sizes", default="1,16,64,128", help="comma-separated decode batch sizes")
@@ -68,11 +68,6 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--dtype {args.dtype}: choose bfloat16, float16 or float32")
     if args.kv_cache_dtype not in ("auto", "fp8"):
         raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype}: auto (the weights' dtype) or fp8")
-    if args.kv_cache_dtype == "fp8" and "v4" in args.model:
-        raise ValueError(
-            "--kv-cache-dtype fp8 for DeepSeek-V4: the engine runs its fp8_ds_v4 records, but this benchmark's "
-            "pool filling and KV floor count only V3.2's fp8_ds_mla records so far"
-        )
     if min(batch_sizes(args)) < 1 or args.context < 1 or args.long_context < 0 or args.steps < 1 or args.warmup < 0:
         raise ValueError("batch sizes, --context and --steps must be >= 1; --long-context and --warmup >= 0")
 
@@ -138,7 +133,7 @@ def _row(bench, args, batch: int, context: int, roof: dict) -> dict:
         times = bench.timed_steps(seqs, args.steps)
         step_ms = 1e3 * statistics.median(times)
         touched = bench.experts_touched(seqs)
-        cost = step_cost(bench.runner.model, bench.runner.model.config, batch, context, bench.kv_itemsize, touched, latent_bytes=bench.latent_record_bytes)
+        cost = step_cost(bench.runner.model, bench.runner.model.config, batch, context, bench.kv_itemsize, touched, record_bytes=bench.kv_record_bytes)
         floor = cost.floor_ms(roof["copy_bytes_per_s"], roof["matmul_flops_per_s"])
         row.update(step_ms=step_ms, step_ms_all=[1e3 * t for t in times], tok_s=1e3 * batch / step_ms, **floor)
         row.update(ratio=step_ms / floor["floor_ms"], cost=cost.as_dict(), experts_touched=touched)

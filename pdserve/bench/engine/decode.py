@@ -39,9 +39,11 @@ class DecodeBench:
         kv = self.runner.kv_cache
         self.kv_itemsize = kv.dtype.itemsize  # values records
         latent = kv.specs.get("latent")
-        self.latent_record_bytes = latent.dim if latent is not None and latent.byte_record else None  # FP8 records
+        window = kv.specs.get("window")  # V4: its window and entry records share one format
+        byte_spec = latent if latent is not None else window
+        self.kv_record_bytes = byte_spec.dim if byte_spec is not None and byte_spec.byte_record else None  # FP8 records
         self.gen = torch.Generator().manual_seed(config.seed)
-        fill_kv(self.runner.kv_cache, config.seed)
+        fill_kv(self.runner.kv_cache, config.seed, rope_dims=self.runner.model.config.qk_rope_head_dim)
 
     def make_batch(self, batch: int, context: int) -> list[Sequence]:
         """`batch` sequences with `context` tokens in the cache and one to decode next; a failure
@@ -105,15 +107,44 @@ class DecodeBench:
 
 
 @torch.no_grad()
-def fill_kv(kv_cache, seed: int) -> None:
+def fill_kv(kv_cache, seed: int, rope_dims: int = 64) -> None:
     """Random records in every region of the pool (the context the step reads): N(0, 1) values,
-    and for FP8 byte records random finite e4m3 values with scale 1/448 and N(0, 1) bf16 rope."""
+    and for FP8 byte records random finite e4m3 values with a fixed scale and N(0, 1) bf16 rope
+    (the last `rope_dims` values of a record)."""
     for name, t in kv_cache.regions.items():
         g = torch.Generator(device=t.device).manual_seed(seed)
+        record = kv_cache.specs[name].record
         if t.dtype != torch.uint8:
             t.normal_(generator=g)
-            continue
-        _fill_fp8_records(t.view(-1, t.shape[-1]), g)
+        elif record == "fp8_ds_v4":
+            for layer in range(t.shape[0]):  # one layer at a time: the pages of one layer are contiguous
+                _fill_fp8_v4_pages(t[layer], rope_dims, g)
+        else:
+            _fill_fp8_records(t.view(-1, t.shape[-1]), g)
+
+
+def _random_e4m3(shape: tuple[int, ...], g: torch.Generator, device) -> torch.Tensor:
+    vals = torch.randint(0, 0x7F, shape, generator=g, device=device, dtype=torch.uint8)  # no NaN (0x7F)
+    return vals | (torch.randint(0, 2, shape, generator=g, device=device, dtype=torch.uint8) << 7)
+
+
+def _fill_fp8_v4_pages(pages: torch.Tensor, rope: int, g: torch.Generator) -> None:
+    """pages [blocks, P, R] uint8 in kernels/kv_fp8.py's fp8_ds_v4 page layout (P records' values,
+    then their scales): e4m3 values with scale 2^-9 (ue8m0 118), N(0, 1) bf16 rope, zero padding."""
+    from pdserve_kernels.kv_fp8 import V4Record
+
+    R = pages.shape[-1]
+    rec = next(V4Record(rope + nope, rope) for nope in range(16, 8 * R, 16) if V4Record(rope + nope, rope).bytes == R)
+    values = pages.new_empty(pages.shape[0], pages.shape[1], rec.value_bytes)
+    values[..., : rec.nope] = _random_e4m3((*values.shape[:2], rec.nope), g, pages.device)
+    rope_values = torch.randn(*values.shape[:2], rope, generator=g, device=pages.device).to(torch.bfloat16)
+    values[..., rec.nope :] = rope_values.view(torch.uint8)
+    scales = torch.zeros(*values.shape[:2], rec.scale_bytes, dtype=torch.uint8, device=pages.device)
+    scales[..., : rec.groups] = 127 - 9
+    flat = pages.view(pages.shape[0], -1)  # each page: its P records' values, then their scales
+    P = pages.shape[1]
+    flat[:, : P * rec.value_bytes] = values.view(pages.shape[0], -1)
+    flat[:, P * rec.value_bytes :] = scales.view(pages.shape[0], -1)
 
 
 def _fill_fp8_records(rows: torch.Tensor, g: torch.Generator) -> None:
@@ -124,9 +155,7 @@ def _fill_fp8_records(rows: torch.Tensor, g: torch.Generator) -> None:
     R, tail = rows.shape[1], 64
     d_v = next(d for d in range(GROUP, R, GROUP) if record_bytes(d, tail) == R)
     G = d_v // GROUP
-    vals = torch.randint(0, 0x7F, (rows.shape[0], d_v), generator=g, device=rows.device, dtype=torch.uint8)  # no NaN (0x7F)
-    sign = torch.randint(0, 2, vals.shape, generator=g, device=rows.device, dtype=torch.uint8) << 7
-    rows[:, :d_v] = vals | sign
+    rows[:, :d_v] = _random_e4m3((rows.shape[0], d_v), g, rows.device)
     rows[:, d_v : d_v + 4 * G] = torch.full((rows.shape[0], G), 1 / 448, device=rows.device).view(torch.uint8)
     rope = torch.randn(rows.shape[0], tail, generator=g, device=rows.device).to(torch.bfloat16)
     rows[:, d_v + 4 * G :] = rope.view(torch.uint8)

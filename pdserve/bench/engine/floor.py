@@ -65,12 +65,13 @@ def expected_distinct_experts(num_experts: int, top_k: int, batch: int) -> float
 def step_cost(
     model: nn.Module, config: ModelConfig, batch: int, context: int, kv_itemsize: float,
     experts_touched: dict[int, float] | None = None, param_bytes: Callable[[str, torch.Tensor], float] | None = None,
-    latent_bytes: int | None = None,
+    record_bytes: int | None = None,
 ) -> StepCost:
     """The cost of one decode step of `batch` sequences with `context` tokens cached each.
     experts_touched: MoE layer -> distinct routed experts the step used (None: expected).
     param_bytes(name, p): bytes of a parameter as stored (default: as it is in `model`).
-    latent_bytes: bytes of one V3 / V3.2 latent record when it is a byte format (FP8: 656)."""
+    record_bytes: bytes of one attention KV record when it is a byte format (FP8: V3 / V3.2's latent
+    record, 656; V4's window and entry record, 584)."""
     E, k = config.n_routed_experts, config.num_experts_per_tok
     dense = experts = flops = 0
     for name, p in model.named_parameters():
@@ -86,29 +87,31 @@ def step_cost(
         else:
             dense += round(nbytes)
             flops += 0 if name.endswith(_SCALE) else 2 * batch * p.numel()
-    kv, attn_flops = attention_cost(config, batch, context, kv_itemsize, latent_bytes)
+    kv, attn_flops = attention_cost(config, batch, context, kv_itemsize, record_bytes)
     return StepCost(weight_bytes=dense, expert_bytes=experts, kv_bytes=kv, flops=flops + attn_flops)
 
 
-def attention_cost(config: ModelConfig, batch: int, context: int, itemsize: float, latent_bytes: int | None = None) -> tuple[int, int]:
+def attention_cost(config: ModelConfig, batch: int, context: int, itemsize: float, record_bytes: int | None = None) -> tuple[int, int]:
     """(KV bytes read, attention flops) of one decode step, all layers. itemsize: bytes of a
-    record value; latent_bytes: a V3 / V3.2 latent record's bytes when it is a byte format."""
+    record value; record_bytes: an attention record's bytes when it is a byte format (V3 / V3.2's
+    latent, V4's window and entries; the indexer keys stay values)."""
     c, n = config, context + 1
     H, Hi, Di, K = c.num_attention_heads, c.index_n_heads, c.index_head_dim, c.index_topk
     values = flops = 0  # per sequence
     if c.v4 is None:
         rec = c.kv_lora_rank + c.qk_rope_head_dim
-        rec_values = latent_bytes / itemsize if latent_bytes else rec  # in values of itemsize bytes
+        rec_values = record_bytes / itemsize if record_bytes else rec  # in values of itemsize bytes
         keys = min(K, n) if c.has_indexer else n
         for _ in range(c.num_hidden_layers):
             values += keys * rec_values + (n * Di if c.has_indexer else 0)
             flops += 2 * H * keys * (rec + c.kv_lora_rank) + (2 * Hi * n * Di if c.has_indexer else 0)
     else:
         v4, D = c.v4, c.v4.head_dim
+        rec_values = record_bytes / itemsize if record_bytes else D  # a K = V record, in values of itemsize bytes
         for layer, kind in enumerate(v4.layer_types):
             window = min(n, v4.sliding_window)
             entries = n // v4.compress_rate(layer) if kind in (CSA, HCA) else 0
             attended = min(K, entries) if kind == CSA else entries
-            values += (window + attended) * D + (entries * Di if kind == CSA else 0)
+            values += (window + attended) * rec_values + (entries * Di if kind == CSA else 0)
             flops += 4 * H * (window + attended) * D + (2 * Hi * entries * Di if kind == CSA else 0)
     return round(batch * values * itemsize), batch * flops
