@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import transformers
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
 import v4_tp_rank
@@ -97,6 +98,18 @@ def hf_v4_model(extra: dict, seed: int = 0) -> DeepseekV4ForCausalLM:
     model.generation_config.eos_token_id = None  # random models emit EOS by chance; run every step
     model.generation_config.pad_token_id = 0
     return model
+
+
+def transformers_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
+    """The oracle: transformers' greedy tokens in float32, each prompt alone, NEW_TOKENS[i] of
+    prompt i (EOS off: random models emit it by chance)."""
+    ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ref.generation_config.eos_token_id, ref.generation_config.pad_token_id = None, 0
+    out = []
+    for p, n in zip(prompts, NEW_TOKENS):
+        ids = ref.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        out.append(ids[0, len(p) :].tolist())
+    return out
 
 
 def split_params(full: torch.nn.Module, part: torch.nn.Module, rank: int) -> set[str]:

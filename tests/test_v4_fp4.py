@@ -27,7 +27,7 @@ import transformers
 from safetensors.torch import load_file
 
 import v4_tp_rank
-from helpers_v4 import NEW_TOKENS, PROMPT_LENS, engine, ranks_logits, requests, run
+from helpers_v4 import PROMPT_LENS, engine, ranks_logits, requests, run, transformers_greedy
 from v4_pool import PoolRunner
 from pdserve.distributed.group import TPGroup
 from pdserve.model.config import ModelConfig
@@ -61,13 +61,7 @@ def prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def expected(ckpt, prompts) -> list[list[int]]:
     """transformers' greedy tokens on the dequantized checkpoint, each prompt alone."""
-    ref = transformers.AutoModelForCausalLM.from_pretrained(ckpt[1], dtype=torch.float32).eval()
-    ref.generation_config.eos_token_id, ref.generation_config.pad_token_id = None, 0
-    out = []
-    for p, n in zip(prompts, NEW_TOKENS):
-        ids = ref.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        out.append(ids[0, len(p) :].tolist())
-    return out
+    return transformers_greedy(ckpt[1], prompts)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import v4_tp_rank
-from helpers_v4 import NEW_TOKENS, PROMPT_LENS, V4_SPLIT, engine, hf_v4_model, pd_hand_off, ranks_logits, requests, run, split_params
+from helpers_v4 import PROMPT_LENS, V4_SPLIT, engine, hf_v4_model, pd_hand_off, ranks_logits, requests, run, split_params, transformers_greedy
 from pdserve.distributed.group import TPGroup
 from pdserve.model.config import ModelConfig
 from pdserve.model.config_v4 import CSA, HCA, SLIDING
@@ -53,18 +53,6 @@ def models(tmp_path_factory) -> dict[str, Path]:
 def prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(9)
     return [torch.randint(4, 300, (n,), generator=g).tolist() for n in PROMPT_LENS]
-
-
-def _generate(model_dir: Path, prompts) -> list[list[int]]:
-    import transformers
-
-    ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ref.generation_config.eos_token_id, ref.generation_config.pad_token_id = None, 0
-    out = []
-    for p, n in zip(prompts, NEW_TOKENS):
-        ids = ref.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        out.append(ids[0, len(p) :].tolist())
-    return out
 
 
 @pytest.mark.parametrize("size", [2, 4])
@@ -101,7 +89,7 @@ def test_engine_greedy_equals_transformers(models, prompts, name, size):
     procs = list(eng.runner.ranks.procs)
     try:
         out = run(eng, requests(prompts))
-        assert [out[str(i)].outputs[0].token_ids for i in range(len(prompts))] == _generate(models[name], prompts)
+        assert [out[str(i)].outputs[0].token_ids for i in range(len(prompts))] == transformers_greedy(models[name], prompts)
         assert eng.get_stats().kv_blocks_used == 0
     finally:
         eng.shutdown()
@@ -119,7 +107,7 @@ def test_pd_with_tp_equals_transformers(models, prompts, prefill_tp, decode_tp):
         dict(ENGINE, tensor_parallel_size=decode_tp, num_kv_blocks=300),
     )  # fmt: skip
     try:
-        assert [final[str(i)].outputs[0].token_ids for i in range(len(prompts))] == _generate(models["tiny"], prompts)
+        assert [final[str(i)].outputs[0].token_ids for i in range(len(prompts))] == transformers_greedy(models["tiny"], prompts)
         assert prefill.get_stats().kv_blocks_used == 0 and decode.get_stats().kv_blocks_used == 0
     finally:
         prefill.shutdown()
