@@ -2,7 +2,7 @@
 
     python scripts/gpu_graphs_check.py [--device cuda:0] [--dtypes bfloat16,float32] [--out DIR]
 
-For each tiny architecture with graphs (DeepSeek-V3, V3.2) this writes the checkpoint, runs 8
+For each tiny architecture (DeepSeek-V3, V3.2, V4) this writes the checkpoint, runs 8
 prompts x 32 greedy tokens (EOS ignored, one continuous batch) through `pdserve.LLM` twice, with
 CUDA graphs (the default) and with `enforce_eager=True`, and prints per prompt the first token
 that differs, and the wall time of the generate call (after a warm-up generate on each engine).
@@ -51,7 +51,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--dtypes", default="bfloat16,float32")
-    ap.add_argument("--archs", default="deepseek_v3,deepseek_v32")
+    ap.add_argument("--archs", default="deepseek_v3,deepseek_v32,deepseek_v4")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     rows, bad = [], False
