@@ -50,10 +50,15 @@ def sparse_mla_decode(q, kv, indices, sm_scale: float, d_v: int, sink=None, extr
 
 def _fp8_rows(kv: torch.Tensor, indices: torch.Tensor, d_v: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The FP8 records `indices` name, dequantized [K', D], and indices into them."""
+    return _read_rows(indices, lambda flat: unpack_kv_fp8(kv[flat], d_v, q.shape[3]).to(q.dtype))
+
+
+def _read_rows(indices: torch.Tensor, read) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference paths over byte records: `read(flat slot ids)` dequantizes only the rows the
+    queries name; returns them and indices [same shape] into them (-1 kept)."""
     flat = indices.clamp(min=0).long().flatten()
-    rows = unpack_kv_fp8(kv[flat], d_v, q.shape[3]).to(q.dtype)
     local = torch.where(indices >= 0, torch.arange(flat.numel(), device=flat.device).view_as(indices), -1).to(torch.int32)
-    return rows, local
+    return read(flat), local
 
 
 def _half(q: torch.Tensor) -> torch.Tensor:
@@ -179,9 +184,7 @@ def sparse_mla_decode_fp8_v4(q, pages, indices, sm_scale: float, rope: int, sink
     from pdserve_kernels.kv_fp8 import V4Record, gather_kv_fp8_v4, unpack_kv_fp8_v4
 
     rec = V4Record(q.shape[3], rope)
-    flat = indices.clamp(min=0).long().flatten()  # dequantize only the rows the queries read
-    rows = unpack_kv_fp8_v4(gather_kv_fp8_v4(pages, flat, rec), rec).to(q.dtype)
-    local = torch.where(indices >= 0, torch.arange(flat.numel(), device=flat.device).view_as(indices), -1).to(torch.int32)
+    rows, local = _read_rows(indices, lambda flat: unpack_kv_fp8_v4(gather_kv_fp8_v4(pages, flat, rec), rec).to(q.dtype))
     return ref.sparse_mla_decode_ref(q, rows, local, sm_scale, q.shape[3], sink=sink)
 
 
