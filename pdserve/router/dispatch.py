@@ -117,9 +117,12 @@ class Dispatcher:
         dreq = req.model_copy(update={"kv_handle": first.kv_handle, "first_token": first_token})
         dw: Worker | None = None
         decode_read = finished = False
+        # Decode is asked now, while the first token goes out to the client, not after: under load the
+        # client's write alone took tens of ms of the hand-off.
+        opening = asyncio.ensure_future(self._open("decode", dreq, first=decode))
         try:
             yield first
-            dw, dresp = await self._open("decode", dreq, first=decode)
+            dw, dresp = await opening
             dispatched = time.monotonic() - t1  # the hand-off's own HTTP leg, up to decode's headers
             async for chunk in self._read(dw, dresp):
                 decode_read = chunk.finish_reason != "error"  # decode streams tokens only once the KV has arrived
@@ -128,10 +131,25 @@ class Dispatcher:
                 finished = chunk.finish_reason is not None
                 yield chunk
         finally:
+            if dw is None:  # left before decode's answer was read (the client went away, say)
+                dw = await self._drop_open(opening, rid)
             if not decode_read:  # decode never read the KV: prefill frees it now, not at lease expiry
                 self._later(pw, "/internal/abort", rid)
             if dw is not None and not finished:
                 self._later(dw, "/internal/abort", rid)
+
+    async def _drop_open(self, opening: asyncio.Future, rid: str) -> Worker | None:
+        """An `_open` whose answer no one will read: cancelled if still running (it aborts the request
+        on the worker it asked itself), else its response closed; the worker that admitted it, if any."""
+        if not opening.done():
+            opening.cancel()
+        try:
+            w, resp = await opening
+        except (asyncio.CancelledError, Exception):  # cancelled or failed (raised on the main path, if anywhere): nothing open
+            return None
+        await resp.aclose()
+        self.pool.release(w)
+        return w
 
     async def _prefill(self, req: Request, chosen: Worker) -> tuple[Worker, GenerateChunk | None]:
         """The prefill worker and its last chunk (first token + KV handle), within prefill_timeout_s.
