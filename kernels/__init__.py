@@ -1,4 +1,4 @@
-"""pdserve_kernels: Triton kernels for MLA (sparse decode, dense prefill) and fused MoE, with PyTorch references.
+"""pdserve_kernels: Triton kernels for MLA (sparse decode, dense prefill), fused MoE and V4's hyper-connection mixes, with PyTorch references.
 
 Every kernel has a reference in `ref.py` with the same signature; the engine picks one through
 `pdserve.model.ops`. The Triton kernels are imported on first use, so `import pdserve_kernels`
@@ -11,6 +11,7 @@ import importlib
 
 from pdserve_kernels.ref import (
     fused_moe_ref,
+    hc_mix_ref,
     indexer_topk_paged_ref,
     indexer_topk_ref,
     mla_prefill_attention_ref,
@@ -30,10 +31,11 @@ _LAZY = {  # name -> module; fp8 / fp4 references and quantizers: pdserve_kernel
     "indexer_topk": "pdserve_kernels.indexer",
     "indexer_topk_paged": "pdserve_kernels.indexer",
     "mla_prefill_attention": "pdserve_kernels.mla_prefill",
+    "hc_mix": "pdserve_kernels.hyper",
 }
 
 __all__ = [
-    "fused_moe_ref", "indexer_topk_paged_ref", "indexer_topk_ref", "mla_prefill_attention_ref", "paged_mla_decode_ref", "sparse_mla_decode_ref", *_LAZY,
+    "fused_moe_ref", "hc_mix_ref", "indexer_topk_paged_ref", "indexer_topk_ref", "mla_prefill_attention_ref", "paged_mla_decode_ref", "sparse_mla_decode_ref", *_LAZY,
 ]  # fmt: skip
 
 

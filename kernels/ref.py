@@ -189,3 +189,27 @@ def mla_prefill_attention_ref(
         lse[q0:q1] = torch.logsumexp(scores, -1).transpose(0, 1)
         out[q0:q1] = torch.einsum("hqk,khv->qhv", torch.softmax(scores, -1), _up(v[k0:k1]))
     return out.to(q.dtype), lse.float()
+
+
+def hc_mix_ref(
+    mixes: torch.Tensor,  # [T, (2+N)*N]: the projection of a token's normalized streams
+    base: torch.Tensor,  # [(2+N)*N]
+    scale: torch.Tensor,  # [3]: pre, post, comb
+    n: int,
+    iters: int,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4's hyper-connection gates as transformers computes them: pre [T, N] and post [T, N]
+    (sigmoids), comb [T, N, N] (a softmax over its last axis pushed towards a doubly-stochastic
+    matrix by Sinkhorn-Knopp iterations). float32 math (float64 when given float64)."""
+    mixes, base, scale = _up(mixes), _up(base), _up(scale)
+    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.split([n, n, n * n])
+    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + eps
+    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    comb = torch.softmax(comb_w.unflatten(-1, (n, n)) * scale[2] + comb_b.view(n, n), dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return pre, post, comb

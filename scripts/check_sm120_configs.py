@@ -44,7 +44,7 @@ SM_COUNT = {90: 132, 120: 188}  # H200; RTX PRO 6000 (the wrappers size split co
 MODULES = ("sparse_mla", "mla_prefill", "indexer", "fused_moe", "fused_moe_fp8", "fused_moe_fp4", "fp8_gemm")
 # moe_fp4_dot_scaled: the FP4 configs with `MoEConfig.dot_scaled` (not the default): compiled for
 # the record, since on sm_120 Triton may lower them to the FP4 block-scaled MMA
-FAMILIES = ("mla", "mla_prefill", "indexer", "moe", "moe_fp8", "moe_fp4", "moe_fp4_dot_scaled", "fp8_gemm")
+FAMILIES = ("mla", "mla_prefill", "indexer", "moe", "moe_fp8", "moe_fp4", "moe_fp4_dot_scaled", "fp8_gemm", "hc")
 
 
 @contextlib.contextmanager
@@ -170,6 +170,11 @@ def cases(families):
                       (1, torch.float32)):
             out.append(("fp8_gemm", f"{str(dt)[6:]} M={M} (V3.2 o_proj)", lambda M=M, dt=dt: fp8_linear(
                 _e(M, kk, dtype=dt), _e(n, kk, dtype=f8), _e(n // 128, kk // 128, dtype=torch.float32))))
+    if "hc" in families:  # V4-Flash's hyper-connection mixes: hc_mult 4, 20 Sinkhorn iterations
+        from pdserve_kernels.hyper import hc_mix
+
+        f32 = torch.float32
+        out.append(("hc", "V4-Flash N=4, 20 iterations", lambda: hc_mix(_e(64, 24, dtype=f32), _e(24, dtype=f32), _e(3, dtype=f32), 4, 20, 1e-6)))
     E, k, hidden, inter = 8, 6, 4096, 2048  # V4-Flash expert dims; E small: rows per expert = 6T/8
     routed = lambda T: (_e(T, k, dtype=torch.float32), torch.zeros(T, k, dtype=torch.int32))  # noqa: E731
     for T in (1, 32, 128):  # the three rows-per-expert buckets: <= 16, <= 64, more

@@ -6,7 +6,8 @@ The residual is N parallel streams h [T, N, D]. Before a block (attention or MoE
 projection of all streams gives three mixes per token: `pre` [T, N] collapses the streams into
 the block's input, `post` [T, N] spreads the block's output back over the streams, and `comb`
 [T, N, N] mixes the old streams into the new ones; comb is pushed towards a doubly-stochastic
-matrix by Sinkhorn-Knopp iterations, all in float32:
+matrix by Sinkhorn-Knopp iterations, all in float32 (`ops.hc_mix`: one kernel on a GPU, where PyTorch
+takes ~115 launches a hyper-connection):
 
     h' = post[:, :, None] * block(sum_n pre[:, n] h[:, n]) [:, None, :] + comb^T @ h
 
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.model import ops
 from pdserve.model.v4_ops import rms_norm
 
 
@@ -36,17 +38,8 @@ class HyperConnection(nn.Module):
 
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h [T, N, D] -> post [T, N], comb [T, N, N] (float32) and the block input [T, D]."""
-        n, eps = self.n, self.hc_eps
         mixes = F.linear(rms_norm(h.flatten(1).float(), self.norm_eps), self.fn.float())  # [T, (2+N)*N]
-        pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
-        pre = torch.sigmoid(pre_w * self.scale[0] + pre_b) + eps  # [T, N]
-        post = 2 * torch.sigmoid(post_w * self.scale[1] + post_b)  # [T, N]
-        comb = torch.softmax(comb_w.unflatten(-1, (n, n)) * self.scale[2] + comb_b.view(n, n), dim=-1) + eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)  # [T, N, N]
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        pre, post, comb = ops.hc_mix(mixes, self.base, self.scale, self.n, self.iters, self.hc_eps)  # one kernel on a GPU
         collapsed = (pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype)  # [T, D]
         return post, comb, collapsed
 

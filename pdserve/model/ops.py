@@ -76,6 +76,16 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, swiglu_limit: float | None = N
     return ref.fused_moe_ref(x, w13, w2, topk_weights, topk_ids, swiglu_limit=swiglu_limit)
 
 
+def hc_mix(mixes, base, scale, n: int, iters: int, eps: float):
+    """DeepSeek-V4's hyper-connection gates and Sinkhorn-normalized stream mix: pre [T, N], post [T, N],
+    comb [T, N, N] (float32) from mixes [T, (2+N)*N]."""
+    if _use_triton(mixes):
+        from pdserve_kernels.hyper import hc_mix as kernel
+
+        return kernel(mixes, base, scale, n, iters, eps)
+    return ref.hc_mix_ref(mixes, base, scale, n, iters, eps)
+
+
 def fp8_linear(x, weight, weight_scale_inv, block: tuple[int, int], bias=None):
     """x [..., K] @ (e4m3 weight [N, K] x its block scales)^T (+ bias) -> [..., N] in x's dtype."""
     x2 = x.reshape(-1, x.shape[-1])
