@@ -5,7 +5,9 @@
 For each tiny architecture (DeepSeek-V3, V3.2, V4) this writes the checkpoint, runs 8
 prompts x 32 greedy tokens (EOS ignored, one continuous batch) through `pdserve.LLM` twice, with
 CUDA graphs (the default) and with `enforce_eager=True`, and prints per prompt the first token
-that differs, and the wall time of the generate call (after a warm-up generate on each engine).
+that differs, and the wall time of the generate call (after a warm-up generate on each engine);
+where a prompt differs, the eager run's gap between its two most likely tokens at that step (a
+near tie is what rounding flips; the median gap over all tokens for scale).
 Writes graphs_check.json to --out. Exit status 1 if a float32 run differs.
 """
 
@@ -31,9 +33,18 @@ def prompts() -> list[list[int]]:
     return [torch.randint(10, 200, (n,), generator=g).tolist() for n in (3, 9, 17, 30, 5, 64, 12, 40)]
 
 
-def run(path: str, device: str, dtype: str, eager: bool) -> tuple[list[list[int]], float, bool]:
+def margins(out) -> list[float]:
+    """Per generated token: the log-prob gap between the two most likely tokens (small: a near tie)."""
+    gaps = []
+    for step in out.outputs[0].logprobs:
+        top = sorted((lp.logprob for lp in step.values()), reverse=True)
+        gaps.append(top[0] - top[1] if len(top) > 1 else float("inf"))
+    return gaps
+
+
+def run(path: str, device: str, dtype: str, eager: bool) -> tuple[list[list[int]], float, bool, list[list[float]]]:
     llm = LLM(path, device=device, dtype=dtype, kv_block_size=16, kv_cache_memory_gb=0.25, skip_tokenizer_init=True, enforce_eager=eager)
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
     llm.generate(prompt_token_ids=prompts(), sampling_params=params)  # warm-up
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -44,7 +55,7 @@ def run(path: str, device: str, dtype: str, eager: bool) -> tuple[list[list[int]
     used = llm.engine.get_stats().kv_blocks_used
     if used:
         raise RuntimeError(f"{used} KV blocks still in use after every request finished")
-    return [list(o.outputs[0].token_ids) for o in outs], took, graphs
+    return [list(o.outputs[0].token_ids) for o in outs], took, graphs, [margins(o) for o in outs]
 
 
 def main() -> None:
@@ -59,16 +70,22 @@ def main() -> None:
         for arch in args.archs.split(","):
             path = str(make_tiny_model(os.path.join(root, arch), arch=arch, seed=0))
             for dt in args.dtypes.split(","):
-                g_tok, g_s, used_graphs = run(path, args.device, dt, eager=False)
-                e_tok, e_s, _ = run(path, args.device, dt, eager=True)
+                g_tok, g_s, used_graphs, _ = run(path, args.device, dt, eager=False)
+                e_tok, e_s, _, e_gap = run(path, args.device, dt, eager=True)
                 div = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(g_tok, e_tok)]
+                # where a run differs: how close eager's top two tokens were there (a near tie flips on rounding)
+                tie = [None if d is None else e_gap[p][d] for p, d in enumerate(div)]
                 same = sum(d is None for d in div)
                 bad |= dt == "float32" and same != len(div) or not used_graphs
                 rows.append(dict(arch=arch, dtype=dt, graphs_used=used_graphs, identical=same, first_divergence=div,
+                                 eager_top2_gap_at_divergence=tie, median_top2_gap=sorted(g for gs in e_gap for g in gs)[len(e_gap) * NEW_TOKENS // 2],
                                  graphs_s=g_s, eager_s=e_s, tokens=len(div) * NEW_TOKENS))
                 print(f"{arch:<13} {dt:<9} graphs={used_graphs} agree {same}/{len(div)} "
                       f"{' '.join('-' if d is None else str(d) for d in div)}  generate: graphs {g_s * 1e3:.0f} ms, "
                       f"eager {e_s * 1e3:.0f} ms ({e_s / g_s:.2f}x)", flush=True)
+                if same != len(div):
+                    print(f"    eager's top-2 log-prob gap where they differ: {' '.join('-' if t is None else f'{t:.4f}' for t in tie)} "
+                          f"(median gap over all tokens {rows[-1]['median_top2_gap']:.3f})", flush=True)
     doc = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                new_tokens=NEW_TOKENS, rows=rows)
     os.makedirs(args.out, exist_ok=True)
