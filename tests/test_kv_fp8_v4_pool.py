@@ -50,7 +50,7 @@ def test_store_then_decode_through_ops_matches_the_reference():
     pages = kv.layer_pages("csa_kv", 1)
     ops.store_kv_fp8_v4(pages, slots, entries, ROPE)
     assert not kv.layer_pages("csa_kv", 2).any()  # the other layer untouched
-    keys = ops.unpack_kv_fp8_v4(pages, D, ROPE)[slots]
+    keys = kv_fp8.unpack_kv_fp8_v4(pages, kv_fp8.V4Record(D, ROPE))[slots]
     assert ((keys - entries).norm() / entries.norm()).item() < 0.04
     q = torch.randn(2, 1, 16, D, generator=gen)
     idx = torch.stack([slots, slots.flip(0)]).to(torch.int32)[:, None]
@@ -68,9 +68,9 @@ def test_store_then_decode_through_ops_matches_the_reference():
     # 0..5, the step's new rows quantized into slots 6..8
     new = torch.randn(3, D, generator=gen)
     step = torch.zeros(1, 16, REC, dtype=torch.uint8)
-    ops.copy_kv_fp8_v4(pages, slots, step, torch.arange(6), D, ROPE)
+    kv_fp8.copy_kv_fp8_v4(pages, slots, step, torch.arange(6), kv_fp8.V4Record(D, ROPE))
     ops.store_kv_fp8_v4(step, torch.arange(6, 9), new, ROPE)
-    keys = torch.cat([ops.unpack_kv_fp8_v4(pages, D, ROPE)[slots], ops.unpack_kv_fp8_v4(ops.pack_kv_fp8_v4(new, ROPE, page=4), D, ROPE)[:3]])
+    keys = torch.cat([kv_fp8.unpack_kv_fp8_v4(pages, kv_fp8.V4Record(D, ROPE))[slots], kv_fp8.unpack_kv_fp8_v4(ops.pack_kv_fp8_v4(new, ROPE, page=4), kv_fp8.V4Record(D, ROPE))[:3]])
     idx3 = torch.tensor([[0, 2, 6, 7, 8, -1], [8, -1, 1, 3, 5, 6]], dtype=torch.int32)[:, None]
     out3, _ = ops.sparse_mla_decode_fp8_v4(q, step, idx3, D**-0.5, ROPE, sink=sink)
     want3, _ = ref.sparse_mla_decode_ref(q.double(), keys.double(), idx3, D**-0.5, D, sink=sink.double())

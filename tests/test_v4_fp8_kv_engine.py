@@ -14,6 +14,7 @@ from helpers_v4 import engine, pd_hand_off, requests, run
 from pdserve.disagg.layout import KVLayout
 from pdserve.model import ops
 from pdserve.tiny_model import make_tiny_model
+from pdserve_kernels import kv_fp8
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -55,7 +56,7 @@ def test_fp8_kv_is_float32_kv_rounded_through_fp8(tiny, prompts, monkeypatch):
     D, R = 64, 16
 
     def rounded(v: torch.Tensor) -> torch.Tensor:
-        return ops.unpack_kv_fp8_v4(ops.pack_kv_fp8_v4(v, R), D, R).to(v.dtype)
+        return kv_fp8.unpack_kv_fp8_v4(ops.pack_kv_fp8_v4(v, R), kv_fp8.V4Record(D, R)).to(v.dtype)
 
     make_kv, store = v4_attention.V4Attention._kv, v4_compressor.store_records
     monkeypatch.setattr(v4_attention.V4Attention, "_kv", lambda self, x, cos, sin: rounded(make_kv(self, x, cos, sin)))

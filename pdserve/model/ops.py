@@ -182,7 +182,7 @@ def unpack_kv_fp8(records: torch.Tensor, d_v: int, dim: int) -> torch.Tensor:
 
 def sparse_mla_decode_fp8_v4(q, pages, indices, sm_scale: float, rope: int, sink=None):
     """DeepSeek-V4 decode over fp8_ds_v4 pages [Nb, P, R] uint8 (kernels/kv_fp8.py): a KVCache
-    region's `layer_pages`, or a step buffer filled by `copy_kv_fp8_v4` / `store_kv_fp8_v4` (an
+    region's `layer_pages`, or a step buffer filled by `store_kv_fp8_v4` (or `kv_fp8.copy_kv_fp8_v4`) (an
     even P keeps pages 16-byte aligned: P = 1 read 1.4x slower on the H200). indices [B, S, K]
     int32 slot ids (page * P + record), -1 = padding. Returns out [B, S, H, D] (K = V, rope dims
     included) and lse [B, S, H]."""
@@ -225,20 +225,6 @@ def gather_kv_fp8_v4(pages: torch.Tensor, slots: torch.Tensor, dim: int, rope: i
     from pdserve_kernels.kv_fp8 import V4Record, gather_kv_fp8_v4 as gather
 
     return gather(pages, slots, V4Record(dim, rope), page)
-
-
-def copy_kv_fp8_v4(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor, dim: int, rope: int) -> None:
-    """Copy fp8_ds_v4 records between page tensors of any page sizes, slot by slot (bytes)."""
-    from pdserve_kernels.kv_fp8 import V4Record, copy_kv_fp8_v4 as copy
-
-    copy(src, src_slots, dst, dst_slots, V4Record(dim, rope))
-
-
-def unpack_kv_fp8_v4(pages: torch.Tensor, dim: int, rope: int) -> torch.Tensor:
-    """fp8_ds_v4 pages [Nb, P, R] -> [Nb * P, dim] float32 (row = slot id)."""
-    from pdserve_kernels.kv_fp8 import V4Record, unpack_kv_fp8_v4 as unpack
-
-    return unpack(pages, V4Record(dim, rope))
 
 
 def indexer_topk_paged(q, k_cache, weights, block_tables, seq_ids, context_lens, page: int, max_len: int, topk: int):
