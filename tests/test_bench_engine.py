@@ -91,15 +91,20 @@ def test_floor_of_tiny_v32_by_hand():
     assert cost.floor_ms(1e9, 1e12) == {"bytes_ms": cost.total_bytes / 1e6, "flops_ms": cost.flops / 1e9, "floor_ms": cost.total_bytes / 1e6}
 
 
+def _one_step(tmp_path, model: str, dtype: str) -> dict:
+    """The report of one timed step of `model` (2 layers, B=2, context 40) with weights `dtype`."""
+    out = tmp_path / f"{dtype}.json"
+    assert main(["--model", model, "--num-layers", "2", "--batch-sizes", "2", "--context", "40", "--long-context", "0",
+                 "--warmup", "0", "--steps", "1", "--profile-steps", "0", "--baseline-steps", "0", "--device", "cpu",
+                 "--dtype", dtype, "--out", str(out)]) == 0  # fmt: skip
+    return json.loads(out.read_text())
+
+
 def test_fp8_run_and_floor_by_hand(tmp_path):
     """--dtype fp8 (FP8 e4m3 weights kept FP8, bf16 activations; tiny models: 32 x 32 blocks) runs,
     and its floor counts each FP8 value as 1 byte plus a float32 scale per block (bytes, no
     flops), kv_b_proj (absorbed, dequantized) and everything else as before (meta float32)."""
-    out = tmp_path / "fp8.json"
-    assert main(["--model", "tiny-v3.2", "--num-layers", "2", "--batch-sizes", "2", "--context", "40", "--long-context", "0",
-                 "--warmup", "0", "--steps", "1", "--profile-steps", "0", "--baseline-steps", "0", "--device", "cpu",
-                 "--dtype", "fp8", "--out", str(out)]) == 0  # fmt: skip
-    report = json.loads(out.read_text())
+    report = _one_step(tmp_path, "tiny-v3.2", "fp8")
     assert report["settings"]["quantization"] == "fp8" and "error" not in report["rows"][0]
     config = ModelConfig.from_dict(bench_config("tiny-v3.2", 2, "fp8"))
     model = plan.meta_model(config)
@@ -130,11 +135,7 @@ def test_fp4_run_and_floor_by_hand(tmp_path):
     """--dtype fp4 on tiny V4 (FP4 routed experts and FP8 projections kept, bf16 activations) runs,
     and its floor counts an expert at 0.5 byte a value plus a 1-byte scale per 32 values; its flops
     are the float model's (scales: bytes only)."""
-    out = tmp_path / "fp4.json"
-    assert main(["--model", "tiny-v4", "--num-layers", "2", "--batch-sizes", "2", "--context", "40", "--long-context", "0",
-                 "--warmup", "0", "--steps", "1", "--profile-steps", "0", "--baseline-steps", "0", "--device", "cpu",
-                 "--dtype", "fp4", "--out", str(out)]) == 0  # fmt: skip
-    report = json.loads(out.read_text())
+    report = _one_step(tmp_path, "tiny-v4", "fp4")
     assert report["settings"]["quantization"] == "fp4" and "error" not in report["rows"][0]
     config = ModelConfig.from_dict(bench_config("tiny-v4", 2, "fp4"))
     model = plan.meta_model(config)
