@@ -82,12 +82,11 @@ class LeasingConnector(KVConnector):
         self.layout = KVLayout.from_kv_cache(kv_cache)
         self.compat_hash = compat_hash(self.model_id, kv_cache.dtype, self.layout, kv_cache.block_size, self.version)
         first = next(iter(kv_cache.regions.values()))
-        if self.staging.enabled(first.is_cuda):
-            s = self.staging
-            if self.role != "decode" and s.prefill_arena_mib > 0:
-                self.staging_arena = StagingArena(s.prefill_arena_mib * MIB, first.device)
-            if self.role != "prefill" and s.decode_arena_mib > 0:
-                self.landing_arena = StagingArena(s.decode_arena_mib * MIB, first.device)
+        staging_mib, landing_mib = self.staging.arenas_mib(self.role, first.is_cuda)
+        if staging_mib:
+            self.staging_arena = StagingArena(staging_mib * MIB, first.device)
+        if landing_mib:
+            self.landing_arena = StagingArena(landing_mib * MIB, first.device)
         self._registered(kv_cache)
 
     def arenas(self) -> list[StagingArena]:

@@ -24,3 +24,9 @@ class StagingOptions(BaseModel):
 
     def enabled(self, on_gpu: bool) -> bool:
         return self.mode == "on" or (self.mode == "auto" and on_gpu)
+
+    def arenas_mib(self, role: ConnectorRole, on_gpu: bool) -> tuple[int, int]:
+        """(staging, landing) arena MiB a connector of `role` makes for a pool (0: none)."""
+        if not self.enabled(on_gpu):
+            return 0, 0
+        return (self.prefill_arena_mib if role != "decode" else 0), (self.decode_arena_mib if role != "prefill" else 0)

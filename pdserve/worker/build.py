@@ -72,10 +72,9 @@ def build_worker(cfg: WorkerServeConfig) -> FastAPI:
 def arena_mib(cfg: WorkerServeConfig) -> int:
     """Device memory (MiB) the worker's staged-transfer arena will take: prefill's staging arena or
     decode's landing arena when staging is on for a GPU pool (disagg/staging.py), else 0."""
-    staging = cfg.transfer.staging
-    if cfg.role == "colocated" or not cfg.worker.device.startswith("cuda") or not staging.enabled(on_gpu=True):
+    if cfg.role == "colocated" or not cfg.worker.device.startswith("cuda"):
         return 0
-    return staging.prefill_arena_mib if cfg.role == "prefill" else staging.decode_arena_mib
+    return sum(cfg.transfer.staging.arenas_mib(cfg.role, on_gpu=True))
 
 
 def _connector(cfg: WorkerServeConfig) -> KVConnector:
