@@ -180,7 +180,8 @@ class WorkerConfig(_Strict):
 class TransferConfig(_Strict):
     backend: TransferBackend = "nixl"
     timeout: float = Field(30.0, gt=0)  # seconds for one request's KV pull
-    metadata_timeout: float = Field(5.0, gt=0)  # seconds for decode to fetch a prefill peer's metadata
+    metadata_timeout: float = Field(5.0, gt=0)  # seconds for a worker to fetch a PD peer's metadata
+    handoff_timeout: float = Field(300.0, gt=0)  # decode: seconds a request sent with its prefill waits for the hand-off
     kv_load_failure_policy: KVLoadFailurePolicy = "fail"  # decode: a failed read fails the request, or recomputes it
     options: dict[str, Any] = Field(default_factory=dict)  # the backend's own (nixl: progress_thread)
     staging: StagingOptions = Field(default_factory=StagingOptions)  # staged transfer: mode, arena MiB
@@ -252,7 +253,7 @@ class WorkerServeConfig(_Strict):
     model: str  # checkpoint folder (or tiny:<arch>: `pdserve serve` resolves it before building)
     worker: WorkerConfig
     transfer: TransferConfig = Field(default_factory=TransferConfig)
-    peers: list[str] = Field(default_factory=list)  # workers whose transfer metadata may be fetched (decode: the prefill workers)
+    peers: list[str] = Field(default_factory=list)  # workers whose transfer metadata may be fetched (decode: the prefill workers; prefill: the decode workers, to hand off to directly)
     cluster_secret: str | None = None
 
     @model_validator(mode="after")

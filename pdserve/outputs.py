@@ -67,5 +67,8 @@ class RequestOutput(BaseModel):
     outputs: list[CompletionOutput]
     finished: bool = False
     kv_handle: KVHandle | None = None  # prefill role: where this request's KV waits for decode
+    kv_handoff_sent: bool = False  # prefill role: the decode engine was sent the hand-off itself
+    # decode role: characters of output text the client had from prefill (FirstToken.text_offset)
+    prefill_text_offset: int | None = None
     error: str | None = None  # finish_reason "error": what went wrong
     transfer_error: TransferFailure | None = None  # decode role: the KV load that failed, as data

@@ -6,8 +6,10 @@
 Flags only collect what was given: every default, limit and choice is the config model's, so the
 flags, a cluster YAML and a config file mean the same thing and fail with the same messages.
 Workers bind 127.0.0.1 unless told otherwise, and refuse to bind elsewhere without a cluster
-secret (every route but /health and /metrics needs it then). A decode worker fetches transfer
-metadata only from its --peer workers.
+secret (every route but /health and /metrics needs it then). A worker fetches transfer metadata
+only from its --peer workers: a decode worker's are its prefill workers (required), a prefill
+worker's its decode workers (optional: with them it hands each request's KV to decode itself, a
+notification between the engines, else the router posts the hand-off over HTTP).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ WORKER_FLAGS = {
     "quantization": "worker.quantization",
     "transfer_backend": "transfer.backend", "transfer_timeout": "transfer.timeout",
     "metadata_timeout": "transfer.metadata_timeout", "kv_load_failure_policy": "transfer.kv_load_failure_policy",
+    "handoff_timeout": "transfer.handoff_timeout",
     "kv_transfer_staging": "transfer.staging.mode",
 }  # fmt: skip
 ROUTER_FLAGS = {
@@ -80,8 +83,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     w("--lease-seconds", help="prefill keeps a request's KV this long for decode")
     w("--transfer-backend", help="nixl")
     w("--transfer-timeout", help="seconds for one request's KV read")
-    w("--metadata-timeout", help="seconds for decode to fetch a prefill peer's transfer metadata")
-    w("--peer", action="append", metavar="URL", help="a worker whose transfer metadata may be fetched (repeatable)")
+    w("--metadata-timeout", help="seconds to fetch a PD peer's transfer metadata")
+    w("--handoff-timeout", help="decode: seconds a request sent with its prefill waits for the hand-off (default 300)")
+    w("--peer", action="append", metavar="URL", help="a worker whose transfer metadata may be fetched (repeatable; decode: the prefill workers, prefill: the decode workers)")
     w("--kv-transfer-staging", help="staged KV transfer, one slab a request: auto (on for GPU pools) | on | off")
     w("--kv-load-failure-policy", help="decode: a failed KV read fails the request (fail) or computes the prompt here (recompute)")
     w("--max-open-requests", help="requests admitted at once before 429 (default max(8 x max-num-seqs, 256))")

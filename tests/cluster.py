@@ -73,8 +73,10 @@ class Cluster:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def worker(self, role: str, *extra: str, peers: list[Proc] = ()) -> Proc:
-        port = free_port()
+    def worker(self, role: str, *extra: str, peers: list[Proc] = (), port: int | None = None) -> Proc:
+        """peers: the workers whose transfer metadata it may fetch (prefill: given by URL in `extra`
+        as --peer, with a port chosen up front, since its decode peer starts after it)."""
+        port = port or free_port()
         args = [
             "--role", role, "--port", str(port), "--model", self.model_dir,
             "--num-kv-blocks", str(self.kv_blocks), "--max-num-seqs", str(self.max_num_seqs),

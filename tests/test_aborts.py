@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from cluster import SECRET, Cluster, scrape, wait_blocks_free
+from cluster import SECRET, Cluster, free_port, scrape, wait_blocks_free
 from pdserve.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -32,8 +32,9 @@ LONG = {"model": "tiny", "max_tokens": 4000, "temperature": 0, "ignore_eos": Tru
 def cluster(tmp_path_factory):
     root = tmp_path_factory.mktemp("aborts")
     with Cluster(make_tiny_model(root / "tiny"), root / "logs") as c:
-        c.prefill = c.worker("prefill", "--lease-seconds", str(LEASE_S))
-        c.decode = c.worker("decode", peers=[c.prefill])
+        dport = free_port()  # prefill hands off to decode directly (as under `pdserve launch`)
+        c.prefill = c.worker("prefill", "--lease-seconds", str(LEASE_S), "--peer", f"http://127.0.0.1:{dport}")
+        c.decode = c.worker("decode", peers=[c.prefill], port=dport)
         c.r = c.router(prefill=[c.prefill], decode=[c.decode])
         c.wait_healthy()
         c.workers = [c.prefill, c.decode]

@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-from pdserve.disagg.base import KVConnector, KVHandle, TransferError, TransferStage
+from pdserve.disagg.base import KVConnector, KVHandle, KVPeerRef, PeerMetadata, TransferError, TransferStage
+from pdserve.disagg.stats import TransferStats
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.request import FirstToken, Request
+from pdserve.engine.request import FirstToken, Handoff, Request
 from pdserve.model.kv_cache import KVCache, KVRegionSpec
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.model.batch import ForwardBatch
@@ -279,6 +281,9 @@ class CopyConnector(KVConnector):
         self.releases: list[str] = []
         self.loads: list[str] = []
         self.failures: list[TransferError] = []
+        self.handoffs: list[tuple[str, bytes]] = []
+        self.stats = TransferStats()
+        self.instance_id, self.metadata_url = "i", "inproc://"
 
     def register_kv_cache(self, kv_cache: KVCache) -> None:
         self.kv = kv_cache
@@ -289,7 +294,14 @@ class CopyConnector(KVConnector):
     def on_prefill_finished(self, request_id, block_ids, num_tokens, window_block_ids=None, state_slot=-1) -> KVHandle:
         self.leases[request_id] = list(block_ids)
         return KVHandle(request_id=request_id, engine_id=self.engine_id, instance_id="i", metadata_url="inproc://", block_ids=list(block_ids),
-                        num_tokens=num_tokens, compat_hash="h", lease_expires_at=0.0)
+                        num_tokens=num_tokens, compat_hash="h", lease_expires_at=time.time() + 60)
+
+    def send_handoff(self, peer, payload) -> None:
+        self.peers[peer.engine_id].handoffs.append((self.engine_id, payload))
+
+    def poll_handoffs(self):
+        out, self.handoffs = self.handoffs, []
+        return out
 
     def poll_releases(self) -> list[str]:
         out, self.releases = self.releases, []
@@ -410,6 +422,71 @@ def test_pd_decode_waits_for_blocks(model_dir):
     for i, p in enumerate(prompts):
         assert final[str(i)].outputs[0].token_ids == reference_greedy(ref, p, 6)
     assert decode.get_stats().kv_blocks_used == 0 and prefill.get_stats().kv_blocks_used == 0
+
+
+def peer_of(conn: CopyConnector) -> PeerMetadata:
+    return PeerMetadata(engine_id=conn.engine_id, instance_id="i", data=conn.peer_metadata())
+
+
+def ref(engine_id: str) -> KVPeerRef:
+    return KVPeerRef(engine_id=engine_id, metadata_url="inproc://")
+
+
+def test_pd_hand_off_goes_from_engine_to_engine(model_dir):
+    # the router's PD path: decode has each request before prefill is done and waits for it, with no
+    # blocks, until prefill's engine sends the hand-off through its connector; colocated's tokens
+    prefill, decode = pd_pair(model_dir)
+    lens = [4 + i for i in range(len(PROMPTS))]
+    for i, (p, n) in enumerate(zip(PROMPTS, lens)):
+        decode.add_request(Request(request_id=str(i), prompt_token_ids=p, params=greedy(n), kv_from=ref("P")), peer_of(prefill.connector))
+        prefill.add_request(Request(request_id=str(i), prompt_token_ids=p, params=greedy(n), hold_kv=True, kv_to=ref("D")), peer_of(decode.connector))
+    decode.step()
+    waiting = decode.get_stats()
+    assert waiting.num_awaiting_handoff == waiting.num_waiting_for_remote_kv == len(PROMPTS) and waiting.kv_blocks_used == 0
+    firsts = run_all(prefill)
+    assert all(out.kv_handoff_sent for out in firsts.values())
+    final = run_all(decode)
+    prefill.step()  # polls the releases
+    ref_model = FakeModel(0)
+    for i, (p, n) in enumerate(zip(PROMPTS, lens)):
+        assert final[str(i)].outputs[0].token_ids == reference_greedy(ref_model, p, n)
+    assert decode.get_stats().kv_blocks_used == 0 and prefill.get_stats().kv_blocks_used == 0
+    assert set(decode.connector.stats.handoffs) == {str(i) for i in range(len(PROMPTS))}
+
+
+def test_pd_hand_off_early_posted_foreign_aborted_and_late(model_dir):
+    prefill, decode = pd_pair(model_dir)
+    # "early": its hand-off reaches decode before the request does; "posted": a prefill without the
+    # decode engine's metadata cannot notify it, so the router posts the hand-off (deliver_handoff)
+    prefill.add_request(Request(request_id="early", prompt_token_ids=PROMPTS[3], params=greedy(5), hold_kv=True, kv_to=ref("D")), peer_of(decode.connector))
+    prefill.add_request(Request(request_id="posted", prompt_token_ids=PROMPTS[4], params=greedy(5), hold_kv=True, kv_to=ref("D")))
+    firsts = run_all(prefill)
+    assert firsts["early"].kv_handoff_sent and not firsts["posted"].kv_handoff_sent
+    decode.step()  # takes "early"'s hand-off and keeps it for its request
+    for rid, p in (("early", PROMPTS[3]), ("posted", PROMPTS[4])):
+        decode.add_request(Request(request_id=rid, prompt_token_ids=p, params=greedy(5), kv_from=ref("P")), peer_of(prefill.connector))
+    posted = firsts["posted"]
+    decode.deliver_handoff(Handoff(request_id="posted", kv_handle=posted.kv_handle, first_token=FirstToken(token_id=posted.outputs[0].token_ids[0])))
+    final = run_all(decode)
+    prefill.step()
+    for rid, p in (("early", PROMPTS[3]), ("posted", PROMPTS[4])):
+        assert final[rid].outputs[0].token_ids == reference_greedy(FakeModel(0), p, 5)
+    assert prefill.get_stats().kv_blocks_used == 0
+    # waiting: a hand-off from an engine other than kv_from's is ignored, an abort ends the wait,
+    # and so does handoff_timeout_s (an error at stage PENDING); neither holds anything after
+    decode.handoff_timeout_s = 0.0
+    for rid in ("gone", "late"):
+        decode.add_request(Request(request_id=rid, prompt_token_ids=PROMPTS[5], params=greedy(5), kv_from=ref("P")), peer_of(prefill.connector))
+    foreign = Handoff(request_id="late", kv_handle=posted.kv_handle.model_copy(update={"request_id": "late"}), first_token=FirstToken(token_id=3))
+    decode.connector.handoffs.append(("X", foreign.model_dump_json().encode()))
+    decode.abort_request("gone")
+    outs = run_all(decode)
+    assert outs["gone"].outputs[0].finish_reason == "abort"
+    late = outs["late"]
+    assert late.outputs[0].finish_reason == "error" and late.outputs[0].token_ids == []
+    assert late.transfer_error.stage == "PENDING" and "no hand-off from prefill engine P within 0 s" in late.error
+    stats = decode.get_stats()
+    assert stats.kv_blocks_used == 0 and stats.num_awaiting_handoff == 0 and not decode.has_unfinished_requests()
 
 
 class SlowConnector(CopyConnector):

@@ -18,7 +18,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster import Cluster
+from cluster import Cluster, free_port
 from pdserve.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.timeout(600)
@@ -40,8 +40,9 @@ def cluster(tmp_path_factory):
     root = tmp_path_factory.mktemp("pd_e2e")
     model = make_tiny_model(root / "tiny")
     with Cluster(model, root / "logs") as c:
-        prefill = c.worker("prefill")
-        decode = c.worker("decode", peers=[prefill])
+        dport = free_port()  # prefill names its decode peer, as `pdserve launch` does: it hands off directly
+        prefill = c.worker("prefill", "--peer", f"http://127.0.0.1:{dport}")
+        decode = c.worker("decode", peers=[prefill], port=dport)
         both = c.worker("colocated")
         c.pd_router = c.router(prefill=[prefill], decode=[decode])
         c.colo_router = c.router(colocated=[both])
@@ -179,6 +180,8 @@ def test_router_metrics_count_requests(cluster):
     text = httpx.get(f"{cluster.pd_router.url}/metrics").text
     assert not re.search(r'route="/v1[^"]*",status="5', text)  # (/health was 503 during startup)
     assert 'pdserve_router_worker_healthy{role="decode"' in text
+    # every hand-off went from prefill's engine to decode's: none needed the router's POST
+    assert m["pdserve_router_pd_handoffs_total"] > 0 and 'pdserve_router_pd_handoffs_total{via="router"}' not in text
 
 
 def test_stop_string_spanning_the_handoff(cluster):

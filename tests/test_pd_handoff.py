@@ -1,9 +1,13 @@
 """The PD hand-off's edges, with real processes and real NIXL: a slow prefill peer never stalls the
-decode engine loop (its metadata is fetched before the request enters the engine), and a failed
-KV load reaches the OpenAI client as a structured error that names the stage."""
+decode engine loop (its metadata is fetched before the request enters the engine), a failed
+KV load reaches the OpenAI client as a structured error that names the stage, and a decode request
+sent before its prefill is done waits for its hand-off only until it is aborted or times out. The
+prefill worker here has no --peer, so the router posts every hand-off (tests/test_pd_e2e.py and
+test_aborts.py run the direct one, prefill engine to decode engine)."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -54,6 +58,7 @@ def cluster(tmp_path_factory):
         c.p = c.worker("prefill")
         c.d = c.worker("decode", "--peer", slow.url, peers=[c.p])
         c.d_other = c.worker("decode", "--kv-block-size", "32", peers=[c.p])  # another KV layout: incompatible
+        c.d_short = c.worker("decode", "--handoff-timeout", "1", peers=[c.p])
         c.r = c.router(prefill=[c.p], decode=[c.d])
         c.r_bad = c.router(prefill=[c.p], decode=[c.d_other])
         c.slow = slow
@@ -125,3 +130,59 @@ def test_a_failed_transfer_reaches_the_client_naming_its_stage(cluster):
         events = [line for line in resp.iter_lines() if line.startswith("data: ")]
     assert '"kv_transfer_failed"' in events[-2] and "HANDSHAKE" in events[-2] and events[-1] == "data: [DONE]"
     assert wait_blocks_free([cluster.p, cluster.d_other], 15) == {cluster.p.name: 0, cluster.d_other.name: 0}
+
+
+def _waiting_body(cluster, rid: str) -> dict:
+    """A decode request as the router sends it before prefill is done: no handle, kv_from instead."""
+    kv_from = {"engine_id": cluster.p.name, "metadata_url": f"{cluster.p.url}/internal/kv_metadata"}
+    return {"request_id": rid, "prompt_token_ids": list(range(10, 40)), "params": {"max_tokens": 8}, "kv_from": kv_from}
+
+
+def _chunks(resp: httpx.Response) -> list[dict]:
+    return [httpx.Response(200, content=line).json() for line in resp.iter_lines() if line.strip()]
+
+
+def test_a_decode_request_waits_for_its_hand_off_until_aborted_or_timed_out(cluster):
+    # no hand-off within --handoff-timeout (1 s): an error naming the stage, nothing held
+    t0 = time.monotonic()
+    with httpx.stream("POST", f"{cluster.d_short.url}/internal/generate", json=_waiting_body(cluster, "never"), headers=H, timeout=30) as r:
+        assert r.status_code == 200
+        end = _chunks(r)[-1]
+    assert time.monotonic() - t0 >= 1.0
+    assert end["finish_reason"] == "error" and end["token_ids"] == []
+    assert end["transfer_error"]["stage"] == "PENDING" and f"no hand-off from prefill engine {cluster.p.name} within 1 s" in end["transfer_error"]["reason"]
+    # waiting (no blocks), then aborted: the stream ends with "abort"
+    result: dict = {}
+
+    def wait() -> None:
+        with httpx.stream("POST", f"{cluster.d.url}/internal/generate", json=_waiting_body(cluster, "left"), headers=H, timeout=30) as r:
+            result["chunks"] = _chunks(r)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{cluster.d.url}/health", timeout=5).json()["num_requests_waiting"] != 1:
+        assert time.monotonic() < deadline, "the decode request never waited"
+        time.sleep(0.05)
+    assert httpx.get(f"{cluster.d.url}/health", timeout=5).json()["kv_blocks_used"] == 0
+    httpx.post(f"{cluster.d.url}/internal/abort", json={"request_id": "left"}, headers=H, timeout=5)
+    waiter.join(10)
+    assert result["chunks"][-1]["finish_reason"] == "abort"
+    # a hand-off for no open request, or to a prefill worker, is refused
+    last = _held_handle(cluster.p, "handed")
+    handoff = {"request_id": "handed", "kv_handle": last["kv_handle"], "first_token": {"token_id": last["token_ids"][0]}}
+    r = httpx.post(f"{cluster.d.url}/internal/handoff", json=handoff, headers=H, timeout=5)
+    assert r.status_code == 404 and "no request 'handed' is open" in r.json()["error"]["message"]
+    r = httpx.post(f"{cluster.p.url}/internal/handoff", json=handoff, headers=H, timeout=5)
+    assert r.status_code == 400 and "takes no hand-offs" in r.json()["error"]["message"]
+    httpx.post(f"{cluster.p.url}/internal/abort", json={"request_id": "handed"}, headers=H, timeout=5)
+    assert wait_blocks_free([cluster.p, cluster.d, cluster.d_short], 15) == {w.name: 0 for w in (cluster.p, cluster.d, cluster.d_short)}
+
+
+def test_without_prefill_peers_the_router_posts_the_hand_off(cluster):
+    body = {"model": "tiny", "prompt": "hand it over", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(f"{cluster.r.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
+    metrics = httpx.get(f"{cluster.r.url}/metrics", timeout=5).text
+    assert re.search(r'^pdserve_router_pd_handoffs_total\{via="router"\} [1-9]', metrics, re.M)
+    assert 'pdserve_router_pd_handoffs_total{via="prefill"}' not in metrics

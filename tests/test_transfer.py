@@ -372,6 +372,27 @@ def test_nixl_read_is_byte_exact_and_notification_releases_the_lease(peer, decod
     peer.wait_released("r2")
 
 
+def test_nixl_hand_off_is_a_notification_from_prefill_to_decode(peer, decode):
+    # prefill adds the decode agent from its metadata and notifies it; decode sees who sent what
+    payloads = ["a" * 40, "b" * 100_000]  # up to a long handle's JSON
+    for p in payloads:
+        assert peer.cmd(op="handoff", engine_id=decode.engine_id, metadata=decode.peer_metadata().decode(), payload=p) == {"sent": True}
+    got: list[tuple[str, bytes]] = []
+    deadline = time.monotonic() + 5.0
+    while len(got) < len(payloads) and time.monotonic() < deadline:
+        got += decode.poll_handoffs()
+        time.sleep(0.005)
+    assert got == [(peer.engine_id, p.encode()) for p in payloads]
+    # a decode side of another model: refused by its compatibility hash, nothing sent
+    other = nixl_decode(peer.dtype, model_id="other")
+    try:
+        reply = peer.cmd(op="handoff", engine_id=other.engine_id, metadata=other.peer_metadata().decode(), payload="x")
+        assert "compatibility hash mismatch" in reply["error"]
+        assert other.poll_handoffs() == []
+    finally:
+        other.shutdown()
+
+
 def test_nixl_staged_read_is_one_descriptor_and_falls_back_when_the_landing_arena_is_full():
     peer = Peer("bfloat16", seed=5, staging_mib=1)
     decode = nixl_decode("bfloat16", landing_mib=1)

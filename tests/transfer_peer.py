@@ -7,6 +7,8 @@ then answers JSON-line commands on stdin, one JSON line each on stdout:
     {"op": "prefill", "request_id": str, "block_ids": [int], "num_tokens": int} -> {"handle": KVHandle}
     {"op": "poll"}  -> {"released": [str], "leases": int, "leases_released": int, "lease_expirations": int,
                         "staging_used": int (bytes of the staging arena in slabs)}
+    {"op": "handoff", "engine_id": str, "metadata": str (a decode connector's peer_metadata()), "payload": str}
+                    -> {"sent": true} | {"error": str}   (send_handoff to that decode connector)
     {"op": "exit"}  -> {"bye": true}, after shutdown()
 
 All connector calls happen on the main thread; the HTTP thread serves bytes built at registration.
@@ -60,6 +62,7 @@ def serve_metadata(body: bytes) -> ThreadingHTTPServer:
 def main() -> None:
     # nixl's Python logger writes to sys.stdout; keep stdout for the replies only
     replies, sys.stdout = sys.stdout, sys.stderr
+    from pdserve.disagg.base import PeerMetadata
     from pdserve.disagg.factory import StagingOptions
     from pdserve.disagg.nixl_connector import NixlConnector
 
@@ -114,6 +117,14 @@ def main() -> None:
                 used = conn.staging_arena.used_bytes if conn.staging_arena is not None else 0
                 reply({"released": done, "leases": len(conn.leases), "leases_released": s.leases_released,
                        "lease_expirations": s.lease_expirations, "staging_used": used})  # fmt: skip
+        elif cmd["op"] == "handoff":
+            peer = PeerMetadata(engine_id=cmd["engine_id"], instance_id=None, data=cmd["metadata"].encode())
+            try:
+                with lock:
+                    conn.send_handoff(peer, cmd["payload"].encode())
+                reply({"sent": True})
+            except Exception as e:
+                reply({"error": f"{type(e).__name__}: {e}"})
         elif cmd["op"] == "exit":
             break
         else:

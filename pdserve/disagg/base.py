@@ -4,13 +4,15 @@ Life of a PD request (decode pulls, as vLLM's NixlConnector does):
 
     prefill worker                                   decode worker
     --------------                                   -------------
+    (each side fetched the other's peer_metadata() over HTTP once per engine instance, on its
+     event loop, before the request entered its engine: worker/peers.py)
+                                                     the request waits for its hand-off
     run prompt, sample first token
     on_prefill_finished -> KVHandle (blocks pinned;
       + gathered into one staged slab: staging.py)
-          |  handle travels router -> decode  |
-    peer_metadata() <--HTTP GET handle.metadata_url-- the decode worker (worker/peers.py), before
-                                                     the request enters its engine
-                                                     check handle.compat_hash
+    send_handoff(decode, Handoff JSON) ---notif----> poll_handoffs -> (prefill engine id, payload)
+      (or the router posts the Handoff over HTTP,    check handle.compat_hash
+       when prefill could not notify this decode)
                                                      allocate local blocks
                                                      start_load(handle, local blocks, peer) [READ:
                                                        the slab if both sides have room, else blocks]
@@ -20,7 +22,8 @@ Life of a PD request (decode pulls, as vLLM's NixlConnector does):
     (or lease expiry -> free blocks)
 
 The engine calls these methods from its step loop; none of them waits on the network (the peer's
-metadata is fetched by the worker, asynchronously, before the request reaches the engine).
+metadata is fetched by the worker, asynchronously, before the request reaches the engine). The
+hand-off payload (the engine's `Handoff`: KV handle and first token) is opaque bytes here.
 Backends: `nixl` (pdserve.disagg.nixl_connector, the only one a config can name) and the
 in-process fake (pdserve.disagg.fake_connector, built directly by unit tests).
 """
@@ -108,13 +111,25 @@ class TransferError(Exception):
         self.reason = reason
 
 
+class KVPeerRef(BaseModel):
+    """The other worker of a PD pair, as the router names it to each side: the engine to hand the
+    KV off to (prefill's Request.kv_to) or to expect it from (decode's Request.kv_from). The same
+    fields as a KVHandle's, so either can be fetched by worker/peers.py."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    engine_id: str
+    metadata_url: str
+    instance_id: str | None = None  # None: whichever instance answers at metadata_url
+
+
 @dataclass(frozen=True)
 class PeerMetadata:
     """What the decode worker fetched from handle.metadata_url before admitting a request: the
     prefill engine's transfer metadata (bytes a connector reads), or why it could not."""
 
     engine_id: str
-    instance_id: str
+    instance_id: str | None
     data: bytes | None = None
     error: str | None = None
 
@@ -123,6 +138,9 @@ class KVConnector(ABC):
     """Worker-side transfer duties. One instance per worker, owned by the engine."""
 
     stats: TransferStats  # counters the worker exports as metrics, updated from the step loop
+    engine_id: str  # this engine's id (its transfer agent's name)
+    instance_id: str  # new each time the engine starts
+    metadata_url: str  # where this worker serves peer_metadata()
 
     @abstractmethod
     def register_kv_cache(self, kv_cache: KVCache) -> None:
@@ -140,6 +158,11 @@ class KVConnector(ABC):
     ) -> KVHandle:
         """Pin the request's blocks (and window blocks, state slot) under a lease and describe
         them for the decode side."""
+
+    @abstractmethod
+    def send_handoff(self, peer: PeerMetadata, payload: bytes) -> None:
+        """Tell the decode engine `peer` describes that a request's KV is ready (payload: the
+        engine's Handoff as JSON). Raises on failure (the router then posts the hand-off itself)."""
 
     @abstractmethod
     def poll_releases(self) -> list[str]:
@@ -165,6 +188,10 @@ class KVConnector(ABC):
         engine's metadata, needed unless this connector already knows that engine instance.
         Raises TransferError at once for a handle this worker cannot read (hash mismatch, unknown
         or unreachable peer)."""
+
+    @abstractmethod
+    def poll_handoffs(self) -> list[tuple[str, bytes]]:
+        """Hand-offs prefill engines sent here since the last call: (sender engine id, payload)."""
 
     @abstractmethod
     def poll_loads(self) -> tuple[list[str], list[TransferError]]:

@@ -79,6 +79,7 @@ class FakeConnector(LeasingConnector):
         self.hold_loads = False
         self._inject: tuple[TransferStage, str] | None = None
         self._inbox: list[bytes] = []  # notifications sent to this engine
+        self._handoffs: list[tuple[str, bytes]] = []  # hand-offs sent to this engine: (sender, payload)
 
     def fail_next(self, stage: TransferStage, reason: str) -> None:
         self._inject = (stage, reason)
@@ -95,7 +96,17 @@ class FakeConnector(LeasingConnector):
         inbox, self._inbox = self._inbox, []
         return self._released(inbox)
 
+    def send_handoff(self, peer: PeerMetadata, payload: bytes) -> None:
+        dest = self.fabric.engines.get(peer.engine_id)
+        if dest is None:
+            raise RuntimeError(f"engine {peer.engine_id} is not reachable")
+        dest._handoffs.append((self.engine_id, payload))
+
     # -- decode side --
+    def poll_handoffs(self) -> list[tuple[str, bytes]]:
+        handoffs, self._handoffs = self._handoffs, []
+        return handoffs
+
     def start_load(
         self,
         handle: KVHandle,

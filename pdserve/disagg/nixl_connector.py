@@ -2,7 +2,10 @@
 
     prefill NixlConnector                               decode NixlConnector
     register_kv_cache: register regions once            register_kv_cache: register regions once
-    peer_metadata() -> NixlPeerInfo JSON  --HTTP-->     (the decode worker fetches it: worker/peers.py)
+    peer_metadata() -> NixlPeerInfo JSON  <--HTTP-->    peer_metadata() (each worker fetches the
+                                                          other's: worker/peers.py)
+    send_handoff: add_remote_agent once per decode
+      instance, notif "handoff:<Handoff JSON>" ------>  poll_handoffs: get_new_notifs
                                                         start_load(handle, blocks, peer): the shared
                                                           checks (leasing_connector.py), then
                                                           add_remote_agent once per engine instance
@@ -55,6 +58,7 @@ from pdserve.model.kv_cache import KVCache
 log = logging.getLogger("pdserve.disagg.nixl")
 
 PEER_INFO_VERSION = 3
+HANDOFF_PREFIX = b"handoff:"  # prefill -> decode: a Handoff's JSON follows (release messages go the other way)
 
 # set for a pool on the GPU unless the environment sets them (H200, 2026-12-03: 0.5 GB/s without)
 UCX_GPU_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
@@ -203,7 +207,9 @@ class NixlConnector(LeasingConnector):
         self._peers: dict[str, _Peer] = {}
         self._progress_interval_s = progress_interval_ms / 1000
         self._agent_lock = threading.Lock()  # the progress thread and poll_releases share the agent
-        self._inbox: list[bytes] = []  # release messages the progress thread collected
+        self._releases: list[bytes] = []  # notifications that arrived and were not hand-offs
+        self._handoffs: list[tuple[str, bytes]] = []  # hand-offs that arrived: (sender agent, payload)
+        self._handoff_peers: dict[str, bytes] = {}  # decode engine id -> the metadata its agent was added from
         self._stop = threading.Event()
         self._progress: threading.Thread | None = None
         self._zombies: list[tuple[object, int | None]] = []  # xfer handles NIXL could not cancel yet, their landing room
@@ -256,8 +262,7 @@ class NixlConnector(LeasingConnector):
         while not self._stop.wait(self._progress_interval_s):
             try:
                 with self._agent_lock:
-                    notifs = self.agent.get_new_notifs()
-                    self._inbox.extend(msg for msgs in notifs.values() for msg in msgs)
+                    self._drain()
             except Exception as e:  # keep progressing: reads stall without it; poll_releases sees the error too
                 self.stats.record_control_failure("progress")
                 log.warning("NIXL progress: %s", _nixl_reason(e))
@@ -269,16 +274,46 @@ class NixlConnector(LeasingConnector):
             raise RuntimeError("peer_metadata() before register_kv_cache()")
         return self._metadata
 
+    def _drain(self) -> None:
+        """Progress UCX and sort what notifications arrived (the caller holds _agent_lock)."""
+        for agent, msgs in self.agent.get_new_notifs().items():
+            for msg in msgs:
+                if msg.startswith(HANDOFF_PREFIX):
+                    self._handoffs.append((agent.decode() if isinstance(agent, bytes) else agent, msg[len(HANDOFF_PREFIX) :]))
+                else:
+                    self._releases.append(msg)
+
     # -- prefill side --
     def poll_releases(self) -> list[str]:
         if self.agent is None:
             return self._released([])
         with self._agent_lock:
-            notifs = self.agent.get_new_notifs()
-            inbox, self._inbox = self._inbox, []
-        return self._released(inbox + [msg for msgs in notifs.values() for msg in msgs])
+            self._drain()
+            releases, self._releases = self._releases, []
+        return self._released(releases)
+
+    def send_handoff(self, peer: PeerMetadata, payload: bytes) -> None:
+        """Notify the decode engine `peer` describes (its agent added once per instance: the
+        metadata's bytes change when it restarts)."""
+        if self.agent is None:
+            raise RuntimeError("send_handoff() before register_kv_cache()")
+        if peer.data is None:
+            raise ValueError(f"no metadata for decode engine {peer.engine_id}: {peer.error}")
+        with self._agent_lock:
+            if self._handoff_peers.get(peer.engine_id) != peer.data or peer.engine_id not in self._peers:
+                self.add_peer(peer.data, peer.engine_id, peer.instance_id)
+                self._handoff_peers[peer.engine_id] = peer.data
+            self.agent.send_notif(self._peers[peer.engine_id].agent_name, HANDOFF_PREFIX + payload)
 
     # -- decode side --
+    def poll_handoffs(self) -> list[tuple[str, bytes]]:
+        if self.agent is None:
+            return []
+        with self._agent_lock:
+            self._drain()
+            handoffs, self._handoffs = self._handoffs, []
+        return handoffs
+
     def add_peer(self, metadata: bytes, engine_id: str | None = None, instance_id: str | None = None) -> NixlPeerInfo:
         """Load a peer's metadata (its peer_metadata() bytes) into the agent; kept by its engine id.
         Raises ValueError for metadata this worker refuses (wrong engine_id / instance_id when
@@ -468,6 +503,7 @@ class NixlConnector(LeasingConnector):
 
     def _drop_peer(self, engine_id: str) -> None:
         """Forget a peer, so the next handle from it fetches fresh metadata (it may have restarted)."""
+        self._handoff_peers.pop(engine_id, None)
         peer = self._peers.pop(engine_id, None)
         if peer is not None:
             try:

@@ -39,6 +39,13 @@ class TransferStats:
     # decode reads ("staged" | "arena_full": no landing room | "not_staged": the handle has no slab)
     staged: dict[tuple[str, str], int] = field(default_factory=dict)
     stage_seconds_sum: float = 0.0  # prefill: gathers, decode: scatters (device time, synchronized)
+    handoffs: dict[str, float] = field(default_factory=dict)  # decode: request id -> when its hand-off came
+
+    def record_handoff(self, request_id: str, at: float) -> None:
+        """Decode: when (monotonic) a request's hand-off arrived; kept for the latest 1,024."""
+        self.handoffs[request_id] = at
+        while len(self.handoffs) > 1024:
+            del self.handoffs[next(iter(self.handoffs))]
 
     def record_done(self, load: LoadRecord) -> None:
         self.bytes_transferred += load.nbytes

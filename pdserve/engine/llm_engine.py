@@ -17,12 +17,22 @@ PD hooks (pdserve.disagg.base.KVConnector), called from step():
   and the failure as data in RequestOutput.transfer_error; "recompute" drops the blocks and
   computes the prompt here (the first token stays prefill's), so the output is what a colocated
   engine gives, never tokens from partial KV.
+- the hand-off: a prefill request with `kv_to` (the decode engine the router paired it with, whose
+  metadata the worker fetched) sends it a `Handoff` (handle + first token) through
+  `connector.send_handoff` right after on_prefill_finished; RequestOutput.kv_handoff_sent says
+  whether that worked. A decode request with `kv_from` instead of a handle waits (no blocks) for
+  its Handoff: from `connector.poll_handoffs()` (only from the engine kv_from names) or
+  `deliver_handoff()` (posted over HTTP by the router), then goes on as a request that came with
+  its handle. One that waits longer than `handoff_timeout_s` fails (stage PENDING); a hand-off for
+  a request not here yet is kept until it arrives or the prefill lease ends.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import get_args
 
@@ -31,14 +41,18 @@ from pdserve.disagg.stats import TransferStats
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, KVLoadFailurePolicy
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.request import Request
+from pdserve.engine.request import FirstToken, Handoff, Request
 from pdserve.engine.sampler import SampledToken
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.stop import check_stop, visible_text
-from pdserve.outputs import CompletionOutput, Logprob, RequestOutput, from_entries
+from pdserve.outputs import CompletionOutput, Logprob, RequestOutput, from_entries, to_entries
 from pdserve.sampling_params import SamplingParams
 
+log = logging.getLogger("pdserve.engine")
+
+DEFAULT_HANDOFF_TIMEOUT_S = 300.0  # a decode request waits this long for prefill's hand-off
+MAX_EARLY_HANDOFFS = 4096  # hand-offs kept for requests not here yet (each ends with its lease)
 
 
 @dataclass
@@ -51,6 +65,7 @@ class EngineStats:
     kv_blocks_total: int
     num_preemptions: int
     num_kv_load_recomputes: int = 0  # decode role: failed loads recomputed locally
+    num_awaiting_handoff: int = 0  # decode role: waiting for prefill's hand-off (in num_waiting too)
     kv_window_blocks_used: int = 0  # sliding-window block space (DeepSeek-V4), block_manager.py
     kv_window_blocks_total: int = 0
     kv_state_slots_used: int = 0  # per-sequence state space (DeepSeek-V4's compressors)
@@ -61,12 +76,19 @@ class LLMEngine:
     last_schedule: SchedulerOutput | None = None  # what the latest step() ran (step-time metrics)
 
     def __init__(
-        self, config: EngineConfig, connector: KVConnector | None = None, *, model=None, kv_load_failure_policy: KVLoadFailurePolicy = "fail"
+        self,
+        config: EngineConfig,
+        connector: KVConnector | None = None,
+        *,
+        model=None,
+        kv_load_failure_policy: KVLoadFailurePolicy = "fail",
+        handoff_timeout_s: float = DEFAULT_HANDOFF_TIMEOUT_S,
     ) -> None:
         """model: an already-built model (tests); by default config.model is loaded."""
         if kv_load_failure_policy not in get_args(KVLoadFailurePolicy):
             raise ValueError(f"kv_load_failure_policy must be one of {', '.join(get_args(KVLoadFailurePolicy))}, got {kv_load_failure_policy!r}")
         self.kv_load_failure_policy = kv_load_failure_policy
+        self.handoff_timeout_s = handoff_timeout_s
         self.num_kv_load_recomputes = 0
         self.config = config
         self.runner = ModelRunner(config, model)
@@ -93,6 +115,9 @@ class LLMEngine:
         self._aborts: list[str] = []  # abort requests since the last step (taken after the new ones)
         self._ids: set[str] = set()  # every request not yet fully gone (finished ones leave)
         self._arrival = itertools.count()
+        self._awaiting: dict[str, tuple[Sequence, float]] = {}  # decode: request id -> (seq, monotonic deadline)
+        self._posted: list[Handoff] = []  # deliver_handoff() since the last step
+        self._early: dict[str, Handoff] = {}  # hand-offs that came before their request
 
     @property
     def kv_cache(self):
@@ -131,18 +156,31 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         if req.params.stop and not self._detokenizes(req.params):
             raise ValueError("stop strings need detokenization (a tokenizer, and detokenize=True)")
-        if (req.hold_kv or req.kv_handle is not None) and self.connector is None:
-            raise ValueError("hold_kv / kv_handle need an engine with a KV connector")
+        if req.role != "colocated" and self.connector is None:
+            raise ValueError("hold_kv / kv_handle / kv_from need an engine with a KV connector")
         if req.kv_handle is not None:
-            if req.kv_handle.num_tokens != n:
-                raise ValueError(f"kv_handle holds {req.kv_handle.num_tokens} tokens but the prompt has {n}")
-            if not 0 <= req.first_token.token_id < vocab:
-                raise ValueError(f"first_token must lie in [0, {vocab})")
-            if req.params.logprobs is not None and req.first_token.logprobs is None:
-                raise ValueError("params.logprobs is set: pass the first token's logprobs from the prefill output")
+            problem = self._handoff_problem(req, req.kv_handle.num_tokens, req.first_token)
+            if problem is not None:
+                raise ValueError(problem)
+
+    def _handoff_problem(self, req: Request, num_tokens: int, first: FirstToken) -> str | None:
+        """Why a decode request cannot continue from this handle's KV and first token, or None."""
+        n, vocab = len(req.prompt_token_ids), self.runner.model.config.vocab_size
+        if num_tokens != n:
+            return f"kv_handle holds {num_tokens} tokens but the prompt has {n}"
+        if not 0 <= first.token_id < vocab:
+            return f"first_token must lie in [0, {vocab})"
+        if req.params.logprobs is not None and first.logprobs is None:
+            return "params.logprobs is set: pass the first token's logprobs from the prefill output"
+        return None
 
     def _detokenizes(self, params: SamplingParams) -> bool:
         return self.tokenizer is not None and params.detokenize
+
+    def deliver_handoff(self, handoff: Handoff) -> None:
+        """A decode request's hand-off posted over HTTP (any thread); taken at the next step."""
+        with self._lock:
+            self._posted.append(handoff)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request (any thread). On a prefill worker this also frees KV it holds for decode."""
@@ -160,6 +198,7 @@ class LLMEngine:
         for request_id in aborts:
             self._abort(request_id, outputs)
         if self.connector is not None:
+            self._take_handoffs(outputs)
             self._poll_connector(outputs)
         sched = self.scheduler.schedule()
         self.last_schedule = sched
@@ -214,8 +253,30 @@ class LLMEngine:
             except Exception as e:  # a connector failure fails this request, not the engine
                 self.scheduler.release_held(seq.request_id)
                 seq.status, seq.error, seq.kv_handle = SequenceStatus.FINISHED_ERROR, f"{type(e).__name__}: {e}", None
+            else:
+                seq.handoff_sent = self._send_handoff(seq)
         if seq.request_id not in self.scheduler.held:
             self._forget(seq.request_id)
+
+    def _send_handoff(self, seq: Sequence) -> bool:
+        """Prefill: tell the decode engine of Request.kv_to that the KV is ready (the worker fetched
+        its metadata into seq.peer). False when it cannot: the router posts the hand-off instead."""
+        peer = seq.peer
+        if seq.request.kv_to is None or peer is None or peer.data is None:
+            return False
+        first = FirstToken(
+            token_id=seq.output_token_ids[0],
+            logprobs=to_entries(seq.logprobs[0]) if seq.logprobs else None,
+            text_offset=len(visible_text(seq)),
+        )
+        handoff = Handoff(request_id=seq.request_id, kv_handle=seq.kv_handle, first_token=first)
+        try:
+            self.connector.send_handoff(peer, handoff.model_dump_json(exclude_none=True).encode())
+        except Exception as e:  # the router posts it instead: slower, not lost
+            self.connector.stats.record_control_failure("handoff")
+            log.warning("hand-off of %s to %s failed (the router posts it): %s: %s", seq.request_id, peer.engine_id, type(e).__name__, e)
+            return False
+        return True
 
     def _forget(self, request_id: str) -> None:
         with self._lock:
@@ -238,12 +299,22 @@ class LLMEngine:
             outputs=[completion],
             finished=seq.finished,
             kv_handle=seq.kv_handle if seq.status is SequenceStatus.FINISHED_REMOTE_DECODE else None,
+            kv_handoff_sent=seq.handoff_sent,
+            prefill_text_offset=seq.first_token.text_offset if seq.first_token is not None else None,
             error=seq.error,
             transfer_error=seq.transfer_error,
         )
 
     # -- admission, aborts and PD --
     def _admit(self, seq: Sequence, outputs: dict[str, RequestOutput]) -> None:
+        if seq.request.kv_from is not None and seq.first_token is None:  # decode, before its hand-off
+            seq.status = SequenceStatus.WAITING_FOR_REMOTE_KV
+            early = self._early.pop(seq.request_id, None)
+            if early is not None:
+                self._accept_handoff(seq, early, outputs)
+            else:
+                self._awaiting[seq.request_id] = (seq, time.monotonic() + self.handoff_timeout_s)
+            return
         if seq.first_token is None:
             self.scheduler.add(seq)
             return
@@ -261,6 +332,11 @@ class LLMEngine:
         self.scheduler.add_remote(seq)
 
     def _abort(self, request_id: str, outputs: dict[str, RequestOutput]) -> None:
+        self._early.pop(request_id, None)
+        waiting = self._awaiting.pop(request_id, None)
+        if waiting is not None:  # no blocks yet: nothing to free
+            self._end_unscheduled(waiting[0], SequenceStatus.FINISHED_ABORTED, outputs)
+            return
         if request_id in self.scheduler.held:
             self._release(request_id, connector_too=True)
             return
@@ -277,6 +353,68 @@ class LLMEngine:
             self.connector.release(request_id)
         if self.scheduler.release_held(request_id):
             self._forget(request_id)
+
+    # -- the hand-off (decode) --
+    def _take_handoffs(self, outputs: dict[str, RequestOutput]) -> None:
+        with self._lock:
+            arrived: list[tuple[Handoff, str | None]] = [(h, None) for h in self._posted]
+            self._posted = []
+        for sender, payload in self.connector.poll_handoffs():
+            try:
+                arrived.append((Handoff.model_validate_json(payload), sender))
+            except ValueError as e:
+                log.warning("unreadable hand-off from %s dropped: %s", sender, e)
+        for handoff, sender in arrived:
+            waiting = self._awaiting.get(handoff.request_id)
+            if waiting is None:
+                self._keep_early(handoff)
+                continue
+            seq = waiting[0]
+            if sender is not None and sender != seq.request.kv_from.engine_id:  # not whose it waits for
+                log.warning("hand-off of %s from engine %s ignored: it waits for %s", seq.request_id, sender, seq.request.kv_from.engine_id)
+                continue
+            del self._awaiting[handoff.request_id]
+            self._accept_handoff(seq, handoff, outputs)
+        now, wall = time.monotonic(), time.time()
+        for rid, (seq, deadline) in list(self._awaiting.items()):
+            if now >= deadline:
+                del self._awaiting[rid]
+                why = f"no hand-off from prefill engine {seq.request.kv_from.engine_id} within {self.handoff_timeout_s:g} s"
+                self._handoff_failed(seq, why, outputs)
+        for rid in [rid for rid, h in self._early.items() if h.kv_handle.lease_expires_at < wall]:
+            del self._early[rid]  # its prefill freed the KV already
+
+    def _keep_early(self, handoff: Handoff) -> None:
+        if len(self._early) >= MAX_EARLY_HANDOFFS:
+            oldest = next(iter(self._early))
+            log.warning("more than %d hand-offs for requests not here: dropped %s's", MAX_EARLY_HANDOFFS, oldest)
+            del self._early[oldest]
+        self._early[handoff.request_id] = handoff
+
+    def _accept_handoff(self, seq: Sequence, handoff: Handoff, outputs: dict[str, RequestOutput]) -> None:
+        expected = seq.request.kv_from.engine_id
+        problem = self._handoff_problem(seq.request, handoff.kv_handle.num_tokens, handoff.first_token)
+        if handoff.kv_handle.engine_id != expected:
+            problem = f"the hand-off's KV is on engine {handoff.kv_handle.engine_id}, not {expected}"
+        if problem is not None:
+            self._handoff_failed(seq, problem, outputs)
+            return
+        seq.kv_handle, seq.first_token = handoff.kv_handle, handoff.first_token
+        self.connector.stats.record_handoff(seq.request_id, time.monotonic())
+        self._admit(seq, outputs)
+
+    def _handoff_failed(self, seq: Sequence, reason: str, outputs: dict[str, RequestOutput]) -> None:
+        err = TransferError(seq.request_id, TransferStage.PENDING, reason)
+        self.connector.stats.record_failed(TransferStage.PENDING.name)
+        seq.fail_transfer(err.failure)
+        seq.error = str(err)
+        self._end_unscheduled(seq, SequenceStatus.FINISHED_ERROR, outputs)
+
+    def _end_unscheduled(self, seq: Sequence, status: SequenceStatus, outputs: dict[str, RequestOutput]) -> None:
+        """Finish a sequence that holds no blocks and is in no scheduler queue."""
+        seq.status = status
+        self._forget(seq.request_id)
+        outputs[seq.request_id] = self._output(seq)
 
     def _poll_connector(self, outputs: dict[str, RequestOutput]) -> None:
         for request_id in self.connector.poll_releases():
@@ -315,8 +453,8 @@ class LLMEngine:
     # -- queries --
     def has_unfinished_requests(self) -> bool:
         with self._lock:
-            pending = bool(self._new or self._aborts)
-        return pending or self.scheduler.num_unfinished > 0
+            pending = bool(self._new or self._aborts or self._posted)
+        return pending or bool(self._awaiting) or self.scheduler.num_unfinished > 0
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel rank processes, if any (after the step loop has stopped)."""
@@ -332,15 +470,17 @@ class LLMEngine:
 
     def get_stats(self) -> EngineStats:
         c = self.scheduler.counts()
+        awaiting = len(self._awaiting)
         return EngineStats(
             num_running=c.running,
-            num_waiting=c.waiting,
-            num_waiting_for_remote_kv=c.waiting_for_remote_kv,
+            num_waiting=c.waiting + awaiting,
+            num_waiting_for_remote_kv=c.waiting_for_remote_kv + awaiting,
             num_held=c.held,
             kv_blocks_used=self.block_manager.num_used_blocks,
             kv_blocks_total=self.block_manager.num_total_blocks,
             num_preemptions=c.preemptions,
             num_kv_load_recomputes=self.num_kv_load_recomputes,
+            num_awaiting_handoff=awaiting,
             kv_window_blocks_used=self.block_manager.num_used_window_blocks,
             kv_window_blocks_total=self.block_manager.num_total_window_blocks,
             kv_state_slots_used=self.block_manager.num_used_state_slots,

@@ -5,14 +5,20 @@ Three shapes of the same model, by role:
 
     colocated / offline   Request(request_id, prompt_token_ids, params)
     prefill               ... hold_kv=True: keep the KV pinned for a decode worker after the first token
+                              (+ kv_to=decode engine: send it the Handoff when the KV is ready)
     decode                ... kv_handle=H, first_token=FirstToken(...): load H's KV, continue from the token
+                          ... or kv_from=prefill engine: wait for its Handoff (H and the first token),
+                              sent over the transfer backend or posted by the router
+
+The router sends a PD request to both workers at once (kv_to / kv_from), so decode has it before
+prefill is done and the hand-off is one notification between the engines (see router/dispatch.py).
 """
 
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pdserve.disagg.base import KVHandle
+from pdserve.disagg.base import KVHandle, KVPeerRef
 from pdserve.outputs import LogprobEntry
 from pdserve.sampling_params import SamplingParams
 
@@ -30,6 +36,24 @@ class FirstToken(BaseModel):
     text_offset: int = Field(0, ge=0)  # characters of output text the client already has
 
 
+class Handoff(BaseModel):
+    """A prefilled request's KV and first token, prefill -> decode: a notification between the
+    engines (the connector's send_handoff), or the body of a decode worker's /internal/handoff."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    version: int = REQUEST_VERSION
+    request_id: str = Field(pattern=REQUEST_ID_PATTERN)
+    kv_handle: KVHandle
+    first_token: FirstToken
+
+    @model_validator(mode="after")
+    def _same_request(self) -> "Handoff":
+        if self.kv_handle.request_id != self.request_id:
+            raise ValueError(f"the KV handle is request {self.kv_handle.request_id!r}'s, not {self.request_id!r}'s")
+        return self
+
+
 class Request(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -41,6 +65,8 @@ class Request(BaseModel):
     hold_kv: bool = False  # prefill role
     kv_handle: KVHandle | None = None  # decode role: where the prompt's KV waits
     first_token: FirstToken | None = None  # decode role: goes with kv_handle
+    kv_to: KVPeerRef | None = None  # prefill role: the decode engine to send the Handoff to
+    kv_from: KVPeerRef | None = None  # decode role without a handle yet: whose Handoff to wait for
 
     @field_validator("version")
     @classmethod
@@ -55,8 +81,14 @@ class Request(BaseModel):
             raise ValueError("a request is either prefill (hold_kv) or decode (kv_handle), not both")
         if (self.kv_handle is None) != (self.first_token is None):
             raise ValueError("kv_handle and first_token go together (decode role)")
+        if self.kv_to is not None and not self.hold_kv:
+            raise ValueError("kv_to names where a prefill request's KV goes: it needs hold_kv")
+        if self.kv_from is not None and (self.hold_kv or self.kv_handle is not None):
+            raise ValueError("kv_from is a decode request waiting for its hand-off: no hold_kv, no kv_handle")
         return self
 
     @property
     def role(self) -> str:
-        return "prefill" if self.hold_kv else "decode" if self.kv_handle is not None else "colocated"
+        if self.hold_kv:
+            return "prefill"
+        return "decode" if self.kv_handle is not None or self.kv_from is not None else "colocated"

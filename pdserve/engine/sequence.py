@@ -46,8 +46,9 @@ FINISH_REASONS = {
 
 class Sequence:
     def __init__(self, request: Request, *, arrival: int = 0, peer: PeerMetadata | None = None) -> None:
-        """request: as it arrived (kept, never unpacked). peer: decode role, the prefill engine's
-        transfer metadata the worker fetched before admitting the request."""
+        """request: as it arrived (kept, never unpacked). peer: the other PD engine's transfer
+        metadata the worker fetched before admitting the request (decode: the prefill engine;
+        prefill with kv_to: the decode engine to hand off to)."""
         self.request = request
         self.request_id = request.request_id
         self.prompt = request.prompt
@@ -70,8 +71,9 @@ class Sequence:
         # PD
         self.hold_kv = request.hold_kv  # prefill role: keep blocks pinned after the first token
         self.kv_handle: KVHandle | None = request.kv_handle  # decode: the KV to load; prefill: what we hand out
-        self.first_token: FirstToken | None = request.first_token  # decode role
-        self.peer = peer
+        self.first_token: FirstToken | None = request.first_token  # decode role (kv_from: set at the hand-off)
+        self.peer = peer  # decode: the prefill engine's metadata; prefill with kv_to: the decode engine's
+        self.handoff_sent = False  # prefill role: the decode engine was notified directly
         self.transfer_stage = TransferStage.PENDING
         self.transfer_error: TransferFailure | None = None
 

@@ -10,8 +10,12 @@ pdserve_router_generation_tokens_total              pdserve_router_breaker_opens
 Where the time goes, from the RequestTiming a worker sends with its first new token:
 pdserve_router_ttft_breakdown_seconds{part}   queue | prefill (on the worker that made the first
                                               token) | other (router, HTTP: the rest of the span)
-pdserve_router_pd_handoff_seconds{part}       PD, first token -> decode's first token: decode_queue
-                                              (waiting for blocks) | kv_transfer | first_decode | other
+pdserve_router_pd_handoff_seconds{part}       PD, first token -> decode's first token: dispatch
+                                              (what the router still waited for: decode's headers,
+                                              its own POST of the hand-off) | decode_queue (waiting
+                                              for blocks) | kv_transfer | first_decode | other
+pdserve_router_pd_handoffs_total{via}         prefill (its engine notified decode's) | router
+                                              (prefill could not: the router posted it)
 pdserve_router_kv_transfer_bytes_total        KV bytes of those transfers (GB/s = this / the
                                               kv_transfer part's sum)
 """
@@ -47,6 +51,7 @@ class RouterMetrics:
         self.handoff_parts = Histogram(
             "pdserve_router_pd_handoff_seconds", "PD first token to decode's first token by part", ["part"], buckets=LATENCY_BUCKETS, registry=r
         )
+        self.handoffs = Counter("pdserve_router_pd_handoffs", "PD hand-offs by who delivered them to decode", ["via"], registry=r)
         self.kv_bytes = Counter("pdserve_router_kv_transfer_bytes", "KV bytes decode workers read for the router's requests", registry=r)
 
     def observe_ttft(self, timing: RequestTiming | None, seconds: float) -> None:
@@ -59,8 +64,8 @@ class RouterMetrics:
 
     def observe_handoff(self, timing: RequestTiming | None, seconds: float, dispatch_s: float = 0.0) -> None:
         """PD: the span from the first token to decode's first chunk (`seconds`), split likewise;
-        `dispatch_s`: first token -> the decode worker's response headers (the router's loop, the
-        request's HTTP, decode's handler up to adding it to its engine)."""
+        `dispatch_s`: what the router waited for after the first token before reading decode's
+        stream (decode's response headers, if not there yet; the hand-off's POST, if it made one)."""
         if timing is None:
             return
         worker = timing.queue_s + timing.compute_s + (timing.transfer_s or 0.0)

@@ -176,7 +176,7 @@ class WorkerPool:
             health = WorkerHealth.model_validate_json(resp.content)
             if resp.status_code != 200:
                 raise _Unhealthy(f"/health answered {resp.status_code}: {health.reason}")
-            if w.info is None or w.info.engine_id != health.engine_id:
+            if w.info is None or (w.info.engine_id, w.info.instance_id) != (health.engine_id, health.instance_id):
                 w.info = await self._info(client, w, headers)
             if w.info.role != w.role:
                 raise _Unhealthy(f"configured as {w.role} but the worker's role is {w.info.role}")

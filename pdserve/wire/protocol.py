@@ -91,6 +91,7 @@ class GenerateChunk(_Message):
     finish_reason: str | None = None  # stop | length | abort | error; None while running or handing off
     stop_reason: int | str | None = None
     kv_handle: KVHandle | None = None  # prefill role: the request continues on a decode worker
+    kv_handoff_sent: bool = False  # prefill role: the decode engine named in kv_to was notified itself
     error: str | None = None  # finish_reason "error": why
     transfer_error: TransferFailure | None = None  # finish_reason "error" from a failed KV load
     num_prompt_tokens: int = 0
@@ -116,6 +117,8 @@ class WorkerInfo(_Message):
     device: str
     dtype: str
     transfer_backend: str | None  # None: no connector (role colocated)
+    instance_id: str | None = None  # this start of its engine (None: no connector)
+    kv_metadata_url: str | None = None  # where it serves its transfer metadata (None: no connector)
     gpus: list[str] = Field(default_factory=list)  # UUIDs of the GPUs its ranks use (none on cpu)
     pdserve_version: str
 
@@ -126,6 +129,7 @@ class WorkerHealth(BaseModel):
     status: Literal["ok", "unhealthy"]
     role: Role
     engine_id: str
+    instance_id: str | None = None  # changes when the worker restarts: the router re-reads /internal/info
     reason: str | None = None
     engine_heartbeat_age_s: float = 0.0  # seconds since the engine loop last turned (grows during a step)
     num_requests_running: int = 0

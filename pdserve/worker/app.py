@@ -6,9 +6,11 @@ Internal (pdserve.wire.protocol): /internal/generate, /internal/abort, /internal
 /internal/info - guarded by the cluster secret when one is configured.
 
 /internal/generate takes the engine's Request as its body and hands it to the engine as it is (a
-decode worker first fetches the prefill peer's transfer metadata, on the event loop: peers.py).
+PD request's peer - decode: the prefill engine; prefill: the decode engine of kv_to - has its
+transfer metadata fetched first, on the event loop: peers.py). /internal/handoff (decode) gives a
+waiting request (Request.kv_from) its Handoff when the router, not prefill, delivers it.
 The engine's cumulative outputs go out as NDJSON deltas of new output only; a decode worker's
-start after the first token and the text the client already has (Request.first_token). The first
+start after the first token and the text the client already has (FirstToken.text_offset). The first
 chunk with a new token carries the request's RequestTiming (queue, KV read, compute: timing.py).
 If the reader goes away before the request finished (however the response ends, even before it
 started), the request is aborted, which frees its blocks (and, on prefill, any KV it holds).
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.engine.request import Request
+from pdserve.engine.request import Handoff, Request
 from pdserve.outputs import RequestOutput, to_entries
 from pdserve.wire.disconnect import GuardedStreamingResponse
 from pdserve.wire.errors import OpenAIError, install_error_handlers, too_busy
@@ -61,6 +63,7 @@ def build_worker_app(state: WorkerState, cluster_secret: str | None) -> FastAPI:
             status="ok" if ok else "unhealthy",
             role=state.info.role,
             engine_id=state.info.engine_id,
+            instance_id=state.info.instance_id,
             reason=None if ok else (state.engine.error or stalled or "engine stopped"),
             engine_heartbeat_age_s=round(state.engine.heartbeat_age(), 3),
             num_requests_running=stats.num_running,
@@ -96,7 +99,8 @@ def build_worker_app(state: WorkerState, cluster_secret: str | None) -> FastAPI:
         _check_role(state.info.role, req)
         if state.engine.num_open >= state.max_open_requests:
             raise too_busy(f"worker {state.info.engine_id}")
-        peer = await state.peers.fetch(req.kv_handle) if req.kv_handle is not None and state.peers is not None else None
+        ref = req.kv_handle or req.kv_from or req.kv_to
+        peer = await state.peers.fetch(ref) if ref is not None and state.peers is not None else None
         try:
             stream = state.engine.add(req, peer)
         except ValueError as e:
@@ -111,6 +115,15 @@ def build_worker_app(state: WorkerState, cluster_secret: str | None) -> FastAPI:
 
         return GuardedStreamingResponse(_ndjson(chunks), abort_unless_finished, media_type="application/x-ndjson")
 
+    @app.post("/internal/handoff")
+    async def handoff(h: Handoff) -> Ack:
+        if state.info.role != "decode":
+            raise OpenAIError(400, f"a {state.info.role} worker takes no hand-offs")
+        if not state.engine.is_open(h.request_id):
+            raise OpenAIError(404, f"no request {h.request_id!r} is open on this worker")
+        state.engine.deliver_handoff(h)
+        return Ack()
+
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
     if cluster_secret:
         app.add_middleware(
@@ -121,7 +134,7 @@ def build_worker_app(state: WorkerState, cluster_secret: str | None) -> FastAPI:
 
 def _check_role(role: str, req: Request) -> None:
     if req.role != role:
-        raise OpenAIError(400, f"a {role} worker does not serve {req.role} requests (hold_kv: prefill; kv_handle + first_token: decode; neither: colocated)")
+        raise OpenAIError(400, f"a {role} worker does not serve {req.role} requests (hold_kv: prefill; kv_handle + first_token or kv_from: decode; none: colocated)")
 
 
 async def _ndjson(chunks: AsyncIterator[GenerateChunk]) -> AsyncIterator[bytes]:
@@ -133,16 +146,19 @@ async def _ndjson(chunks: AsyncIterator[GenerateChunk]) -> AsyncIterator[bytes]:
 
 
 async def _chunks(state: WorkerState, req: Request, stream: RequestStream) -> AsyncIterator[GenerateChunk]:
-    """Deltas of the engine's cumulative outputs, from where the client's output stands."""
-    first = req.first_token
-    sent_tokens, sent_text = (1, first.text_offset) if first is not None else (0, 0)
+    """Deltas of the engine's cumulative outputs, from where the client's output stands (decode:
+    after prefill's first token and its text, whose length comes with the hand-off)."""
+    decode = req.role == "decode"
+    sent_tokens, sent_text = (1, None) if decode else (0, 0)
     metrics = state.metrics
     timed = False
     async for out in stream:
+        if sent_text is None:
+            sent_text = out.prefill_text_offset or 0  # None: it ended before its hand-off came
         chunk = _delta(out, req, sent_tokens, sent_text)
         if not timed and chunk.token_ids:  # this worker's first new token: its timing goes with it
             chunk.timing, timed = stream.timing, True
-        if req.first_token is None and sent_tokens == 0 and chunk.token_ids:
+        if not decode and sent_tokens == 0 and chunk.token_ids:
             metrics.prompt_tokens.inc(len(req.prompt_token_ids))
         metrics.generation_tokens.inc(len(chunk.token_ids))
         sent_tokens = chunk.token_offset + len(chunk.token_ids)
@@ -164,6 +180,7 @@ def _delta(out: RequestOutput, req: Request, sent_tokens: int, sent_text: int) -
         finish_reason=comp.finish_reason if out.finished else None,
         stop_reason=comp.stop_reason,
         kv_handle=out.kv_handle,
+        kv_handoff_sent=out.kv_handoff_sent,
         error=out.error,
         transfer_error=out.transfer_error,
         num_prompt_tokens=len(req.prompt_token_ids),

@@ -24,7 +24,7 @@ from typing import AsyncIterator
 
 from pdserve.disagg.base import PeerMetadata
 from pdserve.engine.llm_engine import EngineStats, LLMEngine
-from pdserve.engine.request import Request
+from pdserve.engine.request import Handoff, Request
 from pdserve.outputs import CompletionOutput, RequestOutput
 from pdserve.wire.protocol import RequestTiming
 from pdserve.worker.metrics import WorkerMetrics
@@ -127,7 +127,7 @@ class AsyncEngine:
             raise ValueError(f"request id {rid!r} is already in use on this worker")
         stream = RequestStream(rid, asyncio.get_running_loop())
         self._streams[rid] = stream
-        self.timer.add(rid, time.monotonic(), 1 if request.first_token is not None else 0)
+        self.timer.add(rid, time.monotonic(), 1 if request.role == "decode" else 0)  # decode: prefill's token first
         try:
             self.engine.add_request(request, peer)
         except BaseException:
@@ -136,6 +136,14 @@ class AsyncEngine:
             raise
         self._wake.set()
         return stream
+
+    def is_open(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    def deliver_handoff(self, handoff: Handoff) -> None:
+        """A decode request's hand-off, posted by the router (call on the event loop)."""
+        self.engine.deliver_handoff(handoff)
+        self._wake.set()
 
     def abort(self, request_id: str) -> None:
         self.timer.forget(request_id)

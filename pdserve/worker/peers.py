@@ -1,10 +1,13 @@
-"""The decode worker's view of its prefill peers: their transfer metadata, fetched over HTTP on the
-event loop before a request enters the engine, so the engine loop never waits on the network.
+"""A worker's view of its PD peers: their transfer metadata, fetched over HTTP on the event loop
+before a request enters the engine, so the engine loop never waits on the network.
 
-    POST /internal/generate (decode) -> fetch(handle) -> PeerMetadata -> engine.add(request, peer)
+    POST /internal/generate -> fetch(ref) -> PeerMetadata -> engine.add(request, peer)
+      decode: ref = the KV handle, or Request.kv_from (the prefill engine to expect it from)
+      prefill: ref = Request.kv_to (the decode engine to notify when the KV is ready)
 
-One GET per prefill engine instance (a restarted prefill has a new instance id, so its metadata is
-fetched anew); concurrent requests from a new peer share one GET. Only configured peers are asked
+One GET per peer engine instance (a restarted peer has a new instance id, so its metadata is
+fetched anew; a ref without one takes whichever instance is cached); concurrent requests from a
+new peer share one GET. Only configured peers are asked
 (the handle's metadata URL must be one of their origins), with the cluster secret when there is
 one, within a timeout, and at most MAX_METADATA_BYTES. A failure is not raised here: it travels to
 the engine as PeerMetadata.error and fails (or recomputes, by policy) that request at HANDSHAKE.
@@ -18,7 +21,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from pdserve.disagg.base import KVHandle, PeerMetadata
+from pdserve.disagg.base import KVHandle, KVPeerRef, PeerMetadata
 
 log = logging.getLogger("pdserve.worker.peers")
 
@@ -42,9 +45,9 @@ class PeerMetadataFetcher:
         # from the environment: this is cluster-internal traffic
         self._client = httpx.AsyncClient(timeout=timeout_s, trust_env=False)
 
-    async def fetch(self, handle: KVHandle) -> PeerMetadata:
+    async def fetch(self, handle: KVHandle | KVPeerRef) -> PeerMetadata:
         known = self._cache.get(handle.engine_id)
-        if known is not None and known.instance_id == handle.instance_id:
+        if known is not None and handle.instance_id in (None, known.instance_id):
             return known
         key = (handle.engine_id, handle.instance_id)
         task = self._inflight.get(key)
@@ -54,7 +57,7 @@ class PeerMetadataFetcher:
             task.add_done_callback(lambda _: self._inflight.pop(key, None))
         return await asyncio.shield(task)  # one caller leaving does not cancel the others' fetch
 
-    async def _get(self, handle: KVHandle) -> PeerMetadata:
+    async def _get(self, handle: KVHandle | KVPeerRef) -> PeerMetadata:
         url = handle.metadata_url
         if origin(url) not in self.allowed:
             return self._failed(handle, f"metadata URL {url} is not from a configured peer ({', '.join(sorted(self.allowed)) or 'none'})")
@@ -79,7 +82,7 @@ class PeerMetadataFetcher:
                     raise ValueError(f"metadata from {url} is larger than {MAX_METADATA_BYTES} bytes")
         return bytes(body)
 
-    def _failed(self, handle: KVHandle, why: str) -> PeerMetadata:
+    def _failed(self, handle: KVHandle | KVPeerRef, why: str) -> PeerMetadata:
         log.warning("peer %s: %s", handle.engine_id, why)
         return PeerMetadata(engine_id=handle.engine_id, instance_id=handle.instance_id, error=why)
 

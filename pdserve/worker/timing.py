@@ -5,6 +5,8 @@
                      end of the step that          t0 = step start, t1 = step end)
                      sampled its first token here
     connector        KV read posted and done     (decode: TransferStats.load_of)
+                     the hand-off's arrival      (decode: a request sent before prefill finished
+                                                  counts from its hand-off, TransferStats.handoffs)
 
 The first output with a new token gets a RequestTiming (wire/protocol.py), whose parts add up to
 arrival -> that step's end. All times are time.monotonic() of this process.
@@ -53,17 +55,20 @@ class RequestTimer:
                 del self._clocks[out.request_id]
             return None
         del self._clocks[out.request_id]
+        arrived = clock.arrived
+        if transfers is not None and clock.tokens_before:  # decode: from the hand-off, if it came later
+            arrived = max(arrived, transfers.handoffs.pop(out.request_id, arrived))
         load = transfers.load_of(out.request_id) if transfers is not None and clock.tokens_before else None
         if load is not None:  # posted after arrival, done before the step that ran it ended
             return RequestTiming(
-                queue_s=max(0.0, load.started - clock.arrived),
+                queue_s=max(0.0, load.started - arrived),
                 transfer_s=load.seconds,
                 transfer_bytes=load.nbytes,
                 compute_s=max(0.0, t1 - load.finished),  # max: float rounding of started + seconds
             )
         # a step may start just before an add() it then picks up: it ran from arrival on
-        scheduled = max(clock.arrived, clock.scheduled if clock.scheduled is not None else t1)
-        return RequestTiming(queue_s=scheduled - clock.arrived, compute_s=t1 - scheduled)
+        scheduled = max(arrived, clock.scheduled if clock.scheduled is not None else t1)
+        return RequestTiming(queue_s=scheduled - arrived, compute_s=t1 - scheduled)
 
     def forget(self, request_id: str) -> None:
         self._clocks.pop(request_id, None)
