@@ -218,7 +218,7 @@ def test_ttft_breakdown_in_the_evidence():
     col["results"][-1]["ttft_breakdown"] = {"requests": 32, "router_mean_ttft_ms": 2000.0, "ttft_ms": {"queue": 1500.0, "prefill": 480.0, "other": 20.0}}
     pd["results"][-1]["ttft_breakdown"] = {
         "requests": 32, "router_mean_ttft_ms": 1800.0, "ttft_ms": {"queue": 1400.0, "prefill": 380.0, "other": 20.0},
-        "kv_bytes_per_request": 48e6, "kv_gb_per_s": 12.0, "kv_transfers": 32,
+        "kv_bytes_per_request": 48e6, "kv_gb_per_s": 12.0, "kv_transfers": 32, "handoffs_via": {"prefill": 30, "router": 2},
         "handoff_ms": {"dispatch": 3.0, "decode_queue": 10.0, "kv_transfer": 4.0, "first_decode": 60.0, "other": 3.0},
     }  # fmt: skip
     v = advisor.advise(col, pd)
@@ -226,5 +226,5 @@ def test_ttft_breakdown_in_the_evidence():
     assert "c=16: colocated TTFT 2000.0 ms (router, mean) = queue 1500.0 + prefill 480.0 + other 20.0 ms" in lines
     assert "c=16: PD TTFT 1800.0 ms (router, mean) = queue 1400.0 + prefill 380.0 + other 20.0 ms" in lines
     assert "PD hand-off, first token -> decode's first token, 80.0 ms (mean) = dispatch 3.0 + decode queue 10.0 + kv transfer 4.0" in lines
-    assert "(48.0 MB a request at 12.00 GB/s)" in lines
+    assert "(48.0 MB a request at 12.00 GB/s; 30 handed off engine to engine, 2 posted by the router)" in lines
     assert (v.numbers["pd_kv_transfer_ms"], v.numbers["pd_handoff_ms"], v.numbers["pd_kv_gb_per_s"]) == (4.0, 80.0, 12.0)

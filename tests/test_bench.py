@@ -210,6 +210,7 @@ def test_ttft_breakdown_pd(cluster, tmp_path, capsys):
     kv = decode_after["pdserve_kv_transfer_bytes_total"] - decode_before["pdserve_kv_transfer_bytes_total"]
     assert b["kv_transfers"] == 6 and b["kv_bytes_per_request"] == pytest.approx(kv / 6) and kv > 0
     assert b["kv_gb_per_s"] > 0
+    assert b["handoffs_via"] == {"prefill": 0, "router": 6}  # this prefill worker has no --peer: the router posts them
     printed = capsys.readouterr().out
     assert "KV GB/s" in printed and "dec queue" in printed
 

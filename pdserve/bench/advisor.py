@@ -181,7 +181,11 @@ def _ttft_lines(c: int, col: Level, pd: Level) -> list[str]:
         h = b["handoff_ms"]
         total = sum(v for v in h.values() if v is not None)
         mb = b.get("kv_bytes_per_request")
-        kv = "" if mb is None else f" ({mb / 1e6:.1f} MB a request at {_num(b.get('kv_gb_per_s'), 2)} GB/s)"
+        notes = [] if mb is None else [f"{mb / 1e6:.1f} MB a request at {_num(b.get('kv_gb_per_s'), 2)} GB/s"]
+        via = b.get("handoffs_via") or {}
+        if sum(via.values()):
+            notes.append(f"{via.get('prefill', 0)} handed off engine to engine, {via.get('router', 0)} posted by the router")
+        kv = f" ({'; '.join(notes)})" if notes else ""
         lines.append(
             f"c={c}: PD hand-off, first token -> decode's first token, {total:.1f} ms (mean) = "
             f"{_parts(b, HANDOFF_PARTS, 'handoff_ms')} ms{kv}: "

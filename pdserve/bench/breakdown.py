@@ -8,8 +8,10 @@ Two scrapes of the router around a level give each part's mean over that level's
         first token (PD: the prefill worker; other = router, HTTP, network)
     PD hand-off (first token -> decode's first token) = dispatch + decode_queue + kv_transfer
         + first_decode + other, with the KV bytes per request and their rate (bytes / transfer
-        seconds); dispatch = first token -> decode's response headers (router loop, HTTP, decode's
-        handler), other = the first chunk's way back and what no part names
+        seconds); dispatch = what the router still waited for after the first token (its own
+        turn back to decode's stream under load; decode's response headers; its POST of the
+        hand-off when prefill could not send it), other = what no part names; and how many
+        hand-offs went engine to engine (via prefill) or through the router
 
 In pdserve the first token is prefill's: PD's KV transfer is not in TTFT but in the hand-off, the
 wait for the second token.
@@ -25,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 TTFT = "pdserve_router_ttft_breakdown_seconds"
 HANDOFF = "pdserve_router_pd_handoff_seconds"
 KV_BYTES = "pdserve_router_kv_transfer_bytes_total"
+HANDOFFS = "pdserve_router_pd_handoffs_total"
 ROUTER_TTFT = "pdserve_time_to_first_token_seconds"
 TTFT_PARTS = ("queue", "prefill", "other")
 HANDOFF_PARTS = ("dispatch", "decode_queue", "kv_transfer", "first_decode", "other")
@@ -46,6 +49,8 @@ def parse(text: str) -> Scrape:
                 out[key] = float(s.value)
             elif s.name == KV_BYTES:
                 out[s.name] = float(s.value)
+            elif s.name == HANDOFFS:
+                out[f"{s.name}{{{s.labels.get('via', '')}}}"] = float(s.value)
     return out
 
 
@@ -85,6 +90,7 @@ def breakdown(before: Scrape, after: Scrape) -> dict[str, Any]:
         "kv_transfers": n_kv,
         "kv_bytes_per_request": kv_bytes / n_kv if n_kv else None,
         "kv_gb_per_s": kv_bytes / kv_s / 1e9 if n_kv and kv_s > 0 else None,
+        "handoffs_via": {via: int(after.get(f"{HANDOFFS}{{{via}}}", 0.0) - before.get(f"{HANDOFFS}{{{via}}}", 0.0)) for via in ("prefill", "router")},
     }
 
 
