@@ -115,7 +115,10 @@ def _part_words(slab: torch.Tensor, part: SlabPart, num_layers: int, block_bytes
 
 
 def _index(ids: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(ids, dtype=torch.int64).to(device, non_blocking=True)
+    t = torch.tensor(ids, dtype=torch.int64)
+    if device.type == "cuda":  # pinned (PyTorch's caching host allocator): an upload from pageable memory waits for itself
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 def gather(regions: dict[str, torch.Tensor], layout: KVLayout, blocks: dict[str, list[int]], slab: torch.Tensor) -> None:
