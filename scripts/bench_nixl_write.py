@@ -8,7 +8,10 @@ decode's landing arena. This measures both on the same two buffers, with pdserve
 for GPU pools (`apply_ucx_gpu_defaults`) and NIXL's progress thread on both agents (so neither
 direction waits on the passive side's polling): per size, the median time from `transfer()` to
 DONE at the initiator, the rate, and its share of one device copy of the same bytes in one
-process. Every transfer is checked byte for byte at the destination.
+process. Every transfer is checked byte for byte at the destination. Two more columns split
+what pdserve's own READ pays: `READ+notif` is the READ with a notification attached (pdserve's
+"release:<id>", which NIXL delivers once the data is in), and `prep` the descriptor lists plus
+`initialize_xfer` before `transfer()` (pdserve makes a transfer handle per request).
 
 The parent process owns the destination ("decode"), a spawned child the source ("prefill").
 """
@@ -59,8 +62,12 @@ def _wait(agent, xfer) -> None:
         state = agent.check_xfer_state(xfer)
 
 
-def timed(agent, op: str, local, remote, peer: str, mem_local: str, mem_remote: str) -> float:
-    xfer = agent.initialize_xfer(op, agent.get_xfer_descs(local, mem_local), agent.get_xfer_descs(remote, mem_remote), peer)
+def timed(agent, op: str, local, remote, peer: str, mem_local: str, mem_remote: str, notif: bytes = b"", prep: list | None = None) -> float:
+    """Seconds from transfer() to DONE; prep, if given, gets the seconds of building the handle."""
+    t = time.perf_counter()
+    xfer = agent.initialize_xfer(op, agent.get_xfer_descs(local, mem_local), agent.get_xfer_descs(remote, mem_remote), peer, notif)
+    if prep is not None:
+        prep.append(time.perf_counter() - t)
     try:
         if mem_local == "VRAM":
             torch.cuda.synchronize()
@@ -136,12 +143,13 @@ def main() -> None:
         mem = _mem(dst)
         for nbytes in sizes:
             row = {"mib": round(nbytes / MIB, 1), "copy_s": copy_s(nbytes, args.device, args.reps)}
-            for op in ("READ", "WRITE"):
-                times = []
+            for op in ("READ", "READ+notif", "WRITE"):
+                times, prep = [], []
                 for _ in range(args.reps + 1):  # the first one maps the peer's memory: not timed
                     dst[:nbytes].zero_()
-                    if op == "READ":
-                        s = timed(agent, "READ", _desc(dst, nbytes), [(src_msg["addr"], nbytes, src_msg["dev"])], peer, mem, mem)
+                    if op.startswith("READ"):
+                        notif = b"release:bench" if op == "READ+notif" else b""
+                        s = timed(agent, "READ", _desc(dst, nbytes), [(src_msg["addr"], nbytes, src_msg["dev"])], peer, mem, mem, notif, prep)
                     else:
                         conn.send({"nbytes": nbytes})
                         if not conn.poll(TIMEOUT_S + 5):
@@ -156,7 +164,9 @@ def main() -> None:
                         raise SystemExit(f"{op} of {nbytes} bytes is not byte-exact")
                     times.append(s)
                 med = statistics.median(times[1:])
-                row[op.lower()] = {"s": med, "gb_s": nbytes / med / 1e9, "of_copy": row["copy_s"] / med}
+                row[op.lower().replace("+", "_")] = {"s": med, "gb_s": nbytes / med / 1e9, "of_copy": row["copy_s"] / med}
+                if prep:
+                    row[op.lower().replace("+", "_")]["prep_s"] = statistics.median(prep[1:])
             rows.append(row)
         conn.send(None)
         agent.remove_remote_agent(peer)
@@ -166,11 +176,12 @@ def main() -> None:
             proc.kill()
     dev = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
     print(f"NIXL READ vs WRITE, one slab between two processes on {dev}; median of {args.reps} after one untimed")
-    print("| MiB | copy GB/s | READ ms | READ GB/s | / copy | WRITE ms | WRITE GB/s | / copy |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| MiB | copy GB/s | READ ms | READ GB/s | / copy | READ+notif ms | prep ms | WRITE ms | WRITE GB/s | / copy |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         n = r["mib"] * MIB
         print(f"| {r['mib']} | {n / r['copy_s'] / 1e9:.0f} | {1e3 * r['read']['s']:.3f} | {r['read']['gb_s']:.1f} | {r['read']['of_copy']:.3f} "
+              f"| {1e3 * r['read_notif']['s']:.3f} | {1e3 * r['read_notif']['prep_s']:.3f} "
               f"| {1e3 * r['write']['s']:.3f} | {r['write']['gb_s']:.1f} | {r['write']['of_copy']:.3f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": dev, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows}, indent=1) + "\n")

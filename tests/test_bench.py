@@ -284,3 +284,20 @@ def test_decode_killed_mid_run_gives_failures_and_a_report(cluster, tmp_path, ca
     assert all(r["errors"][i] for i, n in enumerate(r["output_lens"]) if n == 0)
     assert r["total_output_tokens"] == 48 * r["completed"]
     assert "failed:" in capsys.readouterr().out
+
+
+def test_router_benchmark_streams_every_token_through_the_real_router(tmp_path):
+    """scripts/bench_router.py: its fake worker speaks the worker protocol well enough that the
+    real router serves every requested token, and the row holds the router's CPU per token."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "router.json"
+    res = subprocess.run(
+        [sys.executable, "scripts/bench_router.py", "--concurrency", "2", "--output-len", "8", "--rounds", "1", "--step-ms", "2", "--json", str(out)],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["concurrency"], row["requests"], row["tokens"]) == (2, 2, 16)
+    assert row["completed_tokens"] == 16 and row["router_cpu_us_per_token"] > 0 and row["itl_median_ms"] > 0

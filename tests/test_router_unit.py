@@ -332,3 +332,41 @@ def render_metrics(metrics) -> str:
     from pdserve.wire.metrics import render
 
     return render(metrics.registry).decode()
+
+
+def test_draining_ends_a_wait_for_the_next_chunk_with_a_503_and_nothing_else():
+    """Router._next_unless: start_draining turns the wait of every open request into the
+    server_shutting_down error; a cancellation from anywhere else stays a cancellation."""
+    import asyncio
+    import time
+
+    from pdserve.router.app import Router
+
+    async def never():
+        await asyncio.Event().wait()
+        yield None
+
+    async def one():
+        yield "chunk"
+
+    async def go() -> None:
+        router = Router.__new__(Router)  # only the draining state: no config, pool or tokenizer
+        router.draining, router._loop, router._reading, router._drained = asyncio.Event(), asyncio.get_running_loop(), set(), set()
+        deadline = time.monotonic() + 30
+        assert await router._next_unless(one(), deadline) == "chunk"
+        waiting = [asyncio.create_task(router._next_unless(never(), deadline)) for _ in range(3)]
+        other = asyncio.create_task(router._next_unless(never(), deadline))
+        await asyncio.sleep(0.01)
+        other.cancel()  # a client gone, say: not draining
+        with pytest.raises(asyncio.CancelledError):
+            await other
+        router.start_draining()
+        for task in waiting:
+            with pytest.raises(OpenAIError) as e:
+                await task
+            assert e.value.status == 503 and e.value.code == "server_shutting_down"
+        assert router._reading == set() and router._drained == set()
+        with pytest.raises(OpenAIError, match="shutting down"):  # a request that asks after it started
+            await router._next_unless(one(), deadline)
+
+    asyncio.run(go())

@@ -524,5 +524,6 @@ def test_read_write_benchmark_moves_exact_bytes_both_ways(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["mib"] for r in rows] == [0.5, 3.0]
     for r in rows:
-        for op in ("read", "write"):
+        for op in ("read", "read_notif", "write"):
             assert r[op]["s"] > 0 and r[op]["gb_s"] > 0 and r[op]["of_copy"] > 0, (op, r)
+        assert r["read_notif"]["prep_s"] > 0

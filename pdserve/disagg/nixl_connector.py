@@ -11,10 +11,11 @@
                                                           add_remote_agent once per engine instance
     on_prefill_finished: lease(blocks),                   staged slab + landing room: 1 descriptor,
       gather into a slab of the staging arena             else one per (region, layer, run)
-                                                          initialize_xfer(READ, notif "release:<id>")
-    poll_releases: get_new_notifs  <--UCX notif--       poll_loads: check_xfer_state until DONE,
-                   + expired leases (slabs freed)         ERR, or the transfer timeout; a slab is
-                                                          scattered into the blocks, its room freed
+                                                          initialize_xfer(READ), transfer()
+    poll_releases: get_new_notifs  <--"release:<id>"--  poll_loads: check_xfer_state until DONE
+                   + expired leases (slabs freed)         (then send_notif the release), ERR, or the
+                                                          transfer timeout; a slab is scattered
+                                                          into the blocks, its room freed
 
 Every NIXL failure becomes a TransferError naming the request, the stage and the reason. On CPU,
 UCX picks cma for data and tcp for messages; no UCX variables are needed. Over cma a large READ
@@ -357,7 +358,7 @@ class NixlConnector(LeasingConnector):
         return peer_, peer_.info.layout
 
     def _post(self, handle: KVHandle, peer: _Peer, local_block_ids: list[int], runs: Runs, local_blocks: dict[str, list[int]]) -> _Load:
-        """Build both descriptor lists and post the READ; NIXL sends the release notif when it is done."""
+        """Build both descriptor lists and post the READ (poll_loads sends the release once it is DONE)."""
         rid, info = handle.request_id, peer.info
         if not any(runs.values()):  # nothing to read: let prefill free its lease now
             self._notify(peer.agent_name, rid)
@@ -380,8 +381,7 @@ class NixlConnector(LeasingConnector):
                 self.agent.get_xfer_descs(local, self.mem_type),
                 self.agent.get_xfer_descs(remote, info.mem_type),
                 peer.agent_name,
-                release_message(rid),
-            )
+            )  # no notification attached: the release is sent once DONE is seen (poll_loads)
             state = self.agent.transfer(xfer)
         except Exception as e:  # NIXL raises one unrelated class per status code
             self._release_xfer(xfer, landing)  # a handle made before transfer() raised is ours to free
@@ -412,6 +412,8 @@ class NixlConnector(LeasingConnector):
                 continue
             del self._loads[rid]
             self._release_xfer(load.xfer)
+            if load.xfer is not None:  # the data is here: prefill may free its blocks (and slab)
+                self._notify(load.agent_name, rid)
             if load.landing is not None:  # the slab has arrived: into the pool's blocks
                 try:
                     self._land(load.landing, load.handle.staged.nbytes, load.local_blocks)

@@ -88,12 +88,39 @@ class Router:
         self.headers = {SECRET_HEADER: config.cluster_secret} if config.cluster_secret else {}
         self.draining: asyncio.Event | None = None  # set on SIGTERM/SIGINT: open streams end with an error event
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._reading: set[asyncio.Task] = set()  # tasks waiting for a request's next chunk
+        self._drained: set[asyncio.Task] = set()  # those of them cancelled by draining
 
     def start_draining(self) -> None:
         """From the signal handler (any thread): end every open stream with an error event now,
         instead of leaving clients without one when the server's grace period runs out."""
         if self._loop is not None and self.draining is not None:
-            self._loop.call_soon_threadsafe(self.draining.set)
+            self._loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        self.draining.set()
+        for task in list(self._reading):  # each turns the cancellation into a 503 error (_next_unless)
+            self._drained.add(task)
+            task.cancel()
+
+    async def _next_unless(self, it: AsyncIterator, deadline: float):
+        """_next, unless the server starts shutting down first: then OpenAIError 503. Draining
+        cancels the tasks waiting here, so a chunk costs no task of its own (it did: a task and an
+        asyncio.wait per chunk, two more event-loop turns of every token's latency)."""
+        if self.draining is not None and self.draining.is_set():
+            raise _shutting_down()
+        task = asyncio.current_task()
+        self._reading.add(task)
+        try:
+            return await _next(it, deadline)
+        except asyncio.CancelledError:
+            if task not in self._drained:
+                raise
+            self._drained.discard(task)
+            task.uncancel()
+            raise _shutting_down() from None
+        finally:
+            self._reading.discard(task)
 
     def max_model_len(self) -> int:
         known = self.pool.max_model_len()
@@ -134,25 +161,19 @@ class Router:
         return JSONResponse(fmt.response())
 
     async def _collect(self, fmt: Formatter, first: tuple[int, GenerateChunk] | None, merged: AsyncIterator, deadline: float) -> None:
-        drain = asyncio.ensure_future(self.draining.wait()) if self.draining is not None else None
-        try:
-            item = first
-            while item is not None:
-                fmt.choices[item[0]].add(item[1])
-                item = await _next_unless(drain, merged, deadline)
-        finally:
-            if drain is not None:
-                drain.cancel()
+        item = first
+        while item is not None:
+            fmt.choices[item[0]].add(item[1])
+            item = await self._next_unless(merged, deadline)
 
     async def _events(self, fmt: Formatter, first: tuple[int, GenerateChunk] | None, merged: AsyncIterator, t0: float, deadline: float) -> AsyncIterator[bytes]:
-        drain = asyncio.ensure_future(self.draining.wait()) if self.draining is not None else None
         try:
             item = first
             while item is not None:
                 data = fmt.chunk(*item)
                 if data is not None:
                     yield data
-                item = await _next_unless(drain, merged, deadline)
+                item = await self._next_unless(merged, deadline)
             if fmt.include_usage:
                 yield fmt.usage_chunk()
             self._done(fmt, t0)
@@ -160,9 +181,6 @@ class Router:
         except OpenAIError as e:
             yield sse_error(e)
             yield DONE
-        finally:
-            if drain is not None:
-                drain.cancel()
 
     def _done(self, fmt: Formatter, t0: float) -> None:
         self.metrics.e2e.observe(time.monotonic() - t0)
@@ -276,24 +294,6 @@ async def _next(it: AsyncIterator, deadline: float, code: str = "timeout"):
     except TimeoutError:
         what = "the request timed out" if code == "timeout" else "no first token before the first-token timeout"
         raise OpenAIError(504, what, code=code) from None
-
-
-async def _next_unless(drain: asyncio.Future | None, it: AsyncIterator, deadline: float):
-    """_next, unless the server starts shutting down first: then OpenAIError 503."""
-    if drain is None:
-        return await _next(it, deadline)
-    if drain.done():
-        raise _shutting_down()
-    nxt = asyncio.ensure_future(_next(it, deadline))
-    try:
-        await asyncio.wait({nxt, drain}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not nxt.done():
-            nxt.cancel()
-            await asyncio.gather(nxt, return_exceptions=True)
-    if nxt.cancelled():
-        raise _shutting_down()
-    return nxt.result()
 
 
 def _shutting_down() -> OpenAIError:

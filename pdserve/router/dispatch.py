@@ -156,22 +156,20 @@ class Dispatcher:
         """Give decode's waiting request its hand-off over HTTP (prefill did not notify dw itself)."""
         first_token = FirstToken(token_id=first.token_ids[0], logprobs=first.logprobs[0] if first.logprobs else None, text_offset=len(first.text))
         handoff = Handoff(request_id=first.request_id, kv_handle=first.kv_handle, first_token=first_token)
+        failure: OpenAIError | None = None
         try:
             resp = await self.client.post(
                 f"{dw.url}/internal/handoff", content=handoff.model_dump_json(exclude_none=True), headers=self.headers, timeout=CONTROL_TIMEOUT_S
             )
             if resp.status_code != 200:
-                raise OpenAIError(502, f"decode worker {dw.url} refused the hand-off ({resp.status_code}): {resp.text[:200]}", code="upstream_error")
+                failure = OpenAIError(502, f"decode worker {dw.url} refused the hand-off ({resp.status_code}): {resp.text[:200]}", code="upstream_error")
         except httpx.HTTPError as e:
+            failure = OpenAIError(502, f"decode worker {dw.url}: posting the hand-off failed ({type(e).__name__})", code="upstream_error")
+        if failure is not None:  # decode's stream is ours to close and its slot ours to give back
             self._count("decode", "handoff")
             await dresp.aclose()
             self.pool.release(dw)
-            raise OpenAIError(502, f"decode worker {dw.url}: posting the hand-off failed ({type(e).__name__})", code="upstream_error") from None
-        except OpenAIError:
-            self._count("decode", "handoff")
-            await dresp.aclose()
-            self.pool.release(dw)
-            raise
+            raise failure
 
     async def _drop_open(self, opening: asyncio.Future, rid: str) -> Worker | None:
         """An `_open` whose answer no one will read: cancelled if still running (it aborts the request
