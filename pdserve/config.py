@@ -56,6 +56,7 @@ WILDCARD = ("0.0.0.0", "::", "")
 class RouterConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
+    api_server_count: int = Field(1, ge=1, le=64)  # router processes sharing the port (vLLM's --api-server-count)
     prefill_policy: PolicyName = "round_robin"
     decode_policy: PolicyName = "least_load"
     api_key: str | None = None  # clients must send Authorization: Bearer <key> (every route)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -28,6 +29,8 @@ from pydantic import TypeAdapter, ValidationError
 from pdserve.config import DEFAULT_PORTS, RouterServeConfig, ServeConfig, WorkerServeConfig, resolve_model
 
 log = logging.getLogger("pdserve.serve")
+PR_SET_PDEATHSIG = 1
+STOP_GRACE_S = 15.0  # uvicorn's graceful shutdown (5 s) and the lifespan's, with room
 
 # flag dest -> where it goes in the ServeConfig; "@" is the role's own section (worker | router)
 WORKER_FLAGS = {
@@ -50,7 +53,7 @@ ROUTER_FLAGS = {
     "first_token_timeout": "router.first_token_timeout", "prefill_timeout": "router.prefill_timeout",
     "max_queued_requests": "router.max_queued_requests", "max_attempts": "router.max_attempts",
     "retry_backoff": "router.retry_backoff", "breaker_failures": "router.breaker_failures",
-    "breaker_cooldown": "router.breaker_cooldown",
+    "breaker_cooldown": "router.breaker_cooldown", "api_server_count": "router.api_server_count",
 }  # fmt: skip
 COMMON_FLAGS = {"role": "role", "model": "model", "cluster_secret": "cluster_secret", "host": "@.host", "port": "@.port", "max_model_len": "@.max_model_len"}
 
@@ -107,6 +110,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     r("--retry-backoff", help="seconds before the second try; doubles each try")
     r("--breaker-failures", help="consecutive failed requests that open a worker's circuit breaker")
     r("--breaker-cooldown", help="seconds an open breaker waits before a trial request")
+    r("--api-server-count", help="router processes sharing the port (default 1): each streamed token costs the router CPU")
 
 
 def config_from_args(args: argparse.Namespace) -> WorkerServeConfig | RouterServeConfig:
@@ -155,7 +159,7 @@ def run_serve(args: argparse.Namespace) -> int:
         if isinstance(cfg, RouterServeConfig):
             from pdserve.router.app import build_router_app
 
-            app, host, port = build_router_app(cfg), cfg.router.host, cfg.router.port
+            app, host, port = build_router_app(cfg), cfg.router.host, cfg.router.port  # with several processes: the settings checked here once
         else:
             from pdserve.worker.build import build_worker
 
@@ -163,12 +167,94 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, RuntimeError, yaml.YAMLError) as e:
         print(f"pdserve serve --role {role}: {e}", file=sys.stderr)
         return 2
+    if isinstance(cfg, RouterServeConfig) and cfg.router.api_server_count > 1:
+        return serve_router_processes(cfg)
+    log.info("pdserve %s listening on http://%s:%d", role, host, port)
+    _Server(_uvicorn_config(app, host, port), getattr(app.state, "on_exit", None)).run()
+    return 0
+
+
+def _uvicorn_config(app: Any, host: str, port: int) -> uvicorn.Config:
     # keep-alive longer than any client's idle expiry (httpx: 5 s, uvicorn's default here too): else
     # the server closes an idle connection just as the router reuses it, and the POST gets ReadError
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on", timeout_graceful_shutdown=5, timeout_keep_alive=75)
-    log.info("pdserve %s listening on http://%s:%d", role, host, port)
-    _Server(config, getattr(app.state, "on_exit", None)).run()
-    return 0
+    return uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on", timeout_graceful_shutdown=5, timeout_keep_alive=75)
+
+
+def serve_router_processes(cfg: RouterServeConfig) -> int:
+    """The router as `api_server_count` processes on one listening socket (pre-fork, as uvicorn's
+    --workers): the kernel gives each new connection to one of them. Python costs the router CPU
+    on every streamed token (README, "Router processes"), so one process is the ceiling
+    of a busy cluster. Each process has its own view of the workers (probes, breakers, in-flight
+    counts) and its own share of max_queued_requests; their metrics go to one Prometheus
+    multiprocess folder, which /metrics on any of them reads whole. A process that dies stops the
+    others and this one exits 1 (`pdserve launch` restarts the router by its policy)."""
+    import multiprocessing
+    import shutil
+    import signal
+    import socket
+    import tempfile
+    import threading
+
+    from prometheus_client import multiprocess
+
+    host, port, n = cfg.router.host, cfg.router.port, cfg.router.api_server_count
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        sock = socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as e:
+        print(f"pdserve serve --role router: cannot listen on {host}:{port}: {e}", file=sys.stderr)
+        return 2
+    metrics_dir = tempfile.mkdtemp(prefix="pdserve-router-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # read by prometheus_client when each child imports it
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_router_process, args=(cfg.model_dump_json(), sock, i, os.getpid()), name=f"router-{i}") for i in range(n)]
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    for p in procs:
+        p.start()
+    sock.close()  # the children hold it now
+    log.info("pdserve router listening on http://%s:%d with %d processes (pids %s)", host, port, n, ", ".join(str(p.pid) for p in procs))
+    died = None
+    while not stop.wait(0.2):
+        died = next((p for p in procs if not p.is_alive()), None)
+        if died is not None:
+            log.error("router process %s (pid %d) exited with code %s: stopping the others", died.name, died.pid, died.exitcode)
+            break
+    for p in procs:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGTERM)  # each drains its streams (an error event each), as one router does
+    for p in procs:
+        p.join(timeout=STOP_GRACE_S)
+        if p.is_alive():
+            p.kill()
+            p.join()
+        multiprocess.mark_process_dead(p.pid)
+    shutil.rmtree(metrics_dir, ignore_errors=True)
+    return 1 if died is not None else 0
+
+
+def _router_process(cfg_json: str, sock: Any, index: int, parent: int) -> None:
+    """One of serve_router_processes' children (spawned: a fresh interpreter). It ends with its
+    parent, however that ends: an orphan would keep the port from the router a supervisor restarts."""
+    if sys.platform == "linux":
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s[{index}]: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    from pdserve.router.app import build_router_app
+
+    cfg = RouterServeConfig.model_validate_json(cfg_json)
+    app = build_router_app(cfg)
+    _Server(_uvicorn_config(app, cfg.router.host, cfg.router.port), getattr(app.state, "on_exit", None)).run(sockets=[sock])
 
 
 class _Server(uvicorn.Server):

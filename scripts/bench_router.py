@@ -143,6 +143,11 @@ def stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
+def _cpu(procs: list[psutil.Process]) -> float:
+    """User + system seconds of these processes so far."""
+    return sum(t.user + t.system for t in (p.cpu_times() for p in procs))
+
+
 def print_top(path: str, n: int = 25) -> None:
     """Own time by function from py-spy's collapsed stacks ("frame;frame;leaf count" lines)."""
     own, total = {}, 0
@@ -163,6 +168,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2, help="requests per level = rounds x concurrency")
+    p.add_argument("--api-server-count", type=int, default=1, help="router processes (CPU is summed over them)")
     p.add_argument("--profile", help="sample the router with py-spy; collapsed stacks go here")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--fake-worker", nargs=3, metavar=("PORT", "STEP_MS", "MODEL"), help=argparse.SUPPRESS)
@@ -186,7 +192,8 @@ def main() -> None:
         worker = subprocess.Popen([sys.executable, __file__, "--fake-worker", str(wport), str(args.step_ms), "tiny"], env=env, stdout=log, stderr=log)
         router = subprocess.Popen(
             [sys.executable, "-m", "pdserve", "serve", "--role", "router", "--port", str(rport), "--model", str(model_dir),
-             "--served-model-name", "tiny", "--colocated", f"http://127.0.0.1:{wport}", "--health-interval", "1"],
+             "--served-model-name", "tiny", "--colocated", f"http://127.0.0.1:{wport}", "--health-interval", "1",
+             "--api-server-count", str(args.api_server_count)],
             env=env, stdout=log, stderr=log,
         )  # fmt: skip
         procs = [router, worker]
@@ -194,14 +201,14 @@ def main() -> None:
         try:
             wait_healthy(f"http://127.0.0.1:{wport}", procs)
             wait_healthy(f"http://127.0.0.1:{rport}", procs)
-            rproc, wproc = psutil.Process(router.pid), psutil.Process(worker.pid)
+            rprocs, wproc = [psutil.Process(router.pid), *psutil.Process(router.pid).children(recursive=True)], psutil.Process(worker.pid)
             if args.profile:
-                spy = subprocess.Popen(["py-spy", "record", "--pid", str(router.pid), "--rate", "250", "--format", "raw", "--output", args.profile, "--nonblocking"], stdout=log, stderr=log)
+                spy = subprocess.Popen(["py-spy", "record", "--pid", str(router.pid), "--rate", "250", "--format", "raw", "--output", args.profile, "--nonblocking", "--subprocesses"], stdout=log, stderr=log)
                 procs.insert(0, spy)
             for c in levels:
                 n = args.rounds * c
                 out = Path(tmp) / f"c{c}.json"
-                r0, w0, t0 = rproc.cpu_times(), wproc.cpu_times(), time.monotonic()
+                r0, w0, t0 = _cpu(rprocs), _cpu([wproc]), time.monotonic()
                 res = subprocess.run(
                     [sys.executable, "-m", "pdserve", "bench", "--base-url", f"http://127.0.0.1:{rport}", "--input-len", str(args.input_len),
                      "--output-len", str(args.output_len), "--concurrency", str(c), "--num-prompts", str(n), "--disable-tqdm",
@@ -211,13 +218,12 @@ def main() -> None:
                 if res.returncode != 0 or json.loads(out.read_text())["results"][0]["failed"]:
                     raise SystemExit(f"pdserve bench failed at c={c}:\n{res.stdout[-2000:]}{res.stderr[-2000:]}")
                 wall = time.monotonic() - t0
-                r1, w1 = rproc.cpu_times(), wproc.cpu_times()
+                r1, w1 = _cpu(rprocs), _cpu([wproc])
                 level = json.loads(out.read_text())["results"][0]
                 tokens = n * args.output_len
                 rows.append({
                     "concurrency": c, "requests": n, "tokens": tokens, "wall_s": wall,
-                    "router_cpu_us_per_token": 1e6 * ((r1.user + r1.system) - (r0.user + r0.system)) / tokens,
-                    "worker_cpu_us_per_token": 1e6 * ((w1.user + w1.system) - (w0.user + w0.system)) / tokens,
+                    "router_cpu_us_per_token": 1e6 * (r1 - r0) / tokens, "worker_cpu_us_per_token": 1e6 * (w1 - w0) / tokens,
                     "output_tok_s": level["output_throughput"], "itl_median_ms": level["median_itl_ms"], "itl_p99_ms": level["p99_itl_ms"],
                     "ttft_median_ms": level["median_ttft_ms"], "completed_tokens": level["total_output_tokens"],
                 })  # fmt: skip
@@ -230,7 +236,7 @@ def main() -> None:
             log.close()
             if not ok or any(p.returncode not in (0, -signal.SIGTERM, -signal.SIGINT) for p in procs):
                 print((Path(tmp) / "procs.log").read_text()[-3000:], file=sys.stderr)
-    print(f"router per streamed token: fake worker step {args.step_ms} ms, {args.output_len} tokens a request, {os.cpu_count()} cores")
+    print(f"router per streamed token: fake worker step {args.step_ms} ms, {args.output_len} tokens a request, {args.api_server_count} router process(es), {os.cpu_count()} cores")
     print("| c | tokens | output tok/s | router CPU us/token | worker CPU us/token | ITL median ms | ITL p99 ms | median ITL - step ms |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
@@ -239,7 +245,7 @@ def main() -> None:
     if args.profile:
         print_top(args.profile)
     if args.json:
-        Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cores": os.cpu_count(), "step_ms": args.step_ms, "rows": rows}, indent=1) + "\n")
+        Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cores": os.cpu_count(), "step_ms": args.step_ms, "api_server_count": args.api_server_count, "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -147,3 +147,13 @@ def test_one_gpu_pd_and_its_colocated_baseline():
     keys = ("device", "dtype", "kv_block_size", "num_kv_blocks", "max_num_seqs", "max_model_len")
     assert [getattr(c, k) for k in keys] == [getattr(p, k) for k in keys] == [getattr(d, k) for k in keys]
     assert c.max_num_batched_tokens == p.max_num_batched_tokens
+    assert p.load_format == d.load_format == c.load_format == "dummy"  # scripts/pd_gpu_mid_model.py writes no weights
+
+
+def test_router_processes_reach_the_router_from_the_yaml():
+    from pdserve.launch import plan
+
+    cfg = parse_config(_with("router.api_server_count", 4))
+    assert plan(cfg, "/m")[-1].config.router.api_server_count == 4
+    assert parse_config(_with("router", {})).router.api_server_count == 1
+    assert "api_server_count" in _error(_with("router.api_server_count", 0))

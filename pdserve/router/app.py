@@ -34,7 +34,7 @@ from pdserve.wire.errors import ERROR_RESPONSES, OpenAIError, install_error_hand
 from pdserve.wire.http import BodyLimit, TokenGuard
 from pdserve.router.pool import WorkerPool
 from pdserve.router.metrics import RouterMetrics
-from pdserve.wire.metrics import CONTENT_TYPE, render
+from pdserve.wire.metrics import CONTENT_TYPE
 from pdserve.router.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from pdserve.router.policies import make_policy
 from pdserve.wire.protocol import SECRET_HEADER, GenerateChunk
@@ -251,7 +251,7 @@ def build_router_app(config: RouterServeConfig) -> FastAPI:
 
     @app.get("/metrics", responses=METRICS_RESPONSES)
     async def metrics_route() -> Response:
-        return Response(render(metrics.registry), media_type=CONTENT_TYPE)
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
     if settings.api_key:
