@@ -176,8 +176,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def _uvicorn_config(app: Any, host: str, port: int) -> uvicorn.Config:
     # keep-alive longer than any client's idle expiry (httpx: 5 s, uvicorn's default here too): else
-    # the server closes an idle connection just as the router reuses it, and the POST gets ReadError
-    return uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on", timeout_graceful_shutdown=5, timeout_keep_alive=75)
+    # the server closes an idle connection just as the router reuses it, and the POST gets ReadError.
+    # h11, not httptools where installed: httptools takes a header of any size (tests/test_fuzz.py)
+    return uvicorn.Config(
+        app, host=host, port=port, http="h11", log_level="warning", lifespan="on", timeout_graceful_shutdown=5, timeout_keep_alive=75
+    )
 
 
 def serve_router_processes(cfg: RouterServeConfig) -> int:
