@@ -18,6 +18,11 @@ pdserve_router_pd_handoffs_total{via}         prefill (its engine notified decod
                                               (prefill could not: the router posted it)
 pdserve_router_kv_transfer_bytes_total        KV bytes of those transfers (GB/s = this / the
                                               kv_transfer part's sum)
+
+With --api-server-count every router process writes to one Prometheus multiprocess folder and
+render() reads them all: counters and histograms add up, in-flight gauges add up over the live
+processes, a worker counts as healthy only if every process sees it so, and a breaker shows its
+worst state.
 """
 
 from __future__ import annotations
