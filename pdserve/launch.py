@@ -41,10 +41,10 @@ import httpx
 
 from pdserve.config import ClusterConfig, RestartPolicy, RouterServeConfig, WorkerConfig, WorkerServeConfig, cache_dir, default_served_name, resolve_model
 from pdserve.health_cli import format_table
+from pdserve.lifetime import die_with_parent
 from pdserve.numa import PinPlan, format_cpulist, plan_pinning, process_cpus
 
 LOG_TAIL_LINES = 30
-PR_SET_PDEATHSIG = 1
 
 
 class LaunchError(RuntimeError):
@@ -173,9 +173,7 @@ def _child_setup(pin: PinPlan, parent: int):
     affinity = pin.preexec()
 
     def setup() -> None:  # runs in the child between fork and exec
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)  # launcher dies -> child gets SIGTERM
-        if os.getppid() != parent:  # the launcher died before prctl took effect
-            os._exit(1)
+        die_with_parent(parent, signal.SIGTERM, libc)  # launcher dies -> child gets SIGTERM
         if affinity is not None:
             affinity()
 

@@ -29,7 +29,6 @@ from pydantic import TypeAdapter, ValidationError
 from pdserve.config import DEFAULT_PORTS, RouterServeConfig, ServeConfig, WorkerServeConfig, resolve_model
 
 log = logging.getLogger("pdserve.serve")
-PR_SET_PDEATHSIG = 1
 STOP_GRACE_S = 15.0  # uvicorn's graceful shutdown (5 s) and the lifespan's, with room
 
 # flag dest -> where it goes in the ServeConfig; "@" is the role's own section (worker | router)
@@ -244,13 +243,11 @@ def serve_router_processes(cfg: RouterServeConfig) -> int:
 def _router_process(cfg_json: str, sock: Any, index: int, parent: int) -> None:
     """One of serve_router_processes' children (spawned: a fresh interpreter). It ends with its
     parent, however that ends: an orphan would keep the port from the router a supervisor restarts."""
-    if sys.platform == "linux":
-        import ctypes
-        import signal
+    import signal
 
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os._exit(1)
+    from pdserve.lifetime import die_with_parent
+
+    die_with_parent(parent, signal.SIGTERM)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s[{index}]: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     from pdserve.router.app import build_router_app

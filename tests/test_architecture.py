@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent / "pdserve"
 
 # bottom to top; a unit may import itself and any unit of a lower layer, nothing else
 LAYERS = [
-    {"pdserve", "pdserve.sampling_params", "pdserve.distributed", "pdserve.numa", "pdserve.tokenizer"},
+    {"pdserve", "pdserve.sampling_params", "pdserve.distributed", "pdserve.numa", "pdserve.tokenizer", "pdserve.lifetime"},
     {"pdserve.model"},
     {"pdserve.disagg"},
     {"pdserve.outputs"},

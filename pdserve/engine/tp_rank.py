@@ -9,7 +9,6 @@ Its own module so that model_runner -> tp_ranks and tp_rank -> model_runner do n
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import signal
 import sys
@@ -21,17 +20,7 @@ from pdserve.distributed.group import join, rank_device
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.tp_ranks import RANK_START_TIMEOUT_S
-
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with(parent_pid: int) -> None:
-    """SIGKILL this process when its parent goes; exit now if it is already gone."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:
-        os._exit(1)
-
+from pdserve.lifetime import die_with_parent
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pdserve.engine.tp_rank", description="one tensor-parallel rank (started by rank 0)")
@@ -41,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parent-pid", type=int, required=True)
     p.add_argument("--config", required=True, help="the engine's EngineConfig as JSON")
     args = p.parse_args(argv)
-    _die_with(args.parent_pid)
+    die_with_parent(args.parent_pid, signal.SIGKILL)
     config = EngineConfig.model_validate_json(args.config)
     timeout = timedelta(seconds=RANK_START_TIMEOUT_S)
     store = dist.TCPStore("127.0.0.1", args.store_port, args.size, is_master=False, timeout=timeout)
