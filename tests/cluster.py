@@ -127,7 +127,7 @@ class Cluster:
                     except httpx.HTTPError:
                         pass
                 if pending and time.monotonic() > deadline:
-                    raise RuntimeError(f"{pending[0].name} not healthy after {timeout_s} s:\n{pending[0].log_tail()}")
+                    raise RuntimeError(f"{pending[0].name} not healthy after {timeout_s} s:{self._why(client, pending[0])}\n{pending[0].log_tail()}")
                 if pending:
                     time.sleep(0.25)
 
@@ -139,6 +139,16 @@ class Cluster:
         rows = client.get(f"{p.url}/workers", headers=auth_headers(p)).json()["workers"]
         mine = {u for flag in ("--prefill", "--decode", "--colocated") for i, a in enumerate(p.args) if a == flag for u in [p.args[i + 1]]}
         return all(w["healthy"] for w in rows if w["url"] in mine)
+
+    def _why(self, client: httpx.Client, p: Proc) -> str:
+        """What a router that is not ready says of its workers (its log names only the healthy ones)."""
+        if p.role != "router":
+            return ""
+        try:
+            rows = client.get(f"{p.url}/workers", headers=auth_headers(p)).json()["workers"]
+        except (httpx.HTTPError, ValueError, KeyError) as e:
+            return f" (its /workers: {type(e).__name__}: {e})"
+        return "".join(f"\n  {w['url']} ({w['role']}): {w['reason']}" for w in rows if not w["healthy"])
 
     def stop(self) -> None:
         """SIGTERM every process group, SIGKILL what is left after the grace period, reap all."""

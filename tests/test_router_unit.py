@@ -328,6 +328,51 @@ async def test_prober_marks_workers_up_down_and_checks_roles():
     assert 'pdserve_router_worker_healthy{role="decode",worker="w:2"} 0.0' in text
 
 
+async def test_prober_survives_surprises_and_bounds_each_probe(monkeypatch):
+    """An exception the HTTP stack is not supposed to raise (uvloop's RuntimeError on a closed
+    transport) or a probe that never finishes marks that worker down; the prober goes on, takes the
+    worker back when it answers, and a prober that stops anyway takes the router out of service."""
+    import asyncio
+
+    from pdserve.router import pool as pool_mod
+    from pdserve.router.metrics import RouterMetrics
+
+    monkeypatch.setattr(pool_mod, "PROBE_DEADLINE_S", 0.2)
+    state = {"decode": "ok"}
+
+    async def handler(req: httpx.Request) -> httpx.Response:
+        role = "prefill" if req.url.port == 1 else "decode"
+        if role == "decode" and state["decode"] == "closed":
+            raise RuntimeError("unable to perform operation on <TCPTransport closed=True>; the handler is closed")
+        if role == "decode" and state["decode"] == "hangs":
+            await asyncio.sleep(3600)
+        if req.url.path == "/health":
+            return httpx.Response(200, json={"status": "ok", "role": role, "engine_id": f"{role}-1"})
+        return httpx.Response(200, json=_info(role))
+
+    pool = pool_mod.WorkerPool(["http://w:1"], ["http://w:2"], [], RouterMetrics())
+    async with _pool_client(handler) as client:
+        state["decode"] = "closed"
+        await pool.probe_all(client, {})
+        assert pool.workers[0].healthy and not pool.workers[1].healthy
+        assert pool.workers[1].reason.startswith("probe failed: RuntimeError: unable to perform operation")
+        state["decode"] = "ok"
+        await pool.probe_all(client, {})
+        assert pool.can_serve()
+        state["decode"] = "hangs"
+        for _ in range(2):  # one late probe is tolerated, as a late answer is
+            await asyncio.wait_for(pool.probe_all(client, {}), 5)
+        assert not pool.workers[1].healthy and "did not finish within 0.2 s" in pool.workers[1].reason
+
+        async def broken(*args):
+            raise KeyError("a bug")
+
+        monkeypatch.setattr(pool, "probe_all", broken)
+        with pytest.raises(KeyError):
+            await pool.run(client, 0.01, {})
+    assert not pool.can_serve() and "the worker prober stopped (KeyError" in pool.missing()
+
+
 def render_metrics(metrics) -> str:
     from pdserve.wire.metrics import render
 

@@ -27,7 +27,8 @@ from pdserve.wire.protocol import WorkerHealth, WorkerInfo
 log = logging.getLogger("pdserve.router")
 
 PoolRole = Literal["prefill", "decode", "colocated"]
-PROBE_TIMEOUT_S = 5.0
+PROBE_TIMEOUT_S = 5.0  # each request of a probe
+PROBE_DEADLINE_S = 3 * PROBE_TIMEOUT_S  # the whole probe: /health, /internal/info and any wait for a connection
 DOWN_PROBE_INTERVAL_S = 1.0
 RETRY_AFTER_S = 2  # what a 503 for "no worker can serve now" tells clients
 
@@ -89,6 +90,7 @@ class WorkerPool:
 
         self.workers = [make(u, "prefill") for u in prefill] + [make(u, "decode") for u in decode] + [make(u, "colocated") for u in colocated]
         self.metrics = metrics
+        self.prober_error: str | None = None  # set if the prober ever stops: the pool's view is then stale
         for w in self.workers:
             self._export(w)
 
@@ -107,10 +109,12 @@ class WorkerPool:
         return bool(self.available("prefill")) and bool(self.available("decode"))
 
     def can_serve(self) -> bool:
-        return self.can_pd() or bool(self.available("colocated"))
+        return self.prober_error is None and (self.can_pd() or bool(self.available("colocated")))
 
     def missing(self) -> str:
         """Why no request can be served now, naming the roles that have no available worker."""
+        if self.prober_error is not None:
+            return self.prober_error
         roles = [r for r in ("prefill", "decode", "colocated") if any(w.role == r for w in self.workers)]
         down = [r for r in roles if not self.available(r)]
         return "no available " + " or ".join(f"{r} worker" for r in down) if down else "no available worker"
@@ -159,11 +163,17 @@ class WorkerPool:
     # -- probing --
     async def run(self, client: httpx.AsyncClient, interval: float, headers: dict[str, str]) -> None:
         """Probe every `interval` seconds; while a worker is down, at least every second (a worker
-        that is starting or restarting is taken back as soon as it can serve)."""
-        while True:
-            await self.probe_all(client, headers)
-            down = any(not w.healthy for w in self.workers)
-            await asyncio.sleep(min(interval, DOWN_PROBE_INTERVAL_S) if down else interval)
+        that is starting or restarting is taken back as soon as it can serve). Should this loop
+        ever end other than by cancellation, the router stops serving and /health says why."""
+        try:
+            while True:
+                await self.probe_all(client, headers)
+                down = any(not w.healthy for w in self.workers)
+                await asyncio.sleep(min(interval, DOWN_PROBE_INTERVAL_S) if down else interval)
+        except Exception as e:
+            log.critical("the worker prober stopped; this router serves nothing until restarted", exc_info=True)
+            self.prober_error = f"the worker prober stopped ({type(e).__name__}: {e}); restart the router"
+            raise
 
     async def probe_all(self, client: httpx.AsyncClient, headers: dict[str, str]) -> None:
         await asyncio.gather(*(self.probe(client, w, headers) for w in self.workers))
@@ -171,21 +181,23 @@ class WorkerPool:
             self._export(w)
 
     async def probe(self, client: httpx.AsyncClient, w: Worker, headers: dict[str, str]) -> None:
+        """One probe of w. Whatever goes wrong marks w down with the reason; nothing escapes, so a
+        surprise from the HTTP stack (uvloop raises RuntimeError on a transport closed under it)
+        cannot end the prober and leave the pool's view frozen."""
         try:
-            resp = await client.get(f"{w.url}/health", timeout=PROBE_TIMEOUT_S)
-            health = WorkerHealth.model_validate_json(resp.content)
-            if resp.status_code != 200:
-                raise _Unhealthy(f"/health answered {resp.status_code}: {health.reason}")
-            if w.info is None or (w.info.engine_id, w.info.instance_id) != (health.engine_id, health.instance_id):
-                w.info = await self._info(client, w, headers)
-            if w.info.role != w.role:
-                raise _Unhealthy(f"configured as {w.role} but the worker's role is {w.info.role}")
-        except (httpx.HTTPError, ValidationError, _Unhealthy) as e:
+            async with asyncio.timeout(PROBE_DEADLINE_S):  # bounds the probe as a whole, pool waits included
+                health = await self._probe(client, w, headers)
+        except (httpx.HTTPError, ValidationError, _Unhealthy, TimeoutError) as e:
             w.last_probe = time.monotonic()
-            if isinstance(e, httpx.TimeoutException) and w.healthy and w.failures == 0:
+            if isinstance(e, (httpx.TimeoutException, TimeoutError)) and w.healthy and w.failures == 0:
                 w.failures = 1  # a busy worker may answer late once; twice in a row is down
                 return
             self.mark_down(w, _reason(e))
+            return
+        except Exception as e:  # noqa: BLE001 - not expected: logged with its traceback, counted as a failed probe
+            log.exception("probing worker %s (%s) failed unexpectedly", w.url, w.role)
+            w.last_probe = time.monotonic()
+            self.mark_down(w, f"probe failed: {type(e).__name__}: {e}")
             return
         w.last_probe = time.monotonic()
         w.last_health = health
@@ -193,6 +205,17 @@ class WorkerPool:
             log.info("worker %s (%s, engine %s) is healthy", w.url, w.role, health.engine_id)
         w.healthy, w.reason, w.failures = True, None, 0
         self._export(w)
+
+    async def _probe(self, client: httpx.AsyncClient, w: Worker, headers: dict[str, str]) -> WorkerHealth:
+        resp = await client.get(f"{w.url}/health", timeout=PROBE_TIMEOUT_S)
+        health = WorkerHealth.model_validate_json(resp.content)
+        if resp.status_code != 200:
+            raise _Unhealthy(f"/health answered {resp.status_code}: {health.reason}")
+        if w.info is None or (w.info.engine_id, w.info.instance_id) != (health.engine_id, health.instance_id):
+            w.info = await self._info(client, w, headers)
+        if w.info.role != w.role:
+            raise _Unhealthy(f"configured as {w.role} but the worker's role is {w.info.role}")
+        return health
 
     async def _info(self, client: httpx.AsyncClient, w: Worker, headers: dict[str, str]) -> WorkerInfo:
         resp = await client.get(f"{w.url}/internal/info", headers=headers, timeout=PROBE_TIMEOUT_S)
@@ -214,6 +237,8 @@ def _reason(e: Exception) -> str:
         return str(e)
     if isinstance(e, ValidationError):
         return "its /health answer is not a pdserve worker's"
+    if isinstance(e, TimeoutError):
+        return f"the probe did not finish within {PROBE_DEADLINE_S:g} s"
     return f"unreachable: {type(e).__name__}: {e}".rstrip(": ")
 
 
