@@ -43,7 +43,8 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable
 
-import httpx
+import aiohttp
+from aiohttp.http_exceptions import HttpProcessingError
 
 from pdserve.config import RouterConfig
 from pdserve.disagg.base import KVPeerRef
@@ -57,7 +58,7 @@ from pdserve.wire.protocol import GenerateChunk, RequestRef
 
 log = logging.getLogger("pdserve.router")
 
-CONTROL_TIMEOUT_S = 5.0  # abort calls
+CONTROL_TIMEOUT = aiohttp.ClientTimeout(total=5.0)  # abort and hand-off calls
 MAX_BACKOFF_S = 1.0
 
 
@@ -70,7 +71,7 @@ class Dispatcher:
     def __init__(
         self,
         pool: WorkerPool,
-        client: httpx.AsyncClient,
+        client: aiohttp.ClientSession,
         prefill_policy: Policy,
         decode_policy: Policy,
         headers: dict[str, str],
@@ -152,22 +153,23 @@ class Dispatcher:
             if dw is not None and not finished:
                 self._later(dw, "/internal/abort", rid)
 
-    async def _post_handoff(self, dw: Worker, dresp: httpx.Response, first: GenerateChunk) -> None:
+    async def _post_handoff(self, dw: Worker, dresp: aiohttp.ClientResponse, first: GenerateChunk) -> None:
         """Give decode's waiting request its hand-off over HTTP (prefill did not notify dw itself)."""
         first_token = FirstToken(token_id=first.token_ids[0], logprobs=first.logprobs[0] if first.logprobs else None, text_offset=len(first.text))
         handoff = Handoff(request_id=first.request_id, kv_handle=first.kv_handle, first_token=first_token)
         failure: OpenAIError | None = None
         try:
-            resp = await self.client.post(
-                f"{dw.url}/internal/handoff", content=handoff.model_dump_json(exclude_none=True), headers=self.headers, timeout=CONTROL_TIMEOUT_S
-            )
-            if resp.status_code != 200:
-                failure = OpenAIError(502, f"decode worker {dw.url} refused the hand-off ({resp.status_code}): {resp.text[:200]}", code="upstream_error")
-        except httpx.HTTPError as e:
+            async with self.client.post(
+                f"{dw.url}/internal/handoff", data=handoff.model_dump_json(exclude_none=True), headers=self.headers, timeout=CONTROL_TIMEOUT
+            ) as resp:
+                if resp.status != 200:
+                    text = (await resp.read())[:200].decode(errors="replace")
+                    failure = OpenAIError(502, f"decode worker {dw.url} refused the hand-off ({resp.status}): {text}", code="upstream_error")
+        except (aiohttp.ClientError, TimeoutError) as e:
             failure = OpenAIError(502, f"decode worker {dw.url}: posting the hand-off failed ({type(e).__name__})", code="upstream_error")
         if failure is not None:  # decode's stream is ours to close and its slot ours to give back
             self._count("decode", "handoff")
-            await dresp.aclose()
+            dresp.close()
             self.pool.release(dw)
             raise failure
 
@@ -180,7 +182,7 @@ class Dispatcher:
             w, resp = await opening
         except (asyncio.CancelledError, Exception):  # cancelled or failed (raised on the main path, if anywhere): nothing open
             return None
-        await resp.aclose()
+        resp.close()
         self.pool.release(w)
         return w
 
@@ -233,7 +235,7 @@ class Dispatcher:
     # -- talking to workers --
     async def _open(
         self, role: PoolRole, req: Request, attempts: list[Worker] | None = None, first: Worker | None = None
-    ) -> tuple[Worker, httpx.Response]:
+    ) -> tuple[Worker, aiohttp.ClientResponse]:
         """Start /internal/generate on a worker of `role`; the response is open and 200.
         first: the worker chosen up front (tried first while it is still a candidate); retries
         go to the role's policy. attempts: if given, each worker tried is appended (the caller's
@@ -254,21 +256,21 @@ class Dispatcher:
                 attempts.append(w)
             self.pool.acquire(w)
             try:
-                resp = await self.client.send(self.client.build_request("POST", f"{w.url}/internal/generate", content=body, headers=self.headers), stream=True)
-            except httpx.TimeoutException as e:
+                resp = await self.client.post(f"{w.url}/internal/generate", data=body, headers=self.headers)
+            except TimeoutError as e:  # aiohttp's connect and read timeouts are TimeoutErrors
                 self.pool.report(w, ok=False)
                 self.pool.release(w)
                 self._count(role, "timeout")
                 last = OpenAIError(504, f"{role} worker {w.url} did not answer: {type(e).__name__}", code="upstream_timeout")
                 continue
-            except httpx.ConnectError as e:  # nothing listens: down until a health probe says otherwise
+            except aiohttp.ClientConnectorError as e:  # nothing listens: down until a health probe says otherwise
                 self.pool.report(w, ok=False)
                 self.pool.release(w)
                 self._count(role, "unreachable")
                 self.pool.mark_down(w, f"unreachable: {type(e).__name__}")
                 last = OpenAIError(503, f"{role} worker {w.url} is unreachable", code="upstream_unavailable")
                 continue
-            except httpx.TransportError as e:
+            except aiohttp.ClientError as e:
                 # The connection broke after it was made (e.g. a keep-alive race): one failure for the
                 # breaker, not a verdict on the worker. It may have admitted the request: abort it there.
                 self.pool.report(w, ok=False)
@@ -281,58 +283,59 @@ class Dispatcher:
                 self.pool.release(w)
                 self._later(w, "/internal/abort", req.request_id)
                 raise
-            if resp.status_code == 200:
+            if resp.status == 200:
                 return w, resp
             err = await self._refusal(w, resp, role)
-            if resp.status_code not in (429, 503):
+            if resp.status not in (429, 503):
                 raise err  # the request itself was refused: another worker would refuse it too
             last = err
         raise last or OpenAIError(503, f"no healthy {role} worker", code="no_healthy_workers")
 
-    async def _refusal(self, w: Worker, resp: httpx.Response, role: str) -> OpenAIError:
+    async def _refusal(self, w: Worker, resp: aiohttp.ClientResponse, role: str) -> OpenAIError:
         try:
-            body = await resp.aread()
-        except httpx.HTTPError:
+            body = await resp.read()
+        except (aiohttp.ClientError, TimeoutError):
             body = b""
         finally:
-            await resp.aclose()
+            resp.close()
             self.pool.release(w)
-        self._count(role, str(resp.status_code))
-        if resp.status_code >= 500:
+        status = resp.status
+        self._count(role, str(status))
+        if status >= 500:
             self.pool.report(w, ok=False)
         try:
             info = ErrorResponse.model_validate_json(body).error
             msg, code = info.message, info.code
         except ValueError:
             msg, code = body[:200].decode(errors="replace"), None
-        if resp.status_code == 503:
+        if status == 503:
             self.pool.mark_down(w, f"answered 503: {msg}")
-        status = resp.status_code if resp.status_code in (400, 413, 422, 429) else 502
         headers = {"Retry-After": resp.headers["retry-after"]} if "retry-after" in resp.headers else None
+        status = status if status in (400, 413, 422, 429) else 502
         return OpenAIError(status, f"{role} worker: {msg}", code="upstream_refused" if status == 502 else code, headers=headers)
 
-    async def _read(self, w: Worker, resp: httpx.Response) -> AsyncIterator[GenerateChunk]:
+    async def _read(self, w: Worker, resp: aiohttp.ClientResponse) -> AsyncIterator[GenerateChunk]:
         role = w.role
         finished = False
         try:
-            async for line in resp.aiter_lines():
+            async for line in resp.content:  # NDJSON: one chunk a line
                 if line.strip():
                     chunk = GenerateChunk.model_validate_json(line)
                     if not finished and (chunk.finish_reason is not None or chunk.kv_handle is not None):
                         finished = True
                         self.pool.report(w, ok=chunk.finish_reason != "error")
                     yield chunk
-        except httpx.TimeoutException:
+        except TimeoutError:  # the read timeout (request_timeout) between two lines
             self._count(role, "timeout")
             self.pool.report(w, ok=False)
             raise OpenAIError(504, f"{role} worker {w.url} stopped sending", code="upstream_timeout") from None
-        except (httpx.TransportError, ValueError) as e:
+        except (aiohttp.ClientError, HttpProcessingError, ValueError) as e:  # not a chunk, a line over the read buffer
             self._count(role, "broken_stream")
             self.pool.report(w, ok=False)
             self.pool.mark_down(w, f"stream broke: {type(e).__name__}")
             raise OpenAIError(502, f"{role} worker {w.url} failed mid-request ({type(e).__name__})", code="upstream_error") from None
         finally:
-            await resp.aclose()
+            resp.close()  # a stream read to its end has nothing left to drop; one left early drops its connection
             self.pool.release(w)
         if not finished:
             self._count(role, "truncated")
@@ -347,9 +350,10 @@ class Dispatcher:
 
     async def _control(self, w: Worker, path: str, rid: str) -> None:
         try:
-            await self.client.post(f"{w.url}{path}", content=RequestRef(request_id=rid).model_dump_json(), headers=self.headers, timeout=CONTROL_TIMEOUT_S)
-        except httpx.HTTPError as e:
-            log.info("%s %s for %s failed: %s", w.url, path, rid, e)
+            async with self.client.post(f"{w.url}{path}", data=RequestRef(request_id=rid).model_dump_json(), headers=self.headers, timeout=CONTROL_TIMEOUT):
+                pass
+        except (aiohttp.ClientError, TimeoutError) as e:
+            log.info("%s %s for %s failed: %s", w.url, path, rid, f"{type(e).__name__}: {e}")
 
     def _count(self, role: str, kind: str) -> None:
         self.metrics.upstream_errors.labels(role, kind).inc()
