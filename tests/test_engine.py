@@ -157,9 +157,9 @@ def test_chunked_prefill_respects_the_token_budget(model_dir):
     seen = []
     original = engine.runner.run
 
-    def spy(sched):
+    def spy(sched, while_busy=None):
         seen.append(sched.num_batched_tokens)
-        return original(sched)
+        return original(sched, while_busy)
 
     engine.runner.run = spy
     add(engine, "long", PROMPTS[-1], greedy(3))
@@ -452,6 +452,50 @@ def test_pd_hand_off_goes_from_engine_to_engine(model_dir):
         assert final[str(i)].outputs[0].token_ids == reference_greedy(ref_model, p, n)
     assert decode.get_stats().kv_blocks_used == 0 and prefill.get_stats().kv_blocks_used == 0
     assert set(decode.connector.stats.handoffs) == {str(i) for i in range(len(PROMPTS))}
+
+
+def test_pd_hand_off_that_arrives_mid_step_runs_in_the_next_step(model_dir):
+    # decode is running one request when another's hand-off arrives during its step (here: while
+    # the model computes): the engine reads that KV while the step runs, so the request's first
+    # decode step is the very next one, not one step later; tokens as colocated's
+    prefill, decode = pd_pair(model_dir)
+    add(decode, "busy", PROMPTS[2], greedy(20))
+    decode.step()  # "busy" is running
+    decode.add_request(Request(request_id="new", prompt_token_ids=PROMPTS[4], params=greedy(6), kv_from=ref("P")), peer_of(prefill.connector))
+    prefill.add_request(Request(request_id="new", prompt_token_ids=PROMPTS[4], params=greedy(6), hold_kv=True, kv_to=ref("D")), peer_of(decode.connector))
+    assert run_all(prefill)["new"].kv_handoff_sent
+    arriving, decode.connector.handoffs = decode.connector.handoffs, []
+    decode.step()  # "new" starts waiting for its hand-off
+    assert decode.get_stats().num_awaiting_handoff == 1
+    forward = decode.runner.model.forward
+
+    def forward_as_it_arrives(batch, kv_cache):
+        decode.connector.handoffs.extend(arriving)  # the notification lands while the step computes
+        arriving.clear()
+        return forward(batch, kv_cache)
+
+    decode.runner.model.forward = forward_as_it_arrives
+    decode.step()
+    stats = decode.get_stats()
+    assert stats.num_awaiting_handoff == 0 and stats.num_waiting_for_remote_kv == 0  # read during that step
+    assert decode.connector.stats.handoffs.keys() == {"new"}
+    outs = {o.request_id: o for o in decode.step()}
+    assert len(outs["new"].outputs[0].token_ids) == 2  # prefill's first token + this step's
+    final = run_all(decode)
+    assert final["new"].outputs[0].token_ids == reference_greedy(FakeModel(0), PROMPTS[4], 6)
+    assert final["busy"].outputs[0].token_ids == reference_greedy(FakeModel(0), PROMPTS[2], 20)
+    prefill.step()  # polls the release
+    assert decode.get_stats().kv_blocks_used == 0 and prefill.get_stats().kv_blocks_used == 0
+
+
+def test_work_until_works_at_least_once_and_until_done():
+    from pdserve.engine.model_runner import work_until
+
+    calls, answers = [], iter([False, False, True])
+    work_until(lambda: next(answers), lambda: calls.append(1), poll_s=0)
+    assert len(calls) == 3
+    work_until(lambda: True, lambda: calls.append(1))
+    assert len(calls) == 4
 
 
 def test_pd_hand_off_early_posted_foreign_aborted_and_late(model_dir):

@@ -25,6 +25,9 @@ PD hooks (pdserve.disagg.base.KVConnector), called from step():
   `deliver_handoff()` (posted over HTTP by the router), then goes on as a request that came with
   its handle. One that waits longer than `handoff_timeout_s` fails (stage PENDING); a hand-off for
   a request not here yet is kept until it arrives or the prefill lease ends.
+- while the device computes a step (decode, with hand-offs awaited or loads outstanding), the
+  engine takes hand-offs, starts loads and polls them again (ModelRunner.run's while_busy), so a
+  hand-off that lands mid-step has its KV read by the step's end and runs in the next step.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import get_args
 
@@ -203,9 +207,23 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         self.last_schedule = sched
         if not sched.is_empty:
-            sampled = self.runner.run(sched)
+            sampled = self.runner.run(sched, self._while_step_runs(outputs))
             self._postprocess(sched, sampled, outputs)
         return list(outputs.values())
+
+    def _while_step_runs(self, outputs: dict[str, RequestOutput]) -> Callable[[], None] | None:
+        """Decode with hand-offs or loads outstanding: the connector's work, done while the device
+        computes the step, so a hand-off that arrives mid-step has its KV read by the step's end
+        and the request runs in the next step (seen only between steps, its read would span the
+        next one: a whole step more of its TTFT). None when there is nothing to wait for."""
+        if self.connector is None or not (self._awaiting or self.scheduler.remote_pending or self.scheduler.loading):
+            return None
+
+        def work() -> None:
+            self._take_handoffs(outputs)
+            self._poll_connector(outputs)
+
+        return work
 
     def _postprocess(self, sched: SchedulerOutput, sampled: list[SampledToken], outputs: dict[str, RequestOutput]) -> None:
         tokens = iter(sampled)

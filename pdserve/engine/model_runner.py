@@ -16,7 +16,9 @@ the other ranks.
 from __future__ import annotations
 
 import math
+import time
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -30,6 +32,18 @@ from pdserve.engine.sampler import SampledToken, Sampler
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.model.batch import ForwardBatch, StepInputs
+
+
+WHILE_BUSY_POLL_S = 2e-4  # how late a step's end may be seen while the engine works beside it
+
+
+def work_until(done: Callable[[], bool], work: Callable[[], None], poll_s: float = WHILE_BUSY_POLL_S) -> None:
+    """work() at once and then every poll_s until done(). The sleep gives the GIL to the server's
+    threads, as the blocking read of a step's tokens would."""
+    work()
+    while not done():
+        time.sleep(poll_s)
+        work()
 
 
 def _pad(table: list[int], width: int) -> list[int]:
@@ -134,14 +148,16 @@ class ModelRunner:
 
     # -- one step (rank 0) --
     @torch.inference_mode()
-    def run(self, sched: SchedulerOutput) -> list[SampledToken]:
+    def run(self, sched: SchedulerOutput, while_busy: Callable[[], None] | None = None) -> list[SampledToken]:
         """Forward the scheduled tokens; returns one sampled token per sequence whose chunk
-        reached its last token, in scheduled order."""
+        reached its last token, in scheduled order. while_busy: called (at least once) while the
+        device computes a step that samples, every WHILE_BUSY_POLL_S until it is done, instead
+        of blocking in the read of the tokens (the engine starts KV loads there)."""
         step, sampling = self.prepare(sched)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # per thread: the engine loop's thread starts on cuda:0
         if self.graphs is not None and self.graphs.fits(step):  # decode only: every row samples
-            return self.sampler(self.model.compute_logits(self.graphs.run(step)), sampling)
+            return self._sample(self.model.compute_logits(self.graphs.run(step)), sampling, while_busy)
         if self.ranks is not None:
             self.ranks.check_alive()
             protocol.send_forward(self.tp, step)
@@ -150,7 +166,18 @@ class ModelRunner:
         if not sampling:
             return []
         logits = self.model.compute_logits(hidden[batch.logits_indices.to(self.device)])  # [N, V]
-        return self.sampler(logits, sampling)
+        return self._sample(logits, sampling, while_busy)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], while_busy: Callable[[], None] | None) -> list[SampledToken]:
+        tokens, lp_source = self.sampler.draw(logits, seqs)
+        if while_busy is not None:
+            if self.device.type == "cuda":
+                done = torch.cuda.Event()
+                done.record()
+                work_until(done.query, while_busy)
+            else:
+                while_busy()  # a CPU step's ops have run by now
+        return self.sampler.read(tokens, lp_source, seqs)
 
     def prepare(self, sched: SchedulerOutput) -> tuple[StepInputs, list[Sequence]]:
         """The step's compact inputs (ForwardBatch.build expands them) and the sequences that sample."""

@@ -58,6 +58,11 @@ class Sampler:
         self.logprobs_mode = logprobs_mode
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
+        return self.read(*self.draw(logits, seqs), seqs)
+
+    def draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sampled token ids [N] and the logits their logprobs come from, still on the device
+        (queued, not waited for: `read` is where the host waits for the step)."""
         # logits: [N, V] float32
         x = logits.float().clone()
         self._min_tokens(x, seqs)
@@ -72,6 +77,10 @@ class Sampler:
             x = self._top_k_top_p(x, seqs)
             tokens = torch.where(greedy, x.argmax(dim=-1), self._random(x, seqs))  # [N]
         lp_source = logits if self.logprobs_mode == "raw_logprobs" else x
+        return tokens, lp_source
+
+    def read(self, tokens: torch.Tensor, lp_source: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
+        """draw's tokens (and logprobs where asked) on the host."""
         return self._outputs(tokens, lp_source, seqs)
 
     # -- logits processing (in place on x: [N, V]) --
