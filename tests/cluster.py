@@ -29,17 +29,27 @@ SECRET = "test-cluster-secret"
 STOP_GRACE_S = 10.0
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
     """A free port below Linux's ephemeral range (32768+), so that no listener a process opens on
-    port 0 meanwhile (UCX's, for one) can take it between this check and the server's bind."""
+    port 0 meanwhile (UCX's, for one) can take it between this check and the server's bind; and
+    never one this test process handed out before: a cluster's servers get their ports seconds
+    before they bind them, and a second draw of a port not yet bound (1 in 12,000 a pair) let a
+    router bind the port its worker was given, answer that worker's health checks, and leave a
+    router waiting for a worker that had exited."""
     while True:
         port = random.randrange(20000, 32000)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+        _HANDED_OUT.add(port)
+        return port
 
 
 @dataclass

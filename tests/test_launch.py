@@ -17,7 +17,7 @@ import yaml
 from pdserve.config import load_config, parse_config
 from pdserve.launch import plan, port_free
 from pdserve.numa import numa_nodes, process_cpus
-from tests.cluster import free_port
+from cluster import free_port  # one module instance: its handed-out ports are shared
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 

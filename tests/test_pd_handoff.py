@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from pdserve.tiny_model import make_tiny_model
-from tests.cluster import SECRET, Cluster, wait_blocks_free
+from cluster import SECRET, Cluster, wait_blocks_free
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 

@@ -23,7 +23,7 @@ import yaml
 
 from pdserve import LLM, SamplingParams
 from pdserve.tiny_model import make_tiny_model
-from tests.cluster import Cluster, free_port, scrape, wait_blocks_free
+from cluster import Cluster, free_port, scrape, wait_blocks_free
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 
