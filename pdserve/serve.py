@@ -168,8 +168,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     if isinstance(cfg, RouterServeConfig) and cfg.router.api_server_count > 1:
         return serve_router_processes(cfg)
-    log.info("pdserve %s listening on http://%s:%d", role, host, port)
-    _Server(_uvicorn_config(app, host, port), getattr(app.state, "on_exit", None)).run()
+    _Server(_uvicorn_config(app, host, port), getattr(app.state, "on_exit", None), f"pdserve {role} listening on http://{host}:{port}").run()
     return 0
 
 
@@ -206,7 +205,8 @@ def serve_router_processes(cfg: RouterServeConfig) -> int:
     except OSError as e:
         print(f"pdserve serve --role router: cannot listen on {host}:{port}: {e}", file=sys.stderr)
         return 2
-    metrics_dir = tempfile.mkdtemp(prefix="pdserve-router-metrics-")
+    _remove_orphaned_metrics_dirs()
+    metrics_dir = tempfile.mkdtemp(prefix=f"{METRICS_DIR_PREFIX}{os.getpid()}-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # read by prometheus_client when each child imports it
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_router_process, args=(cfg.model_dump_json(), sock, i, os.getpid()), name=f"router-{i}") for i in range(n)]
@@ -240,6 +240,35 @@ def serve_router_processes(cfg: RouterServeConfig) -> int:
     return 1 if died is not None else 0
 
 
+METRICS_DIR_PREFIX = "pdserve-router-metrics-"  # + the router parent's pid + "-" + random
+
+
+def _remove_orphaned_metrics_dirs() -> None:
+    """Metrics folders of router parents that are gone (one SIGKILLed never removed its own)."""
+    import shutil
+    import tempfile
+
+    for path in Path(tempfile.gettempdir()).glob(f"{METRICS_DIR_PREFIX}*-*"):
+        pid = path.name[len(METRICS_DIR_PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            shutil.rmtree(path)
+            log.info("removed %s, left by router process %s", path, pid)
+        except OSError as e:  # another user's, say: not ours to remove
+            log.warning("cannot remove %s, left by router process %s: %s", path, pid, e)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 def _router_process(cfg_json: str, sock: Any, index: int, parent: int) -> None:
     """One of serve_router_processes' children (spawned: a fresh interpreter). It ends with its
     parent, however that ends: an orphan would keep the port from the router a supervisor restarts."""
@@ -261,9 +290,15 @@ class _Server(uvicorn.Server):
     """uvicorn's server, telling the app when a stop signal arrives (the router then ends its open
     streams with an error event at once, rather than when the graceful-shutdown time runs out)."""
 
-    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None] | None) -> None:
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None] | None, announce: str | None = None) -> None:
         super().__init__(config)
         self._on_exit = on_exit
+        self._announce = announce
+
+    async def startup(self, sockets: list[Any] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and self._announce:  # said once the port is bound (a failed bind exits 3 with uvicorn's error)
+            log.info(self._announce)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self._on_exit is not None:

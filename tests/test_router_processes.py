@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import signal
+import tempfile
 import time
 from pathlib import Path
 
@@ -106,11 +107,16 @@ def test_a_process_that_dies_stops_the_router_and_sigterm_ends_them_all(tmp_path
         c.restart(r)  # and if the parent is killed outright, its children do not outlive it
         c.wait_healthy()
         kids = _children(c)
+        killed = r.popen.pid
         r.popen.kill()
         r.popen.wait()
         _gone(kids)
-        c.restart(r)  # the port is free again
+        left = list(Path(tempfile.gettempdir()).glob(f"pdserve-router-metrics-{killed}-*"))
+        assert len(left) == 1  # its metrics folder, which only the parent removes
+        c.restart(r)  # the port is free again, and the next router removes what the killed one left
         c.wait_healthy()
+        assert not left[0].exists()
+        assert f"removed {left[0]}, left by router process {killed}" in r.log.read_text()
 
 
 def _gone(procs: list[psutil.Process], timeout_s: float = 20.0) -> None:
