@@ -1,6 +1,7 @@
 """A child process's lifetime tied to its parent's: the launcher's workers and router, the
 router's processes (--api-server-count) and tensor-parallel ranks all end when what started them
-does, so none keeps a port, a GPU or a rendezvous from its restarted successor."""
+does, so none keeps a port, a GPU or a rendezvous from its restarted successor. And whether a
+process is still there (what a dead one left behind is then for others to remove)."""
 
 from __future__ import annotations
 
@@ -19,3 +20,14 @@ def die_with_parent(parent_pid: int, sig: int, libc: ctypes.CDLL | None = None) 
         (libc or ctypes.CDLL(None, use_errno=True)).prctl(PR_SET_PDEATHSIG, sig)
     if os.getppid() != parent_pid:
         os._exit(1)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (someone else's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

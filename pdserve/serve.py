@@ -168,17 +168,19 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     if isinstance(cfg, RouterServeConfig) and cfg.router.api_server_count > 1:
         return serve_router_processes(cfg)
-    _Server(_uvicorn_config(app, host, port), getattr(app.state, "on_exit", None), f"pdserve {role} listening on http://{host}:{port}").run()
+    _serve(app, host, port, announce=f"pdserve {role} listening on http://{host}:{port}")
     return 0
 
 
-def _uvicorn_config(app: Any, host: str, port: int) -> uvicorn.Config:
-    # keep-alive longer than any client's idle expiry (httpx: 5 s, uvicorn's default here too): else
+def _serve(app: Any, host: str, port: int, sockets: list[Any] | None = None, announce: str | None = None) -> None:
+    """uvicorn until a stop signal; on `sockets` already bound (router processes) if given."""
+    # keep-alive longer than any client's idle expiry (the router's aiohttp: 30 s; httpx: 5 s): else
     # the server closes an idle connection just as the router reuses it, and the POST gets ReadError.
     # h11, not httptools where installed: httptools takes a header of any size (tests/test_fuzz.py)
-    return uvicorn.Config(
+    config = uvicorn.Config(
         app, host=host, port=port, http="h11", log_level="warning", lifespan="on", timeout_graceful_shutdown=5, timeout_keep_alive=75
     )
+    _Server(config, getattr(app.state, "on_exit", None), announce).run(sockets=sockets)
 
 
 def serve_router_processes(cfg: RouterServeConfig) -> int:
@@ -248,25 +250,17 @@ def _remove_orphaned_metrics_dirs() -> None:
     import shutil
     import tempfile
 
+    from pdserve.lifetime import pid_alive
+
     for path in Path(tempfile.gettempdir()).glob(f"{METRICS_DIR_PREFIX}*-*"):
         pid = path.name[len(METRICS_DIR_PREFIX) :].split("-", 1)[0]
-        if not pid.isdigit() or _alive(int(pid)):
+        if not pid.isdigit() or pid_alive(int(pid)):
             continue
         try:
             shutil.rmtree(path)
             log.info("removed %s, left by router process %s", path, pid)
         except OSError as e:  # another user's, say: not ours to remove
             log.warning("cannot remove %s, left by router process %s: %s", path, pid, e)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
 
 
 def _router_process(cfg_json: str, sock: Any, index: int, parent: int) -> None:
@@ -283,7 +277,7 @@ def _router_process(cfg_json: str, sock: Any, index: int, parent: int) -> None:
 
     cfg = RouterServeConfig.model_validate_json(cfg_json)
     app = build_router_app(cfg)
-    _Server(_uvicorn_config(app, cfg.router.host, cfg.router.port), getattr(app.state, "on_exit", None)).run(sockets=[sock])
+    _serve(app, cfg.router.host, cfg.router.port, sockets=[sock])
 
 
 class _Server(uvicorn.Server):

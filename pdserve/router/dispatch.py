@@ -353,7 +353,7 @@ class Dispatcher:
             async with self.client.post(f"{w.url}{path}", data=RequestRef(request_id=rid).model_dump_json(), headers=self.headers, timeout=CONTROL_TIMEOUT):
                 pass
         except (aiohttp.ClientError, TimeoutError) as e:
-            log.info("%s %s for %s failed: %s", w.url, path, rid, f"{type(e).__name__}: {e}")
+            log.info("%s %s for %s failed: %s: %s", w.url, path, rid, type(e).__name__, e)
 
     def _count(self, role: str, kind: str) -> None:
         self.metrics.upstream_errors.labels(role, kind).inc()
