@@ -213,3 +213,8 @@ def hc_mix_ref(
         comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     return pre, post, comb
+
+
+def copy_blocks_ref(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
+    """dst[:, dst_ids] = src[:, src_ids] (kernel: block_copy.py); src [L, Ns, W], dst [L, Nd, W]."""
+    dst[:, dst_ids.long()] = src[:, src_ids.long()].to(dst.device)

@@ -18,7 +18,11 @@ byte-exact once.
 descriptor per run) as a one-layer pool of L*bs-token blocks: the same bytes per block;
 `staged` is pdserve's pool with staged transfer (pdserve/disagg/staging.py): the peer gathers the
 request's blocks into one slab of its staging arena (`gather`), decode READs it as one
-descriptor into its landing arena (`read`) and scatters it into its blocks (`scatter`), each timed.
+descriptor into its landing arena (`read`) and scatters it into its blocks (`scatter`), each timed;
+`ipc` is pdserve's pool read the same-host way (pdserve/disagg/cuda_ipc.py): decode maps the
+peer's pool through CUDA IPC once and copies a request's blocks with one kernel of its own
+(start_load..done; no descriptors, no gather, no progress on the peer's side). Only `ipc` runs
+with the connectors' `cuda_ipc` option on.
 
 The peer runs as a prefill worker's engine loop does: every --peer-poll-ms it polls the connector
 (release notifications; NIXL's progress thread is off, as in a worker, unless --peer-progress-thread)
@@ -92,7 +96,7 @@ def run_peer(args: argparse.Namespace) -> None:
     staging = StagingOptions(mode="on" if staged else "off", prefill_arena_mib=args.arena_mib, decode_arena_mib=0)
     conn = NixlConnector("bench-prefill", model_id="bench", ucx_gpu_defaults=args.setting == "pdserve",
                          progress_thread=args.peer_progress_thread, progress_interval_ms=float(args.peer_progress_interval_ms),
-                         role="prefill", staging=staging, lease_s=3600.0)
+                         role="prefill", staging=staging, lease_s=3600.0, cuda_ipc=args.layout == "ipc")
     conn.register_kv_cache(make_pool(args.layers, args.num_blocks, args.device, seed=0, layout=args.layout))
     body = conn.peer_metadata()
 
@@ -156,9 +160,13 @@ def busy_work(device: str, busy_ms: float):
     return run
 
 
+POSTS: list[float] = []  # start_load's own seconds (the CPU part of posting), per read
+
+
 def timed_read(conn, handle: KVHandle, dst_ids: list[int]) -> float:
     t0 = time.perf_counter()
     conn.start_load(handle, dst_ids, PEER.get(handle.metadata_url))
+    POSTS.append(time.perf_counter() - t0)
     while True:
         done, failed = conn.poll_loads()
         if failed:
@@ -259,9 +267,11 @@ def measure(conn, peer: PeerProc, src: torch.Tensor, src_ids: list[int], dst_ids
     layout the READ and the scatter, split by the connector's own scatter time), gather (staged:
     in the peer), in-process copy."""
     dst = conn.kv.regions["latent"]
-    out = {"read_s": [], "copy_s": [], "gather_s": [], "scatter_s": []}
+    out = {"read_s": [], "copy_s": [], "gather_s": [], "scatter_s": [], "post_s": []}
     for rep in range(reps):
         dst.zero_()
+        if dst.is_cuda:  # done before the read: a same-host copy runs on the connector's own stream
+            torch.cuda.synchronize(dst.device)
         if staged:
             handle, gather_s = peer.prefill(f"{name}-{rep}", src_ids)
             if handle.staged is None:
@@ -271,6 +281,7 @@ def measure(conn, peer: PeerProc, src: torch.Tensor, src_ids: list[int], dst_ids
             handle = handle_for(peer.url, f"{name}-{rep}", src_ids, conn.compat_hash)
         before = conn.stats.stage_seconds_sum
         total = timed_read(conn, handle, dst_ids)
+        out["post_s"].append(POSTS[-1])
         scatter_s = conn.stats.stage_seconds_sum - before
         out["read_s"].append(total - scatter_s if staged else total)
         out["scatter_s"].append(scatter_s)
@@ -290,7 +301,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads for the in-process copy (cma reads use one)")
     p.add_argument("--mean-run", type=float, default=4.0, help="mean run length of the `request` block lists")
     p.add_argument("--settings", help="comma list of " + ", ".join(SETTINGS) + ": one fresh run each")
-    p.add_argument("--layouts", default="layer", help="comma list of layer, block, staged")
+    p.add_argument("--layouts", default="layer", help="comma list of layer, block, staged, ipc")
     p.add_argument("--kinds", default="contiguous,request,scattered", help="block lists to read (comma list)")
     p.add_argument("--arena-mib", type=int, default=0, help="staged: each side's arena (default: 2x the largest size)")
     p.add_argument("--peer-poll-ms", type=float, default=20.0, help="the peer polls its connector this often (a worker: 20)")
@@ -392,7 +403,8 @@ def run_one(args: argparse.Namespace, counts: list[int], per_block: int) -> list
 
         staging = StagingOptions(mode="on" if staged else "off", prefill_arena_mib=0, decode_arena_mib=args.arena_mib)
         conn = NixlConnector("bench-decode", model_id="bench", transfer_timeout_s=120.0, role="decode", staging=staging,
-                             ucx_gpu_defaults=args.setting == "pdserve", progress_thread=False)  # as a worker
+                             ucx_gpu_defaults=args.setting == "pdserve", progress_thread=False,  # as a worker
+                             cuda_ipc=args.layout == "ipc")
         conn.register_kv_cache(make_pool(args.layers, args.num_blocks, args.device, seed=None, layout=args.layout))
         src = make_pool(args.layers, args.num_blocks, peer_device, seed=0, layout=args.layout).regions["latent"]
         timed_read(conn, handle_for(peer.url, "warm-up", [0], conn.compat_hash), [0])  # connection setup
@@ -406,9 +418,11 @@ def run_one(args: argparse.Namespace, counts: list[int], per_block: int) -> list
             dev_s = device_copy_s(n * per_block, args.device, args.reps)
             for kind in args.kinds.split(","):
                 src_ids, dst_ids = shapes[kind]
+                before = dict(conn.stats.paths)
                 times = measure(conn, peer, src, src_ids, dst_ids, args.reps, f"{kind}-{n}", staged)
-                descs = 1 if staged else len(block_runs(src_ids, dst_ids)) * layers_per_desc
-                rows.append(dict(setting=args.setting or "env", tag=args.tag, layout=args.layout, nbytes=n * per_block,
+                path = ",".join(p for p, c in conn.stats.paths.items() if c > before.get(p, 0))  # how the reads moved
+                descs = 1 if staged else 0 if path == "cuda_ipc" else len(block_runs(src_ids, dst_ids)) * layers_per_desc
+                rows.append(dict(setting=args.setting or "env", tag=args.tag, layout=args.layout, path=path, nbytes=n * per_block,
                                  blocks=n, kind=kind, descs=descs, dev_copy_s=dev_s, peer_busy_ms=float(args.peer_busy_ms),
                                  peer_progress_thread=args.peer_progress_thread,
                                  peer_progress_interval_ms=float(args.peer_progress_interval_ms), **times))
@@ -440,8 +454,10 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
         cols = f"{nixl:6.2f} ({nixl_best:5.2f}) {copy:6.2f} ({copy_best:5.2f}) {dev:8.1f} {nixl / dev:8.3f}"
         times = f"{med(r['read_s']) * 1e3:8.3f} {max(r['read_s']) * 1e3:7.2f}"
         split = f"  gather {gather * 1e3:.3f} read {med(r['read_s']) * 1e3:.3f} scatter {scatter * 1e3:.3f}" if r.get("gather_s") else ""
+        split += f"  post {med(r['post_s']) * 1e3:.3f}" if r.get("post_s") else ""
         prog = "nixl" if r.get("peer_progress_thread") else f"{r.get('peer_progress_interval_ms', 0):4.0f}"
-        print(f"{r['setting']:>12} {r['layout']:>6} {r.get('peer_busy_ms', 0):5.0f} {prog:>4} {nbytes / MIB:7.1f} {r['blocks']:6d} "
+        layout = r["layout"] if r.get("path", "cuda_ipc") == "cuda_ipc" or r["layout"] != "ipc" else f"ipc>{r['path']}"
+        print(f"{r['setting']:>12} {layout:>6} {r.get('peer_busy_ms', 0):5.0f} {prog:>4} {nbytes / MIB:7.1f} {r['blocks']:6d} "
               f"{r['kind']:>10} {r['descs']:6d} {cols} {times}{split}")
 
 

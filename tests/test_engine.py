@@ -291,7 +291,7 @@ class CopyConnector(KVConnector):
     def peer_metadata(self) -> bytes:
         return self.engine_id.encode()
 
-    def on_prefill_finished(self, request_id, block_ids, num_tokens, window_block_ids=None, state_slot=-1) -> KVHandle:
+    def on_prefill_finished(self, request_id, block_ids, num_tokens, window_block_ids=None, state_slot=-1, kv_to=None) -> KVHandle:
         self.leases[request_id] = list(block_ids)
         return KVHandle(request_id=request_id, engine_id=self.engine_id, instance_id="i", metadata_url="inproc://", block_ids=list(block_ids),
                         num_tokens=num_tokens, compat_hash="h", lease_expires_at=time.time() + 60)

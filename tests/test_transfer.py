@@ -265,12 +265,12 @@ def test_ucx_gpu_defaults_leave_the_users_settings_alone():
 class Peer:
     """tests/transfer_peer.py as a prefill worker process."""
 
-    def __init__(self, dtype: str, seed: int = 0, lease_s: float = 60.0, staging_mib: int = 0, poll_ms: float = 20.0) -> None:
+    def __init__(self, dtype: str, seed: int = 0, lease_s: float = 60.0, staging_mib: int = 0, poll_ms: float = 20.0, device: str = "cpu") -> None:
         self.engine_id = f"prefill-{uuid.uuid4().hex[:8]}"
         self.seed, self.dtype = seed, dtype
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         args = ["--engine-id", self.engine_id, "--dtype", dtype, "--seed", str(seed), "--lease-s", str(lease_s)]
-        args += ["--staging-mib", str(staging_mib), "--poll-ms", str(poll_ms)]
+        args += ["--staging-mib", str(staging_mib), "--poll-ms", str(poll_ms), "--device", device]
         self.proc = subprocess.Popen(
             [sys.executable, os.path.join(ROOT, "tests", "transfer_peer.py"), *args],
             stdin=subprocess.PIPE,
@@ -294,8 +294,8 @@ class Peer:
         self.proc.stdin.flush()
         return self._read(10.0)
 
-    def prefill(self, request_id: str, block_ids: list[int]) -> KVHandle:
-        reply = self.cmd(op="prefill", request_id=request_id, block_ids=block_ids, num_tokens=4 * len(block_ids))
+    def prefill(self, request_id: str, block_ids: list[int], kv_to: dict | None = None) -> KVHandle:
+        reply = self.cmd(op="prefill", request_id=request_id, block_ids=block_ids, num_tokens=4 * len(block_ids), kv_to=kv_to)
         return KVHandle(**reply["handle"])
 
     def wait_released(self, request_id: str, limit_s: float = 5.0) -> dict:
@@ -330,10 +330,16 @@ def peer(request):
 
 
 def nixl_decode(dtype: str, model_id: str = "tiny", landing_mib: int = 0):
+    return nixl_decode_on(dtype, "cpu", model_id, landing_mib)
+
+
+def nixl_decode_on(dtype: str, device: str, model_id: str = "tiny", landing_mib: int = 0):
     staging = StagingOptions(mode="on" if landing_mib else "off", prefill_arena_mib=0, decode_arena_mib=landing_mib)
     settings = ConnectorSettings(model_id=model_id, lease_margin_s=0.5, transfer_timeout_s=5.0, role="decode", staging=staging)
     conn = make_connector("nixl", f"decode-{uuid.uuid4().hex[:8]}", settings)
-    conn.register_kv_cache(make_kv(getattr(torch, dtype), 1, 40))
+    conn.register_kv_cache(make_kv(getattr(torch, dtype), 1, 40, device))
+    if device != "cpu":  # the pool's writes done: a same-host copy into it runs on the connector's stream
+        torch.cuda.synchronize(device)
     return conn
 
 

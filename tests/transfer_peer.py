@@ -4,7 +4,8 @@ It fills a KVCache with seeded random data, registers it with a NixlConnector, s
 metadata at http://127.0.0.1:<free port>/metadata, prints one JSON line {"metadata_url": ...} and
 then answers JSON-line commands on stdin, one JSON line each on stdout:
 
-    {"op": "prefill", "request_id": str, "block_ids": [int], "num_tokens": int} -> {"handle": KVHandle}
+    {"op": "prefill", "request_id": str, "block_ids": [int], "num_tokens": int,
+     "kv_to": optional {"engine_id": str, "metadata": str}: the decode engine it goes to} -> {"handle": KVHandle}
     {"op": "poll"}  -> {"released": [str], "leases": int, "leases_released": int, "lease_expirations": int,
                         "staging_used": int (bytes of the staging arena in slabs)}
     {"op": "handoff", "engine_id": str, "metadata": str (a decode connector's peer_metadata()), "payload": str}
@@ -30,9 +31,9 @@ SPECS = [KVRegionSpec("latent", 40), KVRegionSpec("index_k", 16)]
 NUM_LAYERS, BLOCK_SIZE = 3, 4
 
 
-def make_kv(dtype: torch.dtype, seed: int, num_blocks: int) -> KVCache:
+def make_kv(dtype: torch.dtype, seed: int, num_blocks: int, device: str = "cpu") -> KVCache:
     """A pool of random records, the same for the same (dtype, seed, num_blocks) in every process."""
-    kv = KVCache(SPECS, NUM_LAYERS, num_blocks, BLOCK_SIZE, dtype, "cpu")
+    kv = KVCache(SPECS, NUM_LAYERS, num_blocks, BLOCK_SIZE, dtype, device)
     gen = torch.Generator().manual_seed(seed)
     for t in kv.regions.values():
         t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32).to(dtype))
@@ -72,6 +73,7 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-blocks", type=int, default=32)
+    p.add_argument("--device", default="cpu", help="the pool's device (cuda: exported through CUDA IPC)")
     p.add_argument("--lease-s", type=float, default=60.0)
     p.add_argument("--staging-mib", type=int, default=0, help="a staging arena of this size (0: staging off)")
     p.add_argument("--poll-ms", type=float, default=20.0, help="the engine loop's poll interval while it holds KV")
@@ -83,7 +85,7 @@ def main() -> None:
         args.engine_id, model_id=args.model_id, lease_s=args.lease_s, progress_thread=False, role="prefill", staging=staging,
         progress_interval_ms=args.progress_interval_ms,
     )  # as a worker runs it
-    conn.register_kv_cache(make_kv(getattr(torch, args.dtype), args.seed, args.num_blocks))
+    conn.register_kv_cache(make_kv(getattr(torch, args.dtype), args.seed, args.num_blocks, args.device))
     server = serve_metadata(conn.peer_metadata())
     conn.metadata_url = f"http://127.0.0.1:{server.server_address[1]}/metadata"
 
@@ -106,8 +108,10 @@ def main() -> None:
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "prefill":
+            to = cmd.get("kv_to")
+            kv_to = PeerMetadata(engine_id=to["engine_id"], instance_id=None, data=to["metadata"].encode()) if to else None
             with lock:
-                handle = conn.on_prefill_finished(cmd["request_id"], cmd["block_ids"], cmd["num_tokens"])
+                handle = conn.on_prefill_finished(cmd["request_id"], cmd["block_ids"], cmd["num_tokens"], kv_to=kv_to)
             reply({"handle": handle.model_dump()})
         elif cmd["op"] == "poll":
             with lock:

@@ -154,10 +154,17 @@ class KVConnector(ABC):
     # -- prefill side --
     @abstractmethod
     def on_prefill_finished(
-        self, request_id: str, block_ids: list[int], num_tokens: int, window_block_ids: list[int] | None = None, state_slot: int = -1
+        self,
+        request_id: str,
+        block_ids: list[int],
+        num_tokens: int,
+        window_block_ids: list[int] | None = None,
+        state_slot: int = -1,
+        kv_to: PeerMetadata | None = None,
     ) -> KVHandle:
         """Pin the request's blocks (and window blocks, state slot) under a lease and describe
-        them for the decode side."""
+        them for the decode side. kv_to: the decode engine's metadata, when the engine knows
+        where the KV goes (a same-host decode worker that copies from this pool needs no slab)."""
 
     @abstractmethod
     def send_handoff(self, peer: PeerMetadata, payload: bytes) -> None:

@@ -95,11 +95,21 @@ class LeasingConnector(KVConnector):
 
     # -- prefill side --
     def on_prefill_finished(
-        self, request_id: str, block_ids: list[int], num_tokens: int, window_block_ids: list[int] | None = None, state_slot: int = -1
+        self,
+        request_id: str,
+        block_ids: list[int],
+        num_tokens: int,
+        window_block_ids: list[int] | None = None,
+        state_slot: int = -1,
+        kv_to: PeerMetadata | None = None,
     ) -> KVHandle:
         window = list(window_block_ids or [])
         lease_s = self.leases.add(request_id, block_ids)
-        staged = self._stage(request_id, list(block_ids), num_tokens, window, state_slot)
+        if self.staging_arena is not None and self._peer_copies(kv_to):
+            self.stats.record_staged("prefill", "peer_copies")  # the decode worker copies from the pool itself
+            staged = None
+        else:
+            staged = self._stage(request_id, list(block_ids), num_tokens, window, state_slot)
         return KVHandle(
             request_id=request_id,
             engine_id=self.engine_id,
@@ -234,6 +244,11 @@ class LeasingConnector(KVConnector):
             self.landing_arena.free(offset)
 
     # -- backend hooks --
+    def _peer_copies(self, kv_to: PeerMetadata | None) -> bool:
+        """Prefill: the decode worker kv_to describes copies a request's blocks straight from this
+        pool (a backend with a same-host path says so), so no slab is gathered for it."""
+        return False
+
     @abstractmethod
     def _registered(self, kv_cache: KVCache) -> None:
         """The pool, layout and compat hash are set: register the pool with the transport."""

@@ -32,6 +32,12 @@ A pool on the GPU gets UCX defaults before the agent (and UCX) is created: `UCX_
 (cuda_ipc GET zero-copy: without it UCX reads VRAM over tcp at 0.5 GB/s) and `UCX_MODULE_DIR` set
 to the UCX plugin folder of the installed NIXL wheel (`ucx_module_dir()`), each only where the
 environment does not set it already (docs/pd-gpu.md has the measurements).
+
+On one host (pools on GPUs, the same boot id) the decode side does not READ at all: it maps the
+prefill pool through CUDA IPC once per peer instance and copies a request's blocks with one kernel
+of its own (cuda_ipc.py); NIXL still carries the metadata, the hand-off and the release. The
+prefill side then skips the staging gather for that decode worker (its metadata says it maps
+same-host peers). A peer that cannot be mapped is read over NIXL, with a warning.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pdserve.disagg.base import KVHandle, PeerMetadata, TransferError, TransferStage
+from pdserve.disagg.cuda_ipc import CopyInFlight, IpcRegion, copy_views, export_pool, host_id, open_pool, start_copy
 from pdserve.disagg.options import ConnectorRole, StagingOptions
 from pdserve.disagg.staging import payload_bytes
 from pdserve.disagg.layout import Descriptor, KVLayout, Runs, build_descriptors, device_id, region_addrs
@@ -58,7 +65,8 @@ from pdserve.model.kv_cache import KVCache
 
 log = logging.getLogger("pdserve.disagg.nixl")
 
-PEER_INFO_VERSION = 3
+PEER_INFO_VERSION = 4
+COPY_SETTLE_S = 5.0  # a cancelled or failed same-host copy is waited for this long before prefill is told to free
 HANDOFF_PREFIX = b"handoff:"  # prefill -> decode: a Handoff's JSON follows (release messages go the other way)
 
 # set for a pool on the GPU unless the environment sets them (H200, 2026-12-03: 0.5 GB/s without)
@@ -119,6 +127,9 @@ class NixlOptions(BaseModel):
     progress_interval_ms: float = Field(1.0, ge=0)
     # a pool on the GPU: set UCX_GPU_DEFAULTS and UCX_MODULE_DIR where the environment does not
     ucx_gpu_defaults: bool = True
+    # pools on GPUs of one host: decode maps the prefill pool through CUDA IPC and copies a
+    # request's blocks itself (cuda_ipc.py); off: every request is read over NIXL
+    cuda_ipc: bool = True
 
 
 class NixlPeerInfo(BaseModel):
@@ -134,7 +145,19 @@ class NixlPeerInfo(BaseModel):
     dev_id: int
     staging_addr: int = 0  # its staging arena (KVHandle.staged offsets are into it); 0 bytes: none
     staging_bytes: int = 0
+    host_id: str = ""  # cuda_ipc.host_id(): the same on one machine
+    cuda_ipc: dict[str, IpcRegion] | None = None  # its pool's regions for a same-host decode worker to map
+    maps_peers: bool = False  # a decode worker that copies from a same-host prefill pool itself
     agent_metadata: str  # base64 of nixl_agent.get_agent_metadata()
+
+
+def _path(load: "_Load") -> str:
+    """How a finished load moved its bytes (TransferStats.paths)."""
+    if load.copy is not None:
+        return "cuda_ipc"
+    if load.landing is not None:
+        return "staged"
+    return "blocks" if load.xfer is not None else "none"
 
 
 def _nixl_reason(e: Exception) -> str:
@@ -149,6 +172,7 @@ def _is_disconnect(e: Exception) -> bool:
 class _Peer:
     info: NixlPeerInfo
     agent_name: str  # str, although add_remote_agent returns bytes (notification dicts are keyed by str)
+    mapped: dict | None = None  # its pool mapped through CUDA IPC: per region (its words, ours) (cuda_ipc.copy_views)
 
 
 @dataclass
@@ -162,6 +186,7 @@ class _Load:
     num_descs: int
     landing: int | None = None  # offset of the slab's room in the landing arena (a staged read)
     local_blocks: dict[str, list[int]] | None = None  # where a staged slab is scattered to
+    copy: CopyInFlight | None = None  # a same-host copy from the mapped peer pool (no xfer)
     finished_at: float | None = None  # wall clock when the READ was seen complete
     seconds: float = 0.0  # post to completion
 
@@ -184,6 +209,7 @@ class NixlConnector(LeasingConnector):
         progress_thread: bool = True,
         progress_interval_ms: float = 1.0,
         ucx_gpu_defaults: bool = True,
+        cuda_ipc: bool = True,
         role: ConnectorRole = "both",
         staging: StagingOptions | None = None,
     ) -> None:
@@ -194,6 +220,8 @@ class NixlConnector(LeasingConnector):
         progress_interval_ms: a prefill-role connector without the progress thread progresses UCX
         from a thread of its own this often (0: never).
         ucx_gpu_defaults: for a pool on the GPU, set the UCX defaults above (unless set already).
+        cuda_ipc: for a pool on the GPU, export it to same-host decode workers (prefill role) and
+        map same-host prefill pools to copy from (decode role).
         The NIXL agent is created by register_kv_cache, once the pool's device is known."""
         if importlib.util.find_spec("nixl") is None:
             raise RuntimeError("transfer backend 'nixl' needs the nixl package (pip install nixl==1.5.1)")
@@ -202,7 +230,12 @@ class NixlConnector(LeasingConnector):
             transfer_timeout_s=transfer_timeout_s, lease_margin_s=lease_margin_s, version=version,
             role=role, staging=staging,
         )  # fmt: skip
-        self._progress_thread, self._ucx_gpu_defaults = progress_thread, ucx_gpu_defaults
+        self._progress_thread, self._ucx_gpu_defaults, self._cuda_ipc = progress_thread, ucx_gpu_defaults, cuda_ipc
+        self.host_id = host_id()
+        self._exported: dict[str, IpcRegion] | None = None  # prefill: this pool for same-host decode workers
+        self._maps_peers = False  # decode: copies from same-host prefill pools it maps
+        self._copy_stream = None  # decode: where those copies run (beside the engine's steps)
+        self._decode_maps: dict[str, tuple[bytes, bool]] = {}  # decode engine id -> (its metadata, copies from us)
         self.agent = None
         self.ucx_env_applied: dict[str, str] = {}
         self._reg = None
@@ -241,6 +274,7 @@ class NixlConnector(LeasingConnector):
         self.mem_type = "DRAM" if first.device.type == "cpu" else "VRAM"
         self._make_agent()
         self._reg = self.agent.register_memory(list(kv_cache.regions.values()) + [a.buffer for a in self.arenas()])
+        self._set_up_cuda_ipc(kv_cache)
         staging = self.staging_arena
         info = NixlPeerInfo(
             engine_id=self.engine_id,
@@ -252,6 +286,9 @@ class NixlConnector(LeasingConnector):
             dev_id=self._dev_id,
             staging_addr=staging.addr if staging is not None else 0,
             staging_bytes=staging.capacity if staging is not None else 0,
+            host_id=self.host_id,
+            cuda_ipc=self._exported,
+            maps_peers=self._maps_peers,
             agent_metadata=base64.b64encode(self.agent.get_agent_metadata()).decode(),
         )
         # built once: the HTTP server thread serves these bytes without touching the agent
@@ -259,6 +296,23 @@ class NixlConnector(LeasingConnector):
         if self.role == "prefill" and not self._progress_thread and self._progress_interval_s > 0:
             self._progress = threading.Thread(target=self._progress_loop, name="nixl-progress", daemon=True)
             self._progress.start()
+
+    def _set_up_cuda_ipc(self, kv_cache: KVCache) -> None:
+        """Export the pool (prefill) and make the copy stream (decode), for pools on a GPU."""
+        if self.mem_type != "VRAM" or not self._cuda_ipc:
+            return
+        if self.role != "decode":
+            try:
+                self._exported = export_pool(kv_cache.regions)
+            except Exception as e:  # e.g. an allocator that cannot share: decode workers read over NIXL
+                log.warning("the KV pool cannot be shared through CUDA IPC (same-host decode workers read it over NIXL): %s", _nixl_reason(e))
+        if self.role != "prefill":
+            import torch
+
+            self._maps_peers = True
+            # high priority: a hand-off's copy is short and the request waits on it, so its
+            # blocks go ahead of a running step's queued ones
+            self._copy_stream = torch.cuda.Stream(next(iter(kv_cache.regions.values())).device, priority=-1)
 
     def _progress_loop(self) -> None:
         """Prefill side: progress UCX (peers' READs of our memory) and keep what notifications arrive."""
@@ -339,8 +393,38 @@ class NixlConnector(LeasingConnector):
         if name != info.engine_id:
             self.agent.remove_remote_agent(name)
             raise ValueError(f"peer metadata names engine {info.engine_id!r} but its NIXL agent is {name!r}")
-        self._peers[info.engine_id] = _Peer(info, name)
+        self._peers[info.engine_id] = _Peer(info, name, self._map_peer(info))
         return info
+
+    def _map_peer(self, info: NixlPeerInfo) -> dict | None:
+        """A same-host prefill pool mapped through CUDA IPC, or None: read it over NIXL."""
+        if not self._maps_peers or info.cuda_ipc is None or info.host_id != self.host_id:
+            return None
+        try:
+            mapped = open_pool(info.cuda_ipc, info.layout, next(iter(self.kv.regions.values())).device)
+            return copy_views(mapped, info.layout, self.layout, self.kv.regions)
+        except Exception as e:  # its requests still move, over NIXL (per block unless staged)
+            self.stats.record_control_failure("cuda_ipc")
+            log.warning(
+                "cannot map prefill engine %s's KV pool through CUDA IPC (%s): its requests are read over NIXL; "
+                "`transfer.options.cuda_ipc: false` on the prefill workers makes them stage every request",
+                info.engine_id, _nixl_reason(e),
+            )  # fmt: skip
+            return None
+
+    def _peer_copies(self, kv_to: PeerMetadata | None) -> bool:
+        """Prefill: the decode worker kv_to describes maps this pool and copies from it itself."""
+        if self._exported is None or kv_to is None or kv_to.data is None:
+            return False
+        known = self._decode_maps.get(kv_to.engine_id)
+        if known is None or known[0] != kv_to.data:
+            try:
+                info = NixlPeerInfo.model_validate_json(kv_to.data)
+                copies = info.maps_peers and info.host_id == self.host_id
+            except ValidationError:
+                copies = False  # send_handoff reports the bad metadata
+            known = self._decode_maps[kv_to.engine_id] = (kv_to.data, copies)
+        return known[1]
 
     def _connect(self, handle: KVHandle, peer: PeerMetadata | None) -> tuple[_Peer, KVLayout]:
         rid = handle.request_id
@@ -367,6 +451,8 @@ class NixlConnector(LeasingConnector):
             load = _Load(handle, peer.agent_name, None, time.monotonic(), 0.0, 0, 0)
             load.finish()
             return load
+        if peer.mapped is not None:
+            return self._post_copy(handle, peer, runs, local_blocks)
         slab = handle.staged
         landing = self._take_landing(handle, local_blocks, info.staging_bytes)
         if landing is not None:  # the slab, one descriptor each side
@@ -398,6 +484,20 @@ class NixlConnector(LeasingConnector):
             load.finish()
         return load
 
+    def _post_copy(self, handle: KVHandle, peer: _Peer, runs: Runs, local_blocks: dict[str, list[int]]) -> _Load:
+        """Same host: copy the request's blocks out of the mapped peer pool on the copy stream."""
+        src = {name: [s + i for s, _, n in rs for i in range(n)] for name, rs in runs.items()}
+        started = time.monotonic()
+        try:
+            copy = start_copy(peer.mapped, src, local_blocks, self._copy_stream)
+        except Exception as e:
+            self._fail_now(handle.request_id, TransferStage.READING, f"copying from {peer.info.engine_id}'s mapped pool: {_nixl_reason(e)}")
+        nbytes = payload_bytes(self.layout, local_blocks)
+        load = _Load(handle, peer.agent_name, None, started, started + self.transfer_timeout_s, nbytes, 0, local_blocks=local_blocks, copy=copy)
+        if copy.query():
+            load.finish()
+        return load
+
     def poll_loads(self) -> tuple[list[str], list[TransferError]]:
         self._retry_zombies()
         done: list[str] = []
@@ -414,7 +514,7 @@ class NixlConnector(LeasingConnector):
                 continue
             del self._loads[rid]
             self._release_xfer(load.xfer)
-            if load.xfer is not None:  # the data is here: prefill may free its blocks (and slab)
+            if load.xfer is not None or load.copy is not None:  # the data is here: prefill may free its blocks (and slab)
                 self._notify(load.agent_name, rid)
             if load.landing is not None:  # the slab has arrived: into the pool's blocks
                 try:
@@ -425,13 +525,20 @@ class NixlConnector(LeasingConnector):
                     continue
                 load.seconds = time.monotonic() - load.started
             self.stats.record_done(LoadRecord(rid, load.nbytes, load.started, load.seconds, load.num_descs))
+            self.stats.record_path(_path(load))
             done.append(rid)
         failed, self._failed = self._failed, []
         return done, failed
 
     def _check(self, load: _Load) -> str | None:
-        """Advance one in-flight READ: marks it finished, or returns why it failed."""
+        """Advance one in-flight READ (or copy): marks it finished, or returns why it failed."""
         engine_id = load.handle.engine_id
+        if load.copy is not None:
+            if load.copy.query():
+                load.finish()
+            elif time.monotonic() > load.deadline:
+                return f"the copy from {engine_id}'s mapped pool did not finish within {self.transfer_timeout_s} s"
+            return None
         try:
             state = self.agent.check_xfer_state(load.xfer)
         except Exception as e:
@@ -452,7 +559,8 @@ class NixlConnector(LeasingConnector):
         load = self._loads.pop(request_id, None)
         if load is not None:
             self._release_xfer(load.xfer, load.landing)
-            self._notify(load.agent_name, request_id)
+            if self._copy_settled(load):
+                self._notify(load.agent_name, request_id)
 
     def shutdown(self) -> None:
         if self.agent is None:  # never registered
@@ -474,10 +582,19 @@ class NixlConnector(LeasingConnector):
     def _fail_load(self, rid: str, stage: TransferStage, reason: str) -> None:
         load = self._loads.pop(rid)
         self._release_xfer(load.xfer, load.landing)
-        if load.handle.engine_id in self._peers:
+        if load.handle.engine_id in self._peers and self._copy_settled(load):
             self._notify(load.agent_name, rid)  # let prefill free its blocks now, not at lease expiry
         self.stats.record_failed(stage.name)
         self._failed.append(TransferError(rid, stage, reason))
+
+    def _copy_settled(self, load: _Load) -> bool:
+        """No copy of load's is still reading the peer's blocks (waits briefly for one that is):
+        only then may prefill free them. A copy still running after that is left to the lease."""
+        if load.copy is None or load.copy.wait(COPY_SETTLE_S):
+            return True
+        log.error("request %s: the copy from %s's pool is still running after %g s; its blocks are freed at lease expiry",
+                  load.handle.request_id, load.handle.engine_id, COPY_SETTLE_S)
+        return False
 
     def _notify(self, agent_name: str, rid: str) -> None:
         try:

@@ -102,7 +102,7 @@ def _words(t: torch.Tensor, block_bytes: int) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
-def _region_words(kv_region: torch.Tensor, block_bytes: int) -> torch.Tensor:
+def region_words(kv_region: torch.Tensor, block_bytes: int) -> torch.Tensor:
     """A region [Lr, N, rpb, dim] as words [Lr, N, block words]."""
     lr, n = kv_region.shape[:2]
     return _words(kv_region.view(lr, n, -1), block_bytes)
@@ -128,7 +128,7 @@ def gather(regions: dict[str, torch.Tensor], layout: KVLayout, blocks: dict[str,
     for r, part in zip(layout.regions, parts):
         if part.num_blocks == 0:
             continue
-        src = _region_words(regions[r.name], r.block_bytes)
+        src = region_words(regions[r.name], r.block_bytes)
         out = _part_words(slab, part, r.num_layers, r.block_bytes)
         torch.index_select(src, 1, _index(blocks[r.name], src.device), out=out)
 
@@ -139,7 +139,7 @@ def scatter(slab: torch.Tensor, layout: KVLayout, blocks: dict[str, list[int]], 
     for r, part in zip(layout.regions, parts):
         if part.num_blocks == 0:
             continue
-        dst = _region_words(regions[r.name], r.block_bytes)
+        dst = region_words(regions[r.name], r.block_bytes)
         dst.index_copy_(1, _index(blocks[r.name], dst.device), _part_words(slab, part, r.num_layers, r.block_bytes))
 
 

@@ -40,6 +40,9 @@ class TransferStats:
     staged: dict[tuple[str, str], int] = field(default_factory=dict)
     stage_seconds_sum: float = 0.0  # prefill: gathers, decode: scatters (device time, synchronized)
     handoffs: dict[str, float] = field(default_factory=dict)  # decode: request id -> when its hand-off came
+    # decode: finished loads by how the bytes moved: "cuda_ipc" (copied from a same-host pool),
+    # "staged" (one slab READ), "blocks" (a descriptor per region, layer and run), "none" (no bytes)
+    paths: dict[str, int] = field(default_factory=dict)
 
     def record_handoff(self, request_id: str, at: float) -> None:
         """Decode: when (monotonic) a request's hand-off arrived; kept for the latest 1,024."""
@@ -66,6 +69,9 @@ class TransferStats:
         key = (side, result)
         self.staged[key] = self.staged.get(key, 0) + 1
         self.stage_seconds_sum += seconds
+
+    def record_path(self, path: str) -> None:
+        self.paths[path] = self.paths.get(path, 0) + 1
 
     def record_control_failure(self, what: str) -> None:
         self.control_failures[what] = self.control_failures.get(what, 0) + 1

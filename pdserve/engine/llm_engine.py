@@ -266,8 +266,9 @@ class LLMEngine:
             try:
                 nb = self.block_manager.blocks_for(n)
                 seq.kv_handle = self.connector.on_prefill_finished(
-                    seq.request_id, seq.block_table[:nb], n, window_block_ids=seq.window_table[:nb], state_slot=seq.state_slot
-                )
+                    seq.request_id, seq.block_table[:nb], n, window_block_ids=seq.window_table[:nb], state_slot=seq.state_slot,
+                    kv_to=seq.peer if seq.request.kv_to is not None else None,
+                )  # fmt: skip
             except Exception as e:  # a connector failure fails this request, not the engine
                 self.scheduler.release_held(seq.request_id)
                 seq.status, seq.error, seq.kv_handle = SequenceStatus.FINISHED_ERROR, f"{type(e).__name__}: {e}", None

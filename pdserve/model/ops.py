@@ -67,6 +67,15 @@ def _half(q: torch.Tensor) -> torch.Tensor:
     return q.to(torch.bfloat16) if q.dtype == torch.float32 else q
 
 
+def copy_blocks(src, dst, src_ids, dst_ids) -> None:
+    """dst[:, dst_ids] = src[:, src_ids] over [L, N, W] block words (a same-host KV transfer)."""
+    if _use_triton(dst):
+        from pdserve_kernels import copy_blocks as kernel
+
+        return kernel(src, dst, src_ids, dst_ids)
+    return ref.copy_blocks_ref(src, dst, src_ids, dst_ids)
+
+
 def fused_moe(x, w13, w2, topk_weights, topk_ids, swiglu_limit: float | None = None):
     """swiglu_limit: DeepSeek-V4's clamped SwiGLU (None: plain SwiGLU)."""
     if _use_triton(x):

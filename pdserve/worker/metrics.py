@@ -7,6 +7,7 @@ pdserve_prefill_step_seconds, pdserve_decode_step_seconds  pdserve_kv_transfer_f
 pdserve_decode_batch_size                               pdserve_kv_lease_expirations_total
 pdserve_prompt_tokens_total, pdserve_generation_tokens_total  pdserve_kv_load_recomputes_total
 pdserve_request_success_total{finish_reason}            pdserve_kv_transfer_staged_total{side,result}
+                                                        pdserve_kv_transfer_path_total{path}
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ class WorkerMetrics:
         self.transfer_failures = Counter("pdserve_kv_transfer_failures", "Failed KV reads", registry=r)
         self.lease_expirations = Counter("pdserve_kv_lease_expirations", "Prefill leases that expired unread", registry=r)
         self.recomputes = Counter("pdserve_kv_load_recomputes", "Failed KV loads recomputed here (kv_load_failure_policy recompute)", registry=r)
-        self.staged = Counter("pdserve_kv_transfer_staged", "Staged transfers (one slab) by side and result: staged, arena_full, not_staged", ["side", "result"], registry=r)
+        self.staged = Counter("pdserve_kv_transfer_staged", "Staged transfers (one slab) by side and result: staged, arena_full, not_staged, peer_copies", ["side", "result"], registry=r)
+        self.paths = Counter("pdserve_kv_transfer_path", "Finished KV reads by how the bytes moved: cuda_ipc, staged, blocks, none", ["path"], registry=r)
         self._seen = TransferStats()  # what has been exported of the connector's counters
         self._seen_recomputes = 0
 
@@ -66,6 +68,9 @@ class WorkerMetrics:
         for (side, result), n in list(stats.staged.items()):
             self.staged.labels(side=side, result=result).inc(n - seen.staged.get((side, result), 0))
             seen.staged[(side, result)] = n
+        for path, n in list(stats.paths.items()):
+            self.paths.labels(path=path).inc(n - seen.paths.get(path, 0))
+            seen.paths[path] = n
         seen.bytes_transferred = stats.bytes_transferred
         seen.transfers_failed = stats.transfers_failed
         seen.lease_expirations = stats.lease_expirations
