@@ -41,10 +41,10 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMEM_LIMIT = {90: 232448, 120: 101376}  # bytes per block, opt-in maximum
 SM_COUNT = {90: 132, 120: 188}  # H200; RTX PRO 6000 (the wrappers size split counts from it)
-MODULES = ("sparse_mla", "mla_prefill", "indexer", "fused_moe", "fused_moe_fp8", "fused_moe_fp4", "fp8_gemm")
+MODULES = ("sparse_mla", "mla_prefill", "indexer", "fused_moe", "fused_moe_fp8", "fused_moe_fp4", "fp8_gemm", "block_copy")
 # moe_fp4_dot_scaled: the FP4 configs with `MoEConfig.dot_scaled` (not the default): compiled for
 # the record, since on sm_120 Triton may lower them to the FP4 block-scaled MMA
-FAMILIES = ("mla", "mla_prefill", "indexer", "moe", "moe_fp8", "moe_fp4", "moe_fp4_dot_scaled", "fp8_gemm", "hc")
+FAMILIES = ("mla", "mla_prefill", "indexer", "moe", "moe_fp8", "moe_fp4", "moe_fp4_dot_scaled", "fp8_gemm", "hc", "block_copy")
 
 
 @contextlib.contextmanager
@@ -170,6 +170,12 @@ def cases(families):
                       (1, torch.float32)):
             out.append(("fp8_gemm", f"{str(dt)[6:]} M={M} (V3.2 o_proj)", lambda M=M, dt=dt: fp8_linear(
                 _e(M, kk, dtype=dt), _e(n, kk, dtype=f8), _e(n // 128, kk // 128, dtype=torch.float32))))
+    if "block_copy" in families:  # a same-host KV transfer: V3's 72 KiB blocks as int64 words, 61 layers
+        from pdserve_kernels.block_copy import copy_blocks
+
+        ids = torch.zeros(128, dtype=torch.int64)
+        out.append(("block_copy", "V3 61 layers, 128 blocks", lambda: copy_blocks(
+            _e(61, 256, 9216, dtype=torch.int64), _e(61, 256, 9216, dtype=torch.int64), ids, ids)))
     if "hc" in families:  # V4-Flash's hyper-connection mixes: hc_mult 4, 20 Sinkhorn iterations
         from pdserve_kernels.hyper import hc_mix
 

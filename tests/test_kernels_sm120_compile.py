@@ -26,7 +26,7 @@ def test_sm120_configs_compile_within_shared_memory(tmp_path):
                           "--json", str(out)], capture_output=True, text=True, env=env, timeout=540)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert {r["family"] for r in rows} >= {"mla", "indexer", "moe", "moe_fp8", "moe_fp4", "fp8_gemm", "hc"}
+    assert {r["family"] for r in rows} >= {"mla", "indexer", "moe", "moe_fp8", "moe_fp4", "fp8_gemm", "hc", "block_copy"}
     # DeepSeek-V4-Flash's attention (D = d_v = 512, sinks) in bf16, over fp8_ds_v4 pages and at
     # the float32 parity tile
     v4 = {r["case"].split()[0] for r in rows if r["kernel"] == "_mla_split_kernel" and "V4-Flash" in r["case"]}

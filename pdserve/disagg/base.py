@@ -14,8 +14,10 @@ Life of a PD request (decode pulls, as vLLM's NixlConnector does):
       (or the router posts the Handoff over HTTP,    check handle.compat_hash
        when prefill could not notify this decode)
                                                      allocate local blocks
-                                                     start_load(handle, local blocks, peer) [READ:
-                                                       the slab if both sides have room, else blocks]
+                                                     start_load(handle, local blocks, peer) [same
+                                                       machine: copy from the mapped pool (cuda_ipc.py);
+                                                       else READ: the slab if both sides have room,
+                                                       else blocks]
                                                      poll_loads -> done | TransferError
           <----------- notify "release <request_id>" ---
     poll_releases -> free blocks

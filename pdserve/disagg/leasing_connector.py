@@ -13,7 +13,9 @@ messages, so both derive from LeasingConnector and fill in three hooks:
 Staged transfer (staging.py) is shared too: register_kv_cache makes the arenas its role needs,
 on_prefill_finished gathers into a slab of the staging arena (freed with the lease: release,
 decode's message or expiry), and a backend's _post asks _take_landing for room to READ the slab
-into, then _land scatters it (or _drop_landing frees it on a failed or cancelled load).
+into, then _land scatters it (or _drop_landing frees it on a failed or cancelled load). A backend
+whose decode peers copy straight from this pool (nixl, same machine: cuda_ipc.py) says so in
+_peer_copies, and no slab is gathered for them.
 """
 
 from __future__ import annotations
