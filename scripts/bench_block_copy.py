@@ -7,8 +7,9 @@ blocks between two pools, on one GPU, for a DeepSeek-V3 region (61 layers, 64-to
 Floor: the request's bytes read and written once over the device's copy rate, measured here as
 one contiguous copy_ of the same bytes (`contiguous`). Variants, for a real request's block list
 (runs of mean length 2 on both sides, as scripts/bench_transfer.py's `request`) and a scattered
-one (every other block): copy_blocks at a few tile sizes; index_select into a temporary then
-index_copy_ (two passes); one copy_ per run of blocks consecutive on both sides. Times are
+one (every other block): copy_blocks at a few tile sizes and layer groups, with its ids on the
+device and (as the same-host copy passes them) in pinned host memory; index_select into a
+temporary then index_copy_ (two passes); one copy_ per run of blocks consecutive on both sides. Times are
 triton.testing.do_bench medians; every variant is checked against the reference first.
 """
 
@@ -68,16 +69,20 @@ def main() -> None:
                  "scattered": (list(range(0, 2 * n, 2)), list(range(1, 2 * n, 2)))}
         for kind, (s_ids, d_ids) in lists.items():
             si, di = torch.tensor(s_ids, device=dev), torch.tensor(d_ids, device=dev)
+            hs, hd = si.cpu().pin_memory(), di.cpu().pin_memory()
             runs = block_runs(s_ids, d_ids)
             dst.zero_()  # (the floor's copy_ wrote into it)
             want = dst.clone()
             copy_blocks_ref(src, want, si, di)
             variants = {}
-            for bw, warps in ((512, 4), (1024, 4), (2048, 4), (2048, 8), (4096, 8)):
-                def kernel(bw=bw, warps=warps):
-                    bc.BLOCK_WORDS, bc.NUM_WARPS = bw, warps
-                    bc.copy_blocks(src, dst, si, di)
-                variants[f"copy_blocks BW {bw} warps {warps}"] = kernel
+            default = (bc.BLOCK_WORDS, bc.LAYER_GROUP, bc.NUM_WARPS)
+            for bw, lg, warps, host in ((512, 1, 4, False), (512, 4, 4, False), (512, 8, 4, False), (512, 16, 4, False),
+                                        (1024, 8, 4, False), (2048, 8, 8, False), (512, 8, 4, True), (512, 1, 4, True)):
+                def kernel(bw=bw, lg=lg, warps=warps, host=host):
+                    bc.BLOCK_WORDS, bc.LAYER_GROUP, bc.NUM_WARPS = bw, lg, warps
+                    bc.copy_blocks(src, dst, hs if host else si, hd if host else di)
+                tag = " (default)" if (bw, lg, warps) == default else ""
+                variants[f"copy_blocks BW {bw} LG {lg} warps {warps}{', host ids' if host else ''}{tag}"] = kernel
 
             def two_pass():
                 dst.index_copy_(1, di, src.index_select(1, si))
@@ -96,12 +101,13 @@ def main() -> None:
                     raise SystemExit(f"{name} {kind}: wrong bytes")
                 t = triton.testing.do_bench(fn, warmup=50, rep=300) / 1e3
                 rows.append(dict(mib=nbytes / MIB, blocks=n, kind=kind, variant=name, s=t, floor_s=floor))
+            bc.BLOCK_WORDS, bc.LAYER_GROUP, bc.NUM_WARPS = default
         del src, dst
         torch.cuda.empty_cache()
     print(f"{torch.cuda.get_device_name(0)}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; GB/s counts the request's bytes once")
-    print(f"{'MiB':>6} {'list':>9} {'variant':<44} {'ms':>7} {'GB/s':>7} {'x floor':>7}")
+    print(f"{'MiB':>6} {'list':>9} {'variant':<56} {'ms':>7} {'GB/s':>7} {'x floor':>7}")
     for r in rows:
-        print(f"{r['mib']:6.0f} {r['kind']:>9} {r['variant']:<44} {r['s'] * 1e3:7.3f} {r['mib'] * MIB / r['s'] / 1e9:7.0f} {r['s'] / r['floor_s']:7.2f}")
+        print(f"{r['mib']:6.0f} {r['kind']:>9} {r['variant']:<56} {r['s'] * 1e3:7.3f} {r['mib'] * MIB / r['s'] / 1e9:7.0f} {r['s'] / r['floor_s']:7.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(0), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), rows=rows), f, indent=1)

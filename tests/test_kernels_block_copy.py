@@ -1,6 +1,8 @@
 """The KV block copy (kernels/block_copy.py) against plain indexing, byte for byte: odd word
-counts (masked tails), several programs a block, pools of different sizes, every word width a
-block's bytes are viewed as, and every word outside the copied blocks left as it was.
+counts (masked tails), several programs a block, layer groups with a masked tail, pools of
+different sizes, every word width a block's bytes are viewed as, and every word outside the copied
+blocks left as it was. On a GPU also the same-host copy's launch: on a stream, through the compiled
+kernel after the first, ids read from pinned host memory.
 
 Runs under the Triton interpreter without CUDA (TRITON_INTERPRET is set before the first triton
 import: see test_kernels_sparse_mla.py).
@@ -33,6 +35,7 @@ def random_words(shape, dtype, seed):
 @pytest.mark.parametrize("L, W, pairs", [(1, 5, [(3, 0)]), (3, 37, [(7, 2), (2, 9), (3, 10), (11, 0)]), (2, 300, [(0, 5), (1, 4), (5, 1)])])
 def test_copy_blocks_matches_indexing_and_touches_nothing_else(monkeypatch, dtype, L, W, pairs):
     monkeypatch.setattr(block_copy, "BLOCK_WORDS", 64)  # W = 300: five programs a block, a masked tail
+    monkeypatch.setattr(block_copy, "LAYER_GROUP", 2)  # L = 3: two layer groups, the second half masked
     src = random_words((L, 12, W), dtype, seed=1)
     dst = random_words((L, 13, W), dtype, seed=2)  # the poison: a word the kernel must not write keeps it
     src_ids = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=DEVICE)
@@ -60,3 +63,24 @@ def test_copy_blocks_takes_strided_layers_and_refuses_mismatched_shapes():
         block_copy.copy_blocks(src, dst, ids_s, ids_d[:1])
     block_copy.copy_blocks(src, dst, ids_s[:0], ids_d[:0])  # nothing to copy: no launch
     assert torch.equal(dst, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host ids and the compiled-kernel launch need CUDA (run on the H200)")
+def test_copy_blocks_on_a_stream_reads_pinned_host_ids_through_the_compiled_kernel():
+    stream = torch.cuda.Stream()
+    src = random_words((5, 40, 300), torch.int64, seed=6)
+    ring = torch.empty(64, dtype=torch.int64, pin_memory=True)
+    block_copy._COMPILED.clear()
+    for k, (n, at) in enumerate([(1, 0), (7, 2), (16, 18), (7, 3), (3, 50)]):  # n = 1 and 16 specialize; at 3: an 8-byte aligned pointer
+        dst = random_words((5, 41, 300), torch.int64, seed=7 + k)
+        gen = torch.Generator().manual_seed(k)
+        s_ids, d_ids = torch.randperm(40, generator=gen)[:n], torch.randperm(41, generator=gen)[:n]
+        ring[at : at + n], ring[at + n : at + 2 * n] = s_ids, d_ids
+        want = dst.clone()
+        copy_blocks_ref(src, want, s_ids, d_ids)
+        block_copy.copy_blocks(src, dst, ring[at : at + n], ring[at + n : at + 2 * n], stream)
+        stream.synchronize()
+        assert torch.equal(dst, want), (n, at)
+    again = len(block_copy._COMPILED)
+    block_copy.copy_blocks(src, dst, ring[0:7], ring[7:14], stream)  # a known specialization: no new entry
+    assert len(block_copy._COMPILED) == again >= 3

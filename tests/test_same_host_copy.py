@@ -23,7 +23,7 @@ import torch
 
 from pdserve.disagg import nixl_connector as nc
 from pdserve.disagg.base import PeerMetadata, TransferStage
-from pdserve.disagg.cuda_ipc import IpcRegion, open_pool
+from pdserve.disagg.cuda_ipc import CopyQueue, IdRing, IpcRegion, open_pool
 from pdserve.disagg.factory import ConnectorSettings, StagingOptions, make_connector
 from pdserve.disagg.layout import KVLayout, region_blocks
 from pdserve.disagg.staging import payload_bytes
@@ -48,6 +48,7 @@ def fake_set_up(self, kv_cache) -> None:
         }  # fmt: skip
     if self.role != "prefill":
         self._maps_peers = True
+        self._copies = CopyQueue(torch.device("cpu"))
 
 
 def fake_open(exported, layout, device):
@@ -196,7 +197,7 @@ def test_prefill_is_told_to_free_its_blocks_only_once_the_copy_is_done(same_host
         copies.append(SlowCopy(time.monotonic() + 0.1 if len(copies) == 0 else None))
         return copies[-1]
 
-    monkeypatch.setattr(nc, "start_copy", slow)
+    monkeypatch.setattr(dec._copies, "start", slow)
     # cancelled while copying: cancel_load waits for the copy (0.1 s), then releases
     hand_off(pre, dec, "c1", "v3")
     t0 = time.monotonic()
@@ -216,6 +217,46 @@ def test_prefill_is_told_to_free_its_blocks_only_once_the_copy_is_done(same_host
         assert "c2" not in pre.poll_releases()
         time.sleep(0.01)
     assert "c2" in pre.leases
+
+
+class Flag:
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_the_id_ring_never_hands_out_ids_a_queued_copy_still_reads():
+    """Random requests against a small ring, copies finishing oldest first as on one stream: every
+    live range keeps its ids, ranges start even (16-byte aligned), a request finding no room gets
+    its own buffer, and the ring wraps."""
+    import random
+
+    rng = random.Random(0)
+    ring = IdRing(64, pin=False)
+    live: list[tuple[int, list[int], Flag]] = []  # (start, ids, until), oldest first
+    own = wrapped = 0
+    for step in range(2000):
+        while live and rng.random() < 0.4:  # the oldest copies finish
+            live.pop(0)[2].done = True
+        ids = [rng.randrange(1 << 40) for _ in range(rng.randint(1, 24))]
+        buf, start = ring.put(ids)
+        assert buf.tolist() == ids
+        if start < 0:
+            own += 1
+            assert not ring.buf.data_ptr() <= buf.data_ptr() < ring.buf.data_ptr() + 8 * 64
+            continue
+        assert start % 2 == 0 and buf.data_ptr() == ring.buf.data_ptr() + 8 * start
+        wrapped += bool(live) and start < live[-1][0]
+        flag = Flag()
+        ring.hold(start, len(ids), flag)
+        live.append((start, ids, flag))
+        for s, want, _ in live:  # nothing still read was written over
+            assert ring.buf[s : s + len(want)].tolist() == want, step
+    assert own > 0 and wrapped > 0  # both the fallback and the wrap were exercised
+    big, start = ring.put(list(range(65)))  # larger than the whole ring
+    assert start == -1 and big.tolist() == list(range(65))
 
 
 def test_load_paths_are_exported_as_metrics(same_host):

@@ -5,9 +5,10 @@ CUDA IPC once and copies each request's blocks out of it with one kernel of its 
     register: export_pool(regions) -> a CUDA IPC   add_peer: open_pool -> the peer's regions as
       handle per region, in its NixlPeerInfo          tensors on this GPU, once per peer instance
                                                       (another GPU of the host: peer access, lazily)
-                                                   start_load: start_copy -> copy_blocks per region
-                                                      on a side stream (no descriptors, nothing for
-                                                      the prefill side to progress)
+                                                   start_load: CopyQueue.start -> copy_blocks per
+                                                      region on a side stream, ids read from pinned
+                                                      host memory (no descriptors, nothing for the
+                                                      prefill side to progress)
                                                    poll_loads: the copy's event -> release (NIXL notif)
 
 Why: over NIXL a request is one descriptor per (region, layer, run) at ~10 us each, or a gather
@@ -23,9 +24,9 @@ and opens the handles; no handle is ever pickled: the fields travel as JSON.
 from __future__ import annotations
 
 import base64
-import contextlib
 import socket
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -125,7 +126,7 @@ class CopyInFlight:
     """A request's copy queued on the side stream: done once its event is."""
 
     event: torch.cuda.Event | None  # None: it ran synchronously (a pool in host memory)
-    source: dict | None = None  # the mapped peer regions: kept open while it runs
+    source: dict | None = None  # the mapped peer regions and the ids: kept alive while it runs
 
     def query(self) -> bool:
         return self.event is None or self.event.query()
@@ -140,32 +141,87 @@ class CopyInFlight:
         return True
 
 
-def start_copy(
-    views: dict[str, tuple[torch.Tensor, torch.Tensor]],
-    src_blocks: dict[str, list[int]],
-    dst_blocks: dict[str, list[int]],
-    stream: torch.cuda.Stream | None,
-) -> CopyInFlight:
-    """Queue dst[:, dst_blocks] = src[:, src_blocks] for every region's (src, dst) of `views`
-    (copy_views) on `stream` (None: the current one, synchronously on CPU). The stream does not
-    wait for the current one, so the copy can run beside a step in flight: the destination blocks
-    must have no work queued (the engine's are freshly allocated, every step before is complete)."""
-    from pdserve.model import ops
+class IdRing:
+    """Block ids for the copy kernel in pinned host memory, which the kernel reads directly: no
+    upload to post (one CUDA call less, and no wait on it). The CPU writes a request's ids into the
+    next free range; copies run in order on one stream, so ranges come free oldest first, once the
+    copy that reads one is done (`until.query()`). A request that finds no free range gets a buffer
+    of its own. Ranges start 16-byte aligned, so every copy launches the same compiled kernel."""
 
-    names = [name for name in views if src_blocks.get(name)]
-    device = next(iter(views.values()))[1].device
-    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-        # every region's source ids, then its destination ids, in one small synchronous upload on
-        # this stream (measured on the H200: faster than pinning a new buffer for each request)
-        ids = torch.tensor([b for name in names for b in (*src_blocks[name], *dst_blocks[name])], dtype=torch.int64, device=device)
-        at = 0
+    def __init__(self, capacity: int, pin: bool) -> None:
+        self.buf = torch.empty(capacity, dtype=torch.int64, pin_memory=pin)
+        self._np = self.buf.numpy()
+        self._pin = pin
+        self._held: deque[tuple[int, int, object]] = deque()  # (start, end, until), oldest first
+
+    def put(self, ids: list[int]) -> tuple[torch.Tensor, int]:
+        """ids written where no queued copy reads them: (the tensor, its start; -1: a buffer of its own)."""
+        k = len(ids)
+        while self._held and self._held[0][2].query():
+            self._held.popleft()
+        start = self._room(_even(k))
+        if start < 0:
+            own = torch.tensor(ids, dtype=torch.int64)
+            return (own.pin_memory() if self._pin else own), -1
+        self._np[start : start + k] = ids
+        return self.buf[start : start + k], start
+
+    def hold(self, start: int, k: int, until: object) -> None:
+        """The range put() returned at start stays taken until `until.query()` is true."""
+        if start >= 0:
+            self._held.append((start, start + _even(k), until))
+
+    def _room(self, k: int) -> int:
+        cap = self.buf.numel()
+        if not self._held:
+            return 0 if k <= cap else -1
+        head, end = self._held[0][0], self._held[-1][1]
+        if self._held[-1][0] >= head:  # not wrapped: free are [end, cap) and [0, head)
+            return end if end + k <= cap else 0 if k <= head else -1
+        return end if end + k <= head else -1  # wrapped: free is [end, head)
+
+
+def _even(k: int) -> int:
+    return k + (k & 1)
+
+
+class CopyQueue:
+    """Where a decode worker's same-host copies run: a high-priority side stream beside the engine's
+    steps (a hand-off's copy is short and its request waits on it, so its blocks go ahead of a
+    running step's queued ones) and the IdRing its kernels read their block ids from. On CPU (a
+    pool in host memory: tests) the copies run at once."""
+
+    def __init__(self, device: torch.device, ring_ids: int = 1 << 16) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device, priority=-1) if self.cuda else None
+        self.ring = IdRing(ring_ids, pin=self.cuda)
+
+    def start(
+        self, views: dict[str, tuple[torch.Tensor, torch.Tensor]], src_blocks: dict[str, list[int]], dst_blocks: dict[str, list[int]]
+    ) -> CopyInFlight:
+        """Queue dst[:, dst_blocks] = src[:, src_blocks] for every region's (src, dst) of `views`
+        (copy_views). The stream does not wait for the current one, so the copy can run beside a
+        step in flight: the destination blocks must have no work queued (the engine's are freshly
+        allocated, every step before is complete)."""
+        from pdserve.model import ops
+
+        names = [name for name in views if src_blocks.get(name)]
+        ids: list[int] = []
+        for name in names:  # per region: its source ids, then its destination ids, each range even
+            for part in (src_blocks[name], dst_blocks[name]):
+                ids += part
+                ids += [0] * (len(part) & 1)
+        buf, at = self.ring.put(ids)
+        pos = 0
         for name in names:
-            n = len(src_blocks[name])
-            s, d = views[name]
-            ops.copy_blocks(s, d, ids[at : at + n], ids[at + n : at + 2 * n])
-            at += 2 * n
-        if device.type != "cuda":
+            n, s, d = len(src_blocks[name]), *views[name]
+            ops.copy_blocks(s, d, buf[pos : pos + n], buf[pos + _even(n) : pos + _even(n) + n], self.stream)
+            pos += 2 * _even(n)
+        if not self.cuda:
             return CopyInFlight(None)
         event = torch.cuda.Event()
-        event.record()
-    return CopyInFlight(event, views)
+        event.record(self.stream)
+        copy = CopyInFlight(event, {"views": views, "ids": buf})
+        self.ring.hold(at, len(ids), copy)
+        return copy

@@ -54,7 +54,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pdserve.disagg.base import KVHandle, PeerMetadata, TransferError, TransferStage
-from pdserve.disagg.cuda_ipc import CopyInFlight, IpcRegion, copy_views, export_pool, host_id, open_pool, start_copy
+from pdserve.disagg.cuda_ipc import CopyInFlight, CopyQueue, IpcRegion, copy_views, export_pool, host_id, open_pool
 from pdserve.disagg.options import ConnectorRole, StagingOptions
 from pdserve.disagg.staging import payload_bytes
 from pdserve.disagg.layout import Descriptor, KVLayout, Runs, build_descriptors, device_id, region_addrs
@@ -234,7 +234,7 @@ class NixlConnector(LeasingConnector):
         self.host_id = host_id()
         self._exported: dict[str, IpcRegion] | None = None  # prefill: this pool for same-host decode workers
         self._maps_peers = False  # decode: copies from same-host prefill pools it maps
-        self._copy_stream = None  # decode: where those copies run (beside the engine's steps)
+        self._copies: CopyQueue | None = None  # decode: where those copies run (beside the engine's steps)
         self._decode_maps: dict[str, tuple[bytes, bool]] = {}  # decode engine id -> (its metadata, copies from us)
         self.agent = None
         self.ucx_env_applied: dict[str, str] = {}
@@ -298,7 +298,7 @@ class NixlConnector(LeasingConnector):
             self._progress.start()
 
     def _set_up_cuda_ipc(self, kv_cache: KVCache) -> None:
-        """Export the pool (prefill) and make the copy stream (decode), for pools on a GPU."""
+        """Export the pool (prefill) and make the copy queue (decode), for pools on a GPU."""
         if self.mem_type != "VRAM" or not self._cuda_ipc:
             return
         if self.role != "decode":
@@ -307,12 +307,8 @@ class NixlConnector(LeasingConnector):
             except Exception as e:  # e.g. an allocator that cannot share: decode workers read over NIXL
                 log.warning("the KV pool cannot be shared through CUDA IPC (same-host decode workers read it over NIXL): %s", _nixl_reason(e))
         if self.role != "prefill":
-            import torch
-
             self._maps_peers = True
-            # high priority: a hand-off's copy is short and the request waits on it, so its
-            # blocks go ahead of a running step's queued ones
-            self._copy_stream = torch.cuda.Stream(next(iter(kv_cache.regions.values())).device, priority=-1)
+            self._copies = CopyQueue(next(iter(kv_cache.regions.values())).device)
 
     def _progress_loop(self) -> None:
         """Prefill side: progress UCX (peers' READs of our memory) and keep what notifications arrive."""
@@ -489,7 +485,7 @@ class NixlConnector(LeasingConnector):
         src = {name: [s + i for s, _, n in rs for i in range(n)] for name, rs in runs.items()}
         started = time.monotonic()
         try:
-            copy = start_copy(peer.mapped, src, local_blocks, self._copy_stream)
+            copy = self._copies.start(peer.mapped, src, local_blocks)
         except Exception as e:
             self._fail_now(handle.request_id, TransferStage.READING, f"copying from {peer.info.engine_id}'s mapped pool: {_nixl_reason(e)}")
         nbytes = payload_bytes(self.layout, local_blocks)

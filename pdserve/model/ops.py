@@ -67,12 +67,13 @@ def _half(q: torch.Tensor) -> torch.Tensor:
     return q.to(torch.bfloat16) if q.dtype == torch.float32 else q
 
 
-def copy_blocks(src, dst, src_ids, dst_ids) -> None:
-    """dst[:, dst_ids] = src[:, src_ids] over [L, N, W] block words (a same-host KV transfer)."""
+def copy_blocks(src, dst, src_ids, dst_ids, stream=None) -> None:
+    """dst[:, dst_ids] = src[:, src_ids] over [L, N, W] block words (a same-host KV transfer), on
+    `stream` (a CUDA pool; default: the current stream)."""
     if _use_triton(dst):
         from pdserve_kernels import copy_blocks as kernel
 
-        return kernel(src, dst, src_ids, dst_ids)
+        return kernel(src, dst, src_ids, dst_ids, stream)
     return ref.copy_blocks_ref(src, dst, src_ids, dst_ids)
 
 
