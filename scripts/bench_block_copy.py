@@ -77,7 +77,7 @@ def main() -> None:
             variants = {}
             default = (bc.BLOCK_WORDS, bc.LAYER_GROUP, bc.NUM_WARPS)
             for bw, lg, warps, host in ((512, 1, 4, False), (512, 4, 4, False), (512, 8, 4, False), (512, 16, 4, False),
-                                        (1024, 8, 4, False), (2048, 8, 8, False), (512, 8, 4, True), (512, 1, 4, True),
+                                        (1024, 8, 4, False), (2048, 8, 8, False), (4096, 16, 8, False), (512, 8, 4, True), (512, 1, 4, True),
                                         # host ids: every program's two reads cross PCIe, so fewer, larger programs
                                         (1024, 16, 4, True), (2048, 8, 8, True), (2048, 16, 8, True), (2048, 32, 8, True),
                                         (4096, 16, 8, True)):
