@@ -13,8 +13,11 @@ them there instead of uploading them: one CUDA call less to post a copy). No sha
 config serves sm_90 and sm_120.
 
 Posting a copy is most of a small one's time (H200: ~0.1 ms warm against 0.05 ms to copy 64 MiB),
-so with an explicit `stream` a launch after the first goes straight to the compiled kernel,
-skipping Triton's argument binding (33 -> 20 us) and the stream switch (14 us).
+and a post often comes right after the host slept, when every host step takes 3-10x as long
+(docs/pd-gpu.md, section 4). So a BoundCopy does the checks, the compile and the argument
+binding once for a (src, dst) pair and a stream, and each launch after is the compiled kernel's
+own, its id arrays passed as integer addresses: no Triton argument binding, no per-pointer driver
+query (Triton asks CUDA about every tensor pointer at each launch).
 
 Legend: L layers of the region, N blocks of a pool, n blocks copied, W words a block, BW words a
 program, LG layers a program.
@@ -48,41 +51,50 @@ def _copy_blocks_kernel(src, dst, src_ids, dst_ids, n, s_layer, s_block, d_layer
         tl.store(dst + layer * d_layer + d * d_block + offs, x, mask=m)
 
 
-def _spec(v: int) -> tuple[bool, bool, bool]:
-    """What Triton specializes an int argument on: == 1, divisible by 16, fits in int32."""
-    return v == 1, v % 16 == 0, -(2**31) <= v < 2**31
-
-
-_COMPILED: dict[tuple, object] = {}  # specialization -> Triton's compiled kernel (explicit-stream launches)
-
-
-def copy_blocks(
-    src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor, stream: torch.cuda.Stream | None = None
-) -> None:
-    """dst[:, dst_ids] = src[:, src_ids] for src [L, Ns, W], dst [L, Nd, W] (same dtype, blocks
-    contiguous); ids int32/int64 [n], on the device or in pinned host memory. Queued on `stream`
-    (default: the current one)."""
-    L, _, W = src.shape
-    n = src_ids.numel()
-    if dst.shape[0] != L or dst.shape[2] != W or dst.dtype != src.dtype or dst_ids.numel() != n:
-        raise ValueError(f"copy_blocks: src {tuple(src.shape)} {src.dtype}, dst {tuple(dst.shape)} {dst.dtype}, {n} / {dst_ids.numel()} ids")
+def _check(src: torch.Tensor, dst: torch.Tensor) -> None:
+    if src.dim() != 3 or dst.dim() != 3 or dst.shape[0] != src.shape[0] or dst.shape[2] != src.shape[2] or dst.dtype != src.dtype:
+        raise ValueError(f"copy_blocks: src {tuple(src.shape)} {src.dtype}, dst {tuple(dst.shape)} {dst.dtype}")
     if src.stride(2) != 1 or dst.stride(2) != 1:
         raise ValueError("copy_blocks: a block's words must be contiguous")
+
+
+def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
+    """dst[:, dst_ids] = src[:, src_ids] for src [L, Ns, W], dst [L, Nd, W] (same dtype, blocks
+    contiguous); ids int32/int64 [n], on the device or in pinned host memory. Queued on the
+    current stream."""
+    _check(src, dst)
+    L, _, W = src.shape
+    n = src_ids.numel()
+    if dst_ids.numel() != n:
+        raise ValueError(f"copy_blocks: {n} source ids but {dst_ids.numel()} destination ids")
     if n == 0 or W == 0:
         return
     grid = (n, cdiv(W, BLOCK_WORDS), cdiv(L, LAYER_GROUP))
-    args = (src, dst, src_ids, dst_ids, n, src.stride(0), src.stride(1), dst.stride(0), dst.stride(1), W, L)
-    if stream is None or not src.is_cuda:
-        _copy_blocks_kernel[grid](*args, BW=BLOCK_WORDS, LG=LAYER_GROUP, num_warps=NUM_WARPS)
-        return
-    # the key holds everything the compiled kernel was specialized on: the device, dtypes, each
-    # pointer's 16-byte alignment, each int's _spec (n: only its width), the constants
-    ptrs = (src, dst, src_ids, dst_ids)
-    key = (src.device.index, src.dtype, src_ids.dtype, dst_ids.dtype, BLOCK_WORDS, LAYER_GROUP, NUM_WARPS, n < 2**31,
-           *(t.data_ptr() % 16 == 0 for t in ptrs), *(_spec(v) for v in args[5:]))  # fmt: skip
-    kernel = _COMPILED.get(key)
-    if kernel is None:  # the first launch of this specialization: through Triton's binder, which compiles it
-        with torch.cuda.stream(stream):
-            _COMPILED[key] = _copy_blocks_kernel[grid](*args, BW=BLOCK_WORDS, LG=LAYER_GROUP, num_warps=NUM_WARPS)
-        return
-    kernel[grid](*args, BLOCK_WORDS, LAYER_GROUP, stream=stream.cuda_stream)
+    _copy_blocks_kernel[grid](src, dst, src_ids, dst_ids, n, src.stride(0), src.stride(1), dst.stride(0), dst.stride(1), W, L,
+                              BW=BLOCK_WORDS, LG=LAYER_GROUP, num_warps=NUM_WARPS)  # fmt: skip
+
+
+class BoundCopy:
+    """copy_blocks for one (src, dst) pair of CUDA tensors on one stream, checked and compiled once
+    (at the module's tile as it is then). A call takes int64 id arrays by address: 16-byte aligned,
+    readable by the kernel (device memory, or pinned host memory at its device address:
+    pdserve/disagg/cuda_ipc.py, device_address)."""
+
+    def __init__(self, src: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        _check(src, dst)
+        L, _, W = src.shape
+        ids = torch.zeros(2, dtype=torch.int64, device=src.device)  # aligned int64 ids: the specialization every call uses
+        rest = (src.stride(0), src.stride(1), dst.stride(0), dst.stride(1), W, L)
+        kernel = _copy_blocks_kernel.warmup(src, dst, ids, ids, 2, *rest, BW=BLOCK_WORDS, LG=LAYER_GROUP, num_warps=NUM_WARPS, grid=(1,))
+        self._kernel = kernel.result() if hasattr(kernel, "result") else kernel  # (a future where Triton compiles in the background)
+        self._src, self._dst, self._rest = src.data_ptr(), dst.data_ptr(), (*rest, BLOCK_WORDS, LAYER_GROUP)
+        self._grid_yz = (cdiv(W, BLOCK_WORDS), cdiv(L, LAYER_GROUP))
+        self._stream = stream.cuda_stream
+        self._tensors = (src, dst)  # the addresses stay valid while this lives
+
+    def __call__(self, src_ids: int, dst_ids: int, n: int) -> None:
+        """Queue the copy of n blocks; src_ids / dst_ids: addresses of n int64 ids each."""
+        if (src_ids | dst_ids) & 15:
+            raise ValueError("BoundCopy: id arrays must start 16-byte aligned (the kernel was compiled for that)")
+        if n > 0 and self._grid_yz[0] > 0:
+            self._kernel[(n, *self._grid_yz)](self._src, self._dst, src_ids, dst_ids, n, *self._rest, stream=self._stream)

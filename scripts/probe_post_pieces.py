@@ -4,7 +4,7 @@ by piece, and how the machine's state before the post changes it.
     python scripts/probe_post_pieces.py [--json out.json]
 
 Pieces (host perf_counter, microseconds, median of 40 posts): `put` the ids into the pinned ring,
-`launch` the copy kernel (compiled handle, side stream), `event` a new CUDA event, `record` it,
+`launch` the copy kernel (CopyQueue.bind's BoundCopy, ids by address, side stream), `event` a new CUDA event, `record` it,
 `to_done` polling the event until the copy is done. Before each post: nothing (`none`, right after
 a synchronize), 2 ms of host sleep (`sleep`), 2 ms of host spinning (`spin`), either with the GPU
 kept busy by a spinning kernel on another stream (`+gpu`), or sleep then one cheap CUDA call
@@ -26,7 +26,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pdserve.disagg.cuda_ipc import CopyQueue, _even  # noqa: E402
-from pdserve.model import ops  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--json", help="write the rows here")
@@ -41,9 +40,11 @@ dst = torch.zeros_like(src)
 rng = random.Random(0)
 sids, dids = rng.sample(range(pool), n), rng.sample(range(pool), n)
 q = CopyQueue(dev)
+copy = q.bind({"kv": (src, dst)})["kv"].launch
 awake = torch.cuda.Stream(dev)
 spin_cycles = int(torch.cuda.get_device_properties(dev).clock_rate * 1e3 * 0.004)
 dring = torch.empty(1 << 16, dtype=torch.int64, device=dev)
+dbase = dring.data_ptr()
 pre_events = [torch.cuda.Event() for _ in range(2000)]
 ev_i = [0]
 
@@ -55,12 +56,12 @@ def pieces(mode: str) -> list[float]:
     t.append(time.perf_counter())
     m = _even(n)
     if mode == "devring":
-        d, s = dring[: len(ids)], q.stream
-        with torch.cuda.stream(s):
-            d.copy_(buf, non_blocking=True)
-        ops.copy_blocks(src, dst, d[:n], d[m : m + n], s)
+        with torch.cuda.stream(q.stream):
+            dring[: len(ids)].copy_(buf, non_blocking=True)
+        copy(dbase, dbase + 8 * m, n)
     else:
-        ops.copy_blocks(src, dst, buf[:n], buf[m : m + n], q.stream)
+        base = q.ring.addr + 8 * at
+        copy(base, base + 8 * m, n)
     t.append(time.perf_counter())
     if mode == "pre-event":
         e = pre_events[ev_i[0] % 2000]

@@ -1,8 +1,8 @@
 """The KV block copy (kernels/block_copy.py) against plain indexing, byte for byte: odd word
 counts (masked tails), several programs a block, layer groups with a masked tail, pools of
 different sizes, every word width a block's bytes are viewed as, and every word outside the copied
-blocks left as it was. On a GPU also the same-host copy's launch: on a stream, through the compiled
-kernel after the first, ids read from pinned host memory.
+blocks left as it was. On a GPU also the same-host copy's launch (BoundCopy): compiled once, on
+its stream, ids read from pinned host memory by address.
 
 Runs under the Triton interpreter without CUDA (TRITON_INTERPRET is set before the first triton
 import: see test_kernels_sparse_mla.py).
@@ -65,22 +65,29 @@ def test_copy_blocks_takes_strided_layers_and_refuses_mismatched_shapes():
     assert torch.equal(dst, want)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host ids and the compiled-kernel launch need CUDA (run on the H200)")
-def test_copy_blocks_on_a_stream_reads_pinned_host_ids_through_the_compiled_kernel():
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host ids and the compiled-kernel launch need CUDA (run on the H100 / H200)")
+def test_bound_copy_reads_pinned_host_ids_by_address_on_its_stream():
+    """BoundCopy (the same-host copy's launch): compiled once, then ids passed as addresses into a
+    pinned ring (device_address), queued on its stream; n = 1 and 16 (values Triton would
+    specialize on), a pool of another size; an unaligned id address is refused, not misread."""
+    from pdserve.disagg.cuda_ipc import device_address
+
     stream = torch.cuda.Stream()
     src = random_words((5, 40, 300), torch.int64, seed=6)
+    dst = random_words((5, 41, 300), torch.int64, seed=7)
     ring = torch.empty(64, dtype=torch.int64, pin_memory=True)
-    block_copy._COMPILED.clear()
-    for k, (n, at) in enumerate([(1, 0), (7, 2), (16, 18), (7, 3), (3, 50)]):  # n = 1 and 16 specialize; at 3: an 8-byte aligned pointer
-        dst = random_words((5, 41, 300), torch.int64, seed=7 + k)
+    base = device_address(ring)
+    copy = block_copy.BoundCopy(src, dst, stream)
+    torch.cuda.synchronize()  # dst's random words are written before the copy stream reads them
+    for k, (n, at) in enumerate([(1, 0), (7, 2), (16, 18), (3, 50)]):  # even offsets: 16-byte aligned
         gen = torch.Generator().manual_seed(k)
         s_ids, d_ids = torch.randperm(40, generator=gen)[:n], torch.randperm(41, generator=gen)[:n]
-        ring[at : at + n], ring[at + n : at + 2 * n] = s_ids, d_ids
+        d_at = at + n + (n & 1)
+        ring[at : at + n], ring[d_at : d_at + n] = s_ids, d_ids
         want = dst.clone()
         copy_blocks_ref(src, want, s_ids, d_ids)
-        block_copy.copy_blocks(src, dst, ring[at : at + n], ring[at + n : at + 2 * n], stream)
+        copy(base + 8 * at, base + 8 * d_at, n)
         stream.synchronize()
         assert torch.equal(dst, want), (n, at)
-    again = len(block_copy._COMPILED)
-    block_copy.copy_blocks(src, dst, ring[0:7], ring[7:14], stream)  # a known specialization: no new entry
-    assert len(block_copy._COMPILED) == again >= 3
+    with pytest.raises(ValueError, match="aligned"):
+        copy(base + 8, base + 16, 1)

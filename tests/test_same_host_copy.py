@@ -292,6 +292,33 @@ def test_the_option_reaches_the_connector():
         nc.NixlOptions.model_validate({"cuda_ipc": "sometimes"})
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy queue's GPU path needs CUDA: run on the H100 / H200 (docs/pd-gpu.md)")
+def test_copy_queue_on_a_gpu_copies_through_its_ring_and_through_a_buffer_of_its_own():
+    """CopyQueue's GPU path (bound kernels, ids by address): two regions of odd word counts, a
+    request whose ids fill the ring exactly, larger ones that get a pinned buffer of their own, one
+    that copies a single region; every byte checked, nothing else touched."""
+    import random
+
+    from pdserve_kernels.ref import copy_blocks_ref
+
+    rng, dev = random.Random(0), torch.device("cuda", torch.cuda.current_device())
+    queue = CopyQueue(dev, ring_ids=8)
+    gen = torch.Generator().manual_seed(0)
+    src = {name: torch.randint(-(2**62), 2**62, (3, 20, 37), generator=gen, dtype=torch.int64).to(dev) for name in ("a", "b")}
+    dst = {name: torch.randint(-(2**62), 2**62, (3, 24, 37), generator=gen, dtype=torch.int64).to(dev) for name in src}
+    regions = queue.bind({name: (src[name], dst[name]) for name in src})
+    for n, names in ((1, "ab"), (3, "ab"), (5, "ab"), (2, "a")):  # 2 x (2 + 2) ids fill the ring; 2 x (4 + 4) do not
+        s = {name: rng.sample(range(20), n) if name in names else [] for name in src}
+        d = {name: rng.sample(range(24), n) if name in names else [] for name in src}
+        want = {name: t.clone() for name, t in dst.items()}
+        for name in names:
+            copy_blocks_ref(src[name], want[name], torch.tensor(s[name]), torch.tensor(d[name]))
+        torch.cuda.synchronize()  # the copy stream does not wait for the default one
+        assert queue.start(regions, s, d).wait(10.0), n
+        for name in src:
+            assert torch.equal(dst[name], want[name]), (n, name)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU: run on the H200 (docs/pd-gpu.md)")
 def test_real_cuda_ipc_between_two_processes_on_one_gpu():
     from test_transfer import Peer, fetch, nixl_decode_on

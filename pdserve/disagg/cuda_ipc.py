@@ -5,7 +5,9 @@ CUDA IPC once and copies each request's blocks out of it with one kernel of its 
     register: export_pool(regions) -> a CUDA IPC   add_peer: open_pool -> the peer's regions as
       handle per region, in its NixlPeerInfo          tensors on this GPU, once per peer instance
                                                       (another GPU of the host: peer access, lazily)
-                                                   start_load: CopyQueue.start -> copy_blocks per
+                                                      and CopyQueue.bind: a copy kernel bound to
+                                                      each region pair
+                                                   start_load: CopyQueue.start -> one launch per
                                                       region on a side stream, ids read from pinned
                                                       host memory (no descriptors, nothing for the
                                                       prefill side to progress)
@@ -24,16 +26,23 @@ and opens the handles; no handle is ever pickled: the fields travel as JSON.
 from __future__ import annotations
 
 import base64
+import ctypes
+import functools
 import socket
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.disagg.layout import KVLayout
 from pdserve.disagg.staging import region_words
+from pdserve_kernels.ref import copy_blocks_ref
+
+if TYPE_CHECKING:
+    from pdserve_kernels.block_copy import BoundCopy
 
 
 class IpcRegion(BaseModel):
@@ -141,6 +150,16 @@ class CopyInFlight:
         return True
 
 
+@dataclass(frozen=True)
+class RegionCopy:
+    """One region's copy from a mapped peer: (the peer's words, ours), and on a GPU the copy kernel
+    bound to that pair and the copy stream (CopyQueue.bind)."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    launch: BoundCopy | None  # None: a pool in host memory (tests), copied by the reference
+
+
 class IdRing:
     """Block ids for the copy kernel in pinned host memory, which the kernel reads directly: no
     upload to post (one CUDA call less, and no wait on it). The CPU writes a request's ids into the
@@ -150,6 +169,7 @@ class IdRing:
 
     def __init__(self, capacity: int, pin: bool) -> None:
         self.buf = torch.empty(capacity, dtype=torch.int64, pin_memory=pin)
+        self.addr = device_address(self.buf) if pin else self.buf.data_ptr()  # where the kernel reads buf[0]
         self._np = self.buf.numpy()
         self._pin = pin
         self._held: deque[tuple[int, int, object]] = deque()  # (start, end, until), oldest first
@@ -185,6 +205,26 @@ def _even(k: int) -> int:
     return k + (k & 1)
 
 
+def device_address(t: torch.Tensor) -> int:
+    """The address a kernel reads tensor t at: its own for device memory; for pinned host memory
+    CUDA's answer (under unified addressing, the host address), asked once per buffer here rather
+    than by Triton for every pointer of every launch."""
+    if t.is_cuda:
+        return t.data_ptr()
+    if not t.is_pinned():
+        raise ValueError("device_address: a host tensor must be pinned for a kernel to read it")
+    out = ctypes.c_uint64()
+    status = _libcuda().cuPointerGetAttribute(ctypes.byref(out), 3, ctypes.c_uint64(t.data_ptr()))  # 3: CU_POINTER_ATTRIBUTE_DEVICE_POINTER
+    if status != 0:
+        raise RuntimeError(f"cuPointerGetAttribute: CUDA error {status} for a pinned buffer")
+    return out.value
+
+
+@functools.cache
+def _libcuda() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")  # the driver, which torch has loaded already
+
+
 class CopyQueue:
     """Where a decode worker's same-host copies run: a high-priority side stream beside the engine's
     steps (a hand-off's copy is short and its request waits on it, so its blocks go ahead of a
@@ -197,31 +237,41 @@ class CopyQueue:
         self.stream = torch.cuda.Stream(device, priority=-1) if self.cuda else None
         self.ring = IdRing(ring_ids, pin=self.cuda)
 
-    def start(
-        self, views: dict[str, tuple[torch.Tensor, torch.Tensor]], src_blocks: dict[str, list[int]], dst_blocks: dict[str, list[int]]
-    ) -> CopyInFlight:
-        """Queue dst[:, dst_blocks] = src[:, src_blocks] for every region's (src, dst) of `views`
-        (copy_views). The stream does not wait for the current one, so the copy can run beside a
-        step in flight: the destination blocks must have no work queued (the engine's are freshly
-        allocated, every step before is complete)."""
-        from pdserve.model import ops
+    def bind(self, views: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, RegionCopy]:
+        """A peer's regions (copy_views), each with its copy kernel bound: once per peer, so that a
+        request's post does no checks, compiles nothing and binds no arguments."""
+        if not self.cuda:
+            return {name: RegionCopy(s, d, None) for name, (s, d) in views.items()}
+        from pdserve_kernels.block_copy import BoundCopy  # Triton: GPU installs only
 
-        names = [name for name in views if src_blocks.get(name)]
+        return {name: RegionCopy(s, d, BoundCopy(s, d, self.stream)) for name, (s, d) in views.items()}
+
+    def start(self, regions: dict[str, RegionCopy], src_blocks: dict[str, list[int]], dst_blocks: dict[str, list[int]]) -> CopyInFlight:
+        """Queue dst[:, dst_blocks] = src[:, src_blocks] for every region of `regions` (bind). The
+        stream does not wait for the current one, so the copy can run beside a step in flight: the
+        destination blocks must have no work queued (the engine's are freshly allocated, every step
+        before is complete)."""
+        names = [name for name in regions if src_blocks.get(name)]
         ids: list[int] = []
-        for name in names:  # per region: its source ids, then its destination ids, each range even
+        for name in names:  # per region: its source ids, then its destination ids, each range even (16-byte aligned)
             for part in (src_blocks[name], dst_blocks[name]):
                 ids += part
                 ids += [0] * (len(part) & 1)
         buf, at = self.ring.put(ids)
-        pos = 0
-        for name in names:
-            n, s, d = len(src_blocks[name]), *views[name]
-            ops.copy_blocks(s, d, buf[pos : pos + n], buf[pos + _even(n) : pos + _even(n) + n], self.stream)
-            pos += 2 * _even(n)
         if not self.cuda:
+            pos = 0
+            for name in names:
+                n, r = len(src_blocks[name]), regions[name]
+                copy_blocks_ref(r.src, r.dst, buf[pos : pos + n], buf[pos + _even(n) : pos + _even(n) + n])
+                pos += 2 * _even(n)
             return CopyInFlight(None)
+        addr = self.ring.addr + 8 * at if at >= 0 else device_address(buf)
+        for name in names:
+            n = len(src_blocks[name])
+            regions[name].launch(addr, addr + 8 * _even(n), n)
+            addr += 16 * _even(n)
         event = torch.cuda.Event()
         event.record(self.stream)
-        copy = CopyInFlight(event, {"views": views, "ids": buf})
+        copy = CopyInFlight(event, {"regions": regions, "ids": buf})
         self.ring.hold(at, len(ids), copy)
         return copy

@@ -18,7 +18,7 @@ from pdserve.disagg.base import KVHandle, PeerMetadata, TransferError, TransferS
 from pdserve.disagg.options import ConnectorRole, StagingOptions
 from pdserve.disagg.staging import payload_bytes
 from pdserve.disagg.lease_table import DEFAULT_LEASE_S, release_message
-from pdserve.disagg.layout import KVLayout, Runs
+from pdserve.disagg.layout import KVLayout, Runs, region_runs
 from pdserve.disagg.leasing_connector import LeasingConnector
 from pdserve.disagg.stats import LoadRecord
 from pdserve.model.kv_cache import KVCache
@@ -126,8 +126,11 @@ class FakeConnector(LeasingConnector):
             self._fail_now(handle.request_id, TransferStage.HANDSHAKE, f"engine {handle.engine_id} is not reachable")
         return remote, remote.layout
 
-    def _post(self, handle: KVHandle, remote: FakeConnector, local_block_ids: list[int], runs: Runs, local_blocks: dict[str, list[int]]) -> _Load:
+    def _post(
+        self, handle: KVHandle, remote: FakeConnector, local_block_ids: list[int], remote_blocks: dict[str, list[int]], local_blocks: dict[str, list[int]]
+    ) -> _Load:
         now = time.monotonic()
+        runs = region_runs(remote_blocks, local_blocks)
         arena = remote.staging_arena
         landing = self._take_landing(handle, local_blocks, arena.capacity if arena is not None else 0)
         num_descs = 1 if landing is not None else sum(len(runs[r.name]) * r.num_layers for r in self.layout.regions)

@@ -180,6 +180,11 @@ def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, i
 Runs = dict[str, list[tuple[int, int, int]]]  # region name -> (src_start, dst_start, count) runs
 
 
+def region_runs(src: dict[str, list[int]], dst: dict[str, list[int]]) -> Runs:
+    """block_runs of each region's source and destination blocks (region_blocks of both sides)."""
+    return {name: block_runs(src[name], dst[name]) for name in src}
+
+
 def region_blocks(
     layout: KVLayout, block_ids: list[int], num_tokens: int, window: list[int] | None = None, state_slot: int = -1, side: str = "prefill"
 ) -> dict[str, list[int]]:
@@ -209,6 +214,8 @@ def _window_id(table: list[int] | None, i: int, side: str) -> int:
 
 
 def check_block_ids(block_ids: list[int], num_blocks: int, side: str) -> None:
+    if not block_ids or (min(block_ids) >= 0 and max(block_ids) < num_blocks):  # in C: this runs before every load
+        return
     bad = [b for b in block_ids if not 0 <= b < num_blocks]
     if bad:
         raise ValueError(f"{side} block ids {bad[:8]} out of range for a pool of {num_blocks} blocks")

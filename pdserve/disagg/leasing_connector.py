@@ -6,9 +6,9 @@ messages, so both derive from LeasingConnector and fill in three hooks:
 
     _registered(kv_cache)              the pool is known: register it with the transport
     _connect(handle, peer) -> (remote, its KVLayout)   the prefill engine the handle names, ready to read from
-    _post(handle, remote, local_block_ids, runs, local_blocks) -> load    start the read; kept in
-                                       self._loads (runs: per region, over the blocks that region
-                                       needs; local_blocks: those blocks on this side, per region)
+    _post(handle, remote, local_block_ids, remote_blocks, local_blocks) -> load    start the read;
+                                       kept in self._loads (remote_blocks, local_blocks: per region,
+                                       the blocks that region needs on each side, paired in order)
 
 Staged transfer (staging.py) is shared too: register_kv_cache makes the arenas its role needs,
 on_prefill_finished gathers into a slab of the staging arena (freed with the lease: release,
@@ -31,7 +31,7 @@ from pdserve import __version__
 from pdserve.disagg.base import KVConnector, KVHandle, PeerMetadata, StagedSlab, TransferError, TransferStage
 from pdserve.disagg.options import ConnectorRole, StagingOptions
 from pdserve.disagg.staging import MIB, StagingArena, gather, scatter, slab_parts, synchronize
-from pdserve.disagg.layout import KVLayout, Runs, block_runs, check_block_ids, compat_hash, region_blocks
+from pdserve.disagg.layout import KVLayout, check_block_ids, compat_hash, region_blocks
 from pdserve.disagg.lease_table import LeaseTable, parse_release
 from pdserve.disagg.stats import TransferStats
 from pdserve.model.kv_cache import KVCache
@@ -207,8 +207,7 @@ class LeasingConnector(KVConnector):
             dst = region_blocks(self.layout, list(local_block_ids), handle.num_tokens, local_window, local_state_slot, "decode")
         except ValueError as e:
             self._fail_now(rid, TransferStage.PENDING, str(e))
-        runs = {name: block_runs(src[name], dst[name]) for name in src}
-        self._loads[rid] = self._post(handle, remote, list(local_block_ids), runs, dst)
+        self._loads[rid] = self._post(handle, remote, list(local_block_ids), src, dst)
 
     # -- decode side, staged --
     def _take_landing(self, handle: KVHandle, local_blocks: dict[str, list[int]], remote_arena_bytes: int) -> int | None:
@@ -260,9 +259,12 @@ class LeasingConnector(KVConnector):
         """(the remote engine, its pool's layout); raises TransferError (HANDSHAKE)."""
 
     @abstractmethod
-    def _post(self, handle: KVHandle, remote: Any, local_block_ids: list[int], runs: Runs, local_blocks: dict[str, list[int]]) -> Any:
-        """Start reading `runs` (per region: remote start, local start, length) from remote, or its
-        staged slab into landing room (_take_landing) to be scattered into local_blocks; the load record."""
+    def _post(
+        self, handle: KVHandle, remote: Any, local_block_ids: list[int], remote_blocks: dict[str, list[int]], local_blocks: dict[str, list[int]]
+    ) -> Any:
+        """Start reading remote_blocks (per region) from remote into local_blocks (region_runs pairs
+        them into runs), or its staged slab into landing room (_take_landing) to be scattered into
+        local_blocks; the load record."""
 
     # -- helpers --
     def _mismatch(self, engine_id: str, theirs: str) -> str:

@@ -57,7 +57,7 @@ from pdserve.disagg.base import KVHandle, PeerMetadata, TransferError, TransferS
 from pdserve.disagg.cuda_ipc import CopyInFlight, CopyQueue, IpcRegion, copy_views, export_pool, host_id, open_pool
 from pdserve.disagg.options import ConnectorRole, StagingOptions
 from pdserve.disagg.staging import payload_bytes
-from pdserve.disagg.layout import Descriptor, KVLayout, Runs, build_descriptors, device_id, region_addrs
+from pdserve.disagg.layout import Descriptor, KVLayout, build_descriptors, device_id, region_addrs, region_runs
 from pdserve.disagg.lease_table import DEFAULT_LEASE_S, release_message
 from pdserve.disagg.leasing_connector import LeasingConnector
 from pdserve.disagg.stats import LoadRecord
@@ -172,7 +172,7 @@ def _is_disconnect(e: Exception) -> bool:
 class _Peer:
     info: NixlPeerInfo
     agent_name: str  # str, although add_remote_agent returns bytes (notification dicts are keyed by str)
-    mapped: dict | None = None  # its pool mapped through CUDA IPC: per region (its words, ours) (cuda_ipc.copy_views)
+    mapped: dict | None = None  # its pool mapped through CUDA IPC: per region, a RegionCopy (cuda_ipc.CopyQueue.bind)
 
 
 @dataclass
@@ -398,7 +398,7 @@ class NixlConnector(LeasingConnector):
             return None
         try:
             mapped = open_pool(info.cuda_ipc, info.layout, next(iter(self.kv.regions.values())).device)
-            return copy_views(mapped, info.layout, self.layout, self.kv.regions)
+            return self._copies.bind(copy_views(mapped, info.layout, self.layout, self.kv.regions))
         except Exception as e:  # its requests still move, over NIXL (per block unless staged)
             self.stats.record_control_failure("cuda_ipc")
             log.warning(
@@ -439,22 +439,26 @@ class NixlConnector(LeasingConnector):
         peer_ = self._peers[handle.engine_id]
         return peer_, peer_.info.layout
 
-    def _post(self, handle: KVHandle, peer: _Peer, local_block_ids: list[int], runs: Runs, local_blocks: dict[str, list[int]]) -> _Load:
-        """Build both descriptor lists and post the READ (poll_loads sends the release once it is DONE)."""
+    def _post(
+        self, handle: KVHandle, peer: _Peer, local_block_ids: list[int], remote_blocks: dict[str, list[int]], local_blocks: dict[str, list[int]]
+    ) -> _Load:
+        """Build both descriptor lists and post the READ (poll_loads sends the release once it is
+        DONE), or the copy from a mapped same-host pool."""
         rid, info = handle.request_id, peer.info
-        if not any(runs.values()):  # nothing to read: let prefill free its lease now
+        if not any(remote_blocks.values()):  # nothing to read: let prefill free its lease now
             self._notify(peer.agent_name, rid)
             load = _Load(handle, peer.agent_name, None, time.monotonic(), 0.0, 0, 0)
             load.finish()
             return load
         if peer.mapped is not None:
-            return self._post_copy(handle, peer, runs, local_blocks)
+            return self._post_copy(handle, peer, remote_blocks, local_blocks)
         slab = handle.staged
         landing = self._take_landing(handle, local_blocks, info.staging_bytes)
         if landing is not None:  # the slab, one descriptor each side
             remote: list[Descriptor] = [(info.staging_addr + slab.offset, slab.nbytes, info.dev_id)]
             local: list[Descriptor] = [(self.landing_arena.addr + landing, slab.nbytes, self._dev_id)]
         else:
+            runs = region_runs(remote_blocks, local_blocks)
             remote = build_descriptors(info.layout, info.region_addrs, info.dev_id, runs, 0)
             local = build_descriptors(self.layout, self._addrs, self._dev_id, runs, 1)
         started = time.monotonic()
@@ -480,12 +484,11 @@ class NixlConnector(LeasingConnector):
             load.finish()
         return load
 
-    def _post_copy(self, handle: KVHandle, peer: _Peer, runs: Runs, local_blocks: dict[str, list[int]]) -> _Load:
+    def _post_copy(self, handle: KVHandle, peer: _Peer, remote_blocks: dict[str, list[int]], local_blocks: dict[str, list[int]]) -> _Load:
         """Same host: copy the request's blocks out of the mapped peer pool on the copy stream."""
-        src = {name: [s + i for s, _, n in rs for i in range(n)] for name, rs in runs.items()}
         started = time.monotonic()
         try:
-            copy = self._copies.start(peer.mapped, src, local_blocks)
+            copy = self._copies.start(peer.mapped, remote_blocks, local_blocks)
         except Exception as e:
             self._fail_now(handle.request_id, TransferStage.READING, f"copying from {peer.info.engine_id}'s mapped pool: {_nixl_reason(e)}")
         nbytes = payload_bytes(self.layout, local_blocks)

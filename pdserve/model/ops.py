@@ -67,13 +67,13 @@ def _half(q: torch.Tensor) -> torch.Tensor:
     return q.to(torch.bfloat16) if q.dtype == torch.float32 else q
 
 
-def copy_blocks(src, dst, src_ids, dst_ids, stream=None) -> None:
-    """dst[:, dst_ids] = src[:, src_ids] over [L, N, W] block words (a same-host KV transfer), on
-    `stream` (a CUDA pool; default: the current stream)."""
+def copy_blocks(src, dst, src_ids, dst_ids) -> None:
+    """dst[:, dst_ids] = src[:, src_ids] over [L, N, W] block words (a same-host KV transfer; its
+    posts on a GPU go through pdserve_kernels.block_copy.BoundCopy: disagg/cuda_ipc.py)."""
     if _use_triton(dst):
         from pdserve_kernels import copy_blocks as kernel
 
-        return kernel(src, dst, src_ids, dst_ids, stream)
+        return kernel(src, dst, src_ids, dst_ids)
     return ref.copy_blocks_ref(src, dst, src_ids, dst_ids)
 
 
