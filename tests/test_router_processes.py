@@ -32,6 +32,7 @@ def cluster(tmp_path_factory):
     with Cluster(model_dir, tmp_path_factory.mktemp("logs")) as c:
         p = c.worker("prefill")
         d = c.worker("decode", peers=[p])
+        c.wait_healthy()  # the workers first: each router process then finds them in its first probe
         c.router("--api-server-count", str(N), prefill=[p], decode=[d])
         c.wait_healthy()
         yield c
@@ -80,6 +81,24 @@ def test_every_request_is_served_and_the_processes_share_them(cluster):
         served = sum(float(line.rsplit(" ", 1)[1]) for line in m.splitlines() if line.startswith('pdserve_router_requests_total{route="/v1/completions",status="200"}'))
         assert served == 38, m[:2000]
     assert scrape(router.url)["pdserve_router_requests_in_flight"] == 0.0
+
+
+def test_a_router_process_probes_before_it_accepts(cluster):
+    """A router started beside healthy workers serves its very first connection: every process
+    probes once before accepting, so none answers 503 for workers it has not looked at yet."""
+    prefill, decode = (next(p for p in cluster.procs if p.role == role) for role in ("prefill", "decode"))
+    r = cluster.router("--api-server-count", "2", prefill=[prefill], decode=[decode])
+    deadline = time.monotonic() + 120
+    first = None
+    while first is None:
+        assert r.popen.poll() is None and time.monotonic() < deadline, r.log_tail()
+        try:
+            first = httpx.get(f"{r.url}/health", timeout=5)
+        except httpx.TransportError:  # not accepting yet
+            time.sleep(0.01)
+    assert first.status_code == 200, first.text
+    for _ in range(6):  # fresh connections, so both processes answer some
+        assert httpx.get(f"{r.url}/health", timeout=5).status_code == 200
 
 
 def test_a_process_that_dies_stops_the_router_and_sigterm_ends_them_all(tmp_path):

@@ -213,6 +213,10 @@ def build_router_app(config: RouterServeConfig) -> FastAPI:
                 pool, session, make_policy(settings.prefill_policy), make_policy(settings.decode_policy), router.headers, metrics, settings
             )
             router.draining, router._loop = asyncio.Event(), asyncio.get_running_loop()
+            # One round of probes before the first connection is accepted (bounded by PROBE_DEADLINE_S):
+            # with several router processes on one port, one that had not looked yet would answer 503
+            # for workers its siblings already serve.
+            await pool.probe_all(probe_client, router.headers)
             prober = asyncio.create_task(pool.run(probe_client, settings.health_interval, router.headers))
             try:
                 yield

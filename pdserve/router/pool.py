@@ -163,13 +163,15 @@ class WorkerPool:
     # -- probing --
     async def run(self, client: httpx.AsyncClient, interval: float, headers: dict[str, str]) -> None:
         """Probe every `interval` seconds; while a worker is down, at least every second (a worker
-        that is starting or restarting is taken back as soon as it can serve). Should this loop
-        ever end other than by cancellation, the router stops serving and /health says why."""
+        that is starting or restarting is taken back as soon as it can serve). The first round is
+        the caller's (the router probes once before it accepts a connection), so this one waits
+        first. Should this loop ever end other than by cancellation, the router stops serving and
+        /health says why."""
         try:
             while True:
-                await self.probe_all(client, headers)
                 down = any(not w.healthy for w in self.workers)
                 await asyncio.sleep(min(interval, DOWN_PROBE_INTERVAL_S) if down else interval)
+                await self.probe_all(client, headers)
         except Exception as e:
             log.critical("the worker prober stopped; this router serves nothing until restarted", exc_info=True)
             self.prober_error = f"the worker prober stopped ({type(e).__name__}: {e}); restart the router"
