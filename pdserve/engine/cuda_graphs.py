@@ -15,7 +15,7 @@ max_model_len, and each query stops at its own context.
 
 Used when: CUDA, not `enforce_eager`, one engine rank (tensor parallelism runs eager), a model that
 declares `supports_cuda_graphs` (DeepSeek-V3/V3.2 and V4: its routed experts run in one fused
-kernel a layer, v4_paged.py), every chunk of the step one token that samples, B <= the largest size.
+kernel a layer), every chunk of the step one token that samples, B <= the largest size.
 Anything else runs eagerly, as before.
 
 Legend: B decode tokens in the step, G rows of the graph replayed (>= B), W block-table width of
@@ -49,8 +49,15 @@ def graph_sizes(max_bs: int) -> list[int]:
 
 class CudaGraphRunner:
     def __init__(
-        self, model: torch.nn.Module, kv_cache: KVCache, *, max_bs: int, max_len: int, scratch_block: int,
-        scratch_window_block: int = -1, scratch_state_slot: int = -1,
+        self,
+        model: torch.nn.Module,
+        kv_cache: KVCache,
+        *,
+        max_bs: int,
+        max_len: int,
+        scratch_block: int,
+        scratch_window_block: int = -1,
+        scratch_state_slot: int = -1,
     ) -> None:
         """scratch_*: the padding rows' block, window block and state slot (-1: the pool has no such space)."""
         self.model, self.kv_cache = model, kv_cache
@@ -67,7 +74,11 @@ class CudaGraphRunner:
         self.slot_mapping = torch.full((G,), self.scratch_slot, dtype=torch.int64, device=dev)
         self.seq_ids = torch.zeros(G, dtype=torch.int32, device=dev)
         self.context_lens = torch.zeros(G, dtype=torch.int32, device=dev)
-        self.scratch_block, self.scratch_window_block, self.scratch_state_slot = scratch_block, scratch_window_block, scratch_state_slot
+        self.scratch_block, self.scratch_window_block, self.scratch_state_slot = (
+            scratch_block,
+            scratch_window_block,
+            scratch_state_slot,
+        )
         self.block_tables = torch.full((G, self.width), scratch_block, dtype=torch.int32, device=dev)
         self.window_tables = torch.full((G, self.width), scratch_window_block, dtype=torch.int64, device=dev)
         self.state_slots = torch.full((G,), scratch_state_slot, dtype=torch.int64, device=dev)

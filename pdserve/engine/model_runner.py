@@ -22,17 +22,16 @@ from collections.abc import Callable
 
 import torch
 
+from pdserve.distributed.group import TPGroup
 from pdserve.engine import tp_protocol as protocol
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.cuda_graphs import CudaGraphRunner
-from pdserve.distributed.group import TPGroup
 from pdserve.engine.config import DEFAULT_CPU_KV_GB, EngineConfig
-from pdserve.model.kv_cache import STATE, WINDOW, KVCache, KVRegionSpec
+from pdserve.engine.cuda_graphs import CudaGraphRunner
 from pdserve.engine.sampler import SampledToken, Sampler
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.model.batch import ForwardBatch, StepInputs
-
+from pdserve.model.kv_cache import STATE, WINDOW, KVCache, KVRegionSpec
 
 WHILE_BUSY_POLL_S = 2e-4  # how late a step's end may be seen while the engine works beside it
 
@@ -55,7 +54,9 @@ def _ids(v: int | list[int] | None) -> set[int]:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None, *, tp: TPGroup | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, model: torch.nn.Module | None = None, *, tp: TPGroup | None = None
+    ) -> None:
         """model: an already-built model with the DeepseekForCausalLM interface (tests); by default
         the checkpoint in config.model is loaded. tp: given only to ranks 1..N-1 (ranks.py)."""
         self.config = config
@@ -88,15 +89,21 @@ class ModelRunner:
         self.block_size = config.kv_block_size
         max_pos = model.config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > max_pos:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings {max_pos}")
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings {max_pos}"
+            )
         specs = model.kv_cache_specs(config.kv_cache_dtype)
-        self.window_tokens, self.num_window_blocks, self.num_state_slots = _side_spaces(specs, config.max_num_seqs, self.block_size)
+        self.window_tokens, self.num_window_blocks, self.num_state_slots = _side_spaces(
+            specs, config.max_num_seqs, self.block_size
+        )
         side_bytes = sum(
             n * KVCache.bytes_per_block(specs, model.num_layers, self.block_size, self.dtype, space)
             for n, space in ((self.num_window_blocks, WINDOW), (self.num_state_slots, STATE))
         )
         n = self._num_kv_blocks(
-            KVCache.bytes_per_block(specs, model.num_layers, self.block_size, self.dtype), config.max_model_len or max_pos, side_bytes
+            KVCache.bytes_per_block(specs, model.num_layers, self.block_size, self.dtype),
+            config.max_model_len or max_pos,
+            side_bytes,
         )
         self.num_kv_blocks = self.tp.min_control(n)  # the block manager's blocks must exist on every rank
         capacity = self.num_kv_blocks * self.block_size
@@ -107,16 +114,28 @@ class ModelRunner:
             )
         self.max_model_len = config.max_model_len or min(max_pos, capacity)
         use_graphs = (
-            self.device.type == "cuda" and not config.enforce_eager and self.tp.size == 1 and getattr(model, "supports_cuda_graphs", False)
+            self.device.type == "cuda"
+            and not config.enforce_eager
+            and self.tp.size == 1
+            and getattr(model, "supports_cuda_graphs", False)
         )
         # + the graphs' scratch block in each space the pool has (cuda_graphs.py)
-        scratch = [n + (1 if use_graphs and n else 0) for n in (self.num_kv_blocks, self.num_window_blocks, self.num_state_slots)]
-        self.kv_cache = KVCache(specs, model.num_layers, scratch[0], self.block_size, self.dtype, self.device, scratch[1], scratch[2])
+        scratch = [
+            n + (1 if use_graphs and n else 0)
+            for n in (self.num_kv_blocks, self.num_window_blocks, self.num_state_slots)
+        ]
+        self.kv_cache = KVCache(
+            specs, model.num_layers, scratch[0], self.block_size, self.dtype, self.device, scratch[1], scratch[2]
+        )
         self.graphs: CudaGraphRunner | None = None
         if use_graphs:
             max_bs = config.cuda_graph_max_bs or min(config.max_num_seqs, 256)
             self.graphs = CudaGraphRunner(
-                model, self.kv_cache, max_bs=max_bs, max_len=self.max_model_len, scratch_block=self.num_kv_blocks,
+                model,
+                self.kv_cache,
+                max_bs=max_bs,
+                max_len=self.max_model_len,
+                scratch_block=self.num_kv_blocks,
                 scratch_window_block=self.num_window_blocks if self.num_window_blocks else -1,
                 scratch_state_slot=self.num_state_slots if self.num_state_slots else -1,
             )
@@ -168,7 +187,9 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[batch.logits_indices.to(self.device)])  # [N, V]
         return self._sample(logits, sampling, while_busy)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], while_busy: Callable[[], None] | None) -> list[SampledToken]:
+    def _sample(
+        self, logits: torch.Tensor, seqs: list[Sequence], while_busy: Callable[[], None] | None
+    ) -> list[SampledToken]:
         tokens, lp_source = self.sampler.draw(logits, seqs)
         if while_busy is not None:
             if self.device.type == "cuda":
@@ -191,7 +212,9 @@ class ModelRunner:
             lens=torch.tensor([s.num_tokens for s in chunks], dtype=torch.int64),
             starts=torch.tensor([s.start for s in chunks], dtype=torch.int64),
             samples=torch.tensor([s.samples for s in chunks], dtype=torch.bool),
-            block_tables=torch.tensor([s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in chunks], dtype=torch.int64),
+            block_tables=torch.tensor(
+                [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in chunks], dtype=torch.int64
+            ),
             window_tables=torch.tensor([_pad(s.seq.window_table, width) for s in chunks], dtype=torch.int64),
             state_slots=torch.tensor([s.seq.state_slot for s in chunks], dtype=torch.int64),
         )
@@ -201,7 +224,9 @@ class ModelRunner:
     def on_kv_loaded(self, block_ids: list[int], window_block_ids: list[int], state_slot: int) -> None:
         """KV read from a prefill worker into rank 0's blocks (token, window and state space):
         copy those blocks to every rank."""
-        ids = protocol.SpaceIds(block_ids, [b for b in window_block_ids if b >= 0], [state_slot] if state_slot >= 0 else [])
+        ids = protocol.SpaceIds(
+            block_ids, [b for b in window_block_ids if b >= 0], [state_slot] if state_slot >= 0 else []
+        )
         if self.ranks is None or not block_ids:
             return
         self.ranks.check_alive()
@@ -267,39 +292,29 @@ def _side_spaces(specs: list[KVRegionSpec], max_num_seqs: int, block_size: int) 
 
 def _load(config: EngineConfig, dtype: torch.dtype, device: torch.device, tp: TPGroup) -> torch.nn.Module:
     """The checkpoint in config.model (or, load_format dummy, its config.json with random
-    weights), as a model with the DeepseekForCausalLM interface."""
+    weights), as the model its registry entry names (model/registry.py)."""
+    from pdserve.model import registry
     from pdserve.model.config import ModelConfig
-    from pdserve.model.v4_paged import PagedDeepseekV4
-
+    from pdserve.model.dummy import dummy_model
     from pdserve.model.fp8 import model_config_for
 
     model_config = ModelConfig.from_model_dir(config.model)
     if config.load_format == "dummy":
-        from pdserve.model.dummy import dummy_model
-
         build = model_config_for(model_config, config.quantization, dummy=True)
-        model = dummy_model(build, dtype, device, tp, seed=config.seed)
-        return model if model_config.v4 is None else PagedDeepseekV4(model)
-    if model_config.v4 is None:
-        from pdserve.model.loader import load_model
-
-        return load_model(config.model, dtype, device, progress=tp.is_driver, tp=tp, quantization=config.quantization)
-    from pdserve.model.v4_loader import load_v4_model
-
-    return PagedDeepseekV4(load_v4_model(config.model, dtype, device, tp=tp, quantization=config.quantization))
+        return dummy_model(build, dtype, device, tp, seed=config.seed)
+    entry = registry.entry(model_config)
+    return entry.load(config.model, dtype, device, tp=tp, quantization=config.quantization, progress=tp.is_driver)
 
 
 def _check_shardable(config: EngineConfig) -> None:
     """Fail before starting processes if the model's dims do not split into tensor_parallel_size
     (builds rank 0's shards on the meta device: the same checks the real build makes)."""
+    from pdserve.model import registry
     from pdserve.model.config import ModelConfig
-    from pdserve.model.deepseek import DeepseekForCausalLM
-    from pdserve.model.deepseek_v4 import DeepseekV4ForCausalLM
-
     from pdserve.model.fp8 import model_config_for
 
     model_config = ModelConfig.from_model_dir(config.model)
-    model_class = DeepseekForCausalLM if model_config.v4 is None else DeepseekV4ForCausalLM
+    model_class = registry.entry(model_config).model_class
     build = model_config_for(model_config, config.quantization, dummy=config.load_format == "dummy")
     with torch.device("meta"):
         model_class(build, TPGroup(rank=0, size=config.tensor_parallel_size))

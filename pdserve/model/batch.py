@@ -52,7 +52,14 @@ class PrefillChunks:
     max_k: int  # longest context
 
     def to(self, device: torch.device | str) -> PrefillChunks:
-        return PrefillChunks(self.rows.to(device), self.cu_q.to(device), self.cu_k.to(device), self.k_slots.to(device), self.max_q, self.max_k)
+        return PrefillChunks(
+            self.rows.to(device),
+            self.cu_q.to(device),
+            self.cu_k.to(device),
+            self.k_slots.to(device),
+            self.max_q,
+            self.max_k,
+        )
 
 
 @dataclass
@@ -122,11 +129,15 @@ class ForwardBatch:
         return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
-def _prefill_chunks(tables: torch.Tensor, lens: torch.Tensor, first_row: torch.Tensor, ends: torch.Tensor, bs: int) -> PrefillChunks:
+def _prefill_chunks(
+    tables: torch.Tensor, lens: torch.Tensor, first_row: torch.Tensor, ends: torch.Tensor, bs: int
+) -> PrefillChunks:
     """Rows and context slots of the chunks with more than one token (in batch order)."""
     chunks = torch.nonzero(lens > 1).flatten()  # [Bp]
     c_lens, c_ends = lens[chunks], ends[chunks]
-    rows = torch.repeat_interleave(first_row[chunks] - torch.cumsum(c_lens, 0) + c_lens, c_lens) + torch.arange(int(c_lens.sum()))
+    rows = torch.repeat_interleave(first_row[chunks] - torch.cumsum(c_lens, 0) + c_lens, c_lens) + torch.arange(
+        int(c_lens.sum())
+    )
     seq = torch.repeat_interleave(chunks, c_ends)  # [S] the chunk's sequence of each context position
     pos = torch.arange(len(seq)) - torch.repeat_interleave(torch.cumsum(c_ends, 0) - c_ends, c_ends)  # [S]
     zero = torch.zeros(1, dtype=torch.int32)

@@ -20,26 +20,20 @@ import torch
 from torch import nn
 
 from pdserve.distributed.group import TPGroup
+from pdserve.model import registry
 from pdserve.model.config import ModelConfig
 from pdserve.model.fp4 import fill_random_fp4_
 
 
-def dummy_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str, tp: TPGroup | None = None, seed: int = 0) -> nn.Module:
-    """The model of `config` (DeepseekForCausalLM, or DeepseekV4ForCausalLM), random weights."""
+def dummy_model(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device | str, tp: TPGroup | None = None, seed: int = 0
+) -> nn.Module:
+    """The model of `config` (its registry entry's class), random weights."""
     device = torch.device(device)
-    if config.v4 is None:
-        from pdserve.model.deepseek import DeepseekForCausalLM
-        from pdserve.model.loader import _materialize
-
-        with torch.device("meta"):
-            model = DeepseekForCausalLM(config, tp)
-    else:
-        from pdserve.model.deepseek_v4 import DeepseekV4ForCausalLM
-        from pdserve.model.v4_loader import _materialize
-
-        with torch.device("meta"):
-            model = DeepseekV4ForCausalLM(config, tp)
-    _materialize(model, dtype, device)
+    entry = registry.entry(config)
+    with torch.device("meta"):
+        model = entry.model_class(config, tp)
+    entry.materialize(model, dtype, device)
     fill_random(model, seed)
     return model.eval()
 
@@ -97,4 +91,3 @@ def _fill(name: str, p: torch.Tensor, gen: torch.Generator) -> None:
         p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
     else:
         p.normal_(0.0, 0.02, generator=gen)
-

@@ -5,9 +5,9 @@ float4_e2m1fn_x2; element 2j in the low nibble, 2j+1 in the high one), with one 
 32 consecutive values of a row ([N, K/32]: float8_e8m0fnu, or raw uint8 exponents meaning
 2^(b - 127), or plain floats). The real weight is code value * scale.
 
-Kept FP4 (the default for such a checkpoint: v4_moe.Experts), the bytes and the scales go to the
-device as uint8 as they are (`packed_bytes`, `ue8m0_bytes`) and `ops.fused_moe_fp4` reads them
-(kernels/ref_fp4.py documents the same layout); dequantized at load (`--quantization none`),
+Kept FP4 (the default for such a checkpoint: deepseek_v4/moe.py's Experts), the bytes and the
+scales go to the device as uint8 as they are (`packed_bytes`, `ue8m0_bytes`) and
+`ops.fused_moe_fp4` reads them (kernels/ref_fp4.py documents the same layout); dequantized at load (`--quantization none`),
 `dequantize_fp4` makes floats of them.
 """
 

@@ -48,7 +48,9 @@ def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: t
     return weight.float() * scale
 
 
-def fp8_params(out_features: int, in_features: int, block: Block, lead: tuple[int, ...] = ()) -> tuple[nn.Parameter, nn.Parameter]:
+def fp8_params(
+    out_features: int, in_features: int, block: Block, lead: tuple[int, ...] = ()
+) -> tuple[nn.Parameter, nn.Parameter]:
     """(weight [*lead, N, K] e4m3, weight_scale_inv [*lead, ceil(N/bn), ceil(K/bk)] float32), empty."""
     (bn, bk) = block
     w = torch.empty(*lead, out_features, in_features, dtype=FP8)
@@ -98,7 +100,7 @@ def linear(in_features: int, out_features: int, bias: bool = False, fp8_block: B
 QUANTIZATIONS = ("fp8", "none")
 
 
-def model_config_for(config: "ModelConfig", quantization: str | None, dummy: bool = False) -> "ModelConfig":
+def model_config_for(config: ModelConfig, quantization: str | None, dummy: bool = False) -> ModelConfig:
     """The config to build the model from: `quant` kept (FP8 layers) or None (dequantized at
     load). Raises ValueError on a combination that cannot hold."""
     import dataclasses
@@ -106,12 +108,16 @@ def model_config_for(config: "ModelConfig", quantization: str | None, dummy: boo
     from pdserve.model.config import QuantConfig
 
     if quantization not in (None, *QUANTIZATIONS):
-        raise ValueError(f"quantization {quantization!r}: choose fp8 or none, or leave it unset (follow the checkpoint)")
+        raise ValueError(
+            f"quantization {quantization!r}: choose fp8 or none, or leave it unset (follow the checkpoint)"
+        )
     if quantization == "none":
         return dataclasses.replace(config, quant=None)
     if config.quant is None and quantization == "fp8":
         if not dummy:
-            raise ValueError("quantization fp8: the checkpoint has no FP8 quantization_config in its config.json and "
-                             "pdserve does not quantize at load; leave --quantization unset for its own weights")
+            raise ValueError(
+                "quantization fp8: the checkpoint has no FP8 quantization_config in its config.json and "
+                "pdserve does not quantize at load; leave --quantization unset for its own weights"
+            )
         return dataclasses.replace(config, quant=QuantConfig(method="fp8"))
     return config

@@ -27,8 +27,8 @@ Records: `dim` values of the pool dtype (`record` "values"), or a byte format of
   DeepSeek-V3/V3.2: latent (kv_lora_rank + qk_rope_head_dim = 576 values per token; with fp8 the
   656-byte "fp8_ds_mla" record of pdserve_kernels.kv_fp8: 512 e4m3 + 4 fp32 scales + 64 bf16
   rope) and, for V3.2, index_k (the DSA indexer key, index_head_dim values per token), every layer.
-  DeepSeek-V4: see v4_paged.py (window, compressed entries, indexer keys, compressor state); with
-  fp8 its K = V records (window, compressed entries) are "fp8_ds_v4" (kv_fp8.py, FlashMLA's V4
+  DeepSeek-V4: see deepseek_v4/cache.py (window, compressed entries, indexer keys, compressor
+  state); with fp8 its K = V records (window, compressed entries) are "fp8_ds_v4" (kv_fp8.py, FlashMLA's V4
   layout: 584 bytes a token for V4-Flash), a format by pages: a block is one page whose records'
   values come first and their scales after them, so such a region is read by `layer_pages`
   (record r of block b is slot b * records_per_block + r, as `slots` numbers them), never by row.
@@ -58,7 +58,9 @@ class KVRegionSpec:
 
     def __post_init__(self) -> None:
         if self.record != "values" and self.record not in BYTE_RECORDS:
-            raise ValueError(f"KV region {self.name!r}: unknown record format {self.record!r} (values, {', '.join(BYTE_RECORDS)})")
+            raise ValueError(
+                f"KV region {self.name!r}: unknown record format {self.record!r} (values, {', '.join(BYTE_RECORDS)})"
+            )
 
     @property
     def byte_record(self) -> bool:
@@ -85,7 +87,6 @@ class KVRegionSpec:
                 "(one must divide the other: pick kv_block_size as a multiple or a divisor of every compress rate)"
             )
         return -(-block_size // m)
-
 
 
 class KVCache:
@@ -121,8 +122,12 @@ class KVCache:
         # zeros, not empty: a slot nobody wrote must never hold NaN that a masked lane could read
         self.regions: dict[str, torch.Tensor] = {
             s.name: torch.zeros(
-                len(s.layer_ids(num_layers)), self.blocks_of(s), s.records_per_block(block_size), s.dim,
-                dtype=torch.uint8 if s.byte_record else dtype, device=device,
+                len(s.layer_ids(num_layers)),
+                self.blocks_of(s),
+                s.records_per_block(block_size),
+                s.dim,
+                dtype=torch.uint8 if s.byte_record else dtype,
+                device=device,
             )
             for s in specs
         }
@@ -133,7 +138,9 @@ class KVCache:
     def layer(self, name: str, layer: int) -> torch.Tensor:
         """Model layer `layer` of region `name`, flat: [num_blocks * records_per_block, dim]."""
         if BYTE_RECORDS.get(self.specs[name].record) == "pages":
-            raise ValueError(f"region {name!r} holds {self.specs[name].record} pages (a record's scales sit at the end of its block): use layer_pages")
+            raise ValueError(
+                f"region {name!r} holds {self.specs[name].record} pages (a record's scales sit at the end of its block): use layer_pages"
+            )
         t = self.regions[name][self._row[name][layer]]
         return t.view(-1, t.shape[-1])
 
@@ -149,7 +156,9 @@ class KVCache:
         rpb = spec.records_per_block(bs)
         if spec.space == STATE:
             raise ValueError(f"region {name!r} has one record per sequence: index it by the sequence's state slot")
-        first = torch.arange(start, end, device=block_table.device) * spec.tokens_per_record  # [n] first position of each record
+        first = (
+            torch.arange(start, end, device=block_table.device) * spec.tokens_per_record
+        )  # [n] first position of each record
         return block_table[first // bs] * rpb + (first % bs) // spec.tokens_per_record
 
     @staticmethod
@@ -159,4 +168,7 @@ class KVCache:
         """Bytes of one block (one slot, for STATE) of a block space over all its regions."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         mine = [s for s in specs if s.space == space]
-        return sum(s.dim * len(s.layer_ids(num_layers)) * s.records_per_block(block_size) * (1 if s.byte_record else itemsize) for s in mine)
+        return sum(
+            s.dim * len(s.layer_ids(num_layers)) * s.records_per_block(block_size) * (1 if s.byte_record else itemsize)
+            for s in mine
+        )

@@ -31,14 +31,22 @@ class MLP(nn.Module):
     """down(silu(gate(x)) * up(x)); checkpoint names gate_proj / up_proj / down_proj."""
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, tp: TPGroup | None = None, reduce: bool = True,
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        tp: TPGroup | None = None,
+        reduce: bool = True,
         fp8_block: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         tp, fp8 = tp or TPGroup.single(), fp8_block
-        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, tp, what="intermediate size", fp8_block=fp8)
+        self.gate_proj = ColumnParallelLinear(
+            hidden_size, intermediate_size, tp, what="intermediate size", fp8_block=fp8
+        )
         self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, tp, what="intermediate size", fp8_block=fp8)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp, reduce=reduce, what="intermediate size", fp8_block=fp8)
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, tp, reduce=reduce, what="intermediate size", fp8_block=fp8
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -57,7 +57,9 @@ def _read_rows(indices: torch.Tensor, read) -> tuple[torch.Tensor, torch.Tensor]
     """Reference paths over byte records: `read(flat slot ids)` dequantizes only the rows the
     queries name; returns them and indices [same shape] into them (-1 kept)."""
     flat = indices.clamp(min=0).long().flatten()
-    local = torch.where(indices >= 0, torch.arange(flat.numel(), device=flat.device).view_as(indices), -1).to(torch.int32)
+    local = torch.where(indices >= 0, torch.arange(flat.numel(), device=flat.device).view_as(indices), -1).to(
+        torch.int32
+    )
     return read(flat), local
 
 
@@ -80,7 +82,9 @@ def copy_blocks(src, dst, src_ids, dst_ids) -> None:
 def fused_moe(x, w13, w2, topk_weights, topk_ids, swiglu_limit: float | None = None):
     """swiglu_limit: DeepSeek-V4's clamped SwiGLU (None: plain SwiGLU)."""
     if _use_triton(x):
-        from pdserve_kernels.fused_moe import fused_moe as kernel  # the submodule of the same name shadows the lazy export
+        from pdserve_kernels.fused_moe import (
+            fused_moe as kernel,  # the submodule of the same name shadows the lazy export
+        )
 
         return kernel(x, w13, w2, topk_weights, topk_ids, swiglu_limit=swiglu_limit)
     return ref.fused_moe_ref(x, w13, w2, topk_weights, topk_ids, swiglu_limit=swiglu_limit)
@@ -125,8 +129,9 @@ def fused_moe_fp8(x, w13, w2, w13_scale_inv, w2_scale_inv, topk_weights, topk_id
         from pdserve_kernels.fused_moe_fp8 import fused_moe_fp8 as kernel
 
         return kernel(x, w13, w2, w13_scale_inv, w2_scale_inv, topk_weights, topk_ids, block_shape=block)
-    return ref.fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale_inv=w13_scale_inv,
-                             w2_scale_inv=w2_scale_inv, block_shape=block)
+    return ref.fused_moe_ref(
+        x, w13, w2, topk_weights, topk_ids, w13_scale_inv=w13_scale_inv, w2_scale_inv=w2_scale_inv, block_shape=block
+    )
 
 
 def fused_moe_fp4(x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, swiglu_limit: float | None = None):
@@ -148,22 +153,37 @@ def indexer_topk(q, k_cache, weights, candidates, topk: int):
     return ref.indexer_topk_ref(q, k_cache, weights, candidates, topk)
 
 
-def mla_prefill_attention(q, k_nope, k_rope, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, sm_scale: float,
-                          max_seqlen_k: int | None = None):
+def mla_prefill_attention(
+    q,
+    k_nope,
+    k_rope,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q: int,
+    sm_scale: float,
+    max_seqlen_k: int | None = None,
+):
     if _use_triton(q):
         from pdserve_kernels import mla_prefill_attention as kernel
 
-        return kernel(q, k_nope, k_rope, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, sm_scale, max_seqlen_k=max_seqlen_k)
+        return kernel(
+            q, k_nope, k_rope, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, sm_scale, max_seqlen_k=max_seqlen_k
+        )
     return ref.mla_prefill_attention_ref(q, k_nope, k_rope, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, sm_scale)
 
 
-def paged_mla_decode(q, kv, block_tables, seq_ids, context_lens, page: int, max_len: int, sm_scale: float, d_v: int, sink=None):
+def paged_mla_decode(
+    q, kv, block_tables, seq_ids, context_lens, page: int, max_len: int, sm_scale: float, d_v: int, sink=None
+):
     """kv: [N, D] values, or [N, R] uint8 FP8 records (kernels/kv_fp8.py)."""
     if _use_triton(q):
         from pdserve_kernels import paged_mla_decode as kernel
 
         if kv.dtype == torch.uint8:
-            out, lse = kernel(_half(q), kv, block_tables, seq_ids, context_lens, page, max_len, sm_scale, d_v, sink=sink)
+            out, lse = kernel(
+                _half(q), kv, block_tables, seq_ids, context_lens, page, max_len, sm_scale, d_v, sink=sink
+            )
             return out.to(q.dtype), lse
         return kernel(q, kv, block_tables, seq_ids, context_lens, page, max_len, sm_scale, d_v, sink=sink)
     idx = ref.paged_slots(block_tables, seq_ids, context_lens, page, max_len)  # [T, C]: the reference expands
@@ -192,8 +212,8 @@ def unpack_kv_fp8(records: torch.Tensor, d_v: int, dim: int) -> torch.Tensor:
 
 def sparse_mla_decode_fp8_v4(q, pages, indices, sm_scale: float, rope: int, sink=None):
     """DeepSeek-V4 decode over fp8_ds_v4 pages [Nb, P, R] uint8 (kernels/kv_fp8.py): a KVCache
-    region's `layer_pages`, or a step buffer filled by `store_kv_fp8_v4` (or `kv_fp8.copy_kv_fp8_v4`) (an
-    even P keeps pages 16-byte aligned: P = 1 read 1.4x slower on the H200). indices [B, S, K]
+    region's `layer_pages`, or a step buffer filled by `store_kv_fp8_v4` (or `kv_fp8.copy_kv_fp8_v4`);
+    an even P keeps pages 16-byte aligned, which the kernel's reads want. indices [B, S, K]
     int32 slot ids (page * P + record), -1 = padding. Returns out [B, S, H, D] (K = V, rope dims
     included) and lse [B, S, H]."""
     if _use_triton(q):
@@ -204,7 +224,9 @@ def sparse_mla_decode_fp8_v4(q, pages, indices, sm_scale: float, rope: int, sink
     from pdserve_kernels.kv_fp8 import V4Record, gather_kv_fp8_v4, unpack_kv_fp8_v4
 
     rec = V4Record(q.shape[3], rope)
-    rows, local = _read_rows(indices, lambda flat: unpack_kv_fp8_v4(gather_kv_fp8_v4(pages, flat, rec), rec).to(q.dtype))
+    rows, local = _read_rows(
+        indices, lambda flat: unpack_kv_fp8_v4(gather_kv_fp8_v4(pages, flat, rec), rec).to(q.dtype)
+    )
     return ref.sparse_mla_decode_ref(q, rows, local, sm_scale, q.shape[3], sink=sink)
 
 
@@ -217,14 +239,16 @@ def fp8_v4_record_bytes(dim: int, rope: int) -> int:
 
 def pack_kv_fp8_v4(kv: torch.Tensor, rope: int, page: int = 1) -> torch.Tensor:
     """[n, D] values -> fp8_ds_v4 pages [ceil(n / page), page, R] uint8 (page 1: one record a row)."""
-    from pdserve_kernels.kv_fp8 import V4Record, pack_kv_fp8_v4 as pack
+    from pdserve_kernels.kv_fp8 import V4Record
+    from pdserve_kernels.kv_fp8 import pack_kv_fp8_v4 as pack
 
     return pack(kv, page, V4Record(kv.shape[1], rope))
 
 
 def store_kv_fp8_v4(pages: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, rope: int) -> None:
     """Quantize kv [n, D] into the fp8_ds_v4 records of `slots` [n] of pages [Nb, P, R], in place."""
-    from pdserve_kernels.kv_fp8 import V4Record, store_kv_fp8_v4 as store
+    from pdserve_kernels.kv_fp8 import V4Record
+    from pdserve_kernels.kv_fp8 import store_kv_fp8_v4 as store
 
     store(pages, slots, kv, V4Record(kv.shape[1], rope))
 
@@ -232,7 +256,8 @@ def store_kv_fp8_v4(pages: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, 
 def gather_kv_fp8_v4(pages: torch.Tensor, slots: torch.Tensor, dim: int, rope: int, page: int = 1) -> torch.Tensor:
     """The fp8_ds_v4 records of `slots` [n] as new pages [ceil(n / page), page, R], slot i = the
     i-th of `slots` (bytes, no requantization)."""
-    from pdserve_kernels.kv_fp8 import V4Record, gather_kv_fp8_v4 as gather
+    from pdserve_kernels.kv_fp8 import V4Record
+    from pdserve_kernels.kv_fp8 import gather_kv_fp8_v4 as gather
 
     return gather(pages, slots, V4Record(dim, rope), page)
 

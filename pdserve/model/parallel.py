@@ -5,8 +5,8 @@ full weight is its own, so the loader reads one shard per rank by name.
   kv_b_proj (head-major rows) that is a split by attention heads.
 - RowParallelLinear: input columns split; each rank's partial product is summed by an all-reduce
   (or left partial, reduce=False, when the caller sums several partials with one all-reduce).
-- Stacked MoE experts (V3's moe.py, V4's v4_moe.py) split every expert's intermediate dim I:
-  `shard_expert` slices one expert's checkpoint weight, `shard_stacked_experts` a stacked one.
+- Stacked MoE experts (deepseek_v3/moe.py, deepseek_v4/moe.py) split every expert's
+  intermediate dim I: `shard_expert` slices one expert's checkpoint weight, `shard_stacked_experts` a stacked one.
 With a TPGroup of size 1 both are plain linear layers. Given `fp8_block` they keep their weight
 FP8 with its block scales (fp8.py): `weight_scale_inv` is cut with the weight, on block edges.
 """
@@ -26,7 +26,9 @@ def narrow_shard(full: torch.Tensor, dim: int, start: int, n: int, size: int) ->
     """full's [start, start+n) along dim, after checking full has size*n there (the loader turns
     the ValueError into a CheckpointError naming the tensor)."""
     if full.dim() <= dim or full.shape[dim] != n * size:
-        raise ValueError(f"expected {n * size} along dim {dim} to split into {size} shard(s), got shape {tuple(full.shape)}")
+        raise ValueError(
+            f"expected {n * size} along dim {dim} to split into {size} shard(s), got shape {tuple(full.shape)}"
+        )
     return full.narrow(dim, start, n)
 
 
@@ -42,7 +44,9 @@ def shard_stacked_experts(name: str, full: torch.Tensor, start: int, n: int, siz
     if name == "down_proj":
         return narrow_shard(full, 2, start, n, size)
     if full.dim() != 3 or full.shape[1] != 2 * n * size:
-        raise ValueError(f"expected [E, {2 * n * size}, hidden] (gate rows, then up rows), got shape {tuple(full.shape)}")
+        raise ValueError(
+            f"expected [E, {2 * n * size}, hidden] (gate rows, then up rows), got shape {tuple(full.shape)}"
+        )
     gate, up = full.chunk(2, dim=1)
     return torch.cat([gate.narrow(1, start, n), up.narrow(1, start, n)], dim=1)
 
@@ -66,7 +70,12 @@ class _ShardedLinear(nn.Module):
 
 class ColumnParallelLinear(_ShardedLinear):
     def __init__(
-        self, in_features: int, out_features: int, tp: TPGroup, bias: bool = False, what: str = "out_features",
+        self,
+        in_features: int,
+        out_features: int,
+        tp: TPGroup,
+        bias: bool = False,
+        what: str = "out_features",
         fp8_block: Block | None = None,
     ) -> None:
         super().__init__()
@@ -88,7 +97,13 @@ class ColumnParallelLinear(_ShardedLinear):
 
 class RowParallelLinear(_ShardedLinear):
     def __init__(
-        self, in_features: int, out_features: int, tp: TPGroup, bias: bool = False, reduce: bool = True, what: str = "in_features",
+        self,
+        in_features: int,
+        out_features: int,
+        tp: TPGroup,
+        bias: bool = False,
+        reduce: bool = True,
+        what: str = "in_features",
         fp8_block: Block | None = None,
     ) -> None:
         super().__init__()

@@ -30,14 +30,30 @@ from pdserve.bench.engine.floor import step_cost
 from pdserve.bench.engine.models import MODELS, bench_config, engine_quantization, write_config
 from pdserve.bench.engine.report import format_baseline, format_header, format_row
 
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=sorted(MODELS), default="v4-flash", help="layer dimensions (tiny-*: test models)")
     p.add_argument("--num-layers", type=int, help="layers to build (default: as many as fit on a GPU; all on the CPU)")
     p.add_argument("--load-format", default="dummy", help="dummy: random weights made in memory (the only one here)")
-    p.add_argument("--dtype", default="bfloat16", help="weights: bfloat16 | float16 | float32 | fp8 (= bfloat16 activations, --quantization fp8) | fp4 (DeepSeek-V4's release formats: FP4 routed experts, FP8 projections, bfloat16 activations)")
-    p.add_argument("--quantization", "-q", choices=("fp8",), help="fp8: FP8 e4m3 weights with 128 x 128 block scales, kept FP8 (V3.2)")
-    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the weights' dtype) | fp8 (V3.2: 656-byte latent records; V4: 584-byte fp8_ds_v4 window and entry records)")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (the engine captures decode graphs by default)")
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        help="weights: bfloat16 | float16 | float32 | fp8 (= bfloat16 activations, --quantization fp8) | fp4 (DeepSeek-V4's release formats: FP4 routed experts, FP8 projections, bfloat16 activations)",
+    )
+    p.add_argument(
+        "--quantization",
+        "-q",
+        choices=("fp8",),
+        help="fp8: FP8 e4m3 weights with 128 x 128 block scales, kept FP8 (V3.2)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="auto (the weights' dtype) | fp8 (V3.2: 656-byte latent records; V4: 584-byte fp8_ds_v4 window and entry records)",
+    )
+    p.add_argument(
+        "--enforce-eager", action="store_true", help="no CUDA graphs (the engine captures decode graphs by default)"
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batch-sizes", default="1,16,64,128", help="comma-separated decode batch sizes")
     p.add_argument("--context", type=int, default=4096, help="tokens in each sequence's cache")
@@ -47,7 +63,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile-steps", type=int, default=1, help="profiled steps a row (0: no profile)")
     p.add_argument("--baseline-steps", type=int, default=3, help="timed steps of the naive baseline (0: none)")
     p.add_argument("--kv-block-size", type=int, default=64)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of free GPU memory the layers + KV may take")
+    p.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9, help="share of free GPU memory the layers + KV may take"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the JSON report here")
 
@@ -55,15 +73,21 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def check_args(args: argparse.Namespace) -> None:
     """Refuse what the engine cannot run, saying why (ValueError)."""
     if args.load_format != "dummy":
-        raise ValueError(f"--load-format {args.load_format}: bench-engine builds its model from --model's dimensions; only 'dummy'")
+        raise ValueError(
+            f"--load-format {args.load_format}: bench-engine builds its model from --model's dimensions; only 'dummy'"
+        )
     if args.dtype == "fp4":  # V4-Flash as released: FP4 e2m1 routed experts, FP8 projections, bf16 activations
         if "v4" not in args.model:
-            raise ValueError(f"--dtype fp4: FP4 routed experts are DeepSeek-V4's (--model v4-flash or tiny-v4), not {args.model}'s")
+            raise ValueError(
+                f"--dtype fp4: FP4 routed experts are DeepSeek-V4's (--model v4-flash or tiny-v4), not {args.model}'s"
+            )
         args.dtype, args.quantization = "bfloat16", "fp4"
     if args.dtype == "fp8":  # FP8 weights, bf16 activations
         args.dtype, args.quantization = "bfloat16", "fp8"
     if args.quantization == "fp8" and MODELS[args.model]()["model_type"] == "deepseek_v4":
-        raise ValueError("--quantization fp8: for DeepSeek-V4 use --dtype fp4 (its release formats: FP4 routed experts, FP8 projections); the bench has no V4 variant with FP8 experts")
+        raise ValueError(
+            "--quantization fp8: for DeepSeek-V4 use --dtype fp4 (its release formats: FP4 routed experts, FP8 projections); the bench has no V4 variant with FP8 experts"
+        )
     if args.dtype not in ("bfloat16", "float16", "float32"):
         raise ValueError(f"--dtype {args.dtype}: choose bfloat16, float16 or float32")
     if args.kv_cache_dtype not in ("auto", "fp8"):
@@ -103,7 +127,12 @@ def run(args: argparse.Namespace) -> dict:
             max_num_seqs=max(b for b, _ in rows), max_model_len=max(c for _, c in rows) + extra + 1, seed=args.seed,
         )  # fmt: skip
         bench = DecodeBench(config)
-    report = {"environment": environment(device), "settings": settings(args, model_json, blocks, bench.runner.graphs is not None), "ceilings": roof, "rows": []}
+    report = {
+        "environment": environment(device),
+        "settings": settings(args, model_json, blocks, bench.runner.graphs is not None),
+        "ceilings": roof,
+        "rows": [],
+    }
     print(format_header(report), flush=True)
     for b, c in rows:
         report["rows"].append(_row(bench, args, b, c, roof))
@@ -118,8 +147,16 @@ def _fitting_layers(args, device: torch.device, dtype: torch.dtype, blocks: int)
         return bench_config(args.model)["num_hidden_layers"]
     free, _ = torch.cuda.mem_get_info(device)
     budget = args.gpu_memory_utilization * free - 6 * 2**30  # activations, logits, the profiler
-    return plan.fit_layers(args.model, dtype, args.kv_cache_dtype, args.kv_block_size, blocks, max(batch_sizes(args)), budget,
-                           quantization=args.quantization)
+    return plan.fit_layers(
+        args.model,
+        dtype,
+        args.kv_cache_dtype,
+        args.kv_block_size,
+        blocks,
+        max(batch_sizes(args)),
+        budget,
+        quantization=args.quantization,
+    )
 
 
 def _row(bench, args, batch: int, context: int, roof: dict) -> dict:
@@ -133,7 +170,15 @@ def _row(bench, args, batch: int, context: int, roof: dict) -> dict:
         times = bench.timed_steps(seqs, args.steps)
         step_ms = 1e3 * statistics.median(times)
         touched = bench.experts_touched(seqs)
-        cost = step_cost(bench.runner.model, bench.runner.model.config, batch, context, bench.kv_itemsize, touched, record_bytes=bench.kv_record_bytes)
+        cost = step_cost(
+            bench.runner.model,
+            bench.runner.model.config,
+            batch,
+            context,
+            bench.kv_itemsize,
+            touched,
+            record_bytes=bench.kv_record_bytes,
+        )
         floor = cost.floor_ms(roof["copy_bytes_per_s"], roof["matmul_flops_per_s"])
         row.update(step_ms=step_ms, step_ms_all=[1e3 * t for t in times], tok_s=1e3 * batch / step_ms, **floor)
         row.update(ratio=step_ms / floor["floor_ms"], cost=cost.as_dict(), experts_touched=touched)
@@ -166,7 +211,7 @@ def environment(device: torch.device) -> dict:
         triton_version = None
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "torch": torch.__version__, "triton": triton_version, "python": platform.python_version(),
     }  # fmt: skip
 
@@ -183,7 +228,9 @@ def settings(args: argparse.Namespace, model_json: dict, blocks: int, graphs: bo
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="pdserve bench-engine", description="Engine decode steps against their floor, one device.")
+    p = argparse.ArgumentParser(
+        prog="pdserve bench-engine", description="Engine decode steps against their floor, one device."
+    )
     add_args(p)
     args = p.parse_args(argv)
     try:

@@ -32,7 +32,10 @@ class DecodeBench:
         self.device = self.runner.device
         r = self.runner
         self.blocks = BlockManager(
-            r.num_kv_blocks, config.kv_block_size, window_tokens=r.window_tokens, num_window_blocks=r.num_window_blocks,
+            r.num_kv_blocks,
+            config.kv_block_size,
+            window_tokens=r.window_tokens,
+            num_window_blocks=r.num_window_blocks,
             num_state_slots=r.num_state_slots,
         )  # as LLMEngine builds it
         self.vocab = self.runner.model.config.vocab_size

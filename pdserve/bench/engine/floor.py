@@ -10,11 +10,9 @@ Bytes:
     experts the batch's top-k touched (counted in the run, or expected: E (1 - (1 - k/E)^B));
     as stored: FP8 weights 1 byte a value plus their float32 block scales (`*_scale_inv`, bytes
     only: no flops), FP4 experts (packed uint8) 0.5 byte a value plus a 1-byte scale per 32;
-  - KV, per layer and sequence: dense MLA all n latent records (kv_lora_rank + rope dims); V3.2
-    the indexer keys of all n positions (Di) and the top-k min(K, n) latent records; V4 the window
-    min(n, W) records (D), CSA the indexer keys of all n // m entries (Di) and the top-k
-    min(K, n // m) entries (D), HCA all n // m entries (D). The compressors' running state is not
-    counted: an online-softmax accumulator of O(D) values would do.
+  - KV, per layer and sequence: what the model's package counts (`decode_attention_cost` in
+    deepseek_v3/cache.py: all n latent records, or V3.2's indexer keys and top-k records;
+    deepseek_v4/cache.py: the window, CSA's indexer keys and top-k entries, HCA's entries).
 Flops: 2 B x (parameters read, embedding and routed experts aside) + 2 B k x (one expert's
 parameters) per MoE layer + attention (2 H x keys x (qk dims + v dims) per token, the indexer 2
 Hi x candidates x Di).
@@ -24,17 +22,22 @@ floor = max(bytes / copy rate, flops / matmul rate), rates measured in the same 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import torch
 from torch import nn
 
+from pdserve.model import registry
 from pdserve.model.config import ModelConfig
-from pdserve.model.config_v4 import CSA, HCA
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
-_EXPERTS = ("experts.gate_up_proj", "experts.down_proj", "experts.gate_up_proj_scale_inv", "experts.down_proj_scale_inv")
+_EXPERTS = (
+    "experts.gate_up_proj",
+    "experts.down_proj",
+    "experts.gate_up_proj_scale_inv",
+    "experts.down_proj_scale_inv",
+)
 _SCALE = "_scale_inv"
 
 
@@ -63,8 +66,13 @@ def expected_distinct_experts(num_experts: int, top_k: int, batch: int) -> float
 
 
 def step_cost(
-    model: nn.Module, config: ModelConfig, batch: int, context: int, kv_itemsize: float,
-    experts_touched: dict[int, float] | None = None, param_bytes: Callable[[str, torch.Tensor], float] | None = None,
+    model: nn.Module,
+    config: ModelConfig,
+    batch: int,
+    context: int,
+    kv_itemsize: float,
+    experts_touched: dict[int, float] | None = None,
+    param_bytes: Callable[[str, torch.Tensor], float] | None = None,
     record_bytes: int | None = None,
 ) -> StepCost:
     """The cost of one decode step of `batch` sequences with `context` tokens cached each.
@@ -91,27 +99,12 @@ def step_cost(
     return StepCost(weight_bytes=dense, expert_bytes=experts, kv_bytes=kv, flops=flops + attn_flops)
 
 
-def attention_cost(config: ModelConfig, batch: int, context: int, itemsize: float, record_bytes: int | None = None) -> tuple[int, int]:
-    """(KV bytes read, attention flops) of one decode step, all layers. itemsize: bytes of a
-    record value; record_bytes: an attention record's bytes when it is a byte format (V3 / V3.2's
-    latent, V4's window and entries; the indexer keys stay values)."""
-    c, n = config, context + 1
-    H, Hi, Di, K = c.num_attention_heads, c.index_n_heads, c.index_head_dim, c.index_topk
-    values = flops = 0  # per sequence
-    if c.v4 is None:
-        rec = c.kv_lora_rank + c.qk_rope_head_dim
-        rec_values = record_bytes / itemsize if record_bytes else rec  # in values of itemsize bytes
-        keys = min(K, n) if c.has_indexer else n
-        for _ in range(c.num_hidden_layers):
-            values += keys * rec_values + (n * Di if c.has_indexer else 0)
-            flops += 2 * H * keys * (rec + c.kv_lora_rank) + (2 * Hi * n * Di if c.has_indexer else 0)
-    else:
-        v4, D = c.v4, c.v4.head_dim
-        rec_values = record_bytes / itemsize if record_bytes else D  # a K = V record, in values of itemsize bytes
-        for layer, kind in enumerate(v4.layer_types):
-            window = min(n, v4.sliding_window)
-            entries = n // v4.compress_rate(layer) if kind in (CSA, HCA) else 0
-            attended = min(K, entries) if kind == CSA else entries
-            values += (window + attended) * rec_values + (entries * Di if kind == CSA else 0)
-            flops += 4 * H * (window + attended) * D + (2 * Hi * entries * Di if kind == CSA else 0)
+def attention_cost(
+    config: ModelConfig, batch: int, context: int, itemsize: float, record_bytes: int | None = None
+) -> tuple[int, int]:
+    """(KV bytes read, attention flops) of one decode step, all layers (what each model reads: its
+    package's cache.py). itemsize: bytes of a record value; record_bytes: an attention record's
+    bytes when it is a byte format (V3 / V3.2's latent, V4's window and entries; the indexer keys
+    stay values)."""
+    values, flops = registry.entry(config).decode_attention_cost(config, context, itemsize, record_bytes)
     return round(batch * values * itemsize), batch * flops

@@ -16,7 +16,7 @@ import json
 import math
 from pathlib import Path
 
-from pdserve.model.config_v4 import CSA, HCA, SLIDING
+from pdserve.model.deepseek_v4.config import CSA, HCA, SLIDING
 from pdserve.tiny_model import tiny_config, tiny_v4_config
 
 V32 = {
@@ -79,7 +79,12 @@ def bench_config(name: str, num_layers: int | None = None, quantization: str | N
     d = MODELS[name]()
     if quantization in ("fp8", "fp4"):
         block = [FP8_BLOCK[name]] * 2
-        d["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": block}
+        d["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": block,
+        }
     if quantization == "fp4":
         d["quantization_config"].update(scale_fmt="ue8m0", expert_dtype="fp4")
     full = d["num_hidden_layers"]

@@ -10,21 +10,15 @@ import torch
 from torch import nn
 
 from pdserve.bench.engine.models import bench_config, engine_quantization, real_num_layers
+from pdserve.model import registry
 from pdserve.model.config import ModelConfig
 from pdserve.model.kv_cache import STATE, TOKENS, WINDOW, KVCache
 
 
 def meta_model(config: ModelConfig) -> nn.Module:
-    """The model of `config` on the meta device (shapes only); V4 behind its paged adapter."""
+    """The model of `config` (its registry entry's class) on the meta device: shapes only."""
     with torch.device("meta"):
-        if config.v4 is None:
-            from pdserve.model.deepseek import DeepseekForCausalLM
-
-            return DeepseekForCausalLM(config)
-        from pdserve.model.deepseek_v4 import DeepseekV4ForCausalLM
-        from pdserve.model.v4_paged import PagedDeepseekV4
-
-        return PagedDeepseekV4(DeepseekV4ForCausalLM(config))
+        return registry.entry(config).model_class(config)
 
 
 def pool_blocks(rows: list[tuple[int, int]], block_size: int, extra: int) -> int:
@@ -33,7 +27,13 @@ def pool_blocks(rows: list[tuple[int, int]], block_size: int, extra: int) -> int
 
 
 def footprint(
-    name: str, num_layers: int, dtype: torch.dtype, kv_cache_dtype: str, block_size: int, num_blocks: int, max_num_seqs: int,
+    name: str,
+    num_layers: int,
+    dtype: torch.dtype,
+    kv_cache_dtype: str,
+    block_size: int,
+    num_blocks: int,
+    max_num_seqs: int,
     quantization: str | None = None,
 ) -> dict[str, int]:
     """Bytes of the weights and of the KV pool (token blocks, and the window blocks and state
@@ -64,10 +64,17 @@ def param_itemsize(name: str, p: torch.Tensor, itemsize: int) -> int:
 
 
 def fit_layers(
-    name: str, dtype: torch.dtype, kv_cache_dtype: str, block_size: int, num_blocks: int, max_num_seqs: int, budget: float,
+    name: str,
+    dtype: torch.dtype,
+    kv_cache_dtype: str,
+    block_size: int,
+    num_blocks: int,
+    max_num_seqs: int,
+    budget: float,
     quantization: str | None = None,
 ) -> int:
     """The most layers (up to the released count) whose weights + pool fit in budget bytes."""
+
     def fits(n: int) -> bool:
         parts = footprint(name, n, dtype, kv_cache_dtype, block_size, num_blocks, max_num_seqs, quantization)
         return sum(parts.values()) <= budget

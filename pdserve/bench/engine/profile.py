@@ -6,8 +6,8 @@ the device waits for the host: Python, launches, host-built metadata, syncs).
 Names are classified in this order (first match wins): attention (pdserve's sparse MLA and
 indexer kernels, FlashAttention / SDPA), MoE (fused_moe), GEMM (cuBLAS / CUTLASS / nvjet and the
 aten matmul ops), copy (memcpy / memset), norms / rope / other (everything else: elementwise,
-reductions, softmax, top-k, gathers). DeepSeek-V4's attention in the engine is plain torch today
-(einsum + softmax), so its time shows up as GEMM and other, not as attention.
+reductions, softmax, top-k, gathers). Attention run by the torch reference kernels (on the CPU,
+and in the naive baseline) is aten ops (einsum + softmax), so its time shows up as GEMM and other.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def kernel_times(prof, device: torch.device) -> Counter:
 def breakdown(step, device: torch.device, steps: int, step_ms: float) -> dict:
     """Profile `steps` calls of step(); ms per step by class (launch gaps against step_ms, the
     unprofiled median), each class's share of step_ms, and the top kernels."""
-    # GPU: kernels only (recording every host op of a V4 step is ~10^5 events more to process)
+    # GPU: kernels only (recording every host op of a step too multiplies the events to process)
     activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
     with profile(activities=activities) as prof:
         for _ in range(steps):

@@ -56,7 +56,11 @@ def describe_layers(kinds: dict) -> str:
     """'1 sliding, 4 CSA, 3 HCA; 1 hash-routed MoE' or '1 dense, 4 MoE'."""
     if "layer_types" in kinds:
         t, m = kinds["layer_types"], kinds["mlp_layer_types"]
-        names = (("sliding_attention", "sliding"), ("compressed_sparse_attention", "CSA"), ("heavily_compressed_attention", "HCA"))
+        names = (
+            ("sliding_attention", "sliding"),
+            ("compressed_sparse_attention", "CSA"),
+            ("heavily_compressed_attention", "HCA"),
+        )
         parts = [f"{t.count(k)} {short}" for k, short in names if t.count(k)]
         return ", ".join(parts) + f"; {m.count('hash_moe')} hash-routed MoE"
     dense = kinds.get("first_k_dense_replace", 0)

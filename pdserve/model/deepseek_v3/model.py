@@ -6,7 +6,7 @@ Module and parameter names are the checkpoint's (model.layers.N.self_attn.kv_b_p
 ...), so the loader maps names one to one except for the stacked experts (see loader.py).
 
 Tensor parallelism (a TPGroup of size > 1) splits attention heads, MLP and expert intermediate
-dims (see attention.py, layers.py, moe.py). The embedding and lm_head are replicated: the token
+dims (see attention.py, model/layers.py, moe.py). The embedding and lm_head are replicated: the token
 lookup needs no all-reduce, and only rank 0 computes logits, for the sampler it alone runs.
 """
 
@@ -16,13 +16,13 @@ import torch
 from torch import nn
 
 from pdserve.distributed.group import TPGroup
-from pdserve.model import ops
-from pdserve.model.kv_cache import KVCache, KVRegionSpec
-from pdserve.model.attention import MLA
 from pdserve.model.batch import ForwardBatch
 from pdserve.model.config import ModelConfig
+from pdserve.model.deepseek_v3.attention import MLA
+from pdserve.model.deepseek_v3.cache import kv_cache_specs
+from pdserve.model.deepseek_v3.moe import MoE
+from pdserve.model.kv_cache import KVCache, KVRegionSpec
 from pdserve.model.layers import MLP, RMSNorm
-from pdserve.model.moe import MoE
 from pdserve.model.rope import RotaryEmbedding
 
 # Parameters kept in float32 whatever the model dtype (router and indexer weights), as transformers does.
@@ -56,6 +56,7 @@ class DeepseekModel(nn.Module):
 
 class DeepseekForCausalLM(nn.Module):
     supports_cuda_graphs = True  # decode forward: no host sync, shapes from the batch size alone
+
     def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = config
@@ -72,18 +73,8 @@ class DeepseekForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def kv_cache_specs(self, kv_cache_dtype: str = "auto") -> list[KVRegionSpec]:
-        """kv_cache_dtype "fp8": the latent as 656-byte FP8 records (kernels/kv_fp8.py)."""
-        c = self.config
-        if kv_cache_dtype == "fp8":
-            if c.kv_lora_rank % 128:
-                raise ValueError(f"kv_cache_dtype fp8 needs kv_lora_rank a multiple of 128 (one scale per 128 values), got {c.kv_lora_rank}")
-            size = ops.fp8_record_bytes(c.kv_lora_rank, c.qk_rope_head_dim)
-            specs = [KVRegionSpec("latent", size, record="fp8_ds_mla")]
-        else:
-            specs = [KVRegionSpec("latent", c.kv_lora_rank + c.qk_rope_head_dim)]
-        if c.has_indexer:
-            specs.append(KVRegionSpec("index_k", c.index_head_dim))
-        return specs
+        """The KV pool's regions (cache.py)."""
+        return kv_cache_specs(self.config, kv_cache_dtype)
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:

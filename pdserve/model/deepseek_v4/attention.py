@@ -16,7 +16,7 @@ The attention of a layer is one `ops.sparse_mla_decode` over the whole flat batc
 sinks) that reads the pool where it lies: the layer's window region (the step's new kv written
 there first) through the step's window rows [T, W], and its entries region through a second
 index list (HCA: every visible entry; CSA: the indexer's top-k, `ops.indexer_topk_paged` over the
-region's indexer keys), -1 padded. The indices are built once per step (v4_step.py). With FP8
+region's indexer keys), -1 padded. The indices are built once per step (step.py). With FP8
 records (`--kv-cache-dtype fp8`: window and entries as fp8_ds_v4 pages) the records each query
 reads are gathered from both regions into one source first (`ops.sparse_mla_decode_fp8_v4`
 takes one): T * (W + K2) records a layer.
@@ -30,13 +30,13 @@ from torch import nn
 from pdserve.distributed.group import TPGroup
 from pdserve.model import ops
 from pdserve.model.config import ModelConfig
-from pdserve.model.config_v4 import CSA, HCA, SLIDING
+from pdserve.model.deepseek_v4.compressor import CSACompressor, HCACompressor, Indexer
+from pdserve.model.deepseek_v4.config import CSA, HCA, SLIDING
+from pdserve.model.deepseek_v4.layers import V4RMSNorm, rms_norm, rope_tail, store_records
+from pdserve.model.deepseek_v4.step import V4Step
 from pdserve.model.fp8 import Block, fp8_params, linear, shard_scales
 from pdserve.model.kv_cache import KVCache
 from pdserve.model.parallel import ColumnParallelLinear, RowParallelLinear, narrow_shard
-from pdserve.model.v4_compressor import CSACompressor, HCACompressor, Indexer
-from pdserve.model.v4_ops import V4RMSNorm, rms_norm, rope_tail, store_records
-from pdserve.model.v4_step import V4Step
 
 
 class GroupedLinear(nn.Module):
@@ -45,8 +45,14 @@ class GroupedLinear(nn.Module):
     FP8 (`fp8_block` (bn, bk)): the e4m3 weight with weight_scale_inv [G*Ro/bn, ceil(in/G/bk)],
     one `ops.fp8_linear` a group, so a group's rows must start on a block edge (Ro % bn == 0)."""
 
-    def __init__(self, in_per_group: int, out_features: int, groups: int, tp: TPGroup | None = None,
-                 fp8_block: Block | None = None) -> None:
+    def __init__(
+        self,
+        in_per_group: int,
+        out_features: int,
+        groups: int,
+        tp: TPGroup | None = None,
+        fp8_block: Block | None = None,
+    ) -> None:
         super().__init__()
         self.tp, self.fp8_block = tp or TPGroup.single(), fp8_block
         first, self.groups = self.tp.shard(groups, "o_groups")
@@ -56,8 +62,10 @@ class GroupedLinear(nn.Module):
             self.weight = nn.Parameter(torch.zeros(self.n, in_per_group))
             return
         if self.rows % fp8_block[0]:
-            raise ValueError(f"o_lora_rank {self.rows} is not a multiple of the FP8 block's {fp8_block[0]} rows: "
-                             "each output group must start on a block edge (or --quantization none)")
+            raise ValueError(
+                f"o_lora_rank {self.rows} is not a multiple of the FP8 block's {fp8_block[0]} rows: "
+                "each output group must start on a block edge (or --quantization none)"
+            )
         self.weight, self.weight_scale_inv = fp8_params(self.n, in_per_group, fp8_block)
 
     def shard_weight(self, name: str, full: torch.Tensor) -> torch.Tensor:
@@ -169,10 +177,14 @@ class V4Attention(nn.Module):
             more, more_idx = _gather_fp8(extra[0], extra[1][:, 0], D, R)
             idx = torch.cat([idx, torch.where(more_idx >= 0, more_idx + pages.shape[0], -1)], dim=1)
             pages = torch.cat([pages, more])
-        out, _ = ops.sparse_mla_decode_fp8_v4(q[:, None], pages, idx[:, None].to(torch.int32), self.scale, R, sink=self.sinks)
+        out, _ = ops.sparse_mla_decode_fp8_v4(
+            q[:, None], pages, idx[:, None].to(torch.int32), self.scale, R, sink=self.sinks
+        )
         return out
 
-    def _compress(self, x, q_res, step: V4Step, kv_cache: KVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _compress(
+        self, x, q_res, step: V4Step, kv_cache: KVCache, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Advance every sequence's compressor (and indexer) by its new tokens, in the pool;
         returns the attention's second key source: (this layer's entries region, [N, D] values
         or fp8_ds_v4 pages; the rows each query reads [T, 1, K2]), or None when no query sees an

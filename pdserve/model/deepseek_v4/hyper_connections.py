@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.model import ops
-from pdserve.model.v4_ops import rms_norm
+from pdserve.model.deepseek_v4.layers import rms_norm
 
 
 class HyperConnection(nn.Module):
@@ -39,7 +39,9 @@ class HyperConnection(nn.Module):
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h [T, N, D] -> post [T, N], comb [T, N, N] (float32) and the block input [T, D]."""
         mixes = F.linear(rms_norm(h.flatten(1).float(), self.norm_eps), self.fn.float())  # [T, (2+N)*N]
-        pre, post, comb = ops.hc_mix(mixes, self.base, self.scale, self.n, self.iters, self.hc_eps)  # one kernel on a GPU
+        pre, post, comb = ops.hc_mix(
+            mixes, self.base, self.scale, self.n, self.iters, self.hc_eps
+        )  # one kernel on a GPU
         collapsed = (pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype)  # [T, D]
         return post, comb, collapsed
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.model.config_base import ConfigError, RopeConfig, parse_rope_params
+from pdserve.model.config_base import ConfigError, RopeConfig, eos_ids, parse_quant, parse_rope_params
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
@@ -54,6 +54,33 @@ V4_DEFAULTS = dict(
     routed_scaling_factor=1.5, max_position_embeddings=1048576, index_n_heads=64, index_head_dim=128,
     index_topk=512,
 )  # fmt: skip
+
+
+def defaults(model_type: str) -> dict[str, Any]:
+    """ModelConfig defaults of deepseek_v4 where they differ from ModelConfig's own: V4-Flash's."""
+    return V4_DEFAULTS
+
+
+def parse(d: dict[str, Any], model_type: str, kw: dict[str, Any], source: str) -> dict[str, Any]:
+    """The ModelConfig fields of config.json `d`: the shared ones parsed in `kw`, V4's in `v4`."""
+    n = kw["num_hidden_layers"]
+    v4, kw["qk_rope_head_dim"] = parse_v4(d, n, kw["max_position_embeddings"], source)
+    kw.update(
+        mlp_layer_types=("sparse",) * n,  # MoE everywhere; hash or routed: v4.mlp_layer_types
+        intermediate_size=kw["moe_intermediate_size"],  # the shared expert's width
+        n_group=1,
+        topk_group=1,
+        rope=v4.main_rope,
+        eos_token_ids=eos_ids(d.get("eos_token_id", 1)),
+        quant=parse_quant(d.get("quantization_config"), source, d.get("expert_dtype")),
+        index_n_heads=int(d.get("index_n_heads") or 64),
+        index_head_dim=int(d.get("index_head_dim") or 128),
+        index_topk=int(d.get("index_topk") or 512),
+        v4=v4,
+    )
+    if kw["q_lora_rank"] is None:
+        raise ConfigError(f"{source}: deepseek_v4 needs q_lora_rank (queries and indexer read the q LoRA)")
+    return kw
 
 
 def parse_v4(d: dict[str, Any], num_layers: int, max_pos: int, source: str) -> tuple[V4Config, int]:

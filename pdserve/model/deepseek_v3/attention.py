@@ -30,12 +30,12 @@ import torch
 from torch import nn
 
 from pdserve.distributed.group import TPGroup
-from pdserve.model.kv_cache import KVCache
 from pdserve.model import ops
 from pdserve.model.batch import ForwardBatch, PrefillChunks
 from pdserve.model.config import ModelConfig
+from pdserve.model.deepseek_v3.indexer import Indexer
 from pdserve.model.fp8 import linear
-from pdserve.model.indexer import Indexer
+from pdserve.model.kv_cache import KVCache
 from pdserve.model.layers import RMSNorm
 from pdserve.model.parallel import ColumnParallelLinear, RowParallelLinear
 from pdserve.model.rope import apply_rope, softmax_scale
@@ -65,8 +65,12 @@ class MLA(nn.Module):
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank)
         # kept in the model dtype (dequantized at load, as vLLM does): absorbed into the queries
         # and the output per head (W_UK, W_UV), not multiplied as one linear layer
-        self.kv_b_proj = ColumnParallelLinear(c.kv_lora_rank, H * (c.qk_nope_head_dim + c.v_head_dim), tp, what="kv heads")
-        self.o_proj = RowParallelLinear(H * c.v_head_dim, c.hidden_size, tp, bias=bias, what="o_proj heads", fp8_block=fp8)
+        self.kv_b_proj = ColumnParallelLinear(
+            c.kv_lora_rank, H * (c.qk_nope_head_dim + c.v_head_dim), tp, what="kv heads"
+        )
+        self.o_proj = RowParallelLinear(
+            H * c.v_head_dim, c.hidden_size, tp, bias=bias, what="o_proj heads", fp8_block=fp8
+        )
         self.indexer = Indexer(c) if c.has_indexer else None
 
     def forward(
@@ -122,7 +126,14 @@ class MLA(nn.Module):
         kv_heads = self.kv_b_proj(latent).view(-1, H, Dn + self.v_dim)  # [S, H, Dn+Dv]
         q = torch.cat([q_nope, q_pe], dim=-1)  # [Tp, H, Dn+R]
         out, _ = ops.mla_prefill_attention(
-            q, kv_heads[..., :Dn], k_rope, kv_heads[..., Dn:], chunks.cu_q, chunks.cu_k, chunks.max_q, self.scale,
+            q,
+            kv_heads[..., :Dn],
+            k_rope,
+            kv_heads[..., Dn:],
+            chunks.cu_q,
+            chunks.cu_k,
+            chunks.max_q,
+            self.scale,
             max_seqlen_k=chunks.max_k,
         )
         return out

@@ -168,7 +168,12 @@ def visible_rows(ix: EntryIndex, seq: torch.Tensor) -> torch.Tensor:
     """[T, Em] int32 rows of the entries each query sees, -1 past them."""
     e = torch.arange(ix.max_seen, device=seq.device)  # [Em]
     seen = e[None, :] < ix.seen[:, None]  # [T, Em]
-    rows = entry_rows(ix.table, ix.page, seq[:, None].expand(-1, ix.max_seen), e.expand(seq.shape[0], -1).clamp(max=max(ix.max_seen - 1, 0)))
+    rows = entry_rows(
+        ix.table,
+        ix.page,
+        seq[:, None].expand(-1, ix.max_seen),
+        e.expand(seq.shape[0], -1).clamp(max=max(ix.max_seen - 1, 0)),
+    )
     return torch.where(seen, rows, -1).to(torch.int32)
 
 
@@ -184,7 +189,9 @@ def entry_index(batch: ForwardBatch, m: int, decode: bool, rotary: RotaryEmbeddi
     )
 
 
-def group_plan(batch: ForwardBatch, m: int, table: torch.Tensor, page: int, decode: bool, rotary: RotaryEmbedding) -> GroupPlan:
+def group_plan(
+    batch: ForwardBatch, m: int, table: torch.Tensor, page: int, decode: bool, rotary: RotaryEmbedding
+) -> GroupPlan:
     """The groups of rate m the step touches. Sequence b touches groups n // m ..
     (n + L - 1) // m: at most (L + m - 2) // m + 1, so U = (T + B*(m-2)) // m + B bounds them all
     (U = B when every chunk is one token)."""

@@ -57,5 +57,13 @@ class Indexer(nn.Module):
         k_cache[batch.slot_mapping] = k.to(k_cache.dtype)
         w = F.linear(x.float(), self.weights_proj.weight.float()) * self.weight_scale  # [T, Hi]
         return ops.indexer_topk_paged(
-            q, k_cache, w, batch.block_tables, batch.seq_ids, batch.context_lens, batch.block_size, batch.max_context, self.topk
+            q,
+            k_cache,
+            w,
+            batch.block_tables,
+            batch.seq_ids,
+            batch.context_lens,
+            batch.block_size,
+            batch.max_context,
+            self.topk,
         )

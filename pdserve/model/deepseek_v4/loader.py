@@ -7,13 +7,13 @@ by the table below, which follows transformers' deepseek_v4 conversion mapping. 
 `<module>.scale`, transformers' `<module>.weight_scale_inv`.
 Dtypes: bf16 / fp16 / fp32 as they are; FP8 e4m3 with 128x128 block scales (float or ue8m0) and
 FP4 e2m1 routed experts (two values a byte, one ue8m0 scale per 32 values) kept as they are in
-the modules that keep them (`quantization` unset or "fp8": the FP8 projections of deepseek_v4.py's
+the modules that keep them (`quantization` unset or "fp8": the FP8 projections of model.py's
 docstring, scales as float32 `weight_scale_inv`; the experts' bytes and ue8m0 scale bytes copied
-into the stacked uint8 parameters of v4_moe.Experts), dequantized at load everywhere else
+into the stacked uint8 parameters of moe.Experts), dequantized at load everywhere else
 (`quantization="none"`: everywhere). MTP layers (mtp.*, or layer index >= num_hidden_layers) are
 skipped, with one log line.
 Under tensor parallelism (`tp` of size > 1) each rank allocates only its shards and fills them
-with the slices its modules name (`shard_weight` / `shard_expert`, as loader.py does for V3):
+with the slices its modules name (`shard_weight` / `shard_expert`, as deepseek_v3/loader.py does):
 each full tensor is read (and dequantized), sliced, freed; packed FP4 bytes and their scales are
 sliced together (down_proj's I columns: 2 values a byte, 32 a scale).
 """
@@ -22,17 +22,18 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors import safe_open
 from torch import nn
+from tqdm import tqdm
 
 from pdserve.distributed.group import TPGroup
 from pdserve.model.config import ModelConfig
-from pdserve.model.deepseek_v4 import FP32_PARAM_PATTERNS, DeepseekV4ForCausalLM
+from pdserve.model.deepseek_v4.model import FP32_PARAM_PATTERNS, DeepseekV4ForCausalLM
 from pdserve.model.fp4 import check_fp4_shapes, dequantize_fp4, is_fp4, packed_bytes, scales_to_float, ue8m0_bytes
 from pdserve.model.fp8 import FP8, dequantize_block_fp8, is_fp8, model_config_for
 from pdserve.model.loader import CheckpointError, weight_files
@@ -58,7 +59,12 @@ RELEASE_RENAMES = (
 _SCALE = "_scale_inv"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
-_STACKED = ("experts.gate_up_proj", "experts.down_proj", "experts.gate_up_proj_scale_inv", "experts.down_proj_scale_inv")
+_STACKED = (
+    "experts.gate_up_proj",
+    "experts.down_proj",
+    "experts.gate_up_proj_scale_inv",
+    "experts.down_proj_scale_inv",
+)
 _IGNORED = re.compile(r"rotary_emb\.|inv_freq$")
 _RELEASE_EXPERT_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
@@ -82,6 +88,7 @@ def load_v4_model(
     device: torch.device | str = "cpu",
     tp: TPGroup | None = None,
     quantization: str | None = None,
+    progress: bool = True,
 ) -> DeepseekV4ForCausalLM:
     """quantization (--quantization): None follows the checkpoint (FP8 kept FP8, FP4 experts kept
     FP4), "fp8" the same but refuses a checkpoint without an FP8 quantization_config, "none"
@@ -96,7 +103,7 @@ def load_v4_model(
             model = DeepseekV4ForCausalLM(model_config_for(config, quantization), tp)
     except ValueError as e:  # a quantization that cannot hold; a shard that would cut a scale block
         raise CheckpointError(f"{model_dir}: {e}") from e
-    _materialize(model, dtype, torch.device(device))
+    materialize(model, dtype, torch.device(device))
     names = {hf_name(n): n for n in files}
     skipped = sorted(n for n in names if _is_mtp(n, config))
     if skipped:
@@ -113,7 +120,7 @@ def load_v4_model(
             except Exception as e:  # safetensors raises its own error types
                 raise CheckpointError(f"cannot read tensor {name} from {files[name]}: {e}") from e
 
-        for hf in sorted(names):
+        for hf in tqdm(sorted(names), desc=f"Loading {model_dir.name}", unit="tensor", disable=not progress):
             if hf.endswith(_SCALE) or _IGNORED.search(hf) or hf in skipped:
                 continue
             if hf == "lm_head.weight" and config.tie_word_embeddings:
@@ -174,14 +181,18 @@ def _fp8_scale(hf: str, tensor: torch.Tensor, names, file: Path, read, config: M
     """The float32 block scales of a weight the model keeps FP8, checked."""
     where = f"{names[hf]} in {file.name}"
     if not is_fp8(tensor):
-        raise CheckpointError(f"{where} is {tensor.dtype}, but config.json's quantization_config makes it an FP8 "
-                              "weight; load with quantization 'none' to take the weights as they are")
+        raise CheckpointError(
+            f"{where} is {tensor.dtype}, but config.json's quantization_config makes it an FP8 "
+            "weight; load with quantization 'none' to take the weights as they are"
+        )
     if hf + _SCALE not in names:
         raise CheckpointError(f"{where} is {tensor.dtype} but its scale ({hf + _SCALE} / .scale) is missing")
     scale, (N, K), (bn, bk) = read(hf + _SCALE), tensor.shape, config.quant.weight_block_size
     if tuple(scale.shape) != (-(-N // bn), -(-K // bk)):
-        raise CheckpointError(f"{where}: weight_scale_inv shape {tuple(scale.shape)} does not fit weight {(N, K)} "
-                              f"with blocks {(bn, bk)}: expected {(-(-N // bn), -(-K // bk))}")
+        raise CheckpointError(
+            f"{where}: weight_scale_inv shape {tuple(scale.shape)} does not fit weight {(N, K)} "
+            f"with blocks {(bn, bk)}: expected {(-(-N // bn), -(-K // bk))}"
+        )
     return scales_to_float(scale)
 
 
@@ -206,7 +217,7 @@ def _check_unused_scales(names: dict[str, str], files) -> None:
             raise CheckpointError(f"{names[hf]} in {files[names[hf]].name} has no weight it scales")
 
 
-def _materialize(model: DeepseekV4ForCausalLM, dtype: torch.dtype, device: torch.device) -> None:
+def materialize(model: DeepseekV4ForCausalLM, dtype: torch.dtype, device: torch.device) -> None:
     """Every meta parameter becomes an uninitialized one in its final dtype (float32 for the
     parameters transformers keeps in float32; packed FP4, FP8 and their scales keep theirs) and
     device; buffers keep their dtype."""

@@ -3,8 +3,8 @@
 Legend: T new tokens of the step (all sequences), B sequences, N hc_mult streams, V vocab,
 n tokens of a sequence so far, D head_dim, Di index_head_dim, W sliding_window.
 
-Cache state, per sequence and layer, by layer kind, all of it in the pool (regions in
-v4_paged.py: what the engine pages and transfers):
+Cache state, per sequence and layer, by layer kind, all of it in the pool (regions in cache.py:
+what the engine pages and transfers):
   - every layer: the K=V records of its last W-1 positions (normed, roped; window region);
   - CSA layers (rate 4): n // 4 entries [D] and indexer keys [Di], plus their running state:
     pending group [n % 4, 2D] / [n % 4, 2Di] for kv and for gate logits, and the overlap (last
@@ -13,35 +13,33 @@ v4_paged.py: what the engine pages and transfers):
 Entry e pools positions e*m .. e*m+m-1 (CSA: and the m before) and is visible from positions
 p >= e*m + m - 1.
 Sizes for the released V4-Flash config (43 layers: 2 sliding, 21 CSA, 20 HCA; D 512, Di 128,
-W 128) in bf16, computed by v4_cache.cache_bytes (and checked in tests/test_v4_loader.py):
+W 128) in bf16 (checked in tests/unit/test_v4_loader.py):
   - growing: CSA (512 + 128) / 4 values = 320 B/token/layer, HCA 512 / 128 = 8 B/token/layer;
-    21 * 320 + 20 * 8 = 6,880 B per token for the whole model (FP8 records like FlashMLA's
-    584 B per 512 values would make it about 0.57x);
+    21 * 320 + 20 * 8 = 6,880 B per token for the whole model;
   - fixed per sequence: windows 43 * 127 * 512 * 2 B = 5.59 MB; running state at most 5.74 MB
-    (CSA 25.6 KB a layer; HCA's pending group 127 * 2 * 512 * 2 B = 260 KB a layer: it could be
-    folded into an online-softmax accumulator of 3 * 512 values; kept raw here, so that the
-    pooling runs in transformers' order of operations).
+    (CSA 25.6 KB a layer; HCA's pending group 127 * 2 * 512 * 2 B = 260 KB a layer, kept raw so
+    that the pooling runs in transformers' order of operations).
 
 Forward: `forward(batch, kv_cache)` runs the new tokens of B sequences (prefill chunks and
 decode tokens alike, a ForwardBatch) concatenated; sequence b's tokens take positions
-batch.starts[b] onwards. The step's indices are built on the device once (v4_step.py) and each
+batch.starts[b] onwards. The step's indices are built on the device once (step.py) and each
 layer reads and writes its regions of the pool in place (after an exception the sequences' pool
 state is half-advanced and must be dropped). Whole-prompt prefill, chunked prefill and one-token
 decode give the same results.
 
 Weights are kept as `config.quant` says (build from a config whose quant is None to dequantize
-at load: v4_loader.py): FP8 e4m3 with 128x128 block scales for the projections V4-Flash ships
+at load: loader.py): FP8 e4m3 with 128x128 block scales for the projections V4-Flash ships
 FP8 (attention's q_a / q_b / kv / o_a / o_b, the indexer's q_b, the shared expert: config.fp8_block,
-`ops.fp8_linear`), and its FP4 routed experts packed (v4_moe.Experts, `ops.fused_moe_fp4`); the
+`ops.fp8_linear`), and its FP4 routed experts packed (moe.Experts, `ops.fused_moe_fp4`); the
 compressors, indexer keys and weights, router, embedding and head are bf16 in the checkpoint.
 
 Module and parameter names are transformers' (model.layers.N.self_attn.compressor.indexer...,
 mlp.experts.gate_up_proj, attn_hc.fn, model.hc_head.hc_fn, ...), so a transformers-format
-checkpoint maps one to one; v4_loader.py also maps DeepSeek's release names. MTP layers are not
+checkpoint maps one to one; loader.py also maps DeepSeek's release names. MTP layers are not
 part of this model.
 
 Tensor parallelism (a TPGroup of size > 1) splits the query heads and output groups of attention
-and the experts' intermediate dim (v4_attention.py, v4_moe.py): two all-reduces a layer, as V3.
+and the experts' intermediate dim (attention.py, moe.py): two all-reduces a layer, as V3.
 The rest is replicated on every rank: the embedding, mHC and norms (they act on the full hidden
 state each rank holds after an all-reduce), the shared K=V head, compressors and indexer (every
 rank holds the same caches), and lm_head (only rank 0 computes logits, for its sampler).
@@ -55,14 +53,15 @@ from torch import nn
 from pdserve.distributed.group import TPGroup
 from pdserve.model.batch import ForwardBatch
 from pdserve.model.config import ModelConfig
-from pdserve.model.config_v4 import CSA, HCA
-from pdserve.model.hyper_connections import HyperConnection, HyperHead, hc_residual
-from pdserve.model.kv_cache import KVCache
+from pdserve.model.deepseek_v4.attention import V4Attention
+from pdserve.model.deepseek_v4.cache import kv_cache_specs
+from pdserve.model.deepseek_v4.config import CSA, HCA
+from pdserve.model.deepseek_v4.hyper_connections import HyperConnection, HyperHead, hc_residual
+from pdserve.model.deepseek_v4.layers import V4RMSNorm
+from pdserve.model.deepseek_v4.moe import V4MoE, fp4_experts
+from pdserve.model.deepseek_v4.step import V4Step, build_step
+from pdserve.model.kv_cache import KVCache, KVRegionSpec
 from pdserve.model.rope import RotaryEmbedding
-from pdserve.model.v4_attention import V4Attention
-from pdserve.model.v4_moe import V4MoE, fp4_experts
-from pdserve.model.v4_ops import V4RMSNorm
-from pdserve.model.v4_step import V4Step, build_step
 
 # Parameters kept in float32 whatever the model dtype (transformers' _keep_in_fp32_modules_strict).
 FP32_PARAM_PATTERNS = (
@@ -101,6 +100,10 @@ class DeepseekV4Model(nn.Module):
 
 
 class DeepseekV4ForCausalLM(nn.Module):
+    # decode graphs need a forward without host syncs: the pool path has none, and the routed
+    # experts run in one kernel a layer (fused_moe with V4's clamp, or fused_moe_fp4)
+    supports_cuda_graphs = True
+
     def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         if config.v4 is None:
@@ -121,10 +124,14 @@ class DeepseekV4ForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def kv_cache_specs(self, kv_cache_dtype: str = "auto") -> list[KVRegionSpec]:
+        """The KV pool's regions (cache.py)."""
+        return kv_cache_specs(self.config, kv_cache_dtype)
+
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """Every token of the batch (on the model's device) -> final-normed hidden [T, hidden];
-        writes what each sequence's cache gains into kv_cache (v4_paged.v4_kv_specs' regions)."""
+        writes what each sequence's cache gains into kv_cache (cache.py's regions)."""
         step = self.step(batch)
         h = self.model.embed_tokens(step.input_ids)  # [T, hidden]
         h = h.unsqueeze(1).expand(-1, self.config.v4.hc_mult, -1).contiguous()  # [T, N, hidden]

@@ -76,8 +76,10 @@ class Experts(nn.Module):
             return
         bn, bk = self.fp8_block
         if I % bn or I % bk:
-            raise ValueError(f"FP8 experts: moe_intermediate_size per rank ({I}, tensor_parallel_size {tp.size}) must be a "
-                             f"multiple of the weight block {self.fp8_block} (gate and up rows stack); or use --quantization none")
+            raise ValueError(
+                f"FP8 experts: moe_intermediate_size per rank ({I}, tensor_parallel_size {tp.size}) must be a "
+                f"multiple of the weight block {self.fp8_block} (gate and up rows stack); or use --quantization none"
+            )
         check_block_shard(I, tp.size, bn, "moe_intermediate_size")
         self.gate_up_proj, self.gate_up_proj_scale_inv = fp8_params(2 * I, hidden, self.fp8_block, lead=(E,))
         self.down_proj, self.down_proj_scale_inv = fp8_params(hidden, I, self.fp8_block, lead=(E,))
@@ -95,7 +97,9 @@ class Experts(nn.Module):
         their *_scale_inv (in blocks)."""
         if name.endswith("_scale_inv"):
             b = self.fp8_block[1 if name.startswith("down_proj") else 0]
-            return shard_stacked_experts(name.removesuffix("_scale_inv"), full, self.start // b, self.inter // b, self.size)
+            return shard_stacked_experts(
+                name.removesuffix("_scale_inv"), full, self.start // b, self.inter // b, self.size
+            )
         return shard_stacked_experts(name, full, self.start, self.inter, self.size)
 
 
@@ -107,7 +111,9 @@ class MoE(nn.Module):
         self.experts = Experts(config, self.tp)
         n_shared = config.n_shared_experts
         inter = config.moe_intermediate_size * n_shared
-        self.shared_experts = MLP(config.hidden_size, inter, self.tp, reduce=False, fp8_block=config.fp8_block) if n_shared else None
+        self.shared_experts = (
+            MLP(config.hidden_size, inter, self.tp, reduce=False, fp8_block=config.fp8_block) if n_shared else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
@@ -115,8 +121,16 @@ class MoE(nn.Module):
         if ex.fp8_block is None:
             y = ops.fused_moe(x, ex.gate_up_proj, ex.down_proj, weights, ids)  # [T, hidden], partial
         else:
-            y = ops.fused_moe_fp8(x, ex.gate_up_proj, ex.down_proj, ex.gate_up_proj_scale_inv, ex.down_proj_scale_inv,
-                                  weights, ids, ex.fp8_block)
+            y = ops.fused_moe_fp8(
+                x,
+                ex.gate_up_proj,
+                ex.down_proj,
+                ex.gate_up_proj_scale_inv,
+                ex.down_proj_scale_inv,
+                weights,
+                ids,
+                ex.fp8_block,
+            )
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return self.tp.all_reduce(y)

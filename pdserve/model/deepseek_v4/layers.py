@@ -50,7 +50,7 @@ def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
 
 def store_records(region: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, rope: int) -> None:
     """values [n, D] -> records `slots` [n] of a pool region (a slot written twice gets the same
-    values both times: v4_step's padding repeats)."""
+    values both times: step.py's padding repeats)."""
     if region.dtype == torch.uint8:  # fp8_ds_v4 pages: quantized, rope dims in bf16
         ops.store_kv_fp8_v4(region, slots, values, rope)
     else:

@@ -10,7 +10,7 @@ swiglu_limit: gate clamped to <= limit, up to [-limit, limit]. Experts are stack
 holds them: gate_up_proj [E, 2I, hidden] (gate rows, then up rows), down_proj [E, hidden, I];
 FP4 checkpoints' experts (V4-Flash's) stay FP4 on the device (`Experts`, `fp4_experts`).
 
-Tensor parallelism splits I, as V3's MoE does (moe.py; I below is this rank's I/tp): every rank
+Tensor parallelism splits I, as V3's MoE does (deepseek_v3/moe.py; I below is this rank's I/tp): every rank
 holds every expert's slice of the intermediate dim, and the shared expert's (gate / up
 column-parallel, down row-parallel). SwiGLU and its clamps act element by element on I, so each
 rank's routed and shared outputs are partial sums that leave with one all-reduce. The router and
@@ -121,8 +121,16 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], weights/ids [T, k] -> [T, hidden] (this rank's partial sum under TP)."""
         if self.fp4:
-            return ops.fused_moe_fp4(x, self.gate_up_proj, self.down_proj, self.gate_up_proj_scale_inv,
-                                     self.down_proj_scale_inv, weights, ids, swiglu_limit=self.limit)
+            return ops.fused_moe_fp4(
+                x,
+                self.gate_up_proj,
+                self.down_proj,
+                self.gate_up_proj_scale_inv,
+                self.down_proj_scale_inv,
+                weights,
+                ids,
+                swiglu_limit=self.limit,
+            )
         # one fused kernel on CUDA (no host sync: CUDA graphs can capture it), the reference elsewhere
         return ops.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids, swiglu_limit=self.limit)
 

@@ -2,7 +2,7 @@
 
 Legend: T tokens of the step (all sequences), B sequences, hidden model width, m rate (tokens per
 entry), Dc entry dim (head_dim, or index_head_dim for the indexer), C projection width (Dc, or
-2*Dc with overlap), U groups the step touches (v4_step.GroupPlan), Hi/Di indexer heads/dim, Q
+2*Dc with overlap), U groups the step touches (step.GroupPlan), Hi/Di indexer heads/dim, Q
 q_lora_rank, R rope dims.
 
 A compressor pools every m consecutive tokens into one entry:
@@ -13,7 +13,7 @@ Cb = [Dc:], and pools 2m slots: the previous group's Ca and its own group's Cb, 
 query keeps the top `index_topk` entries by sum_h w_h * relu(q_h . k) among those it may see
 (`ops.indexer_topk_paged`, over the whole flat batch at once, reading the pool's keys).
 
-Running state, one record a sequence in the state region (v4_paged.py): the raw kv and gate of
+Running state, one record a sequence in the state region (cache.py): the raw kv and gate of
 the incomplete group's P = n % m tokens ([m-1, C] each, zero past P) and, with overlap, the Ca of
 the last complete group ([m, Dc] kv and gate with position bias). `CompressedKV.update` advances
 every sequence of the step at once: it gathers each touched group's m rows from the records and
@@ -27,9 +27,9 @@ import torch
 from torch import nn
 
 from pdserve.model import ops
+from pdserve.model.deepseek_v4.layers import V4RMSNorm, rope_tail, store_records
+from pdserve.model.deepseek_v4.step import EntryIndex
 from pdserve.model.fp8 import Block, linear
-from pdserve.model.v4_ops import V4RMSNorm, rope_tail, store_records
-from pdserve.model.v4_step import EntryIndex
 
 
 class CompressedKV(nn.Module):
@@ -44,7 +44,9 @@ class CompressedKV(nn.Module):
         self.position_bias = nn.Parameter(torch.zeros(rate, width, dtype=torch.float32))
         self.kv_norm = V4RMSNorm(dim, eps)
 
-    def update(self, x: torch.Tensor, ix: EntryIndex, slots: torch.Tensor, entries: torch.Tensor, states: torch.Tensor) -> None:
+    def update(
+        self, x: torch.Tensor, ix: EntryIndex, slots: torch.Tensor, entries: torch.Tensor, states: torch.Tensor
+    ) -> None:
         """Feed every sequence's new tokens x [T, hidden] (state records states[slots], slots [B]):
         writes the entries of the groups the step touches into `entries` (this layer's region:
         [N, Dc] values or fp8_ds_v4 pages) and each sequence's new record into `states`
@@ -110,8 +112,17 @@ class Indexer(CompressedKV):
     """The lightning indexer: its own overlapping compressor at Di, q_b_proj [Hi*Di, Q] (FP8 in
     V4-Flash, kept so with `fp8_block`; its compressor and weights_proj are bf16), scorer."""
 
-    def __init__(self, hidden: int, q_lora_rank: int, heads: int, head_dim: int, rate: int, topk: int, eps: float,
-                 fp8_block: Block | None = None):
+    def __init__(
+        self,
+        hidden: int,
+        q_lora_rank: int,
+        heads: int,
+        head_dim: int,
+        rate: int,
+        topk: int,
+        eps: float,
+        fp8_block: Block | None = None,
+    ):
         super().__init__(hidden, head_dim, rate, overlap=True, eps=eps)
         self.heads, self.topk = heads, topk
         self.q_b_proj = linear(q_lora_rank, heads * head_dim, fp8_block=fp8_block)
