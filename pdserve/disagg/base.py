@@ -26,15 +26,15 @@ Life of a PD request (decode pulls, as vLLM's NixlConnector does):
 The engine calls these methods from its step loop; none of them waits on the network (the peer's
 metadata is fetched by the worker, asynchronously, before the request reaches the engine). The
 hand-off payload (the engine's `Handoff`: KV handle and first token) is opaque bytes here.
-Backends: `nixl` (pdserve.disagg.nixl_connector, the only one a config can name) and the
+Backends: `nixl` (pdserve.disagg.nixl, the only one a config can name) and the
 in-process fake (pdserve.disagg.fake_connector, built directly by unit tests).
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field

@@ -13,13 +13,12 @@ CUDA IPC once and copies each request's blocks out of it with one kernel of its 
                                                       prefill side to progress)
                                                    poll_loads: the copy's event -> release (NIXL notif)
 
-Why: over NIXL a request is one descriptor per (region, layer, run) at ~10 us each, or a gather
-into a slab, a READ that completes only when the prefill side progresses UCX, and a scatter
-(docs/pd-gpu.md: 0.12 of a device copy end to end for an 8K-token V3 request). A copy kernel that
-reads the peer's blocks and writes ours moves the bytes once. The prefill side keeps the blocks
-pinned by the same lease, freed by the same release message, so nothing else changes; a peer that
-cannot be mapped (another host, another container's IPC namespace, GPUs without peer access) is
-read over NIXL as before. torch's own CUDA IPC sharing (torch.multiprocessing.reductions) makes
+Why: over NIXL a request is one descriptor per (region, layer, run), each with a fixed cost, or a
+gather into a slab, a READ that completes only when the prefill side progresses UCX, and a scatter
+(docs/pd-gpu.md compares the paths). A copy kernel that reads the peer's blocks and writes ours
+moves the bytes once. The prefill side keeps the blocks pinned by the same lease, freed by the same
+release message, so nothing else changes; a peer that cannot be mapped (another host, another
+container's IPC namespace, GPUs without peer access) is read over NIXL as before. torch's own CUDA IPC sharing (torch.multiprocessing.reductions) makes
 and opens the handles; no handle is ever pickled: the fields travel as JSON.
 """
 
@@ -214,7 +213,9 @@ def device_address(t: torch.Tensor) -> int:
     if not t.is_pinned():
         raise ValueError("device_address: a host tensor must be pinned for a kernel to read it")
     out = ctypes.c_uint64()
-    status = _libcuda().cuPointerGetAttribute(ctypes.byref(out), 3, ctypes.c_uint64(t.data_ptr()))  # 3: CU_POINTER_ATTRIBUTE_DEVICE_POINTER
+    status = _libcuda().cuPointerGetAttribute(
+        ctypes.byref(out), 3, ctypes.c_uint64(t.data_ptr())
+    )  # 3: CU_POINTER_ATTRIBUTE_DEVICE_POINTER
     if status != 0:
         raise RuntimeError(f"cuPointerGetAttribute: CUDA error {status} for a pinned buffer")
     return out.value
@@ -246,7 +247,9 @@ class CopyQueue:
 
         return {name: RegionCopy(s, d, BoundCopy(s, d, self.stream)) for name, (s, d) in views.items()}
 
-    def start(self, regions: dict[str, RegionCopy], src_blocks: dict[str, list[int]], dst_blocks: dict[str, list[int]]) -> CopyInFlight:
+    def start(
+        self, regions: dict[str, RegionCopy], src_blocks: dict[str, list[int]], dst_blocks: dict[str, list[int]]
+    ) -> CopyInFlight:
         """Queue dst[:, dst_blocks] = src[:, src_blocks] for every region of `regions` (bind). The
         stream does not wait for the current one, so the copy can run beside a step in flight: the
         destination blocks must have no work queued (the engine's are freshly allocated, every step

@@ -15,6 +15,8 @@ from pdserve.disagg.base import KVConnector
 from pdserve.disagg.options import ConnectorRole, StagingOptions
 
 TransferBackend = Literal["nixl"]
+
+
 class ConnectorSettings(BaseModel):
     """What every backend takes; `options` are the backend's own (validated by its Options model)."""
 
@@ -33,7 +35,7 @@ class ConnectorSettings(BaseModel):
 def make_connector(backend: TransferBackend, engine_id: str, settings: ConnectorSettings) -> KVConnector:
     if backend != "nixl":
         raise ValueError(f"unknown transfer backend {backend!r}; the one backend is 'nixl'")
-    from pdserve.disagg.nixl_connector import NixlConnector, NixlOptions
+    from pdserve.disagg.nixl.connector import NixlConnector, NixlOptions
 
     options = NixlOptions.model_validate(settings.options)
     common = {k: v for k, v in settings if k != "options"}  # StagingOptions stays a model

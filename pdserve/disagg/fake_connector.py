@@ -15,11 +15,11 @@ import time
 from dataclasses import dataclass
 
 from pdserve.disagg.base import KVHandle, PeerMetadata, TransferError, TransferStage
+from pdserve.disagg.layout import KVLayout, Runs, region_runs
+from pdserve.disagg.lease_table import DEFAULT_LEASE_S, release_message
+from pdserve.disagg.leasing_connector import LeasingConnector
 from pdserve.disagg.options import ConnectorRole, StagingOptions
 from pdserve.disagg.staging import payload_bytes
-from pdserve.disagg.lease_table import DEFAULT_LEASE_S, release_message
-from pdserve.disagg.layout import KVLayout, Runs, region_runs
-from pdserve.disagg.leasing_connector import LeasingConnector
 from pdserve.disagg.stats import LoadRecord
 from pdserve.model.kv_cache import KVCache
 
@@ -127,14 +127,21 @@ class FakeConnector(LeasingConnector):
         return remote, remote.layout
 
     def _post(
-        self, handle: KVHandle, remote: FakeConnector, local_block_ids: list[int], remote_blocks: dict[str, list[int]], local_blocks: dict[str, list[int]]
+        self,
+        handle: KVHandle,
+        remote: FakeConnector,
+        local_block_ids: list[int],
+        remote_blocks: dict[str, list[int]],
+        local_blocks: dict[str, list[int]],
     ) -> _Load:
         now = time.monotonic()
         runs = region_runs(remote_blocks, local_blocks)
         arena = remote.staging_arena
         landing = self._take_landing(handle, local_blocks, arena.capacity if arena is not None else 0)
         num_descs = 1 if landing is not None else sum(len(runs[r.name]) * r.num_layers for r in self.layout.regions)
-        return _Load(handle, local_block_ids, runs, num_descs, now, now + self.transfer_timeout_s, landing, local_blocks)
+        return _Load(
+            handle, local_block_ids, runs, num_descs, now, now + self.transfer_timeout_s, landing, local_blocks
+        )
 
     def poll_loads(self) -> tuple[list[str], list[TransferError]]:
         done = []
@@ -157,10 +164,14 @@ class FakeConnector(LeasingConnector):
             except Exception as e:  # as the NIXL connector: a failed scatter fails the request
                 peer._inbox.append(release_message(rid))  # the read itself completed (NIXL notifies)
                 self.stats.record_failed(TransferStage.READING.name)
-                self._failed.append(TransferError(rid, TransferStage.READING, f"scattering the slab: {type(e).__name__}: {e}"))
+                self._failed.append(
+                    TransferError(rid, TransferStage.READING, f"scattering the slab: {type(e).__name__}: {e}")
+                )
                 continue
             peer._inbox.append(release_message(rid))
-            self.stats.record_done(LoadRecord(rid, nbytes, load.started, time.monotonic() - load.started, load.num_descs))
+            self.stats.record_done(
+                LoadRecord(rid, nbytes, load.started, time.monotonic() - load.started, load.num_descs)
+            )
             done.append(rid)
         failed, self._failed = self._failed, []
         return done, failed

@@ -59,7 +59,9 @@ class KVRegionLayout(BaseModel):
     @classmethod
     def _known_record(cls, v: str) -> str:
         if v != "values" and v not in BYTE_RECORDS:
-            raise ValueError(f"unknown KV record format {v!r} (values, {', '.join(BYTE_RECORDS)}): a peer on another pdserve version?")
+            raise ValueError(
+                f"unknown KV record format {v!r} (values, {', '.join(BYTE_RECORDS)}): a peer on another pdserve version?"
+            )
         return v
 
     @property
@@ -93,7 +95,7 @@ class KVLayout(BaseModel):
     regions: list[KVRegionLayout]
 
     @classmethod
-    def from_kv_cache(cls, kv: KVCache) -> "KVLayout":
+    def from_kv_cache(cls, kv: KVCache) -> KVLayout:
         regions = []
         for name, t in kv.regions.items():
             num_layers, num_blocks, rpb, dim = t.shape
@@ -186,7 +188,12 @@ def region_runs(src: dict[str, list[int]], dst: dict[str, list[int]]) -> Runs:
 
 
 def region_blocks(
-    layout: KVLayout, block_ids: list[int], num_tokens: int, window: list[int] | None = None, state_slot: int = -1, side: str = "prefill"
+    layout: KVLayout,
+    block_ids: list[int],
+    num_tokens: int,
+    window: list[int] | None = None,
+    state_slot: int = -1,
+    side: str = "prefill",
 ) -> dict[str, list[int]]:
     """One side's block ids, per region, of the blocks a later step reads there (needed_blocks), in
     sequence order: token regions from block_ids, window regions from that side's window table at

@@ -29,10 +29,10 @@ from typing import Any, NoReturn
 
 from pdserve import __version__
 from pdserve.disagg.base import KVConnector, KVHandle, PeerMetadata, StagedSlab, TransferError, TransferStage
-from pdserve.disagg.options import ConnectorRole, StagingOptions
-from pdserve.disagg.staging import MIB, StagingArena, gather, scatter, slab_parts, synchronize
 from pdserve.disagg.layout import KVLayout, check_block_ids, compat_hash, region_blocks
 from pdserve.disagg.lease_table import LeaseTable, parse_release
+from pdserve.disagg.options import ConnectorRole, StagingOptions
+from pdserve.disagg.staging import MIB, StagingArena, gather, scatter, slab_parts, synchronize
 from pdserve.disagg.stats import TransferStats
 from pdserve.model.kv_cache import KVCache
 
@@ -126,7 +126,9 @@ class LeasingConnector(KVConnector):
             staged=staged,
         )
 
-    def _stage(self, rid: str, block_ids: list[int], num_tokens: int, window: list[int], state_slot: int) -> StagedSlab | None:
+    def _stage(
+        self, rid: str, block_ids: list[int], num_tokens: int, window: list[int], state_slot: int
+    ) -> StagedSlab | None:
         """Gather the request's needed blocks into a slab of the staging arena; None without room."""
         arena = self.staging_arena
         if arena is None:
@@ -196,21 +198,33 @@ class LeasingConnector(KVConnector):
         local_window = list(local_window_block_ids or [])
         try:
             check_block_ids(handle.block_ids, remote_layout.num_blocks, "prefill")
-            check_block_ids([b for b in handle.window_block_ids if b >= 0], remote_layout.num_window_blocks, "prefill window")
+            check_block_ids(
+                [b for b in handle.window_block_ids if b >= 0], remote_layout.num_window_blocks, "prefill window"
+            )
             check_block_ids(local_block_ids, self.layout.num_blocks, "decode")
             check_block_ids([b for b in local_window if b >= 0], self.layout.num_window_blocks, "decode window")
-            check_block_ids([handle.state_slot] if handle.state_slot >= 0 else [], remote_layout.num_state_slots, "prefill state")
-            check_block_ids([local_state_slot] if local_state_slot >= 0 else [], self.layout.num_state_slots, "decode state")
+            check_block_ids(
+                [handle.state_slot] if handle.state_slot >= 0 else [], remote_layout.num_state_slots, "prefill state"
+            )
+            check_block_ids(
+                [local_state_slot] if local_state_slot >= 0 else [], self.layout.num_state_slots, "decode state"
+            )
             if len(handle.block_ids) != len(local_block_ids):
                 raise ValueError(f"{len(handle.block_ids)} source blocks but {len(local_block_ids)} destination blocks")
-            src = region_blocks(self.layout, handle.block_ids, handle.num_tokens, handle.window_block_ids, handle.state_slot, "prefill")
-            dst = region_blocks(self.layout, list(local_block_ids), handle.num_tokens, local_window, local_state_slot, "decode")
+            src = region_blocks(
+                self.layout, handle.block_ids, handle.num_tokens, handle.window_block_ids, handle.state_slot, "prefill"
+            )
+            dst = region_blocks(
+                self.layout, list(local_block_ids), handle.num_tokens, local_window, local_state_slot, "decode"
+            )
         except ValueError as e:
             self._fail_now(rid, TransferStage.PENDING, str(e))
         self._loads[rid] = self._post(handle, remote, list(local_block_ids), src, dst)
 
     # -- decode side, staged --
-    def _take_landing(self, handle: KVHandle, local_blocks: dict[str, list[int]], remote_arena_bytes: int) -> int | None:
+    def _take_landing(
+        self, handle: KVHandle, local_blocks: dict[str, list[int]], remote_arena_bytes: int
+    ) -> int | None:
         """Room in the landing arena for handle's slab (in the peer's staging arena of
         remote_arena_bytes), or None: read the blocks one by one instead."""
         if self.landing_arena is None:
@@ -221,7 +235,12 @@ class LeasingConnector(KVConnector):
             return None
         _, nbytes = slab_parts(self.layout, {k: len(v) for k, v in local_blocks.items()})
         if nbytes != handle.staged.nbytes:  # same layout signature, same counts: never expected
-            log.warning("request %s: slab of %d bytes, %d expected; reading its blocks", handle.request_id, handle.staged.nbytes, nbytes)
+            log.warning(
+                "request %s: slab of %d bytes, %d expected; reading its blocks",
+                handle.request_id,
+                handle.staged.nbytes,
+                nbytes,
+            )
             self.stats.record_staged("decode", "not_staged")
             return None
         offset = self.landing_arena.alloc(nbytes)
@@ -260,7 +279,12 @@ class LeasingConnector(KVConnector):
 
     @abstractmethod
     def _post(
-        self, handle: KVHandle, remote: Any, local_block_ids: list[int], remote_blocks: dict[str, list[int]], local_blocks: dict[str, list[int]]
+        self,
+        handle: KVHandle,
+        remote: Any,
+        local_block_ids: list[int],
+        remote_blocks: dict[str, list[int]],
+        local_blocks: dict[str, list[int]],
     ) -> Any:
         """Start reading remote_blocks (per region) from remote into local_blocks (region_runs pairs
         them into runs), or its staged slab into landing room (_take_landing) to be scattered into

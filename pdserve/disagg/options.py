@@ -17,7 +17,8 @@ class StagingOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    # auto: on for pools on the GPU (a real request is ~60x fewer descriptors: docs/pd-gpu.md), off on CPU
+    # auto: on for pools on the GPU (one descriptor a request instead of one per region, layer and
+    # run), off on CPU
     mode: Literal["auto", "on", "off"] = "auto"
     prefill_arena_mib: int = Field(1024, ge=0)  # a prefill worker's staging arena, on the pool's device
     decode_arena_mib: int = Field(1024, ge=0)  # a decode worker's landing arena

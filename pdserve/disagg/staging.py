@@ -27,6 +27,7 @@ from pdserve.disagg.layout import KVLayout
 SLAB_ALIGN = 256  # bytes: every region part (and every slab) starts on this boundary
 MIB = 1 << 20
 
+
 def _align(n: int) -> int:
     return -(-n // SLAB_ALIGN) * SLAB_ALIGN
 
@@ -116,12 +117,16 @@ def _part_words(slab: torch.Tensor, part: SlabPart, num_layers: int, block_bytes
 
 def _index(ids: list[int], device: torch.device) -> torch.Tensor:
     t = torch.tensor(ids, dtype=torch.int64)
-    if device.type == "cuda":  # pinned (PyTorch's caching host allocator): an upload from pageable memory waits for itself
+    if (
+        device.type == "cuda"
+    ):  # pinned (PyTorch's caching host allocator): an upload from pageable memory waits for itself
         t = t.pin_memory()
     return t.to(device, non_blocking=True)
 
 
-def gather(regions: dict[str, torch.Tensor], layout: KVLayout, blocks: dict[str, list[int]], slab: torch.Tensor) -> None:
+def gather(
+    regions: dict[str, torch.Tensor], layout: KVLayout, blocks: dict[str, list[int]], slab: torch.Tensor
+) -> None:
     """Copy blocks[region] of every layer of each region into the slab (uint8 [slab bytes], from
     slab_parts of the same counts); one index_select per region. Queued on the current stream."""
     parts, _ = slab_parts(layout, {k: len(v) for k, v in blocks.items()})
@@ -133,7 +138,9 @@ def gather(regions: dict[str, torch.Tensor], layout: KVLayout, blocks: dict[str,
         torch.index_select(src, 1, _index(blocks[r.name], src.device), out=out)
 
 
-def scatter(slab: torch.Tensor, layout: KVLayout, blocks: dict[str, list[int]], regions: dict[str, torch.Tensor]) -> None:
+def scatter(
+    slab: torch.Tensor, layout: KVLayout, blocks: dict[str, list[int]], regions: dict[str, torch.Tensor]
+) -> None:
     """The inverse of gather: the slab's parts into blocks[region] of every layer of each region."""
     parts, _ = slab_parts(layout, {k: len(v) for k, v in blocks.items()})
     for r, part in zip(layout.regions, parts):
