@@ -8,7 +8,7 @@ import torch
 import triton
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _props(index: int) -> tuple[int, int]:
     p = torch.cuda.get_device_properties(index)
     return p.multi_processor_count, p.major * 10 + p.minor

@@ -12,9 +12,8 @@ so it reads its two ids once - and they may sit in pinned host memory (the same-
 them there instead of uploading them: one CUDA call less to post a copy). No shared memory, so one
 config serves sm_90 and sm_120.
 
-Posting a copy is most of a small one's time (H200: ~0.1 ms warm against 0.05 ms to copy 64 MiB),
-and a post often comes right after the host slept, when every host step takes 3-10x as long
-(docs/pd-gpu.md, section 4). So a BoundCopy does the checks, the compile and the argument
+Posting a copy is most of a small one's time, and a post often comes right after the host slept,
+when every host step takes several times as long (docs/pd-gpu.md). So a BoundCopy does the checks, the compile and the argument
 binding once for a (src, dst) pair and a stream, and each launch after is the compiled kernel's
 own, its id arrays passed as integer addresses: no Triton argument binding, no per-pointer driver
 query (Triton asks CUDA about every tensor pointer at each launch).
@@ -37,7 +36,9 @@ NUM_WARPS = 4
 
 
 @triton.jit(do_not_specialize=["n"])
-def _copy_blocks_kernel(src, dst, src_ids, dst_ids, n, s_layer, s_block, d_layer, d_block, W, L, BW: tl.constexpr, LG: tl.constexpr):
+def _copy_blocks_kernel(
+    src, dst, src_ids, dst_ids, n, s_layer, s_block, d_layer, d_block, W, L, BW: tl.constexpr, LG: tl.constexpr
+):
     i = tl.program_id(0)
     s = tl.load(src_ids + i).to(tl.int64)  # int64 addressing: a region can pass 2^31 words
     d = tl.load(dst_ids + i).to(tl.int64)
@@ -52,7 +53,13 @@ def _copy_blocks_kernel(src, dst, src_ids, dst_ids, n, s_layer, s_block, d_layer
 
 
 def _check(src: torch.Tensor, dst: torch.Tensor) -> None:
-    if src.dim() != 3 or dst.dim() != 3 or dst.shape[0] != src.shape[0] or dst.shape[2] != src.shape[2] or dst.dtype != src.dtype:
+    if (
+        src.dim() != 3
+        or dst.dim() != 3
+        or dst.shape[0] != src.shape[0]
+        or dst.shape[2] != src.shape[2]
+        or dst.dtype != src.dtype
+    ):
         raise ValueError(f"copy_blocks: src {tuple(src.shape)} {src.dtype}, dst {tuple(dst.shape)} {dst.dtype}")
     if src.stride(2) != 1 or dst.stride(2) != 1:
         raise ValueError("copy_blocks: a block's words must be contiguous")
@@ -83,10 +90,16 @@ class BoundCopy:
     def __init__(self, src: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stream) -> None:
         _check(src, dst)
         L, _, W = src.shape
-        ids = torch.zeros(2, dtype=torch.int64, device=src.device)  # aligned int64 ids: the specialization every call uses
+        ids = torch.zeros(
+            2, dtype=torch.int64, device=src.device
+        )  # aligned int64 ids: the specialization every call uses
         rest = (src.stride(0), src.stride(1), dst.stride(0), dst.stride(1), W, L)
-        kernel = _copy_blocks_kernel.warmup(src, dst, ids, ids, 2, *rest, BW=BLOCK_WORDS, LG=LAYER_GROUP, num_warps=NUM_WARPS, grid=(1,))
-        self._kernel = kernel.result() if hasattr(kernel, "result") else kernel  # (a future where Triton compiles in the background)
+        kernel = _copy_blocks_kernel.warmup(
+            src, dst, ids, ids, 2, *rest, BW=BLOCK_WORDS, LG=LAYER_GROUP, num_warps=NUM_WARPS, grid=(1,)
+        )
+        self._kernel = (
+            kernel.result() if hasattr(kernel, "result") else kernel
+        )  # (a future where Triton compiles in the background)
         self._src, self._dst, self._rest = src.data_ptr(), dst.data_ptr(), (*rest, BLOCK_WORDS, LAYER_GROUP)
         self._grid_yz = (cdiv(W, BLOCK_WORDS), cdiv(L, LAYER_GROUP))
         self._stream = stream.cuda_stream
@@ -97,4 +110,6 @@ class BoundCopy:
         if (src_ids | dst_ids) & 15:
             raise ValueError("BoundCopy: id arrays must start 16-byte aligned (the kernel was compiled for that)")
         if n > 0 and self._grid_yz[0] > 0:
-            self._kernel[(n, *self._grid_yz)](self._src, self._dst, src_ids, dst_ids, n, *self._rest, stream=self._stream)
+            self._kernel[(n, *self._grid_yz)](
+                self._src, self._dst, src_ids, dst_ids, n, *self._rest, stream=self._stream
+            )

@@ -5,8 +5,9 @@ An sm_120 block gets at most 99 KB of shared memory (101376 bytes opt-in), an sm
 227 KB. The estimate counts what Triton keeps in shared memory for these kernels: one buffer per
 pipeline stage for every tile loaded in the loop, the dot operands it stages (q, the probability
 tile), and a layout-conversion scratch tile; it is deliberately on the high side.
-The sm_90 entries were picked by the sweep in `bench.py` on an H200 (see docs/kernels.md);
-the sm_120 entries are the largest tiles whose estimate fits, not measured on that card.
+The sm_90 entries are the fastest of the sweeps in `benchmarks/kernels/` (results in
+docs/kernels.md); the sm_120 entries are the largest tiles whose estimate fits, compiled for that
+card (scripts/check_sm120_configs.py) but not timed on it.
 
 Legend: H heads, BH heads per program, BN KV rows (or candidates) per tile, BV/BT padded value and
 tail (rope) dims, BM/BN/BK GEMM tile, E experts.
@@ -31,7 +32,7 @@ class MLAConfig:
     min_tiles: int = 2  # fewest KV tiles per split
     max_splits: int = 0  # most splits per query (0: no cap)
     # merge the splits in the split kernel (the last program to arrive) instead of a second
-    # launch: measured slower on the H200 at every benchmark shape (docs/kernels.md), so off
+    # launch: slower on sm_90 at every benchmarked shape (docs/kernels.md), so off
     fused_merge: bool = False
 
 
@@ -82,8 +83,8 @@ class IndexerConfig:
 
 # sparse MLA decode: keyed by (capability, kv format, size); "small" for few query heads in the
 # batch, "large" where B * S * H >= LARGE_MLA_ROWS (V3.2 records and V4's fp8_v4 pages; V4 bf16 stays "small"); block_h is capped by H.
-# sm_90 picks from the H200 sweep (docs/kernels.md): larger gathered tiles (64 rows) always won;
-# 64 heads per program won from B * H = 2048 up, 16 below and for V4-Flash (no rope tail).
+# sm_90 (docs/kernels.md): larger gathered tiles (64 rows) are faster; 64 heads per program from
+# B * H = 2048 up, 16 below and for V4-Flash (no rope tail).
 LARGE_MLA_ROWS = 2048
 MLA = {
     (90, "bf16", "small"): MLAConfig(block_h=16, block_n=64, num_warps=4, num_stages=2, min_tiles=1),
@@ -98,9 +99,9 @@ MLA = {
     (CPU, "bf16", "large"): MLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, min_tiles=1),
     (CPU, "fp8", "small"): MLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, min_tiles=1),
     (CPU, "fp8", "large"): MLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, min_tiles=1),
-    # DeepSeek-V4 fp8_ds_v4 pages; sm_90 from the H200 run of 2026-12-03 (docs/kernels.md): BN 64
-    # x 4 warps spills, 1 stage beat 2 (31.7 vs 50.9 us at B=16 H=64), 64 heads per program won
-    # at B*H = 4096 (66.8 us vs 100.2) and lost at 1024 (it dequantizes a tile once for 64 heads)
+    # DeepSeek-V4 fp8_ds_v4 pages, sm_90 (docs/kernels.md): BN 64 x 4 warps spills, 1 stage is
+    # faster than 2, and 64 heads per program pays off at large B*H only (it dequantizes a tile
+    # once for 64 heads)
     (90, "fp8_v4", "small"): MLAConfig(block_h=16, block_n=32, num_warps=4, num_stages=1, min_tiles=1),
     (90, "fp8_v4", "large"): MLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=1),
     (120, "fp8_v4", "small"): MLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=3, min_tiles=1),
@@ -113,12 +114,10 @@ MLA = {
 MLA_FP32 = MLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, min_tiles=1)
 
 # fused MoE: keyed by capability, then by rows per expert (T * top_k / E) bucket. Every entry
-# fits `moe_smem_bytes` (the H200 showed (32, 64, 128, 4, 4) compiling to 240 KB, over the limit).
+# fits `moe_smem_bytes` (on sm_90 (32, 64, 128, 4, 4) compiles to 240 KB, over the limit).
 MOE = {
-    90: {16: MoEConfig(16, 64, 128, 4, 4), 64: MoEConfig(32, 64, 128, 4, 3),
-         10**9: MoEConfig(64, 64, 64, 4, 4)},
-    120: {16: MoEConfig(16, 64, 64, 4, 3), 64: MoEConfig(32, 64, 64, 4, 2),
-          10**9: MoEConfig(64, 64, 32, 4, 3)},
+    90: {16: MoEConfig(16, 64, 128, 4, 4), 64: MoEConfig(32, 64, 128, 4, 3), 10**9: MoEConfig(64, 64, 64, 4, 4)},
+    120: {16: MoEConfig(16, 64, 64, 4, 3), 64: MoEConfig(32, 64, 64, 4, 2), 10**9: MoEConfig(64, 64, 32, 4, 3)},
     CPU: {10**9: MoEConfig(16, 32, 32, 4, 1)},
 }
 # float32 activations (parity checks only: IEEE dots, speed does not matter): small tiles that
@@ -126,49 +125,49 @@ MOE = {
 MOE_FP32 = MoEConfig(16, 32, 32, 4, 2)
 
 # fp8 MoE (block-scaled weights): block_k is the activation group (128), set by the wrapper.
-# sm_90 <= 16 rows per expert from the H200 sweep (docs/kernels.md): BN 128 beat 32/64/256.
+# sm_90 <= 16 rows per expert (docs/kernels.md): BN 128 is faster than 32/64/256.
 MOE_FP8 = {
-    90: {16: MoEConfig(16, 128, 128, 4, 3), 64: MoEConfig(32, 64, 128, 4, 4),
-         10**9: MoEConfig(64, 128, 128, 8, 3)},
-    120: {16: MoEConfig(16, 64, 128, 4, 3), 64: MoEConfig(32, 64, 128, 4, 2),
-          10**9: MoEConfig(64, 32, 128, 4, 3)},
+    90: {16: MoEConfig(16, 128, 128, 4, 3), 64: MoEConfig(32, 64, 128, 4, 4), 10**9: MoEConfig(64, 128, 128, 8, 3)},
+    120: {16: MoEConfig(16, 64, 128, 4, 3), 64: MoEConfig(32, 64, 128, 4, 2), 10**9: MoEConfig(64, 32, 128, 4, 3)},
     CPU: {10**9: MoEConfig(16, 32, 32, 4, 1)},
 }
 
 # block-scaled FP8 GEMM (dense projections): keyed by capability, then by M (rows of x) bucket.
-# BN is the MMA's M side (the kernel swaps operands). sm_90 from the H200 sweep (docs/kernels.md,
-# 2026-12-03): up to M = 256 the e4m3 x e4m3 dots (fp8_act) beat upcasting the weight (o_proj at
-# M = 1: 40 vs 63-75 us) with K split over the SMs; above, the Triton dots
-# reached a third of cuBLAS, so large M dequantizes once and multiplies with cuBLAS (o_proj
-# M = 2048: 680 us vs 1,630). sm_120 entries: the same choices sized to 99 KB, compiled, not run.
+# BN is the MMA's M side (the kernel swaps operands). sm_90 (docs/kernels.md): up to M = 256 the
+# e4m3 x e4m3 dots (fp8_act) with K split over the SMs are faster than upcasting the weight; above,
+# the Triton dots reach about a third of cuBLAS, so large M dequantizes once and multiplies with
+# cuBLAS. sm_120 entries: the same choices sized to 99 KB, compiled, not run.
 FP8_GEMM = {
-    90: {16: Fp8GemmConfig(16, 128, 128, 4, 4, fp8_act=True), 256: Fp8GemmConfig(64, 128, 128, 4, 3, fp8_act=True),
-         10**9: Fp8GemmConfig(128, 128, 128, 8, 3, dequant=True)},
-    120: {16: Fp8GemmConfig(16, 64, 128, 4, 4, fp8_act=True), 256: Fp8GemmConfig(64, 64, 128, 4, 3, fp8_act=True),
-          10**9: Fp8GemmConfig(128, 64, 128, 8, 3, dequant=True)},
+    90: {
+        16: Fp8GemmConfig(16, 128, 128, 4, 4, fp8_act=True),
+        256: Fp8GemmConfig(64, 128, 128, 4, 3, fp8_act=True),
+        10**9: Fp8GemmConfig(128, 128, 128, 8, 3, dequant=True),
+    },
+    120: {
+        16: Fp8GemmConfig(16, 64, 128, 4, 4, fp8_act=True),
+        256: Fp8GemmConfig(64, 64, 128, 4, 3, fp8_act=True),
+        10**9: Fp8GemmConfig(128, 64, 128, 8, 3, dequant=True),
+    },
     CPU: {16: Fp8GemmConfig(16, 32, 32, 4, 1), 10**9: Fp8GemmConfig(32, 32, 32, 4, 1)},
 }
 # float32 x (parity checks only: IEEE dots, speed does not matter): a tile any GPU fits
 FP8_GEMM_FP32 = Fp8GemmConfig(16, 32, 32, 4, 2)
 
 # FP4 MoE (e2m1 weights, ue8m0 scale per 32 values): block_k = K values per loop step (a multiple
-# of 32; the register path runs one 32-value group at a time inside it). sm_90: the H200 sweeps
-# (docs/kernels.md, runs 2-3) found none faster among BN 64-128, BK 64-256, 3-5 stages, 4-8 warps,
-# BM 32-64 (run 1, before the transposed layout, BN 32 was 7% faster at T = 1);
+# of 32; the register path runs one 32-value group at a time inside it). sm_90 (docs/kernels.md):
+# none faster among BN 64-128, BK 64-256, 3-5 stages, 4-8 warps, BM 32-64;
 # sm_120 entries are the ones scripts/check_sm120_configs.py compiles without register spills.
 MOE_FP4 = {
-    90: {16: MoEConfig(16, 64, 128, 4, 3), 64: MoEConfig(32, 64, 128, 4, 3),
-         10**9: MoEConfig(64, 64, 64, 4, 3)},
-    120: {16: MoEConfig(16, 64, 128, 4, 3), 64: MoEConfig(32, 64, 64, 4, 3),
-          10**9: MoEConfig(64, 32, 64, 4, 3)},
+    90: {16: MoEConfig(16, 64, 128, 4, 3), 64: MoEConfig(32, 64, 128, 4, 3), 10**9: MoEConfig(64, 64, 64, 4, 3)},
+    120: {16: MoEConfig(16, 64, 128, 4, 3), 64: MoEConfig(32, 64, 64, 4, 3), 10**9: MoEConfig(64, 32, 64, 4, 3)},
     CPU: {10**9: MoEConfig(16, 32, 64, 4, 1)},
 }
 MOE_FP4_FP32 = MoEConfig(16, 32, 32, 4, 2)  # float32 x (parity checks only)
 
 # MLA prefill (non-absorbed, qk 192 = 128 + 64, v 128): keyed by family. Per stage a K tile
 # (BN x (128 + 64)) and a V tile (BN x 128) in bf16; q (BM x 192) and p (BM x BN) staged once.
-# sm_90 from the H200 sweep (docs/pd-gpu.md); sm_120 the largest that compiles under 99 KB
-# without spills (scripts/check_sm120_configs.py).
+# sm_90 the fastest of benchmarks/engine/bench_prefill.py's variants; sm_120 the largest that
+# compiles under 99 KB without spills (scripts/check_sm120_configs.py).
 PREFILL = {
     90: PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
     120: PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=2),
@@ -190,8 +189,9 @@ def _family(cc: int) -> int:
     return 90 if cc in (90, 100, 103) else 120
 
 
-def mla_config(cc: int, kv_format: str, heads: int, rows: int = 1, has_tail: bool = True,
-               fp32: bool = False) -> MLAConfig:
+def mla_config(
+    cc: int, kv_format: str, heads: int, rows: int = 1, has_tail: bool = True, fp32: bool = False
+) -> MLAConfig:
     """Tiles for `rows` = B * S queries of `heads` heads; `has_tail`: D > d_v (rope dims);
     `fp32`: float32 q on a GPU (the parity tile)."""
     size = "large" if rows * heads >= LARGE_MLA_ROWS and (has_tail or kv_format == "fp8_v4") else "small"
@@ -260,7 +260,7 @@ def mla_smem_bytes(cfg: MLAConfig, block_v: int, block_t: int, kv_format: str) -
 def moe_smem_bytes(cfg: MoEConfig) -> int:
     """The larger of the two bf16 kernels: the activation tile plus the weight tiles (gate and up
     for w13, one for w2) times (stages + 2) buffers, and a float32 scratch tile. The + 2 matches
-    what Triton 3.6 allocated on the H200: (16, 64, 128, 4, 4) fits, (32, 64, 128, 4, 4) needed
+    what Triton 3.6 allocates on sm_90: (16, 64, 128, 4, 4) fits, (32, 64, 128, 4, 4) needs
     6 x 40 KB = 240 KB."""
     w13 = (cfg.num_stages + 2) * (cfg.block_m + 2 * cfg.block_n) * cfg.block_k * 2 + cfg.block_m * cfg.block_n * 4
     w2 = (cfg.num_stages + 2) * (cfg.block_m + cfg.w2_block_n) * cfg.block_k * 2 + cfg.block_m * cfg.w2_block_n * 4

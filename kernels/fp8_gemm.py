@@ -9,14 +9,14 @@ kernel, two dots (the `FP8_ACT` constexpr), operands swapped (acc^T = W x^T: the
 the MMA's M side, so a decode step's few rows do not pad a 64-row MMA):
 - fp8 activations (bf16 / fp16 x; sm_90's choice up to M = 256, configs.FP8_GEMM): x quantized in
   registers per row and per group of bk values (DeepSeek's act_quant: s = max(amax, 1e-10) / 448),
-  one e4m3 x e4m3 `tl.dot` per K step: acc += (q_w @ q_x^T) * s_w * s_x. Measured faster than
-  upcasting the weight tile at decode (docs/kernels.md).
+  one e4m3 x e4m3 `tl.dot` per K step: acc += (q_w @ q_x^T) * s_w * s_x. Faster than upcasting
+  the weight tile at decode (docs/kernels.md).
 - w8a16: the e4m3 tile upcast in registers to x's dtype (exact: e4m3 values are bf16 / fp16
   values), one `tl.dot` in x's dtype, acc += dot * scale of each weight row's block. float32 x
   (parity runs) always takes it, with IEEE dots.
 Large M (`dequant`: prefill chunks, compute-bound) dequantizes the weight into x's dtype with one
 small kernel (1 byte read, 2 written a value) and multiplies with torch (cuBLAS): the Triton dots
-reached about a third of cuBLAS's rate there on the H200.
+reach about a third of cuBLAS's rate there.
 Small grids split K (S programs per output tile, partial sums in float32, reduced by a second
 small kernel that adds the bias and casts): at M = 1 a projection has only N / BN tiles, too few
 to keep the copy engines of every multiprocessor busy.
@@ -36,11 +36,31 @@ from pdserve_kernels.fused_moe_fp8 import _round_e4m3
 
 @triton.jit
 def _fp8_gemm_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, b_ptr, M, N, K, K_SPLIT,
-    s_xm, s_wn, s_sn, s_sk, s_ys, s_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_BLOCK_N: tl.constexpr,
-    W_BLOCK_K: tl.constexpr, FP8_ACT: tl.constexpr, IEEE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    INTERPRET: tl.constexpr, K_C: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    b_ptr,
+    M,
+    N,
+    K,
+    K_SPLIT,
+    s_xm,
+    s_wn,
+    s_sn,
+    s_sk,
+    s_ys,
+    s_ym,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    W_BLOCK_N: tl.constexpr,
+    W_BLOCK_K: tl.constexpr,
+    FP8_ACT: tl.constexpr,
+    IEEE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    K_C: tl.constexpr,
 ):
     """acc^T [BN, BM] += W tile [BN, BK] @ x^T tile [BK, BM]: the weight is the MMA's M side (64+
     rows even when M is 1), its upcast tile an operand from registers, x^T from shared memory."""
@@ -82,21 +102,37 @@ def _fp8_gemm_kernel(
 
 
 @triton.jit
-def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, s_wn, s_sn, s_sk, s_on,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_BLOCK_N: tl.constexpr, W_BLOCK_K: tl.constexpr):
+def _dequant_kernel(
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    N,
+    K,
+    s_wn,
+    s_sn,
+    s_sk,
+    s_on,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    W_BLOCK_N: tl.constexpr,
+    W_BLOCK_K: tl.constexpr,
+):
     """out [N, K] (x's dtype) = W * its block scale: the large-M path then multiplies with cuBLAS."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     ok = (offs_n < N)[:, None] & (offs_k < K)[None, :]
     w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * s_wn + offs_k[None, :], mask=ok, other=0)
-    s = tl.load(s_ptr + (offs_n // W_BLOCK_N)[:, None] * s_sn + (offs_k // W_BLOCK_K)[None, :] * s_sk, mask=ok, other=0.0)
+    s = tl.load(
+        s_ptr + (offs_n // W_BLOCK_N)[:, None] * s_sn + (offs_k // W_BLOCK_K)[None, :] * s_sk, mask=ok, other=0.0
+    )
     out = w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s
     tl.store(out_ptr + offs_n.to(tl.int64)[:, None] * s_on + offs_k[None, :], out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _split_sum_kernel(p_ptr, b_ptr, y_ptr, MN, N, s_ps, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      BLOCK: tl.constexpr):
+def _split_sum_kernel(
+    p_ptr, b_ptr, y_ptr, MN, N, s_ps, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
+):
     """y [M, N] = sum of the S float32 partials [S, M, N] (+ bias), in y's dtype."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < MN
@@ -120,8 +156,10 @@ def _check(x, weight, scale_inv, block, bias):
         raise ValueError(f"block {block}: bk must be a power of two in [16, 256]")
     want = (triton.cdiv(N, bn), triton.cdiv(K, bk))
     if tuple(scale_inv.shape) != want or scale_inv.dtype != torch.float32:
-        raise ValueError(f"weight_scale_inv must be float32 {want} for weight {(N, K)} and block {block}, "
-                         f"got {scale_inv.dtype} {tuple(scale_inv.shape)}")
+        raise ValueError(
+            f"weight_scale_inv must be float32 {want} for weight {(N, K)} and block {block}, "
+            f"got {scale_inv.dtype} {tuple(scale_inv.shape)}"
+        )
     if bias is not None and tuple(bias.shape) != (N,):
         raise ValueError(f"bias must be [{N}], got {tuple(bias.shape)}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
@@ -154,8 +192,18 @@ def fp8_linear(
     if cfg.dequant and x.dtype != torch.float32:  # compute-bound: dequantize (1 + 2 B a value), then cuBLAS
         w = torch.empty(N, K, dtype=x.dtype, device=x.device)
         _dequant_kernel[(triton.cdiv(N, 64), triton.cdiv(K, 128))](
-            weight.view(torch.uint8), weight_scale_inv, w, N, K, weight.stride(0), *weight_scale_inv.stride(), w.stride(0),
-            BLOCK_N=64, BLOCK_K=128, W_BLOCK_N=bn, W_BLOCK_K=bk,
+            weight.view(torch.uint8),
+            weight_scale_inv,
+            w,
+            N,
+            K,
+            weight.stride(0),
+            *weight_scale_inv.stride(),
+            w.stride(0),
+            BLOCK_N=64,
+            BLOCK_K=128,
+            W_BLOCK_N=bn,
+            W_BLOCK_K=bk,
         )
         return torch.nn.functional.linear(x, w, bias)
     fp8_act = cfg.fp8_act and x.dtype != torch.float32
@@ -168,17 +216,44 @@ def fp8_linear(
     out = y if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
     interp = interpreting()
     _fp8_gemm_kernel[(triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n), splits)](
-        x, weight.view(torch.uint8), weight_scale_inv, out, bias if bias is not None else weight_scale_inv,
-        M, N, K, k_split, x.stride(0), weight.stride(0), *weight_scale_inv.stride(),
-        out.stride(0) if splits > 1 else 0, out.stride(-2),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, W_BLOCK_N=bn, W_BLOCK_K=bk,
-        FP8_ACT=fp8_act, IEEE=x.dtype == torch.float32, HAS_BIAS=bias is not None and splits == 1,
-        INTERPRET=interp, K_C=K if interp else 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        x,
+        weight.view(torch.uint8),
+        weight_scale_inv,
+        out,
+        bias if bias is not None else weight_scale_inv,
+        M,
+        N,
+        K,
+        k_split,
+        x.stride(0),
+        weight.stride(0),
+        *weight_scale_inv.stride(),
+        out.stride(0) if splits > 1 else 0,
+        out.stride(-2),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=block_k,
+        W_BLOCK_N=bn,
+        W_BLOCK_K=bk,
+        FP8_ACT=fp8_act,
+        IEEE=x.dtype == torch.float32,
+        HAS_BIAS=bias is not None and splits == 1,
+        INTERPRET=interp,
+        K_C=K if interp else 0,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     if splits > 1:
         BLOCK = 1024
         _split_sum_kernel[(triton.cdiv(M * N, BLOCK),)](
-            out, bias if bias is not None else out, y, M * N, N, out.stride(0),
-            SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=BLOCK,
+            out,
+            bias if bias is not None else out,
+            y,
+            M * N,
+            N,
+            out.stride(0),
+            SPLITS=splits,
+            HAS_BIAS=bias is not None,
+            BLOCK=BLOCK,
         )
     return y

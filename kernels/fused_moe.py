@@ -50,9 +50,22 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 @triton.jit
 def _align_kernel(
-    ids_ptr, pairs_ptr, bexp_ptr, starts_ptr, P, E, R, NB,
-    BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-    BLOCK_R: tl.constexpr, R_CHUNKS: tl.constexpr, BLOCK_B: tl.constexpr, B_CHUNKS: tl.constexpr,
+    ids_ptr,
+    pairs_ptr,
+    bexp_ptr,
+    starts_ptr,
+    P,
+    E,
+    R,
+    NB,
+    BLOCK_P: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    R_CHUNKS: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    B_CHUNKS: tl.constexpr,
 ):
     """`moe_align` in one program (decode sizes): a launch instead of ~25 small torch ops."""
     offs_p = tl.arange(0, BLOCK_P)
@@ -96,20 +109,51 @@ def moe_align_fast(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     block_p = max(16, next_pow2(P))
     block_r, block_b = 1024, 16
     _align_kernel[(1,)](
-        flat, pairs, bexp, starts, P, num_experts, rows, nb,
-        BLOCK_P=block_p, BLOCK_E=block_e, BLOCK_M=block_m, CHUNK=max(1, min(8, block_p, 8192 // block_p)),
-        BLOCK_R=block_r, R_CHUNKS=cdiv(rows, block_r), BLOCK_B=block_b,
-        B_CHUNKS=cdiv(nb, block_b), num_warps=4,
+        flat,
+        pairs,
+        bexp,
+        starts,
+        P,
+        num_experts,
+        rows,
+        nb,
+        BLOCK_P=block_p,
+        BLOCK_E=block_e,
+        BLOCK_M=block_m,
+        CHUNK=max(1, min(8, block_p, 8192 // block_p)),
+        BLOCK_R=block_r,
+        R_CHUNKS=cdiv(rows, block_r),
+        BLOCK_B=block_b,
+        B_CHUNKS=cdiv(nb, block_b),
+        num_warps=4,
     )
     return pairs, bexp
 
 
 @triton.jit
 def _w13_kernel(
-    x_ptr, w_ptr, act_ptr, pairs_ptr, bexp_ptr, P, INTER, HIDDEN,
-    s_xt, s_we, s_wn, s_wk, s_at, limit,
-    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FP32_DOT: tl.constexpr, INTERPRET: tl.constexpr, HIDDEN_C: tl.constexpr, HAS_LIMIT: tl.constexpr = False,
+    x_ptr,
+    w_ptr,
+    act_ptr,
+    pairs_ptr,
+    bexp_ptr,
+    P,
+    INTER,
+    HIDDEN,
+    s_xt,
+    s_we,
+    s_wn,
+    s_wk,
+    s_at,
+    limit,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    HIDDEN_C: tl.constexpr,
+    HAS_LIMIT: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -150,10 +194,26 @@ def _w13_kernel(
 
 @triton.jit
 def _w2_kernel(
-    act_ptr, w_ptr, topw_ptr, y_ptr, pairs_ptr, bexp_ptr, P, HIDDEN, INTER,
-    s_at, s_we, s_wn, s_wk, s_yp,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FP32_DOT: tl.constexpr, INTERPRET: tl.constexpr, INTER_C: tl.constexpr,
+    act_ptr,
+    w_ptr,
+    topw_ptr,
+    y_ptr,
+    pairs_ptr,
+    bexp_ptr,
+    P,
+    HIDDEN,
+    INTER,
+    s_at,
+    s_we,
+    s_wn,
+    s_wk,
+    s_yp,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    INTER_C: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -204,19 +264,18 @@ def fused_moe(
             raise ValueError("swiglu_limit is for bf16 / fp16 / fp32 weights here (FP8 experts: not built)")
         from pdserve_kernels.fused_moe_fp8 import fused_moe_fp8
 
-        return fused_moe_fp8(x, w13, w2, w13_scale_inv, w2_scale_inv, topk_weights, topk_ids,
-                             block_shape=block_shape, config=config)
+        return fused_moe_fp8(
+            x, w13, w2, w13_scale_inv, w2_scale_inv, topk_weights, topk_ids, block_shape=block_shape, config=config
+        )
     if w13_scale_inv is not None or w2_scale_inv is not None:
-        raise ValueError(f"weight scales were given but w13/w2 are {w13.dtype}/{w2.dtype}, not "
-                         "float8_e4m3fn")
+        raise ValueError(f"weight scales were given but w13/w2 are {w13.dtype}/{w2.dtype}, not float8_e4m3fn")
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError("x must be [T, hidden], w13 [E, 2I, hidden], w2 [E, hidden, I]")
     T, hidden = x.shape
     E, two_i, _ = w13.shape
     inter = two_i // 2
     if w13.shape[2] != hidden or tuple(w2.shape) != (E, hidden, inter) or two_i % 2:
-        raise ValueError(f"shapes disagree: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, "
-                         f"w2 {tuple(w2.shape)}")
+        raise ValueError(f"shapes disagree: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != T:
         raise ValueError(f"topk_ids and topk_weights must both be [T={T}, k]")
     if w13.dtype != x.dtype or w2.dtype != x.dtype:
@@ -236,18 +295,53 @@ def fused_moe(
     y_pair = torch.empty(P, hidden, dtype=torch.float32, device=x.device)
     interp = interpreting()
     _w13_kernel[(blocks, cdiv(inter, cfg.block_n))](
-        x, w13, act, pairs, bexp, P, inter, hidden,
-        x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
+        x,
+        w13,
+        act,
+        pairs,
+        bexp,
+        P,
+        inter,
+        hidden,
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        w13.stride(2),
+        act.stride(0),
         float(swiglu_limit or 0.0),
-        TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        FP32_DOT=fp32, INTERPRET=interp, HIDDEN_C=hidden if interp else 0, HAS_LIMIT=swiglu_limit is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        TOP_K=top_k,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        FP32_DOT=fp32,
+        INTERPRET=interp,
+        HIDDEN_C=hidden if interp else 0,
+        HAS_LIMIT=swiglu_limit is not None,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     _w2_kernel[(blocks, cdiv(hidden, cfg.w2_block_n))](
-        act, w2, topk_weights.reshape(-1).contiguous(), y_pair, pairs, bexp, P, hidden, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), y_pair.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.w2_block_n, BLOCK_K=cfg.block_k,
-        FP32_DOT=fp32, INTERPRET=interp, INTER_C=inter if interp else 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        act,
+        w2,
+        topk_weights.reshape(-1).contiguous(),
+        y_pair,
+        pairs,
+        bexp,
+        P,
+        hidden,
+        inter,
+        act.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        w2.stride(2),
+        y_pair.stride(0),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.w2_block_n,
+        BLOCK_K=cfg.block_k,
+        FP32_DOT=fp32,
+        INTERPRET=interp,
+        INTER_C=inter if interp else 0,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return y_pair.view(T, top_k, hidden).sum(1).to(x.dtype)

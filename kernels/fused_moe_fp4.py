@@ -1,230 +1,41 @@
 """Fused MoE with FP4 (e2m1) expert weights and ue8m0 scales per 32 values: DeepSeek-V4's routed
 experts. Activations stay in x's dtype (bf16/fp16; fp32 for tests): the weights are dequantized
-in registers, since sm_90 has no FP4 tensor cores.
+in registers, since sm_90 has no FP4 tensor cores. The wrapper, its argument checks and the
+launch plan (tile config, split-K); the Triton kernels, and how they dequantize, are in
+`fused_moe_fp4_kernels.py`.
 
 Legend: T tokens, k experts per token, P = T * k pairs, E experts, I expert intermediate size,
-hidden model width, BM/BN/BK tile (BK: K values per loop step, a multiple of the 32-value scale
-group), G = ceil(K / 32) scale groups of a weight row.
+hidden model width, BK K values per loop step (a multiple of the 32-value scale group),
+G = ceil(K / 32) scale groups of a weight row.
 
 Weights (layout and helpers in `ref_fp4.py`): w13 [E, 2I, hidden/2] and w2 [E, hidden, I/2] packed
 two e2m1 codes a byte along K (even element in the low nibble), scales [E, 2I, G] / [E, hidden, G]
 uint8 exponents (2**(b - 127)). Same expert-sorted, block-aligned grouped GEMMs as `fused_moe.py`
-(same `moe_align`), computed transposed (acc [BN, BM] = W @ x^T: the weights are the M side of
-the dot, which sm_90's warpgroup MMA takes from registers). Per 32-value group g of a K step:
-
-    bytes [BN, 16] -> lo = codes of the even k, hi = codes of the odd k
-    d = e2m1(lo) @ x[:, even k]^T + e2m1(hi) @ x[:, odd k]^T       (two K = 16 dots)
-    acc += d * scale[n, g]                                          (one scale per weight row)
-
-so no weight is ever interleaved or multiplied by its scale in registers: the nibble becomes an
-fp16 bit pattern in three integer ops (`_e2m1_bits`: the value times 2**-14, exact, an fp16
-subnormal for code 1), and 2**14 is folded into the scale. x's even and odd columns are two
-strided loads of the (small, cached) activation tile. DeepSeek-V4's `swiglu_limit` clamps gate
-(above) and up (both sides) before SiLU-and-mul when given.
+(same `moe_align`).
 
 Split-K (`split_k`, automatic when the grid has under 2 programs per SM, as at decode's T = 1):
-grid (R / BM, N / BN, S); w13 then writes float32 gate | up partials [S, P, 2I] that
-`_swiglu_kernel` sums, clamps and activates, and w2 writes [S, P, hidden] partials that join the
-top-k sum. Deterministic (no atomics).
+each GEMM's K is cut into S slices whose float32 partials are summed (w13's by `_swiglu_kernel`
+before the activation, w2's with the top-k sum). Deterministic (no atomics).
 
-`MoEConfig.dot_scaled` (GPU, bf16/fp16 only) instead hands the packed tile and its scales to
-`tl.dot_scaled` (x as "bf16"/"fp16", the weight as "e2m1" with its ue8m0 scales [BN, BK/32]), so
-the compiler does the upcast: on sm_90 it dequantizes to bf16 in registers as well (and swaps the
-operands itself: that path keeps acc [BM, BN]); on sm_120 Triton may use the FP4 block-scaled MMA.
-Measured 20-30% faster on the H200 (docs/kernels.md); the register path is the default and the one
-the CPU tests check (the interpreter has no dot_scaled); the GPU tests check both.
+`MoEConfig.dot_scaled` (GPU, bf16/fp16 only) hands the dequantization to `tl.dot_scaled` (on
+sm_120 Triton may use the FP4 block-scaled MMA). Faster on sm_90 (docs/kernels.md), but the
+register path is the default: the one the CPU tests check (the interpreter has no dot_scaled);
+the GPU tests check both.
 Reference: `ref_fp4.fused_moe_fp4_ref`.
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from pdserve_kernels import configs
 from pdserve_kernels._launch import capability, cdiv, interpreting, next_pow2, sm_count
 from pdserve_kernels.fused_moe import MAX_KERNEL_ALIGN_PAIRS, moe_align, moe_align_fast
+from pdserve_kernels.fused_moe_fp4_kernels import _swiglu_kernel, _w2_fp4_kernel, _w13_fp4_kernel
 
 GROUP = 32  # values per ue8m0 scale
 _FP4_DTYPES = tuple(d for d in (torch.uint8, torch.int8, getattr(torch, "float4_e2m1fn_x2", None)) if d)
 _SCALE_DTYPES = tuple(d for d in (torch.uint8, getattr(torch, "float8_e8m0fnu", None)) if d)
-
-
-@triton.jit
-def _e2m1_bits(code, DTYPE: tl.constexpr):
-    """4-bit e2m1 codes (uint8, in [0, 16)) -> their values times 2**-14 in DTYPE, exactly: the
-    magnitude bits land in fp16's low exponent bits and top mantissa bit (code 1, 0.5, becomes
-    the fp16 subnormal 2**-15), the sign bit in fp16's sign."""
-    c = code.to(tl.uint16)
-    bits = ((c & 7) << 9) | ((c & 8) << 12)
-    return bits.to(tl.float16, bitcast=True).to(DTYPE)
-
-
-@triton.jit
-def _ue8m0_x2p14(s):
-    """ue8m0 exponent bytes -> 2**(s - 127) * 2**14 in float32 (the 2**14 undoes `_e2m1_bits`)."""
-    return ((s.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _group_dot(w_ptrs, w_mask, b_e, b_o, s_ptrs, s_mask, FP32_DOT: tl.constexpr):
-    """One 32-value group: w_ptrs [BN, 16] packed bytes, b_e/b_o [16, BM] x's even/odd columns
-    (transposed), s_ptrs [BN] scales -> (W @ x^T)[BN, BM] float32."""
-    w = tl.load(w_ptrs, mask=w_mask, other=0)
-    lo = _e2m1_bits(w & 0xF, b_e.dtype)
-    hi = _e2m1_bits(w >> 4, b_e.dtype)
-    if FP32_DOT:
-        d = tl.dot(lo, b_e, input_precision="ieee")
-        d = tl.dot(hi, b_o, d, input_precision="ieee")
-    else:
-        d = tl.dot(lo, b_e)
-        d = tl.dot(hi, b_o, d)
-    s = tl.load(s_ptrs, mask=s_mask, other=0)
-    return d * _ue8m0_x2p14(s)[:, None]
-
-
-@triton.jit
-def _fp4_step(acc, a_row, a_ok, k0, K, w_base, s_base, offs_n, n_ok, s_wn, s_sn,
-              BLOCK_K: tl.constexpr, DOT_SCALED: tl.constexpr, A_FMT: tl.constexpr,
-              FP32_DOT: tl.constexpr):
-    """acc[BN, BM] += W[offs_n, k0:k0+BK] @ a[:, k0:k0+BK]^T (DOT_SCALED: acc[BM, BN] += a @ W^T,
-    measured faster that way round on the H200): weights are the M side of the dot
-    (rows n: 16 contiguous packed bytes per group, the operand a warpgroup MMA can take from
-    registers), the BM rows (tokens) its N side. a_row [BM] row pointers of the activations (x's
-    dtype), w_base / s_base the expert's packed weight and scale rows."""
-    if DOT_SCALED:  # acc is [BM, BN] here: the compiler's own decomposition swaps the operands
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_row[:, None] + offs_k[None, :], mask=a_ok[:, None] & (offs_k < K)[None, :], other=0.0)
-        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        w = tl.load(w_base + offs_n[None, :] * s_wn + offs_b[:, None],
-                    mask=(offs_b < K // 2)[:, None] & n_ok[None, :], other=0)
-        offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        s = tl.load(s_base + offs_n[:, None] * s_sn + offs_g[None, :],
-                    mask=n_ok[:, None] & (offs_g * 32 < K)[None, :], other=127)
-        acc = tl.dot_scaled(a, None, A_FMT, w, s, "e2m1", acc)
-    else:
-        offs_i = tl.arange(0, 16)
-        for g in tl.static_range(BLOCK_K // 32):
-            kk = k0 + g * 32 + 2 * offs_i  # the even k of each byte (K is even)
-            b_mask = a_ok[None, :] & (kk < K)[:, None]
-            b_e = tl.load(a_row[None, :] + kk[:, None], mask=b_mask, other=0.0)
-            b_o = tl.load(a_row[None, :] + kk[:, None] + 1, mask=b_mask, other=0.0)
-            kb = k0 // 2 + g * 16 + offs_i
-            w_ptrs = w_base + offs_n[:, None] * s_wn + kb[None, :]
-            w_mask = n_ok[:, None] & (kb < K // 2)[None, :]
-            s_ptrs = s_base + offs_n * s_sn + (k0 // 32 + g)
-            acc += _group_dot(w_ptrs, w_mask, b_e, b_o, s_ptrs, n_ok & (k0 + g * 32 < K), FP32_DOT)
-    return acc
-
-
-@triton.jit
-def _swiglu(g, u, limit, HAS_LIMIT: tl.constexpr):
-    if HAS_LIMIT:  # DeepSeek-V4: gate <= limit, -limit <= up <= limit
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-    return g / (1.0 + tl.exp(-g)) * u
-
-
-@triton.jit
-def _w13_fp4_kernel(
-    x_ptr, w_ptr, ws_ptr, out_ptr, pairs_ptr, bexp_ptr, P, INTER, HIDDEN, K_SPLIT, limit,
-    s_xt, s_we, s_wn, s_se, s_sn, s_os, s_op,
-    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_SCALED: tl.constexpr, A_FMT: tl.constexpr,
-    FP32_DOT: tl.constexpr, INTERPRET: tl.constexpr, KS_C: tl.constexpr,
-):
-    """Grid (R / BM, I / BN, SPLIT). SPLIT == 1: out = act [P, I] in x's dtype. Else program k
-    sums hidden[k * K_SPLIT, (k + 1) * K_SPLIT) and writes float32 gate | up to out[k] [P, 2I]."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    e = tl.load(bexp_ptr + pid_m)
-    pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = (pairs < P) & (e >= 0)
-    x_row = x_ptr + (pairs // TOP_K).to(tl.int64) * s_xt
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < INTER
-    e64 = tl.maximum(e, 0).to(tl.int64)
-    g_w, g_s = w_ptr + e64 * s_we, ws_ptr + e64 * s_se  # gate rows n, up rows INTER + n
-    u_w, u_s = g_w + INTER * s_wn, g_s + INTER * s_sn
-    if DOT_SCALED:
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    else:
-        acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # transposed: [n, pair]
-        acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    k_lo = pid_k * K_SPLIT
-    k_end = tl.where(e >= 0, tl.minimum(k_lo + K_SPLIT, HIDDEN), k_lo)  # unused block: no traffic
-    for kk in range(0, KS_C if INTERPRET else k_end - k_lo, BLOCK_K):
-        k0 = k_lo + kk
-        acc_g = _fp4_step(acc_g, x_row, row_ok, k0, HIDDEN, g_w, g_s, offs_n, n_ok, s_wn, s_sn,
-                          BLOCK_K, DOT_SCALED, A_FMT, FP32_DOT)
-        acc_u = _fp4_step(acc_u, x_row, row_ok, k0, HIDDEN, u_w, u_s, offs_n, n_ok, s_wn, s_sn,
-                          BLOCK_K, DOT_SCALED, A_FMT, FP32_DOT)
-    if DOT_SCALED:
-        acc_g = tl.trans(acc_g)
-        acc_u = tl.trans(acc_u)
-    out = out_ptr + pid_k * s_os + pairs.to(tl.int64)[None, :] * s_op + offs_n[:, None]
-    mask = row_ok[None, :] & n_ok[:, None]
-    if SPLIT == 1:
-        tl.store(out, _swiglu(acc_g, acc_u, limit, HAS_LIMIT).to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(out, acc_g, mask=mask)
-        tl.store(out + INTER, acc_u, mask=mask)
-
-
-@triton.jit
-def _swiglu_kernel(part_ptr, act_ptr, P, INTER, limit, s_ps, s_pp, s_at,
-                   SPLIT: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK: tl.constexpr):
-    """Grid (P, I / BLOCK): act[p] = silu(clamp(sum_k gate_k[p])) * clamp(sum_k up_k[p])."""
-    p = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < INTER
-    g = tl.zeros([BLOCK], tl.float32)
-    u = tl.zeros([BLOCK], tl.float32)
-    for k in tl.static_range(SPLIT):
-        row = part_ptr + k * s_ps + p * s_pp
-        g += tl.load(row + offs, mask=ok, other=0.0)
-        u += tl.load(row + INTER + offs, mask=ok, other=0.0)
-    act = _swiglu(g, u, limit, HAS_LIMIT)
-    tl.store(act_ptr + p * s_at + offs, act.to(act_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _w2_fp4_kernel(
-    act_ptr, w_ptr, ws_ptr, topw_ptr, y_ptr, pairs_ptr, bexp_ptr, P, HIDDEN, INTER, K_SPLIT,
-    s_at, s_we, s_wn, s_se, s_sn, s_ys, s_yp,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_SCALED: tl.constexpr, A_FMT: tl.constexpr, FP32_DOT: tl.constexpr,
-    INTERPRET: tl.constexpr, KS_C: tl.constexpr,
-):
-    """Grid (R / BM, hidden / BN, SPLIT): y[k, p] = topk_weight[p] * the K-slice k of act[p] @ w2^T."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    e = tl.load(bexp_ptr + pid_m)
-    pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = (pairs < P) & (e >= 0)
-    rows = pairs.to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < HIDDEN
-    e64 = tl.maximum(e, 0).to(tl.int64)
-    if DOT_SCALED:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # transposed: [n, pair]
-    k_lo = pid_k * K_SPLIT
-    k_end = tl.where(e >= 0, tl.minimum(k_lo + K_SPLIT, INTER), k_lo)
-    for kk in range(0, KS_C if INTERPRET else k_end - k_lo, BLOCK_K):
-        k0 = k_lo + kk
-        acc = _fp4_step(acc, act_ptr + rows * s_at, row_ok, k0, INTER, w_ptr + e64 * s_we,
-                        ws_ptr + e64 * s_se, offs_n, n_ok, s_wn, s_sn, BLOCK_K, DOT_SCALED, A_FMT, FP32_DOT)
-    if DOT_SCALED:
-        acc = tl.trans(acc)
-    w = tl.load(topw_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    out = y_ptr + pid_k * s_ys + rows[None, :] * s_yp + offs_n[:, None]
-    tl.store(out, acc * w[None, :], mask=row_ok[None, :] & n_ok[:, None])
 
 
 def split_k(programs: int, K: int, block_k: int, cfg: configs.MoEConfig, device) -> tuple[int, int]:
@@ -245,11 +56,12 @@ def _check(x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids):
     if hidden % 2 or two_i % 2 or inter % 2:
         raise ValueError(f"hidden ({hidden}) and I ({two_i // 2}) must be even (two FP4 values a byte)")
     if tuple(w13.shape) != (E, two_i, hidden // 2) or tuple(w2.shape) != (E, hidden, inter // 2):
-        raise ValueError(f"shapes disagree: x {tuple(x.shape)}, w13 {tuple(w13.shape)} (want "
-                         f"[E, 2I, {hidden // 2}]), w2 {tuple(w2.shape)} (want [E, {hidden}, I/2])")
+        raise ValueError(
+            f"shapes disagree: x {tuple(x.shape)}, w13 {tuple(w13.shape)} (want "
+            f"[E, 2I, {hidden // 2}]), w2 {tuple(w2.shape)} (want [E, {hidden}, I/2])"
+        )
     if w13.dtype not in _FP4_DTYPES or w2.dtype not in _FP4_DTYPES:
-        raise ValueError(f"FP4 weights are packed bytes (uint8/int8/float4_e2m1fn_x2), got "
-                         f"{w13.dtype}, {w2.dtype}")
+        raise ValueError(f"FP4 weights are packed bytes (uint8/int8/float4_e2m1fn_x2), got {w13.dtype}, {w2.dtype}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
     want13 = (E, two_i, cdiv(hidden, GROUP))
@@ -306,26 +118,80 @@ def fused_moe_fp4(
     b13, b2 = w13.view(torch.uint8), w2.view(torch.uint8)
     s13, s2 = w13_scale.view(torch.uint8), w2_scale.view(torch.uint8)
     limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
-    common = dict(BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, DOT_SCALED=cfg.dot_scaled,
-                  A_FMT="fp16" if x.dtype == torch.float16 else "bf16", FP32_DOT=fp32,
-                  INTERPRET=interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    common = dict(
+        BLOCK_M=cfg.block_m,
+        BLOCK_K=cfg.block_k,
+        DOT_SCALED=cfg.dot_scaled,
+        A_FMT="fp16" if x.dtype == torch.float16 else "bf16",
+        FP32_DOT=fp32,
+        INTERPRET=interp,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
     _w13_fp4_kernel[(blocks, n13, sp13)](
-        x, b13, s13, h13, pairs, bexp, P, inter, hidden, ks13, limit,
-        x.stride(0), b13.stride(0), b13.stride(1), s13.stride(0), s13.stride(1),
-        h13.stride(0) if sp13 > 1 else 0, h13.stride(-2),
-        TOP_K=top_k, BLOCK_N=cfg.block_n, SPLIT=sp13, HAS_LIMIT=swiglu_limit is not None,
-        KS_C=ks13 if interp else 0, **common,
+        x,
+        b13,
+        s13,
+        h13,
+        pairs,
+        bexp,
+        P,
+        inter,
+        hidden,
+        ks13,
+        limit,
+        x.stride(0),
+        b13.stride(0),
+        b13.stride(1),
+        s13.stride(0),
+        s13.stride(1),
+        h13.stride(0) if sp13 > 1 else 0,
+        h13.stride(-2),
+        TOP_K=top_k,
+        BLOCK_N=cfg.block_n,
+        SPLIT=sp13,
+        HAS_LIMIT=swiglu_limit is not None,
+        KS_C=ks13 if interp else 0,
+        **common,
     )
     if sp13 > 1:
         block = min(1024, next_pow2(inter))
         _swiglu_kernel[(P, cdiv(inter, block))](
-            h13, act, P, inter, limit, h13.stride(0), h13.stride(1), act.stride(0),
-            SPLIT=sp13, HAS_LIMIT=swiglu_limit is not None, BLOCK=block, num_warps=4,
+            h13,
+            act,
+            P,
+            inter,
+            limit,
+            h13.stride(0),
+            h13.stride(1),
+            act.stride(0),
+            SPLIT=sp13,
+            HAS_LIMIT=swiglu_limit is not None,
+            BLOCK=block,
+            num_warps=4,
         )
     _w2_fp4_kernel[(blocks, n2, sp2)](
-        act, b2, s2, topk_weights.reshape(-1).contiguous(), y_part, pairs, bexp, P, hidden, inter, ks2,
-        act.stride(0), b2.stride(0), b2.stride(1), s2.stride(0), s2.stride(1), y_part.stride(0),
-        y_part.stride(1), BLOCK_N=cfg.w2_block_n, KS_C=ks2 if interp else 0, **common,
+        act,
+        b2,
+        s2,
+        topk_weights.reshape(-1).contiguous(),
+        y_part,
+        pairs,
+        bexp,
+        P,
+        hidden,
+        inter,
+        ks2,
+        act.stride(0),
+        b2.stride(0),
+        b2.stride(1),
+        s2.stride(0),
+        s2.stride(1),
+        y_part.stride(0),
+        y_part.stride(1),
+        BLOCK_N=cfg.w2_block_n,
+        KS_C=ks2 if interp else 0,
+        **common,
     )
     y = y_part[0].view(T, top_k, hidden).sum(1) if sp2 == 1 else y_part.view(sp2, T, top_k, hidden).sum((0, 2))
     return y.to(x.dtype)

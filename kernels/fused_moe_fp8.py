@@ -55,10 +55,30 @@ def _quant_rows(a, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _w13_fp8_kernel(
-    x_ptr, w_ptr, ws_ptr, act_ptr, pairs_ptr, bexp_ptr, P, INTER, HIDDEN,
-    s_xt, s_we, s_wn, s_se, s_sn, s_sk, s_at,
-    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    W_BLOCK_N: tl.constexpr, FP8_ACT: tl.constexpr, INTERPRET: tl.constexpr, HIDDEN_C: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    ws_ptr,
+    act_ptr,
+    pairs_ptr,
+    bexp_ptr,
+    P,
+    INTER,
+    HIDDEN,
+    s_xt,
+    s_we,
+    s_wn,
+    s_se,
+    s_sn,
+    s_sk,
+    s_at,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    W_BLOCK_N: tl.constexpr,
+    FP8_ACT: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    HIDDEN_C: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -104,10 +124,30 @@ def _w13_fp8_kernel(
 
 @triton.jit
 def _w2_fp8_kernel(
-    act_ptr, w_ptr, ws_ptr, topw_ptr, y_ptr, pairs_ptr, bexp_ptr, P, HIDDEN, INTER,
-    s_at, s_we, s_wn, s_se, s_sn, s_sk, s_yp,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_BLOCK_N: tl.constexpr,
-    FP8_ACT: tl.constexpr, INTERPRET: tl.constexpr, INTER_C: tl.constexpr,
+    act_ptr,
+    w_ptr,
+    ws_ptr,
+    topw_ptr,
+    y_ptr,
+    pairs_ptr,
+    bexp_ptr,
+    P,
+    HIDDEN,
+    INTER,
+    s_at,
+    s_we,
+    s_wn,
+    s_se,
+    s_sn,
+    s_sk,
+    s_yp,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    W_BLOCK_N: tl.constexpr,
+    FP8_ACT: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    INTER_C: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -149,8 +189,7 @@ def _check(x, w13, w2, w13_scale_inv, w2_scale_inv, topk_weights, topk_ids, bloc
     inter = two_i // 2
     bn, bk = block_shape
     if w13.shape[2] != hidden or tuple(w2.shape) != (E, hidden, inter) or two_i % 2:
-        raise ValueError(f"shapes disagree: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, "
-                         f"w2 {tuple(w2.shape)}")
+        raise ValueError(f"shapes disagree: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
     if w13.dtype != torch.float8_e4m3fn or w2.dtype != torch.float8_e4m3fn:
         raise ValueError(f"fp8 MoE takes float8_e4m3fn w13 and w2, got {w13.dtype}, {w2.dtype}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -158,8 +197,10 @@ def _check(x, w13, w2, w13_scale_inv, w2_scale_inv, topk_weights, topk_ids, bloc
     if bk not in (16, 32, 64, 128, 256) or bn < 1:
         raise ValueError(f"block_shape {block_shape}: bk must be a power of two in [16, 256]")
     if inter % bn:
-        raise ValueError(f"I = {inter} must be a multiple of the weight block's bn = {bn} (gate "
-                         "and up rows must not share a scale block)")
+        raise ValueError(
+            f"I = {inter} must be a multiple of the weight block's bn = {bn} (gate "
+            "and up rows must not share a scale block)"
+        )
     want13 = (E, cdiv(two_i, bn), cdiv(hidden, bk))
     want2 = (E, cdiv(hidden, bn), cdiv(inter, bk))
     for name, s, want in (("w13_scale_inv", w13_scale_inv, want13), ("w2_scale_inv", w2_scale_inv, want2)):
@@ -195,7 +236,9 @@ def fused_moe_fp8(
         return torch.zeros(T, hidden, dtype=x.dtype, device=x.device)
     bn, bk = block_shape
     fp8_act = x.dtype != torch.float32
-    cfg = config or (configs.MOE_FP32 if not fp8_act and x.is_cuda else configs.moe_fp8_config(capability(x.device), P / E))
+    cfg = config or (
+        configs.MOE_FP32 if not fp8_act and x.is_cuda else configs.moe_fp8_config(capability(x.device), P / E)
+    )
     align = moe_align_fast if P <= MAX_KERNEL_ALIGN_PAIRS else moe_align
     pairs, bexp = align(topk_ids, E, cfg.block_m)
     blocks = bexp.numel()
@@ -204,18 +247,55 @@ def fused_moe_fp8(
     interp = interpreting()
     w13_b, w2_b = w13.view(torch.uint8), w2.view(torch.uint8)  # bitcast back to e4m3 in-kernel
     _w13_fp8_kernel[(blocks, cdiv(inter, cfg.block_n))](
-        x, w13_b, w13_scale_inv, act, pairs, bexp, P, inter, hidden,
-        x.stride(0), w13.stride(0), w13.stride(1), *w13_scale_inv.stride(), act.stride(0),
-        TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, W_BLOCK_N=bn,
-        FP8_ACT=fp8_act, INTERPRET=interp, HIDDEN_C=hidden if interp else 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        x,
+        w13_b,
+        w13_scale_inv,
+        act,
+        pairs,
+        bexp,
+        P,
+        inter,
+        hidden,
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        *w13_scale_inv.stride(),
+        act.stride(0),
+        TOP_K=top_k,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=bk,
+        W_BLOCK_N=bn,
+        FP8_ACT=fp8_act,
+        INTERPRET=interp,
+        HIDDEN_C=hidden if interp else 0,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     _w2_fp8_kernel[(blocks, cdiv(hidden, cfg.w2_block_n))](
-        act, w2_b, w2_scale_inv, topk_weights.reshape(-1).contiguous(), y_pair, pairs, bexp, P,
-        hidden, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), *w2_scale_inv.stride(), y_pair.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.w2_block_n, BLOCK_K=bk, W_BLOCK_N=bn,
-        FP8_ACT=fp8_act, INTERPRET=interp, INTER_C=inter if interp else 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        act,
+        w2_b,
+        w2_scale_inv,
+        topk_weights.reshape(-1).contiguous(),
+        y_pair,
+        pairs,
+        bexp,
+        P,
+        hidden,
+        inter,
+        act.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        *w2_scale_inv.stride(),
+        y_pair.stride(0),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.w2_block_n,
+        BLOCK_K=bk,
+        W_BLOCK_N=bn,
+        FP8_ACT=fp8_act,
+        INTERPRET=interp,
+        INTER_C=inter if interp else 0,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return y_pair.view(T, top_k, hidden).sum(1).to(x.dtype)

@@ -66,7 +66,9 @@ def hc_mix(
     """pre [T, N], post [T, N], comb [T, N, N] (float32), as `ref.hc_mix_ref`."""
     T = mixes.shape[0]
     if n & (n - 1) or mixes.shape[1] != (2 + n) * n or mixes.stride(1) != 1:
-        raise ValueError(f"hc_mix: mixes {tuple(mixes.shape)} (stride {mixes.stride()}) for hc_mult {n}: want [T, {(2 + n) * n}], N a power of two")
+        raise ValueError(
+            f"hc_mix: mixes {tuple(mixes.shape)} (stride {mixes.stride()}) for hc_mult {n}: want [T, {(2 + n) * n}], N a power of two"
+        )
     if iters < 1:
         raise ValueError(f"hc_mix: iters must be >= 1, got {iters}")
     mixes, base, scale = mixes.float(), base.float().contiguous(), scale.float().contiguous()
@@ -74,5 +76,7 @@ def hc_mix(
     post = mixes.new_empty(T, n)
     comb = mixes.new_empty(T, n, n)
     if T:
-        _hc_mix_kernel[(cdiv(T, BLOCK_T),)](mixes, base, scale, pre, post, comb, T, mixes.stride(0), eps, N=n, ITERS=iters, BLOCK_T=BLOCK_T)
+        _hc_mix_kernel[(cdiv(T, BLOCK_T),)](
+            mixes, base, scale, pre, post, comb, T, mixes.stride(0), eps, N=n, ITERS=iters, BLOCK_T=BLOCK_T
+        )
     return pre, post, comb

@@ -23,10 +23,33 @@ from pdserve_kernels._launch import capability, cdiv, next_pow2
 
 @triton.jit
 def _index_scores_kernel(
-    q_ptr, k_ptr, w_ptr, cand_ptr, score_ptr, bt_ptr, seq_ptr, len_ptr, H, D, C,
-    s_qt, s_qh, s_qd, s_kn, s_kd, s_wt, s_wh, s_ct, s_cc, s_bt,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, FP32_DOT: tl.constexpr,
-    PAGED: tl.constexpr = False, PAGE: tl.constexpr = 1,
+    q_ptr,
+    k_ptr,
+    w_ptr,
+    cand_ptr,
+    score_ptr,
+    bt_ptr,
+    seq_ptr,
+    len_ptr,
+    H,
+    D,
+    C,
+    s_qt,
+    s_qh,
+    s_qd,
+    s_kn,
+    s_kd,
+    s_wt,
+    s_wh,
+    s_ct,
+    s_cc,
+    s_bt,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    PAGED: tl.constexpr = False,
+    PAGE: tl.constexpr = 1,
 ):
     pid_c = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
@@ -35,8 +58,11 @@ def _index_scores_kernel(
     offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     h_ok = offs_h < H
     d_ok = offs_d < D
-    q = tl.load(q_ptr + t * s_qt + offs_h[:, None] * s_qh + offs_d[None, :] * s_qd,
-                mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + t * s_qt + offs_h[:, None] * s_qh + offs_d[None, :] * s_qd,
+        mask=h_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     w = tl.load(w_ptr + t * s_wt + offs_h * s_wh, mask=h_ok, other=0.0).to(tl.float32)
     if PAGED:  # offs_c are positions of the query's sequence
         seen = offs_c < tl.load(len_ptr + t)
@@ -45,8 +71,11 @@ def _index_scores_kernel(
     else:
         cand = tl.load(cand_ptr + t * s_ct + offs_c * s_cc, mask=offs_c < C, other=-1)
     valid = cand >= 0
-    keys = tl.load(k_ptr + cand.to(tl.int64)[:, None] * s_kn + offs_d[None, :] * s_kd,
-                   mask=valid[:, None] & d_ok[None, :], other=0.0)
+    keys = tl.load(
+        k_ptr + cand.to(tl.int64)[:, None] * s_kn + offs_d[None, :] * s_kd,
+        mask=valid[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     if FP32_DOT:
         logits = tl.dot(q, tl.trans(keys), input_precision="ieee")  # [BH, BC]
     else:
@@ -59,8 +88,13 @@ def _index_scores_kernel(
 SCORES_BYTES = 256 << 20  # transient [rows, C] float32 scores of one chunk of paged queries
 
 
-def index_scores(q: torch.Tensor, k_cache: torch.Tensor, weights: torch.Tensor,
-                 candidates: torch.Tensor | None, paged: tuple | None = None) -> torch.Tensor:
+def index_scores(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    weights: torch.Tensor,
+    candidates: torch.Tensor | None,
+    paged: tuple | None = None,
+) -> torch.Tensor:
     """scores [T, C] float32 (-inf at padding); shapes as in `indexer_topk`. paged:
     (block_tables, seq_ids, context_lens, page, max_len) instead of candidates (C = max_len)."""
     T, H, D = q.shape
@@ -75,11 +109,30 @@ def index_scores(q: torch.Tensor, k_cache: torch.Tensor, weights: torch.Tensor,
         candidates = lens.view(T, 1)  # unused
     cfg = configs.indexer_config(capability(q.device))
     _index_scores_kernel[(cdiv(C, cfg.block_c), T)](
-        q, k_cache, weights, candidates, scores, tables, seq_ids, lens, H, D, C,
-        *q.stride(), *k_cache.stride(), *weights.stride(), *candidates.stride(), tables.stride(0),
-        BLOCK_H=max(16, next_pow2(H)), BLOCK_D=max(16, next_pow2(D)), BLOCK_C=cfg.block_c,
-        FP32_DOT=q.dtype == torch.float32, PAGED=paged is not None, PAGE=page,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        q,
+        k_cache,
+        weights,
+        candidates,
+        scores,
+        tables,
+        seq_ids,
+        lens,
+        H,
+        D,
+        C,
+        *q.stride(),
+        *k_cache.stride(),
+        *weights.stride(),
+        *candidates.stride(),
+        tables.stride(0),
+        BLOCK_H=max(16, next_pow2(H)),
+        BLOCK_D=max(16, next_pow2(D)),
+        BLOCK_C=cfg.block_c,
+        FP32_DOT=q.dtype == torch.float32,
+        PAGED=paged is not None,
+        PAGE=page,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return scores
 
@@ -94,13 +147,13 @@ def indexer_topk(
     """Top-k candidate slot ids [T, min(topk, C)] int32 by descending index score, -1 where a
     query has fewer valid candidates. Same contract as `ref.indexer_topk_ref`."""
     if q.dim() != 3 or k_cache.dim() != 2 or k_cache.shape[1] != q.shape[2]:
-        raise ValueError(f"q must be [T, H, D] and k_cache [N, D]; got {tuple(q.shape)}, "
-                         f"{tuple(k_cache.shape)}")
+        raise ValueError(f"q must be [T, H, D] and k_cache [N, D]; got {tuple(q.shape)}, {tuple(k_cache.shape)}")
     if tuple(weights.shape) != tuple(q.shape[:2]):
         raise ValueError(f"weights must be [T, H] = {tuple(q.shape[:2])}, got {tuple(weights.shape)}")
     if candidates.dim() != 2 or candidates.shape[0] != q.shape[0] or candidates.dtype != torch.int32:
-        raise ValueError(f"candidates must be int32 [T={q.shape[0]}, C], got {candidates.dtype} "
-                         f"{tuple(candidates.shape)}")
+        raise ValueError(
+            f"candidates must be int32 [T={q.shape[0]}, C], got {candidates.dtype} {tuple(candidates.shape)}"
+        )
     if k_cache.dtype != q.dtype:
         raise ValueError(f"k_cache dtype {k_cache.dtype} must match q dtype {q.dtype}")
     if topk < 1:

@@ -47,8 +47,8 @@ def unpack_kv_fp8(records: torch.Tensor, d_v: int, dim: int) -> torch.Tensor:
     N = records.shape[0]
     G = d_v // GROUP
     vals = records[:, :d_v].contiguous().view(torch.float8_e4m3fn).float()
-    scale = records[:, d_v:d_v + 4 * G].contiguous().view(torch.float32)  # [N, G]
-    tail = records[:, d_v + 4 * G:record_bytes(d_v, dim - d_v)].contiguous().view(torch.bfloat16)
+    scale = records[:, d_v : d_v + 4 * G].contiguous().view(torch.float32)  # [N, G]
+    tail = records[:, d_v + 4 * G : record_bytes(d_v, dim - d_v)].contiguous().view(torch.bfloat16)
     latent = (vals.reshape(N, G, GROUP) * scale[..., None]).reshape(N, d_v)
     return torch.cat([latent, tail.float()], dim=1)
 
@@ -98,7 +98,9 @@ class V4Record:
 
     def __post_init__(self) -> None:
         if not 0 <= self.rope < self.dim or self.nope % 16:
-            raise ValueError(f"fp8_ds_v4 needs 0 <= rope < dim and dim - rope a multiple of 16, got dim {self.dim}, rope {self.rope}")
+            raise ValueError(
+                f"fp8_ds_v4 needs 0 <= rope < dim and dim - rope a multiple of 16, got dim {self.dim}, rope {self.rope}"
+            )
 
     @property
     def nope(self) -> int:
@@ -134,8 +136,13 @@ def _quantize_v4(kv: torch.Tensor, rec: V4Record) -> tuple[torch.Tensor, torch.T
     mant, exp = torch.frexp(floor)  # floor = mant * 2^exp, mant in [0.5, 1): exact ceil(log2)
     exp = torch.where(mant == 0.5, exp - 1, exp)
     vals = (nope / torch.ldexp(torch.ones_like(floor), exp)[..., None]).to(torch.float8_e4m3fn)
-    values = torch.cat([vals.view(n, -1)[:, : rec.nope].view(torch.uint8),
-                        kv[:, rec.nope :].to(torch.bfloat16).contiguous().view(torch.uint8)], dim=1)
+    values = torch.cat(
+        [
+            vals.view(n, -1)[:, : rec.nope].view(torch.uint8),
+            kv[:, rec.nope :].to(torch.bfloat16).contiguous().view(torch.uint8),
+        ],
+        dim=1,
+    )
     scales = torch.zeros(n, rec.scale_bytes, dtype=torch.uint8, device=kv.device)
     scales[:, :groups] = (exp + 127).to(torch.uint8)
     return values, scales
@@ -145,8 +152,10 @@ def _split_pages(pages: torch.Tensor, rec: V4Record) -> tuple[torch.Tensor, torc
     """pages [Nb, P, bytes] -> views (values [Nb, P, value_bytes], scales [Nb, P, scale_bytes])."""
     Nb, P, R = pages.shape
     if pages.dtype != torch.uint8 or R != rec.bytes or pages.stride(2) != 1 or pages.stride(1) != R:
-        raise ValueError(f"fp8_ds_v4 pages must be uint8 [Nb, P, {rec.bytes}] with each page's bytes contiguous, "
-                         f"got {pages.dtype} {tuple(pages.shape)} strides {pages.stride()}")
+        raise ValueError(
+            f"fp8_ds_v4 pages must be uint8 [Nb, P, {rec.bytes}] with each page's bytes contiguous, "
+            f"got {pages.dtype} {tuple(pages.shape)} strides {pages.stride()}"
+        )
     flat = pages.as_strided((Nb, P * R), (pages.stride(0), 1))
     values = flat[:, : P * rec.value_bytes].unflatten(1, (P, rec.value_bytes))
     return values, flat[:, P * rec.value_bytes :].unflatten(1, (P, rec.scale_bytes))
@@ -171,12 +180,15 @@ def store_kv_fp8_v4(pages: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, 
     values[s // P, s % P], scales[s // P, s % P] = _quantize_v4(kv, rec)
 
 
-def copy_kv_fp8_v4(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor,
-                   rec: V4Record = V4_FLASH) -> None:
+def copy_kv_fp8_v4(
+    src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor, rec: V4Record = V4_FLASH
+) -> None:
     """Copy the records of `src_slots` [n] of pages `src` to `dst_slots` [n] of pages `dst` (any
     page sizes): bytes moved, nothing requantized."""
     if src_slots.shape != dst_slots.shape or src_slots.dim() != 1:
-        raise ValueError(f"src_slots and dst_slots must be [n], got {tuple(src_slots.shape)} and {tuple(dst_slots.shape)}")
+        raise ValueError(
+            f"src_slots and dst_slots must be [n], got {tuple(src_slots.shape)} and {tuple(dst_slots.shape)}"
+        )
     (sv, ss), (dv, ds) = _split_pages(src, rec), _split_pages(dst, rec)
     s, d, P, Q = src_slots.long(), dst_slots.long(), src.shape[1], dst.shape[1]
     dv[d // Q, d % Q], ds[d // Q, d % Q] = sv[s // P, s % P], ss[s // P, s % P]
@@ -185,7 +197,8 @@ def copy_kv_fp8_v4(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor
 def gather_kv_fp8_v4(pages: torch.Tensor, slots: torch.Tensor, rec: V4Record = V4_FLASH, page: int = 1) -> torch.Tensor:
     """The records of `slots` [n] as new pages [ceil(n / page), page, rec.bytes], slot i = the
     i-th of `slots` (bytes moved, nothing requantized). An even page keeps every page on a 16-byte
-    boundary (584 = 8 x 73): the kernel read page-1 records 1.4x slower on the H200."""
+    boundary (584 = 8 x 73: with one record a page, every other page is off it, and the kernel reads
+    those more slowly)."""
     out = torch.zeros(-(-slots.shape[0] // page), page, rec.bytes, dtype=torch.uint8, device=pages.device)
     copy_kv_fp8_v4(pages, slots, out, torch.arange(slots.shape[0], device=pages.device), rec)
     return out

@@ -36,9 +36,31 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _tile(
-    acc, m_i, l_i, q_a, q_b, k_rows, kr_rows, v_rows, start_n, offs_m_pos, key_end,
-    s_kn, s_krn, s_vn, offs_a, offs_b, offs_v, a_ok, b_ok, v_ok, scale_log2,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, FP32_DOT: tl.constexpr, EVEN: tl.constexpr,
+    acc,
+    m_i,
+    l_i,
+    q_a,
+    q_b,
+    k_rows,
+    kr_rows,
+    v_rows,
+    start_n,
+    offs_m_pos,
+    key_end,
+    s_kn,
+    s_krn,
+    s_vn,
+    offs_a,
+    offs_b,
+    offs_v,
+    a_ok,
+    b_ok,
+    v_ok,
+    scale_log2,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    EVEN: tl.constexpr,
 ):
     """One key tile: scores, online-softmax update, p @ v. MASKED applies the causal mask
     (key j visible to the query at position p when j <= p) and the sequence's key bound; EVEN
@@ -84,12 +106,36 @@ def _tile(
 
 @triton.jit
 def _mla_prefill_kernel(
-    q_ptr, k_ptr, kr_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, scale_log2, H,
-    s_qt, s_qh, s_kn, s_kh, s_krn, s_vn, s_vh, s_ot, s_oh,
-    D_A: tl.constexpr, D_B: tl.constexpr, D_V: tl.constexpr,
-    BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr,
-    INTERPRET: tl.constexpr, TILES_C: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    kr_ptr,
+    v_ptr,
+    out_ptr,
+    lse_ptr,
+    cu_q_ptr,
+    cu_k_ptr,
+    scale_log2,
+    H,
+    s_qt,
+    s_qh,
+    s_kn,
+    s_kh,
+    s_krn,
+    s_vn,
+    s_vh,
+    s_ot,
+    s_oh,
+    D_A: tl.constexpr,
+    D_B: tl.constexpr,
+    D_V: tl.constexpr,
+    BLOCK_A: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    TILES_C: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest (last) query tiles start first
     EVEN: tl.constexpr = (D_A == BLOCK_A) & (D_B == BLOCK_B) & (D_V == BLOCK_V)
@@ -125,22 +171,118 @@ def _mla_prefill_kernel(
         if INTERPRET:  # no runtime loop bounds there (see _launch.interpreting)
             for i in range(0, TILES_C):
                 if i < n_full:
-                    acc, m_i, l_i = _tile(acc, m_i, l_i, q_a, q_b, k_rows, kr_rows, v_rows, i * BLOCK_N,
-                                          pos, key_end, s_kn, s_krn, s_vn, offs_a, offs_b, offs_v,
-                                          a_ok, b_ok, v_ok, scale_log2, BLOCK_N, False, FP32_DOT, EVEN)
+                    acc, m_i, l_i = _tile(
+                        acc,
+                        m_i,
+                        l_i,
+                        q_a,
+                        q_b,
+                        k_rows,
+                        kr_rows,
+                        v_rows,
+                        i * BLOCK_N,
+                        pos,
+                        key_end,
+                        s_kn,
+                        s_krn,
+                        s_vn,
+                        offs_a,
+                        offs_b,
+                        offs_v,
+                        a_ok,
+                        b_ok,
+                        v_ok,
+                        scale_log2,
+                        BLOCK_N,
+                        False,
+                        FP32_DOT,
+                        EVEN,
+                    )
                 elif i < n_end:
-                    acc, m_i, l_i = _tile(acc, m_i, l_i, q_a, q_b, k_rows, kr_rows, v_rows, i * BLOCK_N,
-                                          pos, key_end, s_kn, s_krn, s_vn, offs_a, offs_b, offs_v,
-                                          a_ok, b_ok, v_ok, scale_log2, BLOCK_N, True, FP32_DOT, EVEN)
+                    acc, m_i, l_i = _tile(
+                        acc,
+                        m_i,
+                        l_i,
+                        q_a,
+                        q_b,
+                        k_rows,
+                        kr_rows,
+                        v_rows,
+                        i * BLOCK_N,
+                        pos,
+                        key_end,
+                        s_kn,
+                        s_krn,
+                        s_vn,
+                        offs_a,
+                        offs_b,
+                        offs_v,
+                        a_ok,
+                        b_ok,
+                        v_ok,
+                        scale_log2,
+                        BLOCK_N,
+                        True,
+                        FP32_DOT,
+                        EVEN,
+                    )
         else:
             for i in range(0, n_full):
-                acc, m_i, l_i = _tile(acc, m_i, l_i, q_a, q_b, k_rows, kr_rows, v_rows, i * BLOCK_N,
-                                      pos, key_end, s_kn, s_krn, s_vn, offs_a, offs_b, offs_v,
-                                      a_ok, b_ok, v_ok, scale_log2, BLOCK_N, False, FP32_DOT, EVEN)
+                acc, m_i, l_i = _tile(
+                    acc,
+                    m_i,
+                    l_i,
+                    q_a,
+                    q_b,
+                    k_rows,
+                    kr_rows,
+                    v_rows,
+                    i * BLOCK_N,
+                    pos,
+                    key_end,
+                    s_kn,
+                    s_krn,
+                    s_vn,
+                    offs_a,
+                    offs_b,
+                    offs_v,
+                    a_ok,
+                    b_ok,
+                    v_ok,
+                    scale_log2,
+                    BLOCK_N,
+                    False,
+                    FP32_DOT,
+                    EVEN,
+                )
             for i in range(n_full, n_end):
-                acc, m_i, l_i = _tile(acc, m_i, l_i, q_a, q_b, k_rows, kr_rows, v_rows, i * BLOCK_N,
-                                      pos, key_end, s_kn, s_krn, s_vn, offs_a, offs_b, offs_v,
-                                      a_ok, b_ok, v_ok, scale_log2, BLOCK_N, True, FP32_DOT, EVEN)
+                acc, m_i, l_i = _tile(
+                    acc,
+                    m_i,
+                    l_i,
+                    q_a,
+                    q_b,
+                    k_rows,
+                    kr_rows,
+                    v_rows,
+                    i * BLOCK_N,
+                    pos,
+                    key_end,
+                    s_kn,
+                    s_krn,
+                    s_vn,
+                    offs_a,
+                    offs_b,
+                    offs_v,
+                    a_ok,
+                    b_ok,
+                    v_ok,
+                    scale_log2,
+                    BLOCK_N,
+                    True,
+                    FP32_DOT,
+                    EVEN,
+                )
 
         m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
         lse2 = m_safe + tl.log2(l_i)
@@ -174,8 +316,10 @@ def mla_prefill_attention(
     T, H, Dq = q.shape
     Dn, R, Dv = k_nope.shape[2], k_rope.shape[1], v.shape[2]
     if Dq != Dn + R or k_nope.shape[1] != H or v.shape[1] != H:
-        raise ValueError(f"shapes q {tuple(q.shape)}, k_nope {tuple(k_nope.shape)}, k_rope "
-                         f"{tuple(k_rope.shape)}, v {tuple(v.shape)} do not match [T,H,Dn+R] [S,H,Dn] [S,R] [S,H,Dv]")
+        raise ValueError(
+            f"shapes q {tuple(q.shape)}, k_nope {tuple(k_nope.shape)}, k_rope "
+            f"{tuple(k_rope.shape)}, v {tuple(v.shape)} do not match [T,H,Dn+R] [S,H,Dn] [S,R] [S,H,Dv]"
+        )
     for name, t in (("q", q), ("k_nope", k_nope), ("k_rope", k_rope), ("v", v)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} needs a contiguous last dim (stride {t.stride(-1)})")
@@ -192,11 +336,37 @@ def mla_prefill_attention(
         tiles_c = cdiv(int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()), cfg.block_n)
     grid = (cdiv(max_seqlen_q, cfg.block_m), H, B)
     _mla_prefill_kernel[grid](
-        q, k_nope, k_rope, v, out, lse, cu_seqlens_q, cu_seqlens_k, sm_scale * LOG2E, H,
-        q.stride(0), q.stride(1), k_nope.stride(0), k_nope.stride(1), k_rope.stride(0),
-        v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        D_A=Dn, D_B=R, D_V=Dv, BLOCK_A=_dot_dim(Dn), BLOCK_B=_dot_dim(R), BLOCK_V=_dot_dim(Dv),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, FP32_DOT=q.dtype == torch.float32,
-        INTERPRET=interp, TILES_C=tiles_c, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        q,
+        k_nope,
+        k_rope,
+        v,
+        out,
+        lse,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        sm_scale * LOG2E,
+        H,
+        q.stride(0),
+        q.stride(1),
+        k_nope.stride(0),
+        k_nope.stride(1),
+        k_rope.stride(0),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        D_A=Dn,
+        D_B=R,
+        D_V=Dv,
+        BLOCK_A=_dot_dim(Dn),
+        BLOCK_B=_dot_dim(R),
+        BLOCK_V=_dot_dim(Dv),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        FP32_DOT=q.dtype == torch.float32,
+        INTERPRET=interp,
+        TILES_C=tiles_c,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out, lse

@@ -62,7 +62,11 @@ def paged_slots(
     paged kernels compute tile by tile; references and tests only: it is a [T, C] matrix)."""
     pos = torch.arange(max_len, device=block_tables.device)  # [C]
     rows = block_tables.long()[seq_ids.long()]  # [T, W]
-    pages = rows.gather(1, (pos // page).clamp(max=max(rows.shape[1] - 1, 0)).expand(len(seq_ids), -1)) if max_len else rows[:, :0]
+    pages = (
+        rows.gather(1, (pos // page).clamp(max=max(rows.shape[1] - 1, 0)).expand(len(seq_ids), -1))
+        if max_len
+        else rows[:, :0]
+    )
     slots = pages * page + pos % page
     return torch.where(pos[None, :] < context_lens.long()[:, None], slots, -1).to(torch.int32)
 
@@ -104,8 +108,17 @@ def fused_moe_ref(
             raise ValueError("swiglu_limit is for bf16 / fp16 / fp32 weights here (FP8 experts: not built)")
         from pdserve_kernels.ref_fp8 import fused_moe_fp8_ref
 
-        return fused_moe_fp8_ref(x, w13, w2, w13_scale_inv, w2_scale_inv, topk_weights, topk_ids,
-                                 block_shape=block_shape, act_quant=x.dtype not in (torch.float32, torch.float64))
+        return fused_moe_fp8_ref(
+            x,
+            w13,
+            w2,
+            w13_scale_inv,
+            w2_scale_inv,
+            topk_weights,
+            topk_ids,
+            block_shape=block_shape,
+            act_quant=x.dtype not in (torch.float32, torch.float64),
+        )
     T, hidden = x.shape
     y = torch.zeros(T, hidden, dtype=_up(x).dtype, device=x.device)
     inter = w2.shape[2]

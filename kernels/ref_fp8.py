@@ -49,8 +49,9 @@ def quant_block_fp8(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tup
     return q.reshape(*lead, gn * bn, gk * bk)[..., :N, :K].contiguous(), s
 
 
-def dequant_block_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
-                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequant_block_fp8(
+    w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """e4m3 w [..., N, K] and scale_inv [..., ceil(N/bn), ceil(K/bk)] -> w in `dtype`."""
     N, K = w.shape[-2:]
     bn, bk = block

@@ -41,10 +41,30 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMEM_LIMIT = {90: 232448, 120: 101376}  # bytes per block, opt-in maximum
 SM_COUNT = {90: 132, 120: 188}  # H200; RTX PRO 6000 (the wrappers size split counts from it)
-MODULES = ("sparse_mla", "mla_prefill", "indexer", "fused_moe", "fused_moe_fp8", "fused_moe_fp4", "fp8_gemm", "block_copy")
+MODULES = (
+    "sparse_mla",
+    "mla_prefill",
+    "indexer",
+    "fused_moe",
+    "fused_moe_fp8",
+    "fused_moe_fp4",
+    "fp8_gemm",
+    "block_copy",
+)
 # moe_fp4_dot_scaled: the FP4 configs with `MoEConfig.dot_scaled` (not the default): compiled for
 # the record, since on sm_120 Triton may lower them to the FP4 block-scaled MMA
-FAMILIES = ("mla", "mla_prefill", "indexer", "moe", "moe_fp8", "moe_fp4", "moe_fp4_dot_scaled", "fp8_gemm", "hc", "block_copy")
+FAMILIES = (
+    "mla",
+    "mla_prefill",
+    "indexer",
+    "moe",
+    "moe_fp8",
+    "moe_fp4",
+    "moe_fp4_dot_scaled",
+    "fp8_gemm",
+    "hc",
+    "block_copy",
+)
 
 
 @contextlib.contextmanager
@@ -78,8 +98,7 @@ def compile_launch(fn: JITFunction, args, kwargs, cc: int):
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, spec, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, options)
-    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
-                          options=options.__dict__)
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
 def resource_usage(cubin: bytes) -> dict:
@@ -113,87 +132,173 @@ def cases(families):
         rec = kv_fp8.record_bytes(512, 64)
         for B, H, size in ((1, 16, "small"), (64, 64, "large")):  # V3.2: D = 576, d_v = 512
             q = _e(B, 1, H, 576)
-            out.append(("mla", f"bf16 {size} (V3.2 B={B} H={H})",
-                        lambda q=q, B=B: sparse_mla_decode(q, _e(4096, 576), idx(B, 2048), 0.1, 512)))
-            out.append(("mla", f"fp8 {size} (V3.2 B={B} H={H})",
-                        lambda q=q, B=B: sparse_mla_decode_fp8(q, _e(4096, rec, dtype=torch.uint8),
-                                                               idx(B, 2048), 0.1, 512)))
+            out.append(
+                (
+                    "mla",
+                    f"bf16 {size} (V3.2 B={B} H={H})",
+                    lambda q=q, B=B: sparse_mla_decode(q, _e(4096, 576), idx(B, 2048), 0.1, 512),
+                )
+            )
+            out.append(
+                (
+                    "mla",
+                    f"fp8 {size} (V3.2 B={B} H={H})",
+                    lambda q=q, B=B: sparse_mla_decode_fp8(q, _e(4096, rec, dtype=torch.uint8), idx(B, 2048), 0.1, 512),
+                )
+            )
         from pdserve_kernels.sparse_mla import paged_mla_decode
 
         def paged(B, H, kv, page=64, ctx=4096):  # dense MLA decode over the block table (V3: D = 576)
             tables = torch.zeros(B, ctx // page, dtype=torch.int32)
             ids, lens = torch.zeros(B, dtype=torch.int32), torch.full((B,), ctx, dtype=torch.int32)
             paged_mla_decode(_e(B, 1, H, 576), kv, tables, ids, lens, page, ctx, 0.1, 512)
+
         for B, H in ((1, 16), (64, 64)):
             out.append(("mla", f"paged bf16 (V3 B={B} H={H})", lambda B=B, H=H: paged(B, H, _e(4096, 576))))
-            out.append(("mla", f"paged fp8 (V3 B={B} H={H})",
-                        lambda B=B, H=H: paged(B, H, _e(4096, rec, dtype=torch.uint8))))
+            out.append(
+                ("mla", f"paged fp8 (V3 B={B} H={H})", lambda B=B, H=H: paged(B, H, _e(4096, rec, dtype=torch.uint8)))
+            )
         # V4-Flash: D = d_v = 512, sinks; K = window 128 + top-512 CSA entries (HCA reads more
         # rows with the same tiles); all 64 heads, 16 per TP4 rank in a decode batch, float32 parity
         sink = lambda H: _e(H, dtype=torch.float32)  # noqa: E731
         for B, H, dt in ((1, 64, torch.bfloat16), (64, 16, torch.bfloat16), (1, 64, torch.float32)):
             name = "fp32" if dt == torch.float32 else "bf16"
-            out.append(("mla", f"{name} (V4-Flash B={B} H={H}, sinks)",
-                        lambda B=B, H=H, dt=dt: sparse_mla_decode(_e(B, 1, H, 512, dtype=dt), _e(4096, 512, dtype=dt),
-                                                                  idx(B, 640), 0.1, 512, sink=sink(H))))
+            out.append(
+                (
+                    "mla",
+                    f"{name} (V4-Flash B={B} H={H}, sinks)",
+                    lambda B=B, H=H, dt=dt: sparse_mla_decode(
+                        _e(B, 1, H, 512, dtype=dt), _e(4096, 512, dtype=dt), idx(B, 640), 0.1, 512, sink=sink(H)
+                    ),
+                )
+            )
         # V4-Flash with --kv-cache-dtype fp8: fp8_ds_v4 pages of 64 records (the pool) or of 1
         # (gathered records), 584 bytes a record
         from pdserve_kernels.sparse_mla import sparse_mla_decode_fp8_v4
 
         for B, H, P in ((1, 64, 64), (64, 64, 64), (64, 16, 1)):
-            out.append(("mla", f"fp8_v4 (V4-Flash B={B} H={H} P={P}, sinks)",
-                        lambda B=B, H=H, P=P: sparse_mla_decode_fp8_v4(
-                            _e(B, 1, H, 512), _e(4096 // P, P, 584, dtype=torch.uint8), idx(B, 640), 0.1,
-                            sink=sink(H))))
+            out.append(
+                (
+                    "mla",
+                    f"fp8_v4 (V4-Flash B={B} H={H} P={P}, sinks)",
+                    lambda B=B, H=H, P=P: sparse_mla_decode_fp8_v4(
+                        _e(B, 1, H, 512), _e(4096 // P, P, 584, dtype=torch.uint8), idx(B, 640), 0.1, sink=sink(H)
+                    ),
+                )
+            )
     if "mla_prefill" in families:  # V3 / V3.2 dims: qk 192 = 128 + 64, v 128, 128 heads
         from pdserve_kernels.mla_prefill import mla_prefill_attention
 
         def prefill(T=512):
             kv, cu = _e(T, 128, 256), torch.tensor([0, T], dtype=torch.int32)
             mla_prefill_attention(_e(T, 128, 192), kv[..., :128], _e(T, 64), kv[..., 128:], cu, cu, T, 0.1)
+
         out.append(("mla_prefill", "bf16 (V3 H=128, 512 tokens)", prefill))
     if "indexer" in families:
-        out.append(("indexer", "V3.2 / V4-Flash H=64 D=128",
-                    lambda: indexer_topk(_e(4, 64, 128), _e(4096, 128), _e(4, 64, dtype=torch.float32),
-                                         torch.zeros(4, 2048, dtype=torch.int32), 512)))
+        out.append(
+            (
+                "indexer",
+                "V3.2 / V4-Flash H=64 D=128",
+                lambda: indexer_topk(
+                    _e(4, 64, 128),
+                    _e(4096, 128),
+                    _e(4, 64, dtype=torch.float32),
+                    torch.zeros(4, 2048, dtype=torch.int32),
+                    512,
+                ),
+            )
+        )
         from pdserve_kernels.indexer import indexer_topk_paged
 
-        out.append(("indexer", "paged V3.2 H=64 D=128",
-                    lambda: indexer_topk_paged(_e(4, 64, 128), _e(4096, 128), _e(4, 64, dtype=torch.float32),
-                                               torch.zeros(4, 32, dtype=torch.int32), torch.zeros(4, dtype=torch.int32),
-                                               torch.full((4,), 2048, dtype=torch.int32), 64, 2048, 512)))
+        out.append(
+            (
+                "indexer",
+                "paged V3.2 H=64 D=128",
+                lambda: indexer_topk_paged(
+                    _e(4, 64, 128),
+                    _e(4096, 128),
+                    _e(4, 64, dtype=torch.float32),
+                    torch.zeros(4, 32, dtype=torch.int32),
+                    torch.zeros(4, dtype=torch.int32),
+                    torch.full((4,), 2048, dtype=torch.int32),
+                    64,
+                    2048,
+                    512,
+                ),
+            )
+        )
     if "fp8_gemm" in families:  # V3.2's o_proj (N 7168, K 16384) at every M bucket, bf16 and fp32 x
         from pdserve_kernels.fp8_gemm import fp8_linear
 
         f8, n, kk = torch.float8_e4m3fn, 7168, 16384
-        for M, dt in ((1, torch.bfloat16), (64, torch.bfloat16), (256, torch.bfloat16), (2048, torch.bfloat16),
-                      (1, torch.float32)):
-            out.append(("fp8_gemm", f"{str(dt)[6:]} M={M} (V3.2 o_proj)", lambda M=M, dt=dt: fp8_linear(
-                _e(M, kk, dtype=dt), _e(n, kk, dtype=f8), _e(n // 128, kk // 128, dtype=torch.float32))))
+        for M, dt in (
+            (1, torch.bfloat16),
+            (64, torch.bfloat16),
+            (256, torch.bfloat16),
+            (2048, torch.bfloat16),
+            (1, torch.float32),
+        ):
+            out.append(
+                (
+                    "fp8_gemm",
+                    f"{str(dt)[6:]} M={M} (V3.2 o_proj)",
+                    lambda M=M, dt=dt: fp8_linear(
+                        _e(M, kk, dtype=dt), _e(n, kk, dtype=f8), _e(n // 128, kk // 128, dtype=torch.float32)
+                    ),
+                )
+            )
     if "block_copy" in families:  # a same-host KV transfer: V3's 72 KiB blocks as int64 words, 61 layers
         from pdserve_kernels.block_copy import copy_blocks
 
         ids = torch.zeros(128, dtype=torch.int64)
-        out.append(("block_copy", "V3 61 layers, 128 blocks", lambda: copy_blocks(
-            _e(61, 256, 9216, dtype=torch.int64), _e(61, 256, 9216, dtype=torch.int64), ids, ids)))
+        out.append(
+            (
+                "block_copy",
+                "V3 61 layers, 128 blocks",
+                lambda: copy_blocks(
+                    _e(61, 256, 9216, dtype=torch.int64), _e(61, 256, 9216, dtype=torch.int64), ids, ids
+                ),
+            )
+        )
     if "hc" in families:  # V4-Flash's hyper-connection mixes: hc_mult 4, 20 Sinkhorn iterations
         from pdserve_kernels.hyper import hc_mix
 
         f32 = torch.float32
-        out.append(("hc", "V4-Flash N=4, 20 iterations", lambda: hc_mix(_e(64, 24, dtype=f32), _e(24, dtype=f32), _e(3, dtype=f32), 4, 20, 1e-6)))
+        out.append(
+            (
+                "hc",
+                "V4-Flash N=4, 20 iterations",
+                lambda: hc_mix(_e(64, 24, dtype=f32), _e(24, dtype=f32), _e(3, dtype=f32), 4, 20, 1e-6),
+            )
+        )
     E, k, hidden, inter = 8, 6, 4096, 2048  # V4-Flash expert dims; E small: rows per expert = 6T/8
     routed = lambda T: (_e(T, k, dtype=torch.float32), torch.zeros(T, k, dtype=torch.int32))  # noqa: E731
     for T in (1, 32, 128):  # the three rows-per-expert buckets: <= 16, <= 64, more
         tag = f"T={T} ({T * k / E:g} rows/expert)"
         if "moe" in families:
-            out.append(("moe", f"bf16 {tag}", lambda T=T: fused_moe(
-                _e(T, hidden), _e(E, 2 * inter, hidden), _e(E, hidden, inter), *routed(T))))
+            out.append(
+                (
+                    "moe",
+                    f"bf16 {tag}",
+                    lambda T=T: fused_moe(_e(T, hidden), _e(E, 2 * inter, hidden), _e(E, hidden, inter), *routed(T)),
+                )
+            )
         if "moe_fp8" in families:
             f8 = torch.float8_e4m3fn
-            out.append(("moe_fp8", f"fp8 {tag}", lambda T=T: fused_moe_fp8(
-                _e(T, hidden), _e(E, 2 * inter, hidden, dtype=f8), _e(E, hidden, inter, dtype=f8),
-                _e(E, 2 * inter // 128, hidden // 128, dtype=torch.float32),
-                _e(E, hidden // 128, inter // 128, dtype=torch.float32), *routed(T))))
+            out.append(
+                (
+                    "moe_fp8",
+                    f"fp8 {tag}",
+                    lambda T=T: fused_moe_fp8(
+                        _e(T, hidden),
+                        _e(E, 2 * inter, hidden, dtype=f8),
+                        _e(E, hidden, inter, dtype=f8),
+                        _e(E, 2 * inter // 128, hidden // 128, dtype=torch.float32),
+                        _e(E, hidden // 128, inter // 128, dtype=torch.float32),
+                        *routed(T),
+                    ),
+                )
+            )
         for fam, dot_scaled in (("moe_fp4", False), ("moe_fp4_dot_scaled", True)):
             if fam not in families:
                 continue
@@ -203,10 +308,16 @@ def cases(families):
 
                 cfg = configs.moe_fp4_config(mod.capability(None), T * k / E)
                 u8 = torch.uint8
-                fused_moe_fp4(_e(T, hidden), _e(E, 2 * inter, hidden // 2, dtype=u8),
-                              _e(E, hidden, inter // 2, dtype=u8), _e(E, 2 * inter, hidden // 32, dtype=u8),
-                              _e(E, hidden, inter // 32, dtype=u8), *routed(T), swiglu_limit=10.0,
-                              config=dataclasses.replace(cfg, dot_scaled=dot_scaled))
+                fused_moe_fp4(
+                    _e(T, hidden),
+                    _e(E, 2 * inter, hidden // 2, dtype=u8),
+                    _e(E, hidden, inter // 2, dtype=u8),
+                    _e(E, 2 * inter, hidden // 32, dtype=u8),
+                    _e(E, hidden, inter // 32, dtype=u8),
+                    *routed(T),
+                    swiglu_limit=10.0,
+                    config=dataclasses.replace(cfg, dot_scaled=dot_scaled),
+                )
 
             out.append((fam, f"fp4{' dot_scaled' if dot_scaled else ''} {tag}", call))
     return out
@@ -228,8 +339,15 @@ def check(arch: int, families) -> list[dict]:
             if key in seen:
                 continue
             seen.add(key)
-            row = dict(arch=arch, family=fam, case=label, kernel=fn.__name__, config=_config_str(const),
-                       num_warps=kwargs.get("num_warps", 4), num_stages=kwargs.get("num_stages", 3))
+            row = dict(
+                arch=arch,
+                family=fam,
+                case=label,
+                kernel=fn.__name__,
+                config=_config_str(const),
+                num_warps=kwargs.get("num_warps", 4),
+                num_stages=kwargs.get("num_stages", 3),
+            )
             try:
                 k = compile_launch(fn, args, kwargs, arch)
                 row.update(resource_usage(k.asm["cubin"]), shared=k.metadata.shared)
@@ -247,11 +365,15 @@ HEADER = "| arch | kernel | case | tile | warps | stages | smem B | regs | stack
 
 def _fmt(r: dict) -> str:
     if "error" in r:
-        return (f"| sm_{r['arch']} | {r['kernel']} | {r['case']} | {r['config']} | {r['num_warps']} | "
-                f"{r['num_stages']} | - | - | - | no: {r['error'][:80]} |")
-    return (f"| sm_{r['arch']} | {r['kernel']} | {r['case']} | {r['config']} | {r['num_warps']} | "
-            f"{r['num_stages']} | {r['shared_total']} | {r.get('regs', '?')} | {r.get('stack', '?')} | "
-            f"{'yes' if r['fits'] else 'NO'} |")
+        return (
+            f"| sm_{r['arch']} | {r['kernel']} | {r['case']} | {r['config']} | {r['num_warps']} | "
+            f"{r['num_stages']} | - | - | - | no: {r['error'][:80]} |"
+        )
+    return (
+        f"| sm_{r['arch']} | {r['kernel']} | {r['case']} | {r['config']} | {r['num_warps']} | "
+        f"{r['num_stages']} | {r['shared_total']} | {r.get('regs', '?')} | {r.get('stack', '?')} | "
+        f"{'yes' if r['fits'] else 'NO'} |"
+    )
 
 
 def main(argv=None) -> int:
@@ -264,9 +386,13 @@ def main(argv=None) -> int:
         sys.exit("run without TRITON_INTERPRET: this compiles for a GPU target")
     print(HEADER + "\n| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |", flush=True)
     rows = [r for arch in a.arch for r in check(arch, a.only)]
-    meta = dict(triton=triton.__version__, torch=torch.__version__, limits=SMEM_LIMIT,
-                method="triton.compile for GPUTarget('cuda', arch, 32) on the wrappers' own launches; "
-                       "shared = metadata.shared + static; regs/stack from cuobjdump --dump-resource-usage")
+    meta = dict(
+        triton=triton.__version__,
+        torch=torch.__version__,
+        limits=SMEM_LIMIT,
+        method="triton.compile for GPUTarget('cuda', arch, 32) on the wrappers' own launches; "
+        "shared = metadata.shared + static; regs/stack from cuobjdump --dump-resource-usage",
+    )
     os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
     with open(a.json, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)

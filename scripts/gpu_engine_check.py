@@ -60,7 +60,16 @@ NEW_TOKENS = 32
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-OPS = ("sparse_mla_decode", "indexer_topk", "indexer_topk_paged", "mla_prefill_attention", "fused_moe", "fp8_linear", "fused_moe_fp8", "fused_moe_fp4")
+OPS = (
+    "sparse_mla_decode",
+    "indexer_topk",
+    "indexer_topk_paged",
+    "mla_prefill_attention",
+    "fused_moe",
+    "fp8_linear",
+    "fused_moe_fp8",
+    "fused_moe_fp4",
+)
 FP8_BLOCK = (32, 32)  # the tiny models' widths (64 .. 256) are multiples; kv_a's 80 rows leave a partial block
 
 
@@ -77,6 +86,7 @@ def counting_kernels(model):
         def call(*args, **kwargs):
             counts[name]["triton" if ops._use_triton(args[0]) else "torch"] += 1
             return saved[name](*args, **kwargs)
+
         return call
 
     def counted_forward(*args, **kwargs):
@@ -96,8 +106,7 @@ def counting_kernels(model):
 
 def pdserve_tokens(path: str, device: str, dtype: str, prompts: list[list[int]]) -> tuple[list[list[int]], dict]:
     """All prompts as one continuous batch, greedy, EOS ignored; the tokens and the kernel calls."""
-    llm = LLM(path, device=device, dtype=dtype, kv_block_size=16, kv_cache_memory_gb=0.25,
-              skip_tokenizer_init=True)
+    llm = LLM(path, device=device, dtype=dtype, kv_block_size=16, kv_cache_memory_gb=0.25, skip_tokenizer_init=True)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     model = llm.engine.runner.model
     with counting_kernels(model) as calls:
@@ -120,9 +129,13 @@ def hf_tokens(path: str, device: str, dtype: str, prompts: list[list[int]]) -> l
     """transformers' model: argmax over the full sequence each step (no cache), one prompt at a time."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=DTYPES[dtype], attn_implementation="eager", experts_implementation="eager"
-    ).to(device).eval()
+    model = (
+        AutoModelForCausalLM.from_pretrained(
+            path, dtype=DTYPES[dtype], attn_implementation="eager", experts_implementation="eager"
+        )
+        .to(device)
+        .eval()
+    )
     result = []
     with torch.no_grad():
         for prompt in prompts:
@@ -130,7 +143,7 @@ def hf_tokens(path: str, device: str, dtype: str, prompts: list[list[int]]) -> l
             for _ in range(NEW_TOKENS):
                 nxt = model(seq).logits[0, -1].float().argmax()
                 seq = torch.cat([seq, nxt.view(1, 1)], dim=1)
-            result.append(seq[0, len(prompt):].tolist())
+            result.append(seq[0, len(prompt) :].tolist())
     del model
     return result
 
@@ -200,19 +213,33 @@ def check_arch(arch: str, device: str, dtypes: list[str], root: str) -> tuple[li
     rows = []
     for a, b, must in pairs:
         div = first_divergence(runs[a], runs[b])
-        rows.append(dict(arch=arch, run=a, against=b, must_agree=must, first_divergence=div,
-                         prompt_lens=[len(p) for p in prompts],
-                         identical=sum(d is None for d in div), tokens=runs[a]))
+        rows.append(
+            dict(
+                arch=arch,
+                run=a,
+                against=b,
+                must_agree=must,
+                first_divergence=div,
+                prompt_lens=[len(p) for p in prompts],
+                identical=sum(d is None for d in div),
+                tokens=runs[a],
+            )
+        )
     for run, c in calls.items():
         if base == "deepseek_v4":
             c["v4_one_launch_per_layer"] = v4_calls_ok(c, run.split("-")[1])
         if fp4:  # the experts ran packed, through the run's backend only
             moe = c["fused_moe_fp4"]
-            c["v4_one_launch_per_layer"] &= moe["triton" if run.split("-")[1] != "cpu" else "torch"] == sum(moe.values()) > 0
+            c["v4_one_launch_per_layer"] &= (
+                moe["triton" if run.split("-")[1] != "cpu" else "torch"] == sum(moe.values()) > 0
+            )
         mla = c["sparse_mla_decode"]
-        print(f"{arch} {run}: {c['forwards']} forwards x {c['num_layers']} layers; sparse_mla_decode "
-              f"triton {mla['triton']} torch {mla['torch']}; indexer_topk {c['indexer_topk']} paged {c['indexer_topk_paged']}; "
-              f"fp8_linear {c['fp8_linear']}; fused_moe_fp8 {c['fused_moe_fp8']}; fused_moe_fp4 {c['fused_moe_fp4']}", flush=True)
+        print(
+            f"{arch} {run}: {c['forwards']} forwards x {c['num_layers']} layers; sparse_mla_decode "
+            f"triton {mla['triton']} torch {mla['torch']}; indexer_topk {c['indexer_topk']} paged {c['indexer_topk_paged']}; "
+            f"fp8_linear {c['fp8_linear']}; fused_moe_fp8 {c['fused_moe_fp8']}; fused_moe_fp4 {c['fused_moe_fp4']}",
+            flush=True,
+        )
     return rows, calls
 
 
@@ -230,8 +257,11 @@ def _version(package: str) -> str | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtypes", default="bfloat16,float32",
-                    help="comma-separated; float32 is the oracle's dtype and must be included")
+    ap.add_argument(
+        "--dtypes",
+        default="bfloat16,float32",
+        help="comma-separated; float32 is the oracle's dtype and must be included",
+    )
     ap.add_argument("--archs", default=",".join([*ARCHS, "deepseek_v3-fp8", "deepseek_v32-fp8", "deepseek_v4-fp4"]))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -240,26 +270,41 @@ def main() -> None:
         raise SystemExit(f"--dtypes must include float32 and name only {', '.join(DTYPES)}")
     rows, calls = [], {}
     os.makedirs(args.out, exist_ok=True)
-    print(f"{len(PROMPTS)} prompts x {NEW_TOKENS} greedy tokens; first divergence per prompt "
-          "('-' = all tokens agree)")
+    print(f"{len(PROMPTS)} prompts x {NEW_TOKENS} greedy tokens; first divergence per prompt ('-' = all tokens agree)")
     with tempfile.TemporaryDirectory() as root:
         for arch in args.archs.split(","):
             new, calls[arch] = check_arch(arch, args.device, dtypes, root)
             print(f"{'arch':<13} {'run':<24} {'vs':<22} {'agree':>5}  first divergence")
             for r in new:
                 div = " ".join("-" if d is None else str(d) for d in r["first_divergence"])
-                print(f"{r['arch']:<13} {r['run']:<24} {r['against']:<22} "
-                      f"{r['identical']:>3}/{len(PROMPTS)}  {div}", flush=True)
+                print(
+                    f"{r['arch']:<13} {r['run']:<24} {r['against']:<22} {r['identical']:>3}/{len(PROMPTS)}  {div}",
+                    flush=True,
+                )
             rows += new
             with open(os.path.join(args.out, "engine_check.json"), "w") as f:
-                json.dump(dict(device=args.device, device_name=_device_name(args.device), date=time.strftime("%Y-%m-%d"),
-                               torch=torch.__version__, transformers=_version("transformers"),
-                               triton=_version("triton"), rows=rows, kernel_calls=calls), f, indent=1)
+                json.dump(
+                    dict(
+                        device=args.device,
+                        device_name=_device_name(args.device),
+                        date=time.strftime("%Y-%m-%d"),
+                        torch=torch.__version__,
+                        transformers=_version("transformers"),
+                        triton=_version("triton"),
+                        rows=rows,
+                        kernel_calls=calls,
+                    ),
+                    f,
+                    indent=1,
+                )
     bad = [r for r in rows if r["must_agree"] and r["identical"] != len(PROMPTS)]
     bad_calls = [run for c in calls.values() for run, k in c.items() if k.get("v4_one_launch_per_layer") is False]
     if bad or bad_calls:
-        print(f"FAIL: {len(bad)} float32 comparison(s) disagree; {len(bad_calls)} V4 run(s) without "
-              "one sparse_mla_decode per layer per forward (or, -fp4, without its experts on fused_moe_fp4)", file=sys.stderr)
+        print(
+            f"FAIL: {len(bad)} float32 comparison(s) disagree; {len(bad_calls)} V4 run(s) without "
+            "one sparse_mla_decode per layer per forward (or, -fp4, without its experts on fused_moe_fp4)",
+            file=sys.stderr,
+        )
         sys.exit(1)
 
 

@@ -43,7 +43,15 @@ def margins(out) -> list[float]:
 
 
 def run(path: str, device: str, dtype: str, eager: bool) -> tuple[list[list[int]], float, bool, list[list[float]]]:
-    llm = LLM(path, device=device, dtype=dtype, kv_block_size=16, kv_cache_memory_gb=0.25, skip_tokenizer_init=True, enforce_eager=eager)
+    llm = LLM(
+        path,
+        device=device,
+        dtype=dtype,
+        kv_block_size=16,
+        kv_cache_memory_gb=0.25,
+        skip_tokenizer_init=True,
+        enforce_eager=eager,
+    )
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
     llm.generate(prompt_token_ids=prompts(), sampling_params=params)  # warm-up
     torch.cuda.synchronize()
@@ -77,17 +85,39 @@ def main() -> None:
                 tie = [None if d is None else e_gap[p][d] for p, d in enumerate(div)]
                 same = sum(d is None for d in div)
                 bad |= dt == "float32" and same != len(div) or not used_graphs
-                rows.append(dict(arch=arch, dtype=dt, graphs_used=used_graphs, identical=same, first_divergence=div,
-                                 eager_top2_gap_at_divergence=tie, median_top2_gap=sorted(g for gs in e_gap for g in gs)[len(e_gap) * NEW_TOKENS // 2],
-                                 graphs_s=g_s, eager_s=e_s, tokens=len(div) * NEW_TOKENS))
-                print(f"{arch:<13} {dt:<9} graphs={used_graphs} agree {same}/{len(div)} "
-                      f"{' '.join('-' if d is None else str(d) for d in div)}  generate: graphs {g_s * 1e3:.0f} ms, "
-                      f"eager {e_s * 1e3:.0f} ms ({e_s / g_s:.2f}x)", flush=True)
+                rows.append(
+                    dict(
+                        arch=arch,
+                        dtype=dt,
+                        graphs_used=used_graphs,
+                        identical=same,
+                        first_divergence=div,
+                        eager_top2_gap_at_divergence=tie,
+                        median_top2_gap=sorted(g for gs in e_gap for g in gs)[len(e_gap) * NEW_TOKENS // 2],
+                        graphs_s=g_s,
+                        eager_s=e_s,
+                        tokens=len(div) * NEW_TOKENS,
+                    )
+                )
+                print(
+                    f"{arch:<13} {dt:<9} graphs={used_graphs} agree {same}/{len(div)} "
+                    f"{' '.join('-' if d is None else str(d) for d in div)}  generate: graphs {g_s * 1e3:.0f} ms, "
+                    f"eager {e_s * 1e3:.0f} ms ({e_s / g_s:.2f}x)",
+                    flush=True,
+                )
                 if same != len(div):
-                    print(f"    eager's top-2 log-prob gap where they differ: {' '.join('-' if t is None else f'{t:.4f}' for t in tie)} "
-                          f"(median gap over all tokens {rows[-1]['median_top2_gap']:.3f})", flush=True)
-    doc = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-               new_tokens=NEW_TOKENS, rows=rows)
+                    print(
+                        f"    eager's top-2 log-prob gap where they differ: {' '.join('-' if t is None else f'{t:.4f}' for t in tie)} "
+                        f"(median gap over all tokens {rows[-1]['median_top2_gap']:.3f})",
+                        flush=True,
+                    )
+    doc = dict(
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        new_tokens=NEW_TOKENS,
+        rows=rows,
+    )
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "graphs_check.json"), "w") as f:
         json.dump(doc, f, indent=1)

@@ -6,7 +6,7 @@
 The requests mix /v1/completions and /v1/chat/completions, streamed and not, short and long
 prompts (many over one KV block, a few long enough to be chunked by a worker with a small
 max_num_batched_tokens), greedy, max_tokens drawn from 1..--max-tokens, with vLLM's
-`return_token_ids` so that outputs can be compared token for token (tests/test_load.py compares
+`return_token_ids` so that outputs can be compared token for token (tests/e2e/test_load.py compares
 them with the offline engine). A 429 is retried after its Retry-After; any other failure (an HTTP
 error, a cut stream, an error event) counts as failed and is never retried.
 
@@ -25,8 +25,9 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import urlparse
 
 import httpx
@@ -276,7 +277,9 @@ async def run_load(
     try:
         async with httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=10.0), limits=limits) as client:
             t0 = time.monotonic()
-            results = await asyncio.wait_for(asyncio.gather(*(one(j) for j in jobs)), max(1.0, deadline - time.monotonic()))
+            results = await asyncio.wait_for(
+                asyncio.gather(*(one(j) for j in jobs)), max(1.0, deadline - time.monotonic())
+            )
             duration = time.monotonic() - t0
     finally:
         if ticker:
@@ -285,7 +288,9 @@ async def run_load(
         sampler.snapshot("end")
     if not sampler:
         return LoadReport(list(results), duration, concurrency, {}, {}, {})
-    return LoadReport(list(results), duration, concurrency, dict(sampler.snapshots), dict(sampler.peak), sampler.cpu_seconds())
+    return LoadReport(
+        list(results), duration, concurrency, dict(sampler.snapshots), dict(sampler.peak), sampler.cpu_seconds()
+    )
 
 
 # -- the cluster around the router --
@@ -317,7 +322,9 @@ def wait_blocks_free(urls: dict[str, str], timeout_s: float = 15.0) -> dict[str,
 
 # -- the table --
 def _pct(xs: list[float], q: float) -> float:
-    return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else (xs[0] if xs else float("nan"))
+    return (
+        statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else (xs[0] if xs else float("nan"))
+    )
 
 
 def format_report(r: LoadReport) -> str:
@@ -329,7 +336,10 @@ def format_report(r: LoadReport) -> str:
         ("requests sent", f"{len(r.results)} (concurrency {r.concurrency})"),
         ("completed", str(r.completed)),
         ("failed", str(len(r.failed))),
-        ("retried (429s)", f"{sum(x.retries for x in r.results)} retries over {sum(x.retries > 0 for x in r.results)} requests"),
+        (
+            "retried (429s)",
+            f"{sum(x.retries for x in r.results)} retries over {sum(x.retries > 0 for x in r.results)} requests",
+        ),
         ("duration", f"{r.duration_s:.1f} s"),
         ("throughput", f"{len(ok) / r.duration_s:.1f} req/s, {out_tokens / r.duration_s:.0f} output tok/s"),
         ("latency p50 / p99", f"{_pct(lat, 50):.0f} / {_pct(lat, 99):.0f} ms"),
@@ -362,7 +372,9 @@ def _parse_pids(text: str | None) -> dict[str, int] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the router")
     p.add_argument("--num-requests", type=int, default=1000)
     p.add_argument("--concurrency", type=int, default=64)
@@ -380,7 +392,10 @@ def main(argv: list[str] | None = None) -> int:
     pids = {**(_parse_pids(args.pids) or listening_pids({"router": base, **workers})), "client": os.getpid()}
     sampler = ProcessSampler(pids)
     marks = tuple(sorted({max(1, args.num_requests * k // 5) for k in range(1, 5)}))
-    print(f"{args.num_requests} requests at concurrency {args.concurrency} to {base} ({model}); watching {pids}", file=sys.stderr)
+    print(
+        f"{args.num_requests} requests at concurrency {args.concurrency} to {base} ({model}); watching {pids}",
+        file=sys.stderr,
+    )
     jobs = make_jobs(args.num_requests, args.max_tokens, args.seed)
     report = asyncio.run(run_load(base, jobs, args.concurrency, model, sampler, rss_at=marks, timeout_s=args.timeout))
     report.blocks_used = wait_blocks_free(workers)

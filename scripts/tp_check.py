@@ -12,7 +12,7 @@
    over NIXL/UCX (decode rank 0 reads prefill rank 0, then copies to its own ranks over NCCL).
    Greedy output through the router must equal step 1's TP1 tokens; 0 KV blocks in use after;
    the decode worker's KV bytes and read time are reported (tiny requests: latency, not bandwidth).
-3. the bandwidth figure: `scripts/bench_transfer.py --device cuda:1 --peer-device cuda:0` (NIXL
+3. the bandwidth figure: `benchmarks/transfer/bench_transfer.py --device cuda:1 --peer-device cuda:0` (NIXL
    READ GPU0 -> GPU1 between two processes against a peer-to-peer copy_), when 2 GPUs are visible.
 
 Pairs and sizes that need more GPUs than are visible are skipped (and listed as skipped), and so are
@@ -21,7 +21,7 @@ multicast (NVLS) is left off: NCCL_NVLS_ENABLE=0 for every process started here.
 summary (also to --out); exit 1 if any comparison differs or a step fails.
 
 `--device cpu` runs the same steps with gloo ranks on the CPU (no GPU count limit, no step 3):
-a check of this script itself; tests/test_tp.py is the CPU test of the feature.
+a check of this script itself; tests/e2e/test_tp.py is the CPU test of the feature.
 """
 
 from __future__ import annotations
@@ -61,7 +61,9 @@ def free_port() -> int:
 
 
 def greedy(model: str, tp: int, dtype: str, device: str) -> list[list[int]]:
-    llm = LLM(model, device=device, tensor_parallel_size=tp, dtype=dtype, skip_tokenizer_init=True, kv_cache_memory_gb=1.0)
+    llm = LLM(
+        model, device=device, tensor_parallel_size=tp, dtype=dtype, skip_tokenizer_init=True, kv_cache_memory_gb=1.0
+    )
     try:
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
         return [list(o.outputs[0].token_ids) for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)]
@@ -74,7 +76,15 @@ def greedy(model: str, tp: int, dtype: str, device: str) -> list[list[int]]:
 
 def _worker(port: int, gpus: list[int], dtype: str, device: str) -> dict:
     placement = {"gpus": gpus} if device == "cuda" else {}
-    return {"port": port, "device": device, "tp_size": len(gpus), "numa_node": None, "dtype": dtype, "num_kv_blocks": 256, **placement}
+    return {
+        "port": port,
+        "device": device,
+        "tp_size": len(gpus),
+        "numa_node": None,
+        "dtype": dtype,
+        "num_kv_blocks": 256,
+        **placement,
+    }
 
 
 def pd_run(model: str, a: int, b: int, dtype: str, device: str, log_dir: Path) -> dict:
@@ -94,18 +104,35 @@ def pd_run(model: str, a: int, b: int, dtype: str, device: str, log_dir: Path) -
     log_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(cfg))
     with open(log_dir / "launch.log", "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "pdserve", "launch", "--config", str(path)], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve", "launch", "--config", str(path)],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{router}"
     try:
         _wait_healthy(url, proc, log_dir)
         tokens = [_complete(url, p) for p in PROMPTS]
         metrics = _scrape(f"http://127.0.0.1:{decode}")
-        used = {w: _scrape(f"http://127.0.0.1:{p}").get("pdserve_kv_blocks_used", -1) for w, p in (("prefill", prefill), ("decode", decode))}
+        used = {
+            w: _scrape(f"http://127.0.0.1:{p}").get("pdserve_kv_blocks_used", -1)
+            for w, p in (("prefill", prefill), ("decode", decode))
+        }
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=120)
-    nbytes, secs = metrics.get("pdserve_kv_transfer_bytes_total", 0.0), metrics.get("pdserve_kv_transfer_seconds_sum", 0.0)
-    return {"tokens": tokens, "kv_bytes": nbytes, "kv_read_s": secs, "kv_gbps": nbytes / secs / 1e9 if secs else None, "blocks_used_after": used}
+    nbytes, secs = (
+        metrics.get("pdserve_kv_transfer_bytes_total", 0.0),
+        metrics.get("pdserve_kv_transfer_seconds_sum", 0.0),
+    )
+    return {
+        "tokens": tokens,
+        "kv_bytes": nbytes,
+        "kv_read_s": secs,
+        "kv_gbps": nbytes / secs / 1e9 if secs else None,
+        "blocks_used_after": used,
+    }
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, log_dir: Path) -> None:
@@ -123,7 +150,14 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log_dir: Path) -> None:
 
 
 def _complete(url: str, prompt: list[int]) -> list[int]:
-    body = {"model": "m", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    body = {
+        "model": "m",
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     r = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
     r.raise_for_status()
     return r.json()["choices"][0]["token_ids"]
@@ -140,7 +174,17 @@ def _scrape(url: str) -> dict[str, float]:
 
 
 def bench_transfer() -> str:
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_transfer.py"), "--device", "cuda:1", "--peer-device", "cuda:0", "--sizes", "16,64,256"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.transfer.bench_transfer",
+        "--device",
+        "cuda:1",
+        "--peer-device",
+        "cuda:0",
+        "--sizes",
+        "16,64,256",
+    ]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600).stdout
 
 
@@ -158,7 +202,9 @@ def main() -> int:
     gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     room = gpus if args.device == "cuda" else float("inf")  # CPU ranks need no GPUs
     work = Path(tempfile.mkdtemp(prefix="tp_check-"))
-    models = {"model": args.model} if args.model else {a: str(make_tiny_model(work / a, a)) for a in args.arch.split(",")}
+    models = (
+        {"model": args.model} if args.model else {a: str(make_tiny_model(work / a, a)) for a in args.arch.split(",")}
+    )
     report: dict = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" and gpus else "cpu", "gpus": gpus, "date": time.strftime("%Y-%m-%d"),
                     "torch": torch.__version__, "greedy": {}, "pd": {}, "skipped": [], "ok": True}  # fmt: skip
     for name, model in models.items():

@@ -1,94 +1,14 @@
-"""`make_tiny_model`: a small random DeepSeek-V3 / V3.2 / V4 checkpoint folder.
+"""The tiny checkpoints' config.json and random weights: DeepSeek-V3 / V3.2 (4 layers) and V4
+(5 layers), float32 and named as transformers 5.24 saves them; and the tiny V4 checkpoint in
+DeepSeek-V4-Flash's formats (`quantize_tiny_v4`: FP4 experts, FP8 projections)."""
 
-No weights can be downloaded where pdserve is tested, so this writes a checkpoint that
-both pdserve and transformers 5.24 load: config.json, model.safetensors (float32, named as
-transformers' save_pretrained names them, per-expert weights), tokenizer.json (byte-level
-BPE, so any UTF-8 text round-trips), tokenizer_config.json (special tokens and a
-DeepSeek-style chat template), special_tokens_map.json and generation_config.json.
-
-Everything is deterministic: the same (arch, seed) gives byte-identical files. The seed
-only changes the weights; the tokenizer is trained on the embedded text below.
-"""
+from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-ARCHS = ("deepseek_v3", "deepseek_v32", "deepseek_v4")
-
-BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
-USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
-SPECIAL_TOKENS = [BOS, EOS, USER, ASSISTANT]  # ids 0, 1, 2, 3
-
-# Upper bound on the BPE size (4 special + 256 byte tokens + merges). Training on _CORPUS
-# stops earlier, at 857 tokens, once every corpus word is a single token.
-TOKENIZER_TARGET_SIZE = 1000
-VOCAB_MULTIPLE = 128  # config vocab_size is padded past the tokenizer, as DeepSeek's is
-
-# DeepSeek-V3's layout: system prompts first, then <｜User｜>/<｜Assistant｜> turns, assistant
-# turns closed by EOS. Content may be a string or a list of {"type": "text"} parts.
-CHAT_TEMPLATE = (
-    "{% macro text(content) %}"
-    "{% if content is string %}{{ content }}"
-    "{% elif content is iterable %}"
-    "{% for part in content %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}"
-    "{% endif %}"
-    "{% endmacro %}"
-    "{% set ns = namespace(system_prompt='') %}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'system' %}"
-    "{% if ns.system_prompt %}{% set ns.system_prompt = ns.system_prompt + '\n\n' %}{% endif %}"
-    "{% set ns.system_prompt = ns.system_prompt + text(message['content']) %}"
-    "{% endif %}"
-    "{% endfor %}"
-    "{{ bos_token }}{{ ns.system_prompt }}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'user' %}"
-    "{{ '<｜User｜>' + text(message['content']) }}"
-    "{% elif message['role'] == 'assistant' %}"
-    "{{ '<｜Assistant｜>' + text(message['content']) + eos_token }}"
-    "{% elif message['role'] != 'system' %}"
-    "{{ raise_exception('Unsupported message role: ' + message['role']) }}"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"
-)
-
-# Training text for the BPE merges: plain English, so common words become single tokens.
-_CORPUS = """\
-Hello! How can I help you today? I am a small assistant and I will do my best to answer.
-The quick brown fox jumps over the lazy dog. The dog does not move, and the fox runs away.
-A language model reads a sequence of tokens and predicts the next token, one at a time.
-When the model serves many users at once, it keeps the keys and values of every request
-in a cache, so that it does not have to compute the whole prompt again for each new token.
-The first part of a request is the prompt. The prompt is processed in one large step, which
-is called prefill. After that, the model writes the answer token by token, which is called
-decode. Prefill is limited by how fast the machine can compute, and decode is limited by how
-fast it can read memory. This is why some systems run the two parts on different machines.
-What is the capital of France? The capital of France is Paris. What is the weather like
-today? It is warm and sunny in the morning, and it may rain in the afternoon or the evening.
-Please write a short story about a cat who wants to learn to read. Once upon a time there
-was a small cat who lived in a large house with many books. Every day she looked at the
-pages and wondered what the words could mean. One night she found an old teacher who lived
-in the library, and he showed her the letters one by one. She learned quickly, and soon
-she could read all the stories in the house. She told them to the other animals, and they
-listened to her every evening until the sun went down and the stars came out in the sky.
-Thank you for your question. Here is a simple answer with three points. First, you should
-check that the input is correct. Second, you should run the tests before you change the
-code. Third, you should write down what you learned, so that other people can use it too.
-Numbers and dates: one, two, three, four, five, six, seven, eight, nine, ten; 2024, 2025,
-100, 1000, 3.14, 42. Monday, Tuesday, Wednesday, Thursday, Friday, Saturday and Sunday.
-People often ask the same questions: who, what, where, when, why and how. They want to know
-the time, the place, the reason and the way. A good answer is short, clear and true.
-The system has a router, a prefill worker and a decode worker. The router receives each
-request, chooses a worker and sends the result back to the user as a stream of text.
-If something goes wrong, the user should get a clear error message, never a wrong answer.
-"""
-
 
 # the config.json keys every tiny architecture shares (transformers' names and values)
 _HF_COMMON = {
@@ -102,58 +22,6 @@ _HF_COMMON = {
     "use_cache": True,
     "dtype": "float32",
 }
-
-
-def make_tiny_model(
-    out_dir: str | Path, arch: str = "deepseek_v3", seed: int = 0, overrides: dict | None = None, dtype: str = "float32", device: str = "cpu"
-) -> Path:
-    """Write a tiny random `arch` checkpoint into `out_dir` (created if missing); return its path.
-    overrides: config.json keys to change (e.g. {"kv_lora_rank": 128} for FP8 KV records, or real
-    layer dimensions for a mid-size model);
-    dtype: of the weights (float32 or bfloat16); device: where DeepSeek-V3 / V3.2 weights are
-    drawn (cuda draws a mid-size model in seconds; other values than on cpu, same per device)."""
-    if arch not in ARCHS:
-        raise ValueError(f"unknown arch {arch!r}: expected one of {', '.join(ARCHS)}")
-    if dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
-    vocab_size = math.ceil(tokenizer.get_vocab_size() / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    config = tiny_v4_config(vocab_size) if arch == "deepseek_v4" else tiny_config(arch, vocab_size)
-    unknown = sorted(set(overrides or {}) - set(config))
-    if unknown:
-        raise ValueError(f"unknown config keys for {arch}: {', '.join(unknown)}")
-    config.update(overrides or {}, dtype=dtype)
-    weights = tiny_v4_weights(config, seed) if arch == "deepseek_v4" else tiny_weights(config, seed, device)
-    weights = {k: (v.to(getattr(torch, dtype)) if v.is_floating_point() else v).cpu() for k, v in weights.items()}
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n", encoding="utf-8")
-    _write_json(out / "config.json", config)
-    _write_json(out / "tokenizer_config.json", _tokenizer_config())
-    _write_json(out / "special_tokens_map.json", {"bos_token": BOS, "eos_token": EOS, "pad_token": EOS})
-    _write_json(out / "generation_config.json", {"bos_token_id": 0, "eos_token_id": 1})
-    return out
-
-
-def build_tokenizer() -> Tokenizer:
-    """Byte-level BPE trained on `_CORPUS`; BOS is prepended by the post-processor."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_TARGET_SIZE,
-        min_frequency=1,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer)
-    bos_id = tokenizer.token_to_id(BOS)
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS}:0 $A:0", pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1", special_tokens=[(BOS, bos_id)]
-    )
-    return tokenizer
 
 
 def tiny_config(arch: str, vocab_size: int) -> dict:
@@ -296,8 +164,11 @@ def tiny_v4_config(vocab_size: int) -> dict:
         "o_groups": 2,
         "o_lora_rank": 32,
         "layer_types": [
-            "sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention",
-            "heavily_compressed_attention", "compressed_sparse_attention",
+            "sliding_attention",
+            "heavily_compressed_attention",
+            "compressed_sparse_attention",
+            "heavily_compressed_attention",
+            "compressed_sparse_attention",
         ],  # fmt: skip
         "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
         "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe", "moe"],
@@ -324,7 +195,10 @@ def tiny_v4_config(vocab_size: int) -> dict:
         "compress_rope_theta": 160000.0,
         # YaRN on the compressed layers, as V4-Flash ships it (factor 4 over a 1024-token original context)
         "rope_parameters": {
-            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 32.0,
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 1024,
+            "beta_fast": 32.0,
             "beta_slow": 1.0,
         },  # fmt: skip
         **_HF_COMMON,
@@ -335,7 +209,7 @@ def tiny_v4_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
     """Random float32 weights for a V4 `config`, named as transformers 5.24 saves them (pdserve's
     V4 module names are transformers', so the names come from the model built on meta)."""
     from pdserve.model.config import ModelConfig
-    from pdserve.model.deepseek_v4 import DeepseekV4ForCausalLM
+    from pdserve.model.deepseek_v4.model import DeepseekV4ForCausalLM
 
     with torch.device("meta"):
         model = DeepseekV4ForCausalLM(ModelConfig.from_dict(config))
@@ -400,14 +274,22 @@ def quantize_tiny_v4(
         else:
             quant[name] = ref[name] = t
     config = json.loads((src / "config.json").read_text())
-    quant_config = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": list(block), "expert_dtype": "fp4"}
+    quant_config = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": list(block),
+        "expert_dtype": "fp4",
+    }
     for out, tensors, extra in ((quant_dir, quant, {"quantization_config": quant_config}), (ref_dir, ref, {})):
         out.mkdir(parents=True, exist_ok=True)
         for f in src.iterdir():
             if f.name not in ("model.safetensors", "config.json"):
                 (out / f.name).write_bytes(f.read_bytes())
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
-        _write_json(out / "config.json", {**config, **extra})
+        save_file(
+            {k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"}
+        )
+        write_json(out / "config.json", {**config, **extra})
     return quant_dir, ref_dir
 
 
@@ -422,20 +304,5 @@ def _block_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, t
     return q.contiguous(), scale.to(torch.float8_e8m0fnu)
 
 
-def _tokenizer_config() -> dict:
-    return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS,
-        "eos_token": EOS,
-        "pad_token": EOS,
-        "unk_token": None,
-        "add_bos_token": True,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": 4096,
-        "chat_template": CHAT_TEMPLATE,
-    }
-
-
-def _write_json(path: Path, data: dict) -> None:
+def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -1,25 +1,17 @@
-"""`pdserve launch`: run a cluster config's workers and router as supervised child processes.
+"""The supervisor of a launch: starts the planned processes, waits for their /health, restarts
+the ones that exit and stops them all.
 
-    plan (argv, env, NUMA pinning per process) -> check ports free -> start workers -> wait for
-    their /health -> start router -> wait -> print table -> supervise -> stop all on signal
+Each child is `python -m pdserve serve --config <log_dir>/<name>.json` in its own process group
+(so a stop reaches anything it spawned, such as a tensor-parallel worker's rank processes), logs
+to <log_dir>/<name>.log, and gets SIGTERM from the kernel if the launcher dies.
 
-Each child is `python -m pdserve serve --config <log_dir>/<name>.json` (its validated ServeConfig,
-mode 0600: no secret in argv) in its own process group (so a stop reaches anything
-it spawned, such as a tensor-parallel worker's rank processes), logs to <log_dir>/<name>.log, and
-gets SIGTERM from the kernel if the launcher dies. The log folder is new for every launch (under
-<cache>/logs unless given) and kept; <cache>/logs/latest points at the newest.
-
-Supervision: once the cluster is up, a child that exits is restarted by its `restart` policy
-(on-failure, always, never) after a backoff that doubles with each restart in `restart_window`;
-the other processes keep running (the router answers 503 while no pair can serve). More than
+Once the cluster is up, a child that exits is restarted by its `restart` policy (on-failure,
+always, never) after a backoff that doubles with each restart in `restart_window`; the other
+processes keep running (the router answers 503 while no pair can serve). More than
 `max_restarts` in the window is a crash loop: launch says so and leaves that process down. Each
 exit is reported with its cause and log tail, and <log_dir>/status.json (read by `pdserve health`)
 and <log_dir>/metrics.prom (`pdserve_launch_restarts_total`, Prometheus text format) count them.
 Stop: SIGTERM every group, wait stop_grace_seconds, SIGKILL what is left.
-
-A worker with tp_size N is one `serve --tensor-parallel-size N` process that starts its other
-N-1 ranks itself: on CUDA it sees exactly its `gpus` (CUDA_VISIBLE_DEVICES, in config order) and
-rank r uses the r-th; on CPU its ranks are gloo processes sharing its pinned CPUs.
 """
 
 from __future__ import annotations
@@ -27,9 +19,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,10 +29,11 @@ from typing import TextIO
 
 import httpx
 
-from pdserve.config import ClusterConfig, RestartPolicy, RouterServeConfig, WorkerConfig, WorkerServeConfig, cache_dir, default_served_name, resolve_model
+from pdserve.config import ClusterConfig
 from pdserve.health_cli import format_table
+from pdserve.launch.planning import ProcSpec, write_serve_config
 from pdserve.lifetime import die_with_parent
-from pdserve.numa import PinPlan, format_cpulist, plan_pinning, process_cpus
+from pdserve.numa import PinPlan, format_cpulist, process_cpus
 
 LOG_TAIL_LINES = 30
 
@@ -51,106 +42,12 @@ class LaunchError(RuntimeError):
     """The cluster could not start or stopped working; the message names the process and why."""
 
 
-@dataclass
-class ProcSpec:
-    name: str
-    role: str  # prefill | decode | colocated | router
-    host: str
-    port: int
-    config: WorkerServeConfig | RouterServeConfig  # what the child runs (written to a file at start)
-    env: dict[str, str]
-    pin: PinPlan
-    gpus: list[int] = field(default_factory=list)
-    headers: dict[str, str] = field(default_factory=dict)  # for its /health (the router's API key)
-    restart: RestartPolicy = "on-failure"
-
-    @property
-    def url(self) -> str:
-        return _url(self.host, self.port)
-
-
-def _url(host: str, port: int) -> str:
-    """Where a client on this machine reaches a server bound to host:port."""
-    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{port}"
-
-
-def _worker_url(w: WorkerConfig) -> str:
-    """Where the router reaches a worker: its advertised address when one is set, else as local."""
-    return w.advertised_url() if w.advertise_host else _url(w.host, w.port)
-
-
-def worker_spec(name: str, w: WorkerConfig, cfg: ClusterConfig, model: str, secret: str) -> ProcSpec:
-    role = name.rsplit("-", 1)[0]
-    peers = {"prefill": cfg.decode, "decode": cfg.prefill}.get(role, [])
-    config = WorkerServeConfig(
-        role=role,
-        model=model,
-        worker=w.model_copy(update={"engine_id": w.engine_id or f"{name}-{w.port}"}),
-        transfer=cfg.transfer,
-        peers=[p.advertised_url() for p in peers],  # what their KV handles' metadata URLs say
-        cluster_secret=secret,
-    )
-    pin = plan_pinning(w.numa_node, w.gpus, w.cpus)
-    env = {**cfg.transfer.env(), "CUDA_VISIBLE_DEVICES": ",".join(map(str, w.gpus))}
-    if w.device == "cuda":
-        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # GPU indices as NVML and sysfs number them
-    if pin.cpus and "OMP_NUM_THREADS" not in os.environ:
-        # torch's default counts every core, not ours; the worker's ranks share its cores
-        env["OMP_NUM_THREADS"] = str(max(1, len(pin.cpus) // w.tp_size))
-    return ProcSpec(name, role, w.host, w.port, config, env, pin, list(w.gpus), restart=w.restart)
-
-
-def router_spec(cfg: ClusterConfig, model: str, secret: str) -> ProcSpec:
-    r = cfg.router
-    config = RouterServeConfig(
-        role="router",
-        model=model,
-        served_model_name=cfg.served_model_name,
-        router=r,
-        prefill=[_worker_url(w) for w in cfg.prefill],
-        decode=[_worker_url(w) for w in cfg.decode],
-        colocated=[_worker_url(w) for w in cfg.colocated],
-        cluster_secret=secret,
-    )
-    auth = {"Authorization": f"Bearer {r.api_key}"} if r.api_key else {}
-    return ProcSpec("router", "router", r.host, r.port, config, {"CUDA_VISIBLE_DEVICES": ""}, PinPlan("none", None, (), "router"), headers=auth, restart=r.restart)
-
-
-def plan(cfg: ClusterConfig, model: str) -> list[ProcSpec]:
-    """Every process to start, workers first, router last."""
-    secret = cfg.cluster_secret or secrets.token_hex(16)
-    workers = [worker_spec(name, w, cfg, model, secret) for name, w in cfg.named_workers()]
-    return workers + [router_spec(cfg, model, secret)]
-
-
-def port_free(host: str, port: int) -> bool:
-    """Can a server bind (host, port) now? (SO_REUSEADDR as uvicorn sets it.)"""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     try:
         text = path.read_text(errors="replace").splitlines()
     except OSError as err:
         return f"(cannot read {path}: {err})"
     return "\n".join("    " + line for line in text[-lines:]) or "    (log is empty)"
-
-
-def write_serve_config(spec: ProcSpec, folder: Path) -> Path:
-    """The child's ServeConfig as JSON, readable by this user only (it holds the cluster secret)."""
-    path = folder / f"{spec.name}.json"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(spec.config.model_dump_json(indent=1))
-    os.chmod(path, 0o600)  # an older file of another mode keeps its mode through O_TRUNC
-    return path
 
 
 def _group_alive(pgid: int) -> bool:
@@ -190,7 +87,7 @@ class Restarts:
     max_backoff_s: float = 30.0
 
     @classmethod
-    def of(cls, cfg: ClusterConfig) -> "Restarts":
+    def of(cls, cfg: ClusterConfig) -> Restarts:
         return cls(cfg.max_restarts, cfg.restart_window, cfg.restart_backoff, cfg.max_restart_backoff)
 
 
@@ -226,7 +123,14 @@ class Cluster:
 
     def _spawn(self, spec: ProcSpec, header: str = "") -> subprocess.Popen:
         log = self.log_dir / f"{spec.name}.log"
-        argv = spec.pin.command_prefix() + [sys.executable, "-m", "pdserve", "serve", "--config", str(write_serve_config(spec, self.log_dir))]
+        argv = spec.pin.command_prefix() + [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "serve",
+            "--config",
+            str(write_serve_config(spec, self.log_dir)),
+        ]
         with open(log, "ab") as f:  # a restart appends: the crashed run's log stays above it
             f.write(f"{header}# {' '.join(argv)}\n".encode())
             f.flush()
@@ -234,7 +138,9 @@ class Cluster:
                 argv, env={**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}, stdin=subprocess.DEVNULL,
                 stdout=f, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_child_setup(spec.pin, os.getpid()),
             )  # fmt: skip
-        pinned = f"{spec.pin.method} node {spec.pin.node}" if spec.pin.method != "none" else f"unpinned ({spec.pin.reason})"
+        pinned = (
+            f"{spec.pin.method} node {spec.pin.node}" if spec.pin.method != "none" else f"unpinned ({spec.pin.reason})"
+        )
         self.say(f"started {spec.name} ({spec.role}) pid {popen.pid} on {spec.url}, {pinned}, log {log}")
         return popen
 
@@ -350,9 +256,17 @@ class Cluster:
              "restarts": c.restarts, "exits": c.exits[-5:]}
             for c in self.children
         ]  # fmt: skip
-        _write_atomic(self.log_dir / "status.json", json.dumps({"launcher_pid": os.getpid(), "processes": procs}, indent=1))
-        lines = ["# HELP pdserve_launch_restarts_total Restarts of each process by pdserve launch.", "# TYPE pdserve_launch_restarts_total counter"]
-        lines += [f'pdserve_launch_restarts_total{{process="{c.spec.name}",role="{c.spec.role}"}} {c.restarts}' for c in self.children]
+        _write_atomic(
+            self.log_dir / "status.json", json.dumps({"launcher_pid": os.getpid(), "processes": procs}, indent=1)
+        )
+        lines = [
+            "# HELP pdserve_launch_restarts_total Restarts of each process by pdserve launch.",
+            "# TYPE pdserve_launch_restarts_total counter",
+        ]
+        lines += [
+            f'pdserve_launch_restarts_total{{process="{c.spec.name}",role="{c.spec.role}"}} {c.restarts}'
+            for c in self.children
+        ]
         _write_atomic(self.log_dir / "metrics.prom", "\n".join(lines) + "\n")
 
     def stop(self, grace: float) -> None:
@@ -392,65 +306,3 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except ProcessLookupError:
         pass
-
-
-def new_log_dir(given: str | None) -> Path:
-    """The given folder, else a new one per launch under <cache>/logs; <cache>/logs/latest points at it."""
-    if given:
-        folder = Path(given).resolve()
-    else:
-        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-        folder = cache_dir() / "logs" / f"{stamp}-{os.getpid()}"
-    folder.mkdir(parents=True, exist_ok=True)
-    latest = cache_dir() / "logs" / "latest"
-    try:
-        latest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = latest.with_name(f"latest.{os.getpid()}")
-        tmp.unlink(missing_ok=True)
-        tmp.symlink_to(folder)
-        tmp.replace(latest)
-    except OSError:
-        pass  # the link is a convenience for `pdserve health`
-    return folder
-
-
-def launch(cfg: ClusterConfig, model: str | None = None, log_dir: str | None = None, out: TextIO | None = None) -> int:
-    """Run and supervise the cluster until SIGINT/SIGTERM (exit 0), or fail to start (exit 1)."""
-    cluster = Cluster(new_log_dir(log_dir or cfg.log_dir), out or sys.stdout, Restarts.of(cfg))
-
-    def on_signal(signum: int, _frame: object) -> None:
-        cluster.stop_signal = signum
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        if cfg.served_model_name is None:  # tiny:<arch> is served as tiny-<arch>, whichever arch --model names
-            cfg = cfg.model_copy(update={"served_model_name": default_served_name(model or cfg.model)})
-        specs = plan(cfg, resolve_model(model or cfg.model))
-        busy = [f"{s.name} ({s.host}:{s.port})" for s in specs if not port_free(s.host, s.port)]
-        if busy:
-            raise LaunchError(f"ports already in use: {', '.join(busy)} - is another pdserve running? (`pdserve health`)")
-        workers = [cluster.start(s) for s in specs[:-1]]
-        if cluster.wait_healthy(workers, cfg.startup_timeout):
-            router = cluster.start(specs[-1])
-            if cluster.wait_healthy([router], cfg.startup_timeout):
-                for c in cluster.children:
-                    c.state = "healthy"
-                cluster.say(cluster.table())
-                cluster.say(f"pdserve is up: OpenAI API on {router.spec.url}/v1 (Ctrl-C stops everything); logs in {cluster.log_dir}")
-                cluster.supervise()
-        cluster.say(f"stopping on {signal.Signals(cluster.stop_signal).name}")
-        return 0
-    except (LaunchError, ValueError) as err:
-        cluster.say(f"pdserve launch failed: {err}")
-        if cluster.children:
-            cluster.say(cluster.table())
-        return 1
-    finally:
-        cluster.stop(cfg.stop_grace_seconds)
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        if cluster.children:
-            for c in cluster.children:
-                c.state = "stopped"
-            cluster.write_status()
-            cluster.say("all processes stopped")

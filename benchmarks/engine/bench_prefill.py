@@ -1,7 +1,7 @@
 """MLA prefill attention on the GPU: the Triton kernel (pdserve_kernels.mla_prefill) against its
-flop floor, PyTorch SDPA's backends, and today's path (the decode kernel, one query at a time).
+flop floor, PyTorch SDPA's backends, and the decode kernel run one query at a time.
 
-    python scripts/bench_prefill.py [--tokens 8192] [--heads 128,16] [--json out.json]
+    python -m benchmarks.engine.bench_prefill [--tokens 8192] [--heads 128,16] [--json out.json]
 
 Dims are DeepSeek-V3 / V3.2's (their attention is the same): qk head dim 192 = 128 nope + 64 rope,
 v head dim 128, kv_lora_rank 512; 128 heads (one GPU) and 16 (one rank of TP8). Floor = causal
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
 
 from pdserve_kernels import configs  # noqa: E402
 from pdserve_kernels.mla_prefill import mla_prefill_attention  # noqa: E402
@@ -66,8 +66,13 @@ def reference(q, k_nope, k_rope, v, prefix: int) -> torch.Tensor:
     k = torch.cat([k_nope, k_rope[:, None].expand(-1, H, -1)], -1).float()
     mask = torch.arange(S, device="cuda")[None, :] <= (prefix + torch.arange(T, device="cuda"))[:, None]
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
-        out = F.scaled_dot_product_attention(q.float().transpose(0, 1), k.transpose(0, 1), v.float().transpose(0, 1),
-                                             attn_mask=mask, scale=(DN + R) ** -0.5)
+        out = F.scaled_dot_product_attention(
+            q.float().transpose(0, 1),
+            k.transpose(0, 1),
+            v.float().transpose(0, 1),
+            attn_mask=mask,
+            scale=(DN + R) ** -0.5,
+        )
     return out.transpose(0, 1)
 
 
@@ -92,9 +97,13 @@ def sdpa_calls(args, H: int):
     qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k, v))
     vpad = F.pad(v, (0, DN + R - DV)).transpose(0, 1)[None]
     calls = {}
-    for name, backend in (("sdpa flash (v padded)", SDPBackend.FLASH_ATTENTION), ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION),
-                          ("sdpa efficient", SDPBackend.EFFICIENT_ATTENTION), ("sdpa flash", SDPBackend.FLASH_ATTENTION),
-                          ("sdpa cudnn (v padded)", SDPBackend.CUDNN_ATTENTION)):
+    for name, backend in (
+        ("sdpa flash (v padded)", SDPBackend.FLASH_ATTENTION),
+        ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION),
+        ("sdpa efficient", SDPBackend.EFFICIENT_ATTENTION),
+        ("sdpa flash", SDPBackend.FLASH_ATTENTION),
+        ("sdpa cudnn (v padded)", SDPBackend.CUDNN_ATTENTION),
+    ):
         vv = vpad if "padded" in name else vh
 
         def call(backend=backend, vv=vv, pad="padded" in name):
@@ -107,7 +116,7 @@ def sdpa_calls(args, H: int):
 
 
 def decode_path_call(args, T: int):
-    """Today's prefill: absorbed queries [T, 1, H, 576] through sparse_mla_decode, each over its
+    """Prefill through the decode kernel: absorbed queries [T, 1, H, 576] through sparse_mla_decode, each over its
     causal context (slot ids 0..t, -1 after) in a [T, 576] latent cache."""
     from pdserve_kernels import sparse_mla_decode
 
@@ -147,8 +156,18 @@ def timings(T: int, H: int, peak: float, naive: bool) -> list[dict]:
         except Exception as e:  # a backend that refuses the shapes is a finding
             rows.append(dict(T=T, H=H, variant=name, error=str(e).splitlines()[0][:160]))
             return
-        rows.append(dict(T=T, H=H, variant=name, ms=ms, floor_ms=floor_ms, x_floor=ms / floor_ms,
-                         tflops=flops / ms / 1e9, note=note))
+        rows.append(
+            dict(
+                T=T,
+                H=H,
+                variant=name,
+                ms=ms,
+                floor_ms=floor_ms,
+                x_floor=ms / floor_ms,
+                tflops=flops / ms / 1e9,
+                note=note,
+            )
+        )
 
     args = inputs(T, H)
     for name, cfg in VARIANTS.items():
@@ -160,15 +179,33 @@ def timings(T: int, H: int, peak: float, naive: bool) -> list[dict]:
     cargs = inputs(half, H, prefix=half)
     c_flops = 2 * H * (half * half + half * (half + 1) / 2) * (DN + R + DV)
     ms = do_bench(triton_call(cargs, half, T, configs.prefill_config(90)), warmup=25, rep=200, return_mode="median")
-    rows.append(dict(T=T, H=H, variant="triton default, chunk 2 of 2 (prefix T/2)", ms=ms,
-                     floor_ms=c_flops / peak / 1e9, x_floor=ms / (c_flops / peak / 1e9), tflops=c_flops / ms / 1e9))
+    rows.append(
+        dict(
+            T=T,
+            H=H,
+            variant="triton default, chunk 2 of 2 (prefix T/2)",
+            ms=ms,
+            floor_ms=c_flops / peak / 1e9,
+            x_floor=ms / (c_flops / peak / 1e9),
+            tflops=c_flops / ms / 1e9,
+        )
+    )
     # the expansion a chunk costs: latent [S, 512] @ kv_b_proj^T [512, H * 256]
     lat = torch.randn(T, C, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(H * (DN + DV), C, device="cuda", dtype=torch.bfloat16)
     e_flops = 2 * T * C * H * (DN + DV)
     ms = do_bench(lambda: lat @ w.t(), warmup=25, rep=200, return_mode="median")
-    rows.append(dict(T=T, H=H, variant="kv_b_proj expansion (matmul)", ms=ms, floor_ms=e_flops / peak / 1e9,
-                     x_floor=ms / (e_flops / peak / 1e9), tflops=e_flops / ms / 1e9))
+    rows.append(
+        dict(
+            T=T,
+            H=H,
+            variant="kv_b_proj expansion (matmul)",
+            ms=ms,
+            floor_ms=e_flops / peak / 1e9,
+            x_floor=ms / (e_flops / peak / 1e9),
+            tflops=e_flops / ms / 1e9,
+        )
+    )
     if naive:
         absorbed = 2 * H * pairs * (C + R + C)
         fn = decode_path_call(args, T)
@@ -179,8 +216,18 @@ def timings(T: int, H: int, peak: float, naive: bool) -> list[dict]:
         torch.cuda.synchronize()
         one_ms = (time.perf_counter() - t0) * 1e3
         ms = do_bench(fn, warmup=1, rep=max(50, int(one_ms * 5)), return_mode="median")
-        rows.append(dict(T=T, H=H, variant="today: sparse_mla_decode per token (absorbed)", ms=ms, floor_ms=floor_ms,
-                         x_floor=ms / floor_ms, tflops=absorbed / ms / 1e9, note="absorbed flops 3.4x"))
+        rows.append(
+            dict(
+                T=T,
+                H=H,
+                variant="decode kernel: sparse_mla_decode per token (absorbed)",
+                ms=ms,
+                floor_ms=floor_ms,
+                x_floor=ms / floor_ms,
+                tflops=absorbed / ms / 1e9,
+                note="absorbed flops 3.4x",
+            )
+        )
     return rows
 
 
@@ -198,19 +245,32 @@ def main() -> None:
     for H in heads:
         check(H, checks)
     for r in checks:
-        print(f"check H={r['H']} prefix={r['prefix']} {r['check']}: " + (f"rel {r['rel']:.2e}" if "rel" in r else r["error"]))
+        print(
+            f"check H={r['H']} prefix={r['prefix']} {r['check']}: "
+            + (f"rel {r['rel']:.2e}" if "rel" in r else r["error"])
+        )
     for i, H in enumerate(heads):
         rows += timings(a.tokens, H, peak, naive=i == 0)
         torch.cuda.empty_cache()
-    print(f"\n| T | H | variant | ms | floor ms | x floor | TFLOP/s |\n| ---: | ---: | --- | ---: | ---: | ---: | ---: |")
+    print(
+        "\n| T | H | variant | ms | floor ms | x floor | TFLOP/s |\n| ---: | ---: | --- | ---: | ---: | ---: | ---: |"
+    )
     for r in rows:
         if "error" in r:
             print(f"| {r['T']} | {r['H']} | {r['variant']} | refused: {r['error']} | | | |")
         else:
-            print(f"| {r['T']} | {r['H']} | {r['variant']} | {r['ms']:.3f} | {r['floor_ms']:.3f} | {r['x_floor']:.2f} | {r['tflops']:.0f} |")
+            print(
+                f"| {r['T']} | {r['H']} | {r['variant']} | {r['ms']:.3f} | {r['floor_ms']:.3f} | {r['x_floor']:.2f} | {r['tflops']:.0f} |"
+            )
     if a.json:
-        meta = dict(device=torch.cuda.get_device_name(0), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                    torch=torch.__version__, triton=triton.__version__, matmul_tflops=peak, copy_tbs=copy)
+        meta = dict(
+            device=torch.cuda.get_device_name(0),
+            date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            torch=torch.__version__,
+            triton=triton.__version__,
+            matmul_tflops=peak,
+            copy_tbs=copy,
+        )
         with open(a.json, "w") as f:
             json.dump(dict(meta=meta, checks=checks, rows=rows), f, indent=1)
 

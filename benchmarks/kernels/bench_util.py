@@ -1,4 +1,5 @@
-"""Timing and checking helpers shared by the kernel benchmarks (bench*.py) and the kernel tests."""
+"""Timing and checking helpers shared by the kernel benchmarks (bench*.py) and the kernel tests
+(tests/helpers/kernels.py re-exports `poisoned_empty`)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,27 @@ def poisoned_empty():
         yield
     finally:
         torch.empty = orig
+
+
+@contextlib.contextmanager
+def compiled_kernels():
+    """{kernel name: the CompiledKernel of its last launch} for every Triton launch inside, for
+    a resource report (`n_regs`, `n_spills`, `metadata.shared`); empty under the interpreter."""
+    from triton.runtime.jit import JITFunction
+
+    seen: dict = {}
+    orig = JITFunction.run
+
+    def run(self, *args, **kwargs):
+        kernel = orig(self, *args, **kwargs)
+        seen[self.__name__] = kernel
+        return kernel
+
+    JITFunction.run = run
+    try:
+        yield seen
+    finally:
+        JITFunction.run = orig
 
 
 def ms(fn, rep: int = 60) -> float:
@@ -67,5 +89,4 @@ def kernel_profile(fn, label: str, top: int = 8) -> list[str]:
             fn()
         torch.cuda.synchronize()
     evs = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:top]
-    return [f"profile {label}: {e.key[:60]} {e.device_time_total / 5:.1f} us/call x{e.count // 5}"
-            for e in evs]
+    return [f"profile {label}: {e.key[:60]} {e.device_time_total / 5:.1f} us/call x{e.count // 5}" for e in evs]

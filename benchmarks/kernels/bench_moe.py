@@ -6,19 +6,29 @@ from __future__ import annotations
 
 import torch
 
+from benchmarks.kernels.bench_util import graph_ms, kernel_profile, ms, poisoned_empty, rel_err
 from pdserve_kernels import configs, ref, ref_fp8
-from pdserve_kernels.bench_util import graph_ms, kernel_profile, ms, poisoned_empty, rel_err
 from pdserve_kernels.fused_moe import fused_moe
 from pdserve_kernels.fused_moe_fp8 import fused_moe_fp8
 
 M = configs.MoEConfig
-MOE_SWEEP = [M(16, 64, 128, 4, 4), M(16, 128, 128, 4, 3), M(16, 64, 256, 4, 3),
-             M(16, 32, 64, 4, 6), M(16, 64, 128, 8, 4)]
-# first H200 sweep: BN 128 (4 warps, 3 stages) best of BN 32/64/128/256, BM 32 twice as slow;
-# now the w2 kernel's own BN (its K loop is short: I / 128 = 16 steps) and deeper pipelines
-MOE_FP8_SWEEP = [M(16, 128, 128, 4, 3), M(16, 128, 128, 4, 3, block_n2=64),
-                 M(16, 128, 128, 4, 3, block_n2=32), M(16, 128, 128, 4, 3, block_n2=256),
-                 M(16, 128, 128, 4, 4, block_n2=64), M(16, 128, 128, 8, 3, block_n2=256)]
+MOE_SWEEP = [
+    M(16, 64, 128, 4, 4),
+    M(16, 128, 128, 4, 3),
+    M(16, 64, 256, 4, 3),
+    M(16, 32, 64, 4, 6),
+    M(16, 64, 128, 8, 4),
+]
+# around the default BN 128 (4 warps, 3 stages): the w2 kernel's own BN (its K loop is short:
+# I / 128 = 16 steps) and deeper pipelines
+MOE_FP8_SWEEP = [
+    M(16, 128, 128, 4, 3),
+    M(16, 128, 128, 4, 3, block_n2=64),
+    M(16, 128, 128, 4, 3, block_n2=32),
+    M(16, 128, 128, 4, 3, block_n2=256),
+    M(16, 128, 128, 4, 4, block_n2=64),
+    M(16, 128, 128, 8, 3, block_n2=256),
+]
 
 
 def fp8_weights(w: torch.Tensor, g: torch.Generator, block: int = 128):
@@ -73,17 +83,30 @@ def moe_rows(bw, peak, quick, sweeps, prof, emit, batches=None):
                 try:
                     with poisoned_empty():
                         out = fn()
-                    add(kernel="fused_moe", shape=shape, impl=label, ms=graph_ms([fn], replays=10),
-                        floor_ms=floor8 if fp8 else floor, rel_err=rel_err(out, want8 if fp8 else want),
-                        note=f"eager {ms(fn) * 1e3:.0f} us" if cfg is None else "")
+                    add(
+                        kernel="fused_moe",
+                        shape=shape,
+                        impl=label,
+                        ms=graph_ms([fn], replays=10),
+                        floor_ms=floor8 if fp8 else floor,
+                        rel_err=rel_err(out, want8 if fp8 else want),
+                        note=f"eager {ms(fn) * 1e3:.0f} us" if cfg is None else "",
+                    )
                 except Exception as e:  # a sweep candidate may not compile (resources): report it
                     print(f"{label} failed at {shape}: {str(e)[:200]}", flush=True)
             if T in (1, 16):
                 prof += kernel_profile(lambda: fused_moe(x, w13, w2, tw, ids), shape)
                 prof += kernel_profile(lambda: fused_moe_fp8(x, q13, q2, s13, s2, tw, ids), f"fp8 {shape}")
             fn = lambda: ref.fused_moe_ref(x, w13, w2, tw, ids)
-            add(kernel="fused_moe", shape=shape, impl="torch-ref", ms=ms(fn, rep=30), floor_ms=floor,
-                rel_err=rel_err(fn(), want), note="")
-        del w13, w2, q13, q2
+            add(
+                kernel="fused_moe",
+                shape=shape,
+                impl="torch-ref",
+                ms=ms(fn, rep=30),
+                floor_ms=floor,
+                rel_err=rel_err(fn(), want),
+                note="",
+            )
+        w13 = w2 = q13 = q2 = None  # free the weights before the next expert count
         torch.cuda.empty_cache()
     return rows

@@ -1,9 +1,10 @@
-"""The per-head fallback that sparse_mla_decode replaces, kept to measure against (bench.py).
+"""The per-head fallback that sparse_mla_decode replaces, kept to measure against
+(bench_mla.py) and checked by tests/kernels/test_kernels_sparse_mla.py.
 
 One program per (query, head): it gathers its query's top-k KV rows by itself (so every head of a
 query re-gathers the same rows), and computes q.k and p.v as elementwise products reduced on CUDA
-cores, no tensor cores. This is the pattern that took 63% of decode time in the reference
-deployment (docs/kernels.md). Same contract as `ref.sparse_mla_decode_ref`.
+cores, no tensor cores: the pattern that dominated decode time in the reference deployment
+(docs/kernels.md). Same contract as `ref.sparse_mla_decode_ref`.
 
 Legend: B batch, S query tokens, H heads, D record dim, K top-k, BN rows per step.
 """
@@ -19,10 +20,27 @@ from pdserve_kernels._launch import interpreting, next_pow2
 
 @triton.jit
 def _per_head_kernel(
-    q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, scale_log2, H, K,
-    s_qb, s_qh, s_kvn, s_ib,
-    D_V: tl.constexpr, D_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_T: tl.constexpr, HAS_SINK: tl.constexpr, INTERPRET: tl.constexpr, K_C: tl.constexpr,
+    q_ptr,
+    kv_ptr,
+    idx_ptr,
+    sink_ptr,
+    out_ptr,
+    lse_ptr,
+    scale_log2,
+    H,
+    K,
+    s_qb,
+    s_qh,
+    s_kvn,
+    s_ib,
+    D_V: tl.constexpr,
+    D_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    K_C: tl.constexpr,
 ):
     h = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -64,8 +82,7 @@ def _per_head_kernel(
     tl.store(lse_ptr + b * H + h + tl.arange(0, 1), lse2 * 0.6931471805599453)
 
 
-def sparse_mla_decode_per_head(q, kv, indices, sm_scale: float, d_v: int, sink=None,
-                               block_n: int = 16):
+def sparse_mla_decode_per_head(q, kv, indices, sm_scale: float, d_v: int, sink=None, block_n: int = 16):
     """q [B,S,H,D], kv [N,D] (row stride any, values contiguous), indices [B,S,K] int32."""
     B, S, H, D = q.shape
     K = indices.shape[2]
@@ -77,10 +94,27 @@ def sparse_mla_decode_per_head(q, kv, indices, sm_scale: float, d_v: int, sink=N
     lse = torch.empty(B, S, H, dtype=torch.float32, device=q.device)
     d_t = D - d_v
     _per_head_kernel[(H, B * S)](
-        q3, kv, idx, sink if sink is not None else lse, out, lse, sm_scale * 1.4426950408889634,
-        H, K, q3.stride(0), q3.stride(1), kv.stride(0), idx.stride(0),
-        D_V=d_v, D_T=d_t, BLOCK_N=block_n, BLOCK_V=next_pow2(d_v),
-        BLOCK_T=next_pow2(max(d_t, 1)), HAS_SINK=sink is not None,
-        INTERPRET=interpreting(), K_C=K if interpreting() else 0, num_warps=4,
+        q3,
+        kv,
+        idx,
+        sink if sink is not None else lse,
+        out,
+        lse,
+        sm_scale * 1.4426950408889634,
+        H,
+        K,
+        q3.stride(0),
+        q3.stride(1),
+        kv.stride(0),
+        idx.stride(0),
+        D_V=d_v,
+        D_T=d_t,
+        BLOCK_N=block_n,
+        BLOCK_V=next_pow2(d_v),
+        BLOCK_T=next_pow2(max(d_t, 1)),
+        HAS_SINK=sink is not None,
+        INTERPRET=interpreting(),
+        K_C=K if interpreting() else 0,
+        num_warps=4,
     )
     return out, lse

@@ -1,7 +1,7 @@
 """NIXL READ rate between two processes against a torch copy inside one, for a few request sizes.
 
-    python scripts/bench_transfer.py [--sizes 1,16,64,256] [--reps 5] [--device cpu] [--peer-device cuda:1]
-    python scripts/bench_transfer.py --device cuda:0 --settings default,zcopy,zcopy+moddir,pdserve \
+    python -m benchmarks.transfer.bench_transfer [--sizes 1,16,64,256] [--reps 5] [--device cpu] [--peer-device cuda:1]
+    python -m benchmarks.transfer.bench_transfer --device cuda:0 --settings default,zcopy,zcopy+moddir,pdserve \
         --layers 61 --sizes 64,549 --layouts layer,block --json out.json
 
 This process is the decode worker; it starts itself again with --peer as the prefill worker (its own
@@ -52,7 +52,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
 
 from pdserve.disagg.base import KVHandle, PeerMetadata, TransferError  # noqa: E402
 from pdserve.disagg.layout import block_runs  # noqa: E402
@@ -90,13 +90,21 @@ def block_bytes(num_layers: int) -> int:
 def run_peer(args: argparse.Namespace) -> None:
     replies, sys.stdout = sys.stdout, sys.stderr  # nixl logs to stdout
     from pdserve.disagg.factory import StagingOptions
-    from pdserve.disagg.nixl_connector import NixlConnector
+    from pdserve.disagg.nixl.connector import NixlConnector
 
     staged = args.layout == "staged"
     staging = StagingOptions(mode="on" if staged else "off", prefill_arena_mib=args.arena_mib, decode_arena_mib=0)
-    conn = NixlConnector("bench-prefill", model_id="bench", ucx_gpu_defaults=args.setting == "pdserve",
-                         progress_thread=args.peer_progress_thread, progress_interval_ms=float(args.peer_progress_interval_ms),
-                         role="prefill", staging=staging, lease_s=3600.0, cuda_ipc=args.layout == "ipc")
+    conn = NixlConnector(
+        "bench-prefill",
+        model_id="bench",
+        ucx_gpu_defaults=args.setting == "pdserve",
+        progress_thread=args.peer_progress_thread,
+        progress_interval_ms=float(args.peer_progress_interval_ms),
+        role="prefill",
+        staging=staging,
+        lease_s=3600.0,
+        cuda_ipc=args.layout == "ipc",
+    )
     conn.register_kv_cache(make_pool(args.layers, args.num_blocks, args.device, seed=0, layout=args.layout))
     body = conn.peer_metadata()
 
@@ -257,12 +265,14 @@ class PeerProc:
         self.proc.stdin.flush()
         for line in self.proc.stdout:
             if line.startswith("HANDLE "):
-                doc = json.loads(line[len("HANDLE "):])
+                doc = json.loads(line[len("HANDLE ") :])
                 return KVHandle.model_validate(doc["handle"]), doc["gather_s"]
         raise SystemExit(f"the prefill peer exited with {self.proc.wait()}")
 
 
-def measure(conn, peer: PeerProc, src: torch.Tensor, src_ids: list[int], dst_ids: list[int], reps: int, name: str, staged: bool):
+def measure(
+    conn, peer: PeerProc, src: torch.Tensor, src_ids: list[int], dst_ids: list[int], reps: int, name: str, staged: bool
+):
     """Seconds of every rep for one request shape: NIXL read (start_load..done: for a staged
     layout the READ and the scatter, split by the connector's own scatter time), gather (staged:
     in the peer), in-process copy."""
@@ -285,7 +295,9 @@ def measure(conn, peer: PeerProc, src: torch.Tensor, src_ids: list[int], dst_ids
         scatter_s = conn.stats.stage_seconds_sum - before
         out["read_s"].append(total - scatter_s if staged else total)
         out["scatter_s"].append(scatter_s)
-        if rep == 0 and not torch.equal(dst[:, dst_ids].view(torch.int16), src[:, src_ids].to(dst.device).view(torch.int16)):
+        if rep == 0 and not torch.equal(
+            dst[:, dst_ids].view(torch.int16), src[:, src_ids].to(dst.device).view(torch.int16)
+        ):
             raise SystemExit(f"NIXL READ {name} is not byte-exact")
         out["copy_s"].append(timed_copy(dst, src, src_ids, dst_ids))
     return out
@@ -304,10 +316,20 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--layouts", default="layer", help="comma list of layer, block, staged, ipc")
     p.add_argument("--kinds", default="contiguous,request,scattered", help="block lists to read (comma list)")
     p.add_argument("--arena-mib", type=int, default=0, help="staged: each side's arena (default: 2x the largest size)")
-    p.add_argument("--peer-poll-ms", type=float, default=20.0, help="the peer polls its connector this often (a worker: 20)")
-    p.add_argument("--peer-busy-ms", default="0", help="comma list: GPU work (ms) the peer runs before each poll; one run each")
-    p.add_argument("--peer-progress-thread", action="store_true", help="the peer runs NIXL's progress thread (a worker does not)")
-    p.add_argument("--peer-progress-interval-ms", default="1", help="comma list: the peer connector's progress thread interval (0: none); one run each")
+    p.add_argument(
+        "--peer-poll-ms", type=float, default=20.0, help="the peer polls its connector this often (a worker: 20)"
+    )
+    p.add_argument(
+        "--peer-busy-ms", default="0", help="comma list: GPU work (ms) the peer runs before each poll; one run each"
+    )
+    p.add_argument(
+        "--peer-progress-thread", action="store_true", help="the peer runs NIXL's progress thread (a worker does not)"
+    )
+    p.add_argument(
+        "--peer-progress-interval-ms",
+        default="1",
+        help="comma list: the peer connector's progress thread interval (0: none); one run each",
+    )
     p.add_argument("--tag", default="", help="a name for this run's rows (e.g. the environment it set)")
     p.add_argument("--json", help="write every row here (with --settings)")
     p.add_argument("--setting", default="", help=argparse.SUPPRESS)
@@ -339,12 +361,27 @@ def main() -> None:
 
 def drive(args: argparse.Namespace) -> None:
     """One fresh decode + prefill process pair per (setting, layout), each with its UCX variables."""
-    from pdserve.disagg.nixl_connector import ucx_module_dir
+    from pdserve.disagg.nixl.ucx_env import ucx_module_dir
 
     rows, base = [], {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
-    keep = ["--layers", str(args.layers), "--device", args.device, "--threads", str(args.threads),
-            "--mean-run", str(args.mean_run), "--kinds", args.kinds, "--arena-mib", str(args.arena_mib),
-            "--peer-poll-ms", str(args.peer_poll_ms), "--tag", args.tag]
+    keep = [
+        "--layers",
+        str(args.layers),
+        "--device",
+        args.device,
+        "--threads",
+        str(args.threads),
+        "--mean-run",
+        str(args.mean_run),
+        "--kinds",
+        args.kinds,
+        "--arena-mib",
+        str(args.arena_mib),
+        "--peer-poll-ms",
+        str(args.peer_poll_ms),
+        "--tag",
+        args.tag,
+    ]
     if args.peer_progress_thread:
         keep.append("--peer-progress-thread")
     if args.peer_device:
@@ -353,25 +390,54 @@ def drive(args: argparse.Namespace) -> None:
         env = dict(base, **{k: v or ucx_module_dir() or "" for k, v in SETTINGS[setting].items()})
         reps = min(args.reps, 2) if setting == "default" else args.reps  # tcp: slow, and known
         sizes = args.sizes.split(",")[0] if setting == "default" else args.sizes
-        runs = [(lo, b, i) for lo in args.layouts.split(",") for b in args.peer_busy_ms.split(",")
-                for i in args.peer_progress_interval_ms.split(",")]
+        runs = [
+            (lo, b, i)
+            for lo in args.layouts.split(",")
+            for b in args.peer_busy_ms.split(",")
+            for i in args.peer_progress_interval_ms.split(",")
+        ]
         for layout, busy, interval in runs:
             out = f"/tmp/bench_transfer_{os.getpid()}_{setting}_{layout}.json"
-            cmd = [sys.executable, os.path.abspath(__file__), *keep, "--sizes", sizes, "--reps", str(reps),
-                   "--setting", setting, "--layout", layout, "--rows-out", out, "--peer-busy-ms", busy,
-                   "--peer-progress-interval-ms", interval]
+            cmd = [
+                sys.executable,
+                os.path.abspath(__file__),
+                *keep,
+                "--sizes",
+                sizes,
+                "--reps",
+                str(reps),
+                "--setting",
+                setting,
+                "--layout",
+                layout,
+                "--rows-out",
+                out,
+                "--peer-busy-ms",
+                busy,
+                "--peer-progress-interval-ms",
+                interval,
+            ]
             t0 = time.perf_counter()
-            done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=900)
+            done = subprocess.run(
+                cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=900
+            )
             if done.returncode != 0:
                 print(f"{setting} {layout}: exit {done.returncode}: {done.stderr[-800:]}", file=sys.stderr)
                 continue
             with open(out) as f:
                 rows += json.load(f)
             os.remove(out)
-            print(f"{setting} {layout} busy {busy} progress {interval}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+            print(
+                f"{setting} {layout} busy {busy} progress {interval}: {time.perf_counter() - t0:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
             if args.json:  # after every pair: a run cut short keeps what it measured
-                meta = dict(device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-                            date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), args=vars(args))
+                meta = dict(
+                    device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+                    date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                    args=vars(args),
+                )
                 with open(args.json, "w") as f:
                     json.dump(dict(meta=meta, rows=rows), f, indent=1)
     print_table(rows, args)
@@ -382,7 +448,7 @@ def run_one(args: argparse.Namespace, counts: list[int], per_block: int) -> list
     args.num_blocks = 2 * max(counts)
     torch.set_num_threads(args.threads)
 
-    from pdserve.disagg.nixl_connector import NixlConnector
+    from pdserve.disagg.nixl.connector import NixlConnector
 
     cmd = [sys.executable, os.path.abspath(__file__), "--peer", "--layers", str(args.layers)]
     peer_device = args.peer_device or args.device
@@ -402,17 +468,26 @@ def run_one(args: argparse.Namespace, counts: list[int], per_block: int) -> list
         from pdserve.disagg.factory import StagingOptions
 
         staging = StagingOptions(mode="on" if staged else "off", prefill_arena_mib=0, decode_arena_mib=args.arena_mib)
-        conn = NixlConnector("bench-decode", model_id="bench", transfer_timeout_s=120.0, role="decode", staging=staging,
-                             ucx_gpu_defaults=args.setting == "pdserve", progress_thread=False,  # as a worker
-                             cuda_ipc=args.layout == "ipc")
+        conn = NixlConnector(
+            "bench-decode",
+            model_id="bench",
+            transfer_timeout_s=120.0,
+            role="decode",
+            staging=staging,
+            ucx_gpu_defaults=args.setting == "pdserve",
+            progress_thread=False,  # as a worker
+            cuda_ipc=args.layout == "ipc",
+        )
         conn.register_kv_cache(make_pool(args.layers, args.num_blocks, args.device, seed=None, layout=args.layout))
         src = make_pool(args.layers, args.num_blocks, peer_device, seed=0, layout=args.layout).regions["latent"]
         timed_read(conn, handle_for(peer.url, "warm-up", [0], conn.compat_hash), [0])  # connection setup
         for n in counts:
             shapes = {
                 "contiguous": (list(range(n)), list(range(n))),
-                "request": (request_ids(n, args.num_blocks, args.mean_run, seed=n),
-                            request_ids(n, args.num_blocks, args.mean_run, seed=n + 1)),
+                "request": (
+                    request_ids(n, args.num_blocks, args.mean_run, seed=n),
+                    request_ids(n, args.num_blocks, args.mean_run, seed=n + 1),
+                ),
                 "scattered": (list(range(0, 2 * n, 2)), list(range(1, 2 * n, 2))),
             }
             dev_s = device_copy_s(n * per_block, args.device, args.reps)
@@ -421,11 +496,26 @@ def run_one(args: argparse.Namespace, counts: list[int], per_block: int) -> list
                 before = dict(conn.stats.paths)
                 times = measure(conn, peer, src, src_ids, dst_ids, args.reps, f"{kind}-{n}", staged)
                 path = ",".join(p for p, c in conn.stats.paths.items() if c > before.get(p, 0))  # how the reads moved
-                descs = 1 if staged else 0 if path == "cuda_ipc" else len(block_runs(src_ids, dst_ids)) * layers_per_desc
-                rows.append(dict(setting=args.setting or "env", tag=args.tag, layout=args.layout, path=path, nbytes=n * per_block,
-                                 blocks=n, kind=kind, descs=descs, dev_copy_s=dev_s, peer_busy_ms=float(args.peer_busy_ms),
-                                 peer_progress_thread=args.peer_progress_thread,
-                                 peer_progress_interval_ms=float(args.peer_progress_interval_ms), **times))
+                descs = (
+                    1 if staged else 0 if path == "cuda_ipc" else len(block_runs(src_ids, dst_ids)) * layers_per_desc
+                )
+                rows.append(
+                    dict(
+                        setting=args.setting or "env",
+                        tag=args.tag,
+                        layout=args.layout,
+                        path=path,
+                        nbytes=n * per_block,
+                        blocks=n,
+                        kind=kind,
+                        descs=descs,
+                        dev_copy_s=dev_s,
+                        peer_busy_ms=float(args.peer_busy_ms),
+                        peer_progress_thread=args.peer_progress_thread,
+                        peer_progress_interval_ms=float(args.peer_progress_interval_ms),
+                        **times,
+                    )
+                )
         conn.shutdown()
     except TransferError as e:
         raise SystemExit(str(e)) from e
@@ -439,11 +529,15 @@ def run_one(args: argparse.Namespace, counts: list[int], per_block: int) -> list
 def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     where = args.device if not args.peer_device else f"{args.device} (read from {args.peer_device})"
     print(f"KV pool: 1 bf16 region, {args.layers} layers, {BLOCK_SIZE}-token blocks of {DIM} values on {where}")
-    print(f"GB/s: median (best) of the reps; NIXL: start_load..poll_loads done, between two processes;")
-    print(f"copy: the same runs with torch copy_ in one process; dev copy: one contiguous copy_ of the bytes")
-    print("staged: NIXL = gather + READ + scatter (end to end, each in ms after it); busy: the peer's GPU work per poll (ms)")
-    print(f"{'setting':>12} {'layout':>6} {'busy':>5} {'prog':>4} {'MiB':>7} {'blocks':>6} {'blocks as':>10} {'descs':>6} "
-          f"{'NIXL GB/s':>14} {'copy GB/s':>14} {'dev copy':>8} {'NIXL/dev':>8} {'read ms':>8} {'max ms':>7}  staged ms")
+    print("GB/s: median (best) of the reps; NIXL: start_load..poll_loads done, between two processes;")
+    print("copy: the same runs with torch copy_ in one process; dev copy: one contiguous copy_ of the bytes")
+    print(
+        "staged: NIXL = gather + READ + scatter (end to end, each in ms after it); busy: the peer's GPU work per poll (ms)"
+    )
+    print(
+        f"{'setting':>12} {'layout':>6} {'busy':>5} {'prog':>4} {'MiB':>7} {'blocks':>6} {'blocks as':>10} {'descs':>6} "
+        f"{'NIXL GB/s':>14} {'copy GB/s':>14} {'dev copy':>8} {'NIXL/dev':>8} {'read ms':>8} {'max ms':>7}  staged ms"
+    )
     for r in rows:
         nbytes, med = r["nbytes"], statistics.median
         gather, scatter = med(r.get("gather_s") or [0.0]), med(r.get("scatter_s") or [0.0])
@@ -453,12 +547,18 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
         dev = nbytes / r["dev_copy_s"] / 1e9
         cols = f"{nixl:6.2f} ({nixl_best:5.2f}) {copy:6.2f} ({copy_best:5.2f}) {dev:8.1f} {nixl / dev:8.3f}"
         times = f"{med(r['read_s']) * 1e3:8.3f} {max(r['read_s']) * 1e3:7.2f}"
-        split = f"  gather {gather * 1e3:.3f} read {med(r['read_s']) * 1e3:.3f} scatter {scatter * 1e3:.3f}" if r.get("gather_s") else ""
+        split = (
+            f"  gather {gather * 1e3:.3f} read {med(r['read_s']) * 1e3:.3f} scatter {scatter * 1e3:.3f}"
+            if r.get("gather_s")
+            else ""
+        )
         split += f"  post {med(r['post_s']) * 1e3:.3f}" if r.get("post_s") else ""
         prog = "nixl" if r.get("peer_progress_thread") else f"{r.get('peer_progress_interval_ms', 0):4.0f}"
         layout = r["layout"] if r.get("path", "cuda_ipc") == "cuda_ipc" or r["layout"] != "ipc" else f"ipc>{r['path']}"
-        print(f"{r['setting']:>12} {layout:>6} {r.get('peer_busy_ms', 0):5.0f} {prog:>4} {nbytes / MIB:7.1f} {r['blocks']:6d} "
-              f"{r['kind']:>10} {r['descs']:6d} {cols} {times}{split}")
+        print(
+            f"{r['setting']:>12} {layout:>6} {r.get('peer_busy_ms', 0):5.0f} {prog:>4} {nbytes / MIB:7.1f} {r['blocks']:6d} "
+            f"{r['kind']:>10} {r['descs']:6d} {cols} {times}{split}"
+        )
 
 
 if __name__ == "__main__":

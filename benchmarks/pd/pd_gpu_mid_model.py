@@ -1,9 +1,9 @@
-"""The README's mid-size random checkpoint for `scripts/pd_gpu_bench.sh`, without writing its weights:
+"""A mid-size random checkpoint for `benchmarks/pd/pd_gpu_bench.sh` (docs/pd-gpu.md), without its weights:
 a tiny DeepSeek-V3 checkpoint (tokenizer, config) whose config.json gets V3's layer dimensions; the
 workers then draw the weights themselves (`load_format: dummy`), in seconds instead of a 6.4 GiB
 write and three reads.
 
-    python scripts/pd_gpu_mid_model.py /tmp/mid
+    python -m benchmarks.pd.pd_gpu_mid_model /tmp/mid
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pdserve.tiny_model import make_tiny_model
 
-# DeepSeek-V3's layer dimensions, 4 layers (README, "PD on a GPU")
+# DeepSeek-V3's layer dimensions, 4 layers (docs/pd-gpu.md)
 MID = dict(
     hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_attention_heads=128,
     num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,

@@ -1,5 +1,5 @@
 """Decode-kernel benchmark:
-`python -m pdserve_kernels.bench [--quick] [--only mla|moe] [--batch B ...]
+`python -m benchmarks.kernels.bench [--quick] [--only mla|moe] [--batch B ...]
 [--sweep [mla moe moe_fp8 merge latency]] [--out DIR]`.
 
 Measures the two ceilings first (device-to-device copy bandwidth counting bytes read + written,
@@ -25,10 +25,10 @@ import time
 
 import torch
 
+from benchmarks.kernels.bench_mla import mla_rows
+from benchmarks.kernels.bench_moe import moe_rows
+from benchmarks.kernels.bench_util import ms, poisoned_empty, rel_err
 from pdserve_kernels import kv_fp8, ref, ref_fp8
-from pdserve_kernels.bench_mla import mla_rows
-from pdserve_kernels.bench_moe import moe_rows
-from pdserve_kernels.bench_util import ms, poisoned_empty, rel_err
 from pdserve_kernels.fused_moe import fused_moe
 from pdserve_kernels.fused_moe_fp8 import fused_moe_fp8
 from pdserve_kernels.indexer import indexer_topk
@@ -64,13 +64,17 @@ def check_tiny(dev: str) -> list[str]:
         for sk in (None, sink):
             with poisoned_empty():
                 out, lse = sparse_mla_decode(q, kv, idx, D**-0.5, dv, sink=sk)
-            r_out, r_lse = ref.sparse_mla_decode_ref(q.double(), kv.double(), idx, D**-0.5, dv,
-                                                     sink=None if sk is None else sk.double())
+            r_out, r_lse = ref.sparse_mla_decode_ref(
+                q.double(), kv.double(), idx, D**-0.5, dv, sink=None if sk is None else sk.double()
+            )
             fin = torch.isfinite(r_lse)
             lse_ok = torch.equal(fin, torch.isfinite(lse)) and bool(
-                ((lse.double() - r_lse.double())[fin].abs() < 2e-2).all())
-            lines.append(f"tiny sparse_mla {dt} sink={sk is not None}: rel {rel_err(out, r_out):.2e}"
-                         f" lse_ok {lse_ok} nan {bool(out.isnan().any())}")
+                ((lse.double() - r_lse.double())[fin].abs() < 2e-2).all()
+            )
+            lines.append(
+                f"tiny sparse_mla {dt} sink={sk is not None}: rel {rel_err(out, r_out):.2e}"
+                f" lse_ok {lse_ok} nan {bool(out.isnan().any())}"
+            )
     q = torch.randn(2, 1, 16, 576, device=dev, dtype=torch.bfloat16, generator=g)
     kvf = torch.randn(300, 576, device=dev, generator=g)
     rec = kv_fp8.pack_kv_fp8(kvf, 512)
@@ -92,8 +96,10 @@ def check_tiny(dev: str) -> list[str]:
     lines.append(f"tiny fused_moe E=8 hidden=128 I=64 bf16: rel {rel_err(y, r):.2e}")
     hid, inter = 384, 256
     x = torch.randn(T, hid, device=dev, dtype=torch.bfloat16, generator=g)
-    (q13, s13), (q2, s2) = (ref_fp8.quant_block_fp8(torch.randn(E, n, k, device=dev, generator=g) * k**-0.5)
-                            for n, k in ((2 * inter, hid), (hid, inter)))
+    (q13, s13), (q2, s2) = (
+        ref_fp8.quant_block_fp8(torch.randn(E, n, k, device=dev, generator=g) * k**-0.5)
+        for n, k in ((2 * inter, hid), (hid, inter))
+    )
     with poisoned_empty():
         y = fused_moe_fp8(x, q13, q2, s13, s2, tw, ids)
     r = ref_fp8.fused_moe_fp8_ref(x.double(), q13, q2, s13, s2, tw.double(), ids, act_dtype=x.dtype)
@@ -104,8 +110,11 @@ def check_tiny(dev: str) -> list[str]:
     cand = torch.randint(0, 200, (4, 90), device=dev, dtype=torch.int32, generator=g)
     cand[3, 30:] = -1
     got = indexer_topk(qi, kc, wi, cand, 40)
-    want_scores = torch.einsum("th,thc->tc", wi.double(), torch.relu(torch.einsum(
-        "thd,tcd->thc", qi.double(), kc.double()[cand.clamp(min=0).long()])))
+    want_scores = torch.einsum(
+        "th,thc->tc",
+        wi.double(),
+        torch.relu(torch.einsum("thd,tcd->thc", qi.double(), kc.double()[cand.clamp(min=0).long()])),
+    )
     want_scores = want_scores.masked_fill(cand < 0, float("-inf"))
     pos = {}
     ok = True
@@ -113,23 +122,28 @@ def check_tiny(dev: str) -> list[str]:
         pos = {int(c): i for i, c in enumerate(cand[t].tolist()) if c >= 0}
         picked = [pos[int(c)] for c in got[t].tolist() if c >= 0]
         top = want_scores[t].topk(40).values
-        ok &= torch.allclose(want_scores[t, picked].sort(descending=True).values,
-                             top[torch.isfinite(top)], rtol=2e-2, atol=2e-2)
+        ok &= torch.allclose(
+            want_scores[t, picked].sort(descending=True).values, top[torch.isfinite(top)], rtol=2e-2, atol=2e-2
+        )
     lines.append(f"tiny indexer_topk bf16: scores match {ok}")
     return lines
 
 
 def table(rows) -> str:
-    lines = ["| kernel | shape | impl | median us | floor us | x floor | rel err | note |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    lines = [
+        "| kernel | shape | impl | median us | floor us | x floor | rel err | note |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | --- |",
+    ]
     lines += [row_line(r) for r in rows]
     return "\n".join(lines)
 
 
 def row_line(r: dict) -> str:
-    return (f"| {r['kernel']} | {r['shape']} | {r['impl']} | {r['ms'] * 1e3:.1f} | "
-            f"{r['floor_ms'] * 1e3:.1f} | {r['ms'] / r['floor_ms']:.2f} | {r['rel_err']:.1e} | "
-            f"{r['note']} |")
+    return (
+        f"| {r['kernel']} | {r['shape']} | {r['impl']} | {r['ms'] * 1e3:.1f} | "
+        f"{r['floor_ms'] * 1e3:.1f} | {r['ms'] / r['floor_ms']:.2f} | {r['rel_err']:.1e} | "
+        f"{r['note']} |"
+    )
 
 
 def main() -> None:
@@ -145,8 +159,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("the benchmark needs a CUDA device")
     prop = torch.cuda.get_device_properties(0)
-    head = (f"{prop.name}, {prop.multi_processor_count} SMs, cc {prop.major}.{prop.minor}, "
-            f"torch {torch.__version__}, {datetime.date.today()}")
+    head = (
+        f"{prop.name}, {prop.multi_processor_count} SMs, cc {prop.major}.{prop.minor}, "
+        f"torch {torch.__version__}, {datetime.date.today()}"
+    )
     print(head, flush=True)
     bw, peak = ceilings()
     head += f"\ncopy {bw / 1e12:.2f} TB/s (read+write), bf16 matmul {peak / 1e12:.0f} TFLOP/s"

@@ -2,8 +2,8 @@
 top-6): correctness against `ref_fp4.fused_moe_fp4_ref` (bf16 x), time against the weight-bytes
 floor and against the bf16 (and fp8) fused MoE at the same shape, a small tile sweep.
 
-    python -m pdserve_kernels.bench_moe_fp4 [--batch 1 16 64 256] [--no-sweep] [--out DIR]
-    python -m pdserve_kernels.bench_moe_fp4 --smoke      # CPU, interpreter, tiny dims: the code path only
+    python -m benchmarks.kernels.bench_moe_fp4 [--batch 1 16 64 256] [--no-sweep] [--out DIR]
+    python -m benchmarks.kernels.bench_moe_fp4 --smoke      # CPU, interpreter, tiny dims: the code path only
 
 Floor: bytes of the experts actually routed to (packed e2m1 + one ue8m0 byte per 32 values; bf16:
 2 bytes a value; fp8: 1 + block scales) + activations, over the measured copy rate (read + write,
@@ -22,18 +22,30 @@ import time
 
 import torch
 
+from benchmarks.kernels.bench_util import graph_ms, kernel_profile, poisoned_empty, rel_err
 from pdserve_kernels import configs, ref, ref_fp4, ref_fp8
-from pdserve_kernels.bench_util import graph_ms, kernel_profile, poisoned_empty, rel_err
 from pdserve_kernels.fused_moe import fused_moe
 from pdserve_kernels.fused_moe_fp4 import fused_moe_fp4
 from pdserve_kernels.fused_moe_fp8 import fused_moe_fp8
 
 M = configs.MoEConfig
-SWEEP = [M(16, 64, 128, 4, 3, split_k=1), M(16, 64, 128, 4, 3, split_k=2), M(16, 64, 128, 4, 3, split_k=4),
-         M(16, 64, 128, 4, 3, split_k=8), M(16, 64, 256, 4, 3), M(16, 64, 128, 4, 3, dot_scaled=True, split_k=1),
-         M(16, 64, 128, 4, 3, dot_scaled=True, split_k=8), M(16, 128, 128, 8, 3, dot_scaled=True)]
-SWEEP_BIG = [M(32, 128, 128, 8, 3), M(64, 64, 64, 4, 3), M(32, 64, 128, 4, 3, split_k=2),
-             M(32, 64, 128, 4, 3, dot_scaled=True, split_k=2), M(64, 64, 128, 4, 3, dot_scaled=True)]
+SWEEP = [
+    M(16, 64, 128, 4, 3, split_k=1),
+    M(16, 64, 128, 4, 3, split_k=2),
+    M(16, 64, 128, 4, 3, split_k=4),
+    M(16, 64, 128, 4, 3, split_k=8),
+    M(16, 64, 256, 4, 3),
+    M(16, 64, 128, 4, 3, dot_scaled=True, split_k=1),
+    M(16, 64, 128, 4, 3, dot_scaled=True, split_k=8),
+    M(16, 128, 128, 8, 3, dot_scaled=True),
+]
+SWEEP_BIG = [
+    M(32, 128, 128, 8, 3),
+    M(64, 64, 64, 4, 3),
+    M(32, 64, 128, 4, 3, split_k=2),
+    M(32, 64, 128, 4, 3, dot_scaled=True, split_k=2),
+    M(64, 64, 128, 4, 3, dot_scaled=True),
+]
 V4_LIMIT = 10.0  # DeepSeek-V4-Flash's swiglu_limit
 
 
@@ -41,8 +53,9 @@ def random_fp4(E, N, K, dev, g, exp_center):
     """Random packed e2m1 bytes (every code equally likely) and ue8m0 scales around 2**exp_center:
     the layout and magnitudes of a DeepSeek-V4 expert, made without a float copy."""
     packed = torch.randint(0, 256, (E, N, K // 2), device=dev, dtype=torch.uint8, generator=g)
-    scale = torch.randint(127 + exp_center - 1, 127 + exp_center + 2, (E, N, K // 32), device=dev,
-                          dtype=torch.uint8, generator=g)
+    scale = torch.randint(
+        127 + exp_center - 1, 127 + exp_center + 2, (E, N, K // 32), device=dev, dtype=torch.uint8, generator=g
+    )
     return packed, scale
 
 
@@ -54,7 +67,7 @@ def run(args) -> dict:
     if args.smoke:
         bw = 1e11
     else:
-        from pdserve_kernels.bench import ceilings
+        from benchmarks.kernels.bench import ceilings
 
         bw, _ = ceilings()
     print(f"copy {bw / 1e12:.2f} TB/s (read+write)", flush=True)
@@ -66,7 +79,7 @@ def run(args) -> dict:
     if not args.smoke and not args.no_dense:  # the bf16 and fp8 kernels at the same shape
         w13 = torch.randn(E, 2 * inter, hidden, device=dev, dtype=dt, generator=g) * hidden**-0.5
         w2 = torch.randn(E, hidden, inter, device=dev, dtype=dt, generator=g) * inter**-0.5
-        from pdserve_kernels.bench_moe import fp8_weights
+        from benchmarks.kernels.bench_moe import fp8_weights
 
         dense = (w13, w2, *fp8_weights(w13, g), *fp8_weights(w2, g))
     rows, prof = [], []
@@ -94,10 +107,14 @@ def run(args) -> dict:
                     out = fn()
                 t = graph_ms([fn], replays=10) if dev == "cuda" else float("nan")
                 err = rel_err(out, want if limit else want_free)
-                rows.append(dict(shape=shape, T=T, impl=label, ms=t, floor_ms=floor, rel_err=err,
-                                 nan=bool(out.isnan().any())))
-                print(f"{shape:32s} {label:80s} {t * 1e3:8.1f} us  floor {floor * 1e3:7.1f} us  "
-                      f"x{t / floor:5.2f}  rel {err:.1e}", flush=True)
+                rows.append(
+                    dict(shape=shape, T=T, impl=label, ms=t, floor_ms=floor, rel_err=err, nan=bool(out.isnan().any()))
+                )
+                print(
+                    f"{shape:32s} {label:80s} {t * 1e3:8.1f} us  floor {floor * 1e3:7.1f} us  "
+                    f"x{t / floor:5.2f}  rel {err:.1e}",
+                    flush=True,
+                )
             except Exception as e:  # a sweep candidate may not compile: report it
                 print(f"{label} failed at {shape}: {type(e).__name__}: {str(e)[:300]}", flush=True)
         if dense is not None:
@@ -105,23 +122,39 @@ def run(args) -> dict:
             b_floor = (used * 3 * inter * hidden * 2 + act) / bw * 1e3
             f_floor = (used * (3 * inter * hidden + (fs13[0].numel() + fs2[0].numel()) * 4) + act) / bw * 1e3
             for label, fn, fl, oracle in (
-                    ("bf16 fused_moe", lambda: fused_moe(x, w13, w2, tw, ids), b_floor,
-                     lambda: ref.fused_moe_ref(x, w13, w2, tw, ids)),
-                    ("fp8 fused_moe_fp8", lambda: fused_moe_fp8(x, f13, f2, fs13, fs2, tw, ids), f_floor,
-                     lambda: ref_fp8.fused_moe_fp8_ref(x, f13, f2, fs13, fs2, tw, ids))):
+                (
+                    "bf16 fused_moe",
+                    lambda: fused_moe(x, w13, w2, tw, ids),
+                    b_floor,
+                    lambda: ref.fused_moe_ref(x, w13, w2, tw, ids),
+                ),
+                (
+                    "fp8 fused_moe_fp8",
+                    lambda: fused_moe_fp8(x, f13, f2, fs13, fs2, tw, ids),
+                    f_floor,
+                    lambda: ref_fp8.fused_moe_fp8_ref(x, f13, f2, fs13, fs2, tw, ids),
+                ),
+            ):
                 out = fn()
                 t = graph_ms([fn], replays=10)
                 err = rel_err(out, oracle().float()) if T <= 64 else float("nan")
                 rows.append(dict(shape=shape, T=T, impl=label, ms=t, floor_ms=fl, rel_err=err, nan=False))
-                print(f"{shape:32s} {label:80s} {t * 1e3:8.1f} us  floor {fl * 1e3:7.1f} us  "
-                      f"x{t / fl:5.2f}  rel {err:.1e}", flush=True)
+                print(
+                    f"{shape:32s} {label:80s} {t * 1e3:8.1f} us  floor {fl * 1e3:7.1f} us  "
+                    f"x{t / fl:5.2f}  rel {err:.1e}",
+                    flush=True,
+                )
         if dev == "cuda" and T in (1, 64):
-            prof += kernel_profile(lambda: fused_moe_fp4(x, q13, q2, s13, s2, tw, ids, swiglu_limit=V4_LIMIT),
-                                   f"fp4 {shape}", top=4)
+            prof += kernel_profile(
+                lambda: fused_moe_fp4(x, q13, q2, s13, s2, tw, ids, swiglu_limit=V4_LIMIT), f"fp4 {shape}", top=4
+            )
             cfg_ds = dataclasses.replace(configs.moe_fp4_config(90, T * top_k / E), dot_scaled=True)
             try:
-                prof += kernel_profile(lambda: fused_moe_fp4(x, q13, q2, s13, s2, tw, ids, swiglu_limit=V4_LIMIT,
-                                                             config=cfg_ds), f"fp4 dot_scaled {shape}", top=4)
+                prof += kernel_profile(
+                    lambda: fused_moe_fp4(x, q13, q2, s13, s2, tw, ids, swiglu_limit=V4_LIMIT, config=cfg_ds),
+                    f"fp4 dot_scaled {shape}",
+                    top=4,
+                )
             except Exception as e:  # noqa: BLE001  (reported above with its row)
                 prof.append(f"profile fp4 dot_scaled {shape}: {type(e).__name__}")
     print("\n".join(prof), flush=True)
@@ -147,8 +180,10 @@ def main() -> None:
         json.dump(dict(head=head, **res), f, indent=1)
     print("\n| shape | impl | us | floor us | x floor | rel err |\n| --- | --- | ---: | ---: | ---: | ---: |")
     for r in res["rows"]:
-        print(f"| {r['shape']} | {r['impl']} | {r['ms'] * 1e3:.1f} | {r['floor_ms'] * 1e3:.1f} | "
-              f"{r['ms'] / r['floor_ms']:.2f} | {r['rel_err']:.1e} |")
+        print(
+            f"| {r['shape']} | {r['impl']} | {r['ms'] * 1e3:.1f} | {r['floor_ms'] * 1e3:.1f} | "
+            f"{r['ms'] / r['floor_ms']:.2f} | {r['rel_err']:.1e} |"
+        )
     print(f"done in {time.time() - t0:.0f}s", flush=True)
 
 

@@ -1,6 +1,6 @@
 """The router's own cost per streamed token, with no engine behind it.
 
-    scripts/bench_router.py [--concurrency 8,32,64] [--step-ms 5] [--output-len 256] [--profile FILE]
+    python -m benchmarks.router.bench_router [--concurrency 8,32,64] [--step-ms 5] [--output-len 256] [--profile FILE]
 
 A fake worker (this script with --fake-worker: the worker protocol from pdserve.wire.protocol,
 no model) emits one token for every open request each `--step-ms`, as a decode step of a batch
@@ -17,7 +17,6 @@ times per token do not.
 its stacks there, collapsed (one line a stack, a count at its end: flamegraph.pl's input); the top
 functions by own time are printed.
 """
-
 
 import argparse
 import asyncio
@@ -164,7 +163,9 @@ def print_top(path: str, n: int = 25) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--concurrency", default="8,32,64")
-    p.add_argument("--step-ms", type=float, default=5.0, help="the fake decode step: one token per open request this often")
+    p.add_argument(
+        "--step-ms", type=float, default=5.0, help="the fake decode step: one token per open request this often"
+    )
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2, help="requests per level = rounds x concurrency")
@@ -189,7 +190,12 @@ def main() -> None:
         wport, rport = free_port(), free_port()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         log = open(Path(tmp) / "procs.log", "w")
-        worker = subprocess.Popen([sys.executable, __file__, "--fake-worker", str(wport), str(args.step_ms), "tiny"], env=env, stdout=log, stderr=log)
+        worker = subprocess.Popen(
+            [sys.executable, __file__, "--fake-worker", str(wport), str(args.step_ms), "tiny"],
+            env=env,
+            stdout=log,
+            stderr=log,
+        )
         router = subprocess.Popen(
             [sys.executable, "-m", "pdserve", "serve", "--role", "router", "--port", str(rport), "--model", str(model_dir),
              "--served-model-name", "tiny", "--colocated", f"http://127.0.0.1:{wport}", "--health-interval", "1",
@@ -201,9 +207,29 @@ def main() -> None:
         try:
             wait_healthy(f"http://127.0.0.1:{wport}", procs)
             wait_healthy(f"http://127.0.0.1:{rport}", procs)
-            rprocs, wproc = [psutil.Process(router.pid), *psutil.Process(router.pid).children(recursive=True)], psutil.Process(worker.pid)
+            rprocs, wproc = (
+                [psutil.Process(router.pid), *psutil.Process(router.pid).children(recursive=True)],
+                psutil.Process(worker.pid),
+            )
             if args.profile:
-                spy = subprocess.Popen(["py-spy", "record", "--pid", str(router.pid), "--rate", "250", "--format", "raw", "--output", args.profile, "--nonblocking", "--subprocesses"], stdout=log, stderr=log)
+                spy = subprocess.Popen(
+                    [
+                        "py-spy",
+                        "record",
+                        "--pid",
+                        str(router.pid),
+                        "--rate",
+                        "250",
+                        "--format",
+                        "raw",
+                        "--output",
+                        args.profile,
+                        "--nonblocking",
+                        "--subprocesses",
+                    ],
+                    stdout=log,
+                    stderr=log,
+                )
                 procs.insert(0, spy)
             for c in levels:
                 n = args.rounds * c
@@ -236,16 +262,34 @@ def main() -> None:
             log.close()
             if not ok or any(p.returncode not in (0, -signal.SIGTERM, -signal.SIGINT) for p in procs):
                 print((Path(tmp) / "procs.log").read_text()[-3000:], file=sys.stderr)
-    print(f"router per streamed token: fake worker step {args.step_ms} ms, {args.output_len} tokens a request, {args.api_server_count} router process(es), {os.cpu_count()} cores")
-    print("| c | tokens | output tok/s | router CPU us/token | worker CPU us/token | ITL median ms | ITL p99 ms | median ITL - step ms |")
+    print(
+        f"router per streamed token: fake worker step {args.step_ms} ms, {args.output_len} tokens a request, {args.api_server_count} router process(es), {os.cpu_count()} cores"
+    )
+    print(
+        "| c | tokens | output tok/s | router CPU us/token | worker CPU us/token | ITL median ms | ITL p99 ms | median ITL - step ms |"
+    )
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        print(f"| {r['concurrency']} | {r['tokens']} | {r['output_tok_s']:.0f} | {r['router_cpu_us_per_token']:.0f} | {r['worker_cpu_us_per_token']:.0f} "
-              f"| {r['itl_median_ms']:.2f} | {r['itl_p99_ms']:.2f} | {r['itl_median_ms'] - args.step_ms:.2f} |")
+        print(
+            f"| {r['concurrency']} | {r['tokens']} | {r['output_tok_s']:.0f} | {r['router_cpu_us_per_token']:.0f} | {r['worker_cpu_us_per_token']:.0f} "
+            f"| {r['itl_median_ms']:.2f} | {r['itl_p99_ms']:.2f} | {r['itl_median_ms'] - args.step_ms:.2f} |"
+        )
     if args.profile:
         print_top(args.profile)
     if args.json:
-        Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cores": os.cpu_count(), "step_ms": args.step_ms, "api_server_count": args.api_server_count, "rows": rows}, indent=1) + "\n")
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                    "cores": os.cpu_count(),
+                    "step_ms": args.step_ms,
+                    "api_server_count": args.api_server_count,
+                    "rows": rows,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 # `pdserve bench` against its router (with the workers' metrics), stop it; then the advisor's
 # verdict on the two result files (GPU counts read from the runs).
 #
-#   scripts/pd_gpu_bench.sh OUT_DIR MODEL_DIR
+#   benchmarks/pd/pd_gpu_bench.sh OUT_DIR MODEL_DIR   (from the repository root)
 #
 # Writes OUT_DIR/pd.json, colocated.json, advise.txt and logs.tar.gz (every process's log and each
 # worker's /metrics after its sweep, from LOGS: /tmp/pd_gpu_bench_logs).

@@ -1,0 +1,1 @@
+"""Engine benchmarks below `pdserve bench-engine` (single kernels inside one step)."""

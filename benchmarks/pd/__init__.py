@@ -1,0 +1,1 @@
+"""PD against colocated on GPUs (`pdserve launch` + `pdserve bench`)."""

@@ -1,0 +1,1 @@
+"""Router benchmarks (the router against fake workers)."""

@@ -1,0 +1,1 @@
+"""KV transfer benchmarks (NIXL between processes / devices)."""
