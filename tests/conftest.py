@@ -1,4 +1,11 @@
+"""Tests by kind: unit/ (one process), kernels/ (Triton kernels against torch references; the
+interpreter on CPU), e2e/ (real processes on free loopback ports), helpers/ (what tests share).
+Every test that starts a process is marked `slow`, which this file enforces, so that
+`pytest -m "not slow"` is the quick run."""
+
+import multiprocessing.process
 import os
+import subprocess
 import sys
 
 # Make the source tree importable without an install (CI installs it editable anyway):
@@ -24,3 +31,56 @@ def restore_torch_threads():
     n = torch.get_num_threads()
     yield
     torch.set_num_threads(n)
+
+
+# The test now being set up, run or torn down (module fixtures start their processes during the
+# setup of their first test, so this is checked there too).
+_current: list[pytest.Item | None] = [None]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _current[0] = item
+    try:
+        return (yield)
+    finally:
+        _current[0] = None
+
+
+def _starts_python(args) -> bool:
+    argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+    names = {os.path.basename(os.fsdecode(a)).split()[0] for a in argv if os.fsdecode(a).strip()}
+    return any(n.startswith("python") or n == "pdserve" for n in names) or sys.executable in map(os.fsdecode, argv)
+
+
+def _refuse_unless_slow(what: str) -> None:
+    item = _current[0]
+    if item is not None and item.get_closest_marker("slow") is None:
+        raise RuntimeError(f"{item.nodeid} starts a process ({what}) but is not marked slow")
+
+
+_popen_init = subprocess.Popen.__init__
+_process_start = multiprocessing.process.BaseProcess.start
+
+
+def _checked_popen_init(self, args, *a, **kw):
+    if _starts_python(args):
+        _refuse_unless_slow(f"Popen {args!r:.120}")
+    _popen_init(self, args, *a, **kw)
+
+
+def _checked_process_start(self):
+    _refuse_unless_slow(f"multiprocessing {self.name}")
+    _process_start(self)
+
+
+subprocess.Popen.__init__ = _checked_popen_init
+multiprocessing.process.BaseProcess.start = _checked_process_start
+
+
+def pytest_collection_modifyitems(config, items):
+    """Everything under e2e/ starts real processes: slow by where it lives."""
+    e2e = os.path.join(os.path.dirname(os.path.abspath(__file__)), "e2e") + os.sep
+    for item in items:
+        if str(item.path).startswith(e2e):
+            item.add_marker(pytest.mark.slow)
