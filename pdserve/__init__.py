@@ -18,7 +18,7 @@ _EXPORTS = {
     "CompletionOutput": "pdserve.outputs",
 }
 
-__all__ = [*_EXPORTS, "__version__"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
 
 if TYPE_CHECKING:
     from pdserve.llm import LLM

@@ -57,7 +57,9 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     changed = f", {args.dtype}, {len(overrides)} config keys set" if overrides else ""
-    print(f"wrote a {'random' if overrides else 'tiny'} {args.arch} checkpoint (seed {args.seed}{changed}) to {args.out_dir}")
+    print(
+        f"wrote a {'random' if overrides else 'tiny'} {args.arch} checkpoint (seed {args.seed}{changed}) to {args.out_dir}"
+    )
     return 0
 
 
@@ -81,26 +83,49 @@ def _health(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from pdserve.health_cli import add_health_args
 
-    p = argparse.ArgumentParser(prog="pdserve", description="Prefill-decode disaggregated serving for DeepSeek-style models.")
+    p = argparse.ArgumentParser(
+        prog="pdserve", description="Prefill-decode disaggregated serving for DeepSeek-style models."
+    )
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     lp = sub.add_parser("launch", help="start router + workers from a cluster config and supervise them")
-    lp.add_argument("--config", default=DEFAULT_CONFIG, help=f"a YAML file or a name in configs/ (default {DEFAULT_CONFIG})")
+    lp.add_argument(
+        "--config", default=DEFAULT_CONFIG, help=f"a YAML file or a name in configs/ (default {DEFAULT_CONFIG})"
+    )
     lp.add_argument("--model", help="checkpoint folder (or tiny:<arch>), overrides the config's model")
-    lp.add_argument("--log-dir", help="per-process logs (default: the config's log_dir, else a new folder per launch under ~/.cache/pdserve/logs, kept; logs/latest points at the newest)")
-    lp.add_argument("--router-host", metavar="ADDR", help="bind the router here (e.g. 0.0.0.0 in a container), overrides the config's router.host")
+    lp.add_argument(
+        "--log-dir",
+        help="per-process logs (default: the config's log_dir, else a new folder per launch under ~/.cache/pdserve/logs, kept; logs/latest points at the newest)",
+    )
+    lp.add_argument(
+        "--router-host",
+        metavar="ADDR",
+        help="bind the router here (e.g. 0.0.0.0 in a container), overrides the config's router.host",
+    )
     lp.set_defaults(run=_launch)
 
     # serve and bench parse their own flags (see _serve, _bench); listed here for --help.
-    sub.add_parser("serve", help="run one component (worker or router); `pdserve serve --help` for flags", add_help=False)
+    sub.add_parser(
+        "serve", help="run one component (worker or router); `pdserve serve --help` for flags", add_help=False
+    )
     sub.add_parser("bench", help="benchmark a running server; `pdserve bench --help` for flags", add_help=False)
-    sub.add_parser("bench-engine", help="decode steps of the engine on one GPU against their floor (random weights); `pdserve bench-engine --help`", add_help=False)
+    sub.add_parser(
+        "bench-engine",
+        help="decode steps of the engine on one GPU against their floor (random weights); `pdserve bench-engine --help`",
+        add_help=False,
+    )
 
     mp = sub.add_parser("make-tiny-model", help="write a small random checkpoint + byte-level tokenizer")
     mp.add_argument("out_dir", metavar="DIR")
     mp.add_argument("--arch", choices=TINY_ARCHS, default="deepseek_v3")
     mp.add_argument("--seed", type=int, default=0)
-    mp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="change a config.json key (JSON value), e.g. hidden_size=7168; repeatable")
+    mp.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="change a config.json key (JSON value), e.g. hidden_size=7168; repeatable",
+    )
     mp.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights' dtype")
     mp.add_argument("--device", default="cpu", help="draw the weights here (cuda: a mid-size model in seconds)")
     mp.set_defaults(run=_make_tiny_model)

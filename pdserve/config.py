@@ -14,13 +14,21 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pdserve.disagg.factory import StagingOptions, TransferBackend
-from pdserve.engine.config import DType, EngineConfig, KVCacheDType, KVLoadFailurePolicy, LoadFormat, Quantization, check_device
+from pdserve.engine.config import (
+    DType,
+    EngineConfig,
+    KVCacheDType,
+    KVLoadFailurePolicy,
+    LoadFormat,
+    Quantization,
+    check_device,
+)
 
 # configs/ sits beside the package in the source tree (the repo is installed editable).
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -35,6 +43,8 @@ def default_served_name(model: str) -> str | None:
     if model.startswith(TINY_PREFIX):
         return "tiny-" + model.removeprefix(TINY_PREFIX).replace("_", "-")
     return None
+
+
 WorkerRole = Literal["prefill", "decode", "colocated"]
 PolicyName = Literal["round_robin", "least_load", "power_of_two"]  # router/policies.py
 DEFAULT_PORTS = {"router": 8000, "prefill": 30000, "decode": 30001, "colocated": 30002}
@@ -91,13 +101,19 @@ class WorkerConfig(_Strict):
     max_model_len: int | None = Field(None, ge=2)
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     kv_cache_dtype: KVCacheDType = "auto"  # fp8: FP8 latent records (V3 / V3.2); part of the KV compatibility hash
-    quantization: Quantization | None = None  # weights: unset follows the checkpoint (FP8 kept FP8); none dequantizes at load
+    quantization: Quantization | None = (
+        None  # weights: unset follows the checkpoint (FP8 kept FP8); none dequantizes at load
+    )
     cuda_graph_max_bs: int | None = Field(None, ge=1)  # largest decode batch captured (default min(max_num_seqs, 256))
     lease_seconds: float = Field(60.0, gt=0)  # prefill keeps KV this long for decode to pull
     engine_id: str | None = None  # default: "<role>-<index>-<port>" (launch), "<role>-<port>" (serve)
-    max_open_requests: int | None = Field(None, ge=1)  # admitted at once before 429 (default max(8 x max_num_seqs, 256))
+    max_open_requests: int | None = Field(
+        None, ge=1
+    )  # admitted at once before 429 (default max(8 x max_num_seqs, 256))
     restart: RestartPolicy = "on-failure"  # launch: restart this worker when it dies
-    stall_timeout: float = Field(60.0, gt=0)  # seconds without a finished engine step, with requests open, before /health is 503
+    stall_timeout: float = Field(
+        60.0, gt=0
+    )  # seconds without a finished engine step, with requests open, before /health is 503
 
     @field_validator("device")
     @classmethod
@@ -129,7 +145,7 @@ class WorkerConfig(_Strict):
         return cpus
 
     @model_validator(mode="after")
-    def _placement(self) -> "WorkerConfig":
+    def _placement(self) -> WorkerConfig:
         if self.device == "cpu":
             if self.gpus:
                 raise ValueError(f"a cpu worker takes no gpus (got {self.gpus}); set device: cuda")
@@ -182,7 +198,9 @@ class TransferConfig(_Strict):
     backend: TransferBackend = "nixl"
     timeout: float = Field(30.0, gt=0)  # seconds for one request's KV pull
     metadata_timeout: float = Field(5.0, gt=0)  # seconds for a worker to fetch a PD peer's metadata
-    handoff_timeout: float = Field(300.0, gt=0)  # decode: seconds a request sent with its prefill waits for the hand-off
+    handoff_timeout: float = Field(
+        300.0, gt=0
+    )  # decode: seconds a request sent with its prefill waits for the hand-off
     kv_load_failure_policy: KVLoadFailurePolicy = "fail"  # decode: a failed read fails the request, or recomputes it
     options: dict[str, Any] = Field(default_factory=dict)  # the backend's own (nixl: progress_thread)
     staging: StagingOptions = Field(default_factory=StagingOptions)  # staged transfer: mode, arena MiB
@@ -214,7 +232,9 @@ class ClusterConfig(_Strict):
     stop_grace_seconds: float = Field(10.0, gt=0)  # SIGTERM, then SIGKILL after this long
     max_restarts: int = Field(5, ge=0)  # restarts of one process within restart_window before launch gives up on it
     restart_window: float = Field(300.0, gt=0)  # seconds
-    restart_backoff: float = Field(1.0, ge=0)  # seconds before the first restart; doubles with each restart in the window
+    restart_backoff: float = Field(
+        1.0, ge=0
+    )  # seconds before the first restart; doubles with each restart in the window
     max_restart_backoff: float = Field(30.0, ge=0)
 
     @field_validator("model")
@@ -227,7 +247,7 @@ class ClusterConfig(_Strict):
         return model
 
     @model_validator(mode="after")
-    def _topology(self) -> "ClusterConfig":
+    def _topology(self) -> ClusterConfig:
         if bool(self.prefill) != bool(self.decode):
             raise ValueError("PD needs both prefill and decode workers (or use colocated workers only)")
         if not self.prefill and not self.colocated:
@@ -254,15 +274,21 @@ class WorkerServeConfig(_Strict):
     model: str  # checkpoint folder (or tiny:<arch>: `pdserve serve` resolves it before building)
     worker: WorkerConfig
     transfer: TransferConfig = Field(default_factory=TransferConfig)
-    peers: list[str] = Field(default_factory=list)  # workers whose transfer metadata may be fetched (decode: the prefill workers; prefill: the decode workers, to hand off to directly)
+    peers: list[str] = Field(
+        default_factory=list
+    )  # workers whose transfer metadata may be fetched (decode: the prefill workers; prefill: the decode workers, to hand off to directly)
     cluster_secret: str | None = None
 
     @model_validator(mode="after")
-    def _safe(self) -> "WorkerServeConfig":
+    def _safe(self) -> WorkerServeConfig:
         if self.worker.host not in LOOPBACK and not self.cluster_secret:
-            raise ValueError(f"binding a worker to {self.worker.host} exposes /internal/*: pass --cluster-secret (or bind 127.0.0.1)")
+            raise ValueError(
+                f"binding a worker to {self.worker.host} exposes /internal/*: pass --cluster-secret (or bind 127.0.0.1)"
+            )
         if self.role == "decode" and not self.peers:
-            raise ValueError("a decode worker reads KV only from configured peers: pass --peer URL for each prefill worker")
+            raise ValueError(
+                "a decode worker reads KV only from configured peers: pass --peer URL for each prefill worker"
+            )
         return self
 
     @property
@@ -283,7 +309,7 @@ class RouterServeConfig(_Strict):
     cluster_secret: str | None = None
 
     @model_validator(mode="after")
-    def _workers(self) -> "RouterServeConfig":
+    def _workers(self) -> RouterServeConfig:
         if not (self.prefill or self.decode or self.colocated):
             raise ValueError("the router needs workers: --prefill URL and --decode URL, and/or --colocated URL")
         if bool(self.prefill) != bool(self.decode):
@@ -291,7 +317,7 @@ class RouterServeConfig(_Strict):
         return self
 
 
-ServeConfig = Annotated[Union[WorkerServeConfig, RouterServeConfig], Field(discriminator="role")]
+ServeConfig = Annotated[WorkerServeConfig | RouterServeConfig, Field(discriminator="role")]
 
 
 def cache_dir() -> Path:
@@ -304,7 +330,9 @@ def resolve_model(spec: str) -> str:
     made on first use. Everything that takes a model folder takes this: launch, serve, LLM."""
     if not spec.startswith(TINY_PREFIX):
         if not os.path.isfile(os.path.join(spec, "config.json")):
-            raise ConfigError(f"model folder {spec!r} has no config.json (pass a checkpoint folder or 'tiny:deepseek_v3')")
+            raise ConfigError(
+                f"model folder {spec!r} has no config.json (pass a checkpoint folder or 'tiny:deepseek_v3')"
+            )
         return os.path.abspath(spec)
     arch = spec[len(TINY_PREFIX) :]
     if arch not in TINY_ARCHS:

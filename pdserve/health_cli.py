@@ -68,19 +68,33 @@ def launch_restarts(status_file: str) -> dict[str, str]:
     except (OSError, ValueError, KeyError, TypeError):
         return {}
     return {
-        health_url(p["url"]): f"restarts {p['restarts']}" + (f" (last: {p['exits'][-1]})" if p.get("exits") else "") + f", {p['state']}"
+        health_url(p["url"]): f"restarts {p['restarts']}"
+        + (f" (last: {p['exits'][-1]})" if p.get("exits") else "")
+        + f", {p['state']}"
         for p in procs
     }
 
 
 def add_health_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", action="append", metavar="URL",
-                   help=f"a server to check (repeatable; default: {', '.join(DEFAULT_URLS)})")
+    p.add_argument(
+        "--url",
+        action="append",
+        metavar="URL",
+        help=f"a server to check (repeatable; default: {', '.join(DEFAULT_URLS)})",
+    )
     p.add_argument("--timeout", type=float, default=5.0, metavar="S", help="seconds per request (default 5)")
-    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"), metavar="KEY",
-                   help="sent as Authorization: Bearer KEY (a router with --api-key needs it; default $PDSERVE_API_KEY)")
-    p.add_argument("--status", default=None, metavar="FILE",
-                   help="a pdserve launch's status.json, for restart counts (default: the newest launch's, if any)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("PDSERVE_API_KEY"),
+        metavar="KEY",
+        help="sent as Authorization: Bearer KEY (a router with --api-key needs it; default $PDSERVE_API_KEY)",
+    )
+    p.add_argument(
+        "--status",
+        default=None,
+        metavar="FILE",
+        help="a pdserve launch's status.json, for restart counts (default: the newest launch's, if any)",
+    )
 
 
 def run_health(args: argparse.Namespace, out: TextIO | None = None) -> int:
@@ -92,6 +106,16 @@ def run_health(args: argparse.Namespace, out: TextIO | None = None) -> int:
     with httpx.Client(trust_env=False, headers=headers) as client:  # never route 127.0.0.1 through a proxy
         results = [check(u, args.timeout, client) for u in urls]
     launched = launch_restarts(args.status or default_status_file())
-    rows = [[r.url, "ok" if r.healthy else "DOWN", r.status, f"{r.seconds * 1000:.0f} ms", r.detail, launched.get(r.url, "-")] for r in results]
+    rows = [
+        [
+            r.url,
+            "ok" if r.healthy else "DOWN",
+            r.status,
+            f"{r.seconds * 1000:.0f} ms",
+            r.detail,
+            launched.get(r.url, "-"),
+        ]
+        for r in results
+    ]
     print(format_table(["url", "health", "status", "time", "detail", "launch"], rows), file=out or sys.stdout)
     return 0 if all(r.healthy for r in results) else 1

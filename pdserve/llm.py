@@ -1,15 +1,16 @@
 """The offline API, in vLLM's shapes:
 
-    from pdserve import LLM, SamplingParams
-    llm = LLM(model="/path/to/checkpoint", device="cpu")
-    out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
-    print(out[0].outputs[0].text, out[0].outputs[0].token_ids)
+from pdserve import LLM, SamplingParams
+llm = LLM(model="/path/to/checkpoint", device="cpu")
+out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
+print(out[0].outputs[0].text, out[0].outputs[0].token_ids)
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from pdserve.config import resolve_model
 from pdserve.engine.config import EngineConfig
@@ -111,14 +112,18 @@ class LLM:
     def _run(self, inputs, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = [sampling_params] * len(inputs) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        params = (
+            [sampling_params] * len(inputs) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        )
         if len(params) != len(inputs):
             raise ValueError(f"{len(params)} sampling params for {len(inputs)} prompts")
         ids: list[str] = []
         try:
             for (text, token_ids), p in zip(inputs, params):
                 request_id = str(next(self._counter))
-                self.engine.add_request(Request(request_id=request_id, prompt_token_ids=token_ids, params=p, prompt=text))
+                self.engine.add_request(
+                    Request(request_id=request_id, prompt_token_ids=token_ids, params=p, prompt=text)
+                )
                 ids.append(request_id)
             return self._drain(ids, use_tqdm)
         except BaseException:

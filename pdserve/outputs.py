@@ -39,7 +39,9 @@ TokenLogprobs = list[LogprobEntry]
 
 
 def to_entries(step: dict[int, Logprob]) -> TokenLogprobs:
-    return [LogprobEntry(token_id=t, logprob=lp.logprob, rank=lp.rank, token=lp.decoded_token) for t, lp in step.items()]
+    return [
+        LogprobEntry(token_id=t, logprob=lp.logprob, rank=lp.rank, token=lp.decoded_token) for t, lp in step.items()
+    ]
 
 
 def from_entries(entries: TokenLogprobs) -> dict[int, Logprob]:

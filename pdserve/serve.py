@@ -19,8 +19,9 @@ import functools
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import uvicorn
 import yaml
@@ -54,13 +55,25 @@ ROUTER_FLAGS = {
     "retry_backoff": "router.retry_backoff", "breaker_failures": "router.breaker_failures",
     "breaker_cooldown": "router.breaker_cooldown", "api_server_count": "router.api_server_count",
 }  # fmt: skip
-COMMON_FLAGS = {"role": "role", "model": "model", "cluster_secret": "cluster_secret", "host": "@.host", "port": "@.port", "max_model_len": "@.max_model_len"}
+COMMON_FLAGS = {
+    "role": "role",
+    "model": "model",
+    "cluster_secret": "cluster_secret",
+    "host": "@.host",
+    "port": "@.port",
+    "max_model_len": "@.max_model_len",
+}
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     # SUPPRESS: a flag not given leaves no attribute, so the config model's default applies
     add = functools.partial(p.add_argument, default=argparse.SUPPRESS)
-    p.add_argument("--config", dest="config_file", metavar="FILE", help="a component's ServeConfig (JSON or YAML; pdserve launch writes these)")
+    p.add_argument(
+        "--config",
+        dest="config_file",
+        metavar="FILE",
+        help="a component's ServeConfig (JSON or YAML; pdserve launch writes these)",
+    )
     add("--role", help="prefill | decode | colocated | router")
     add("--host", help="bind address (default 127.0.0.1)")
     add("--port", help="default: router 8000, prefill 30000, decode 30001, colocated 30002")
@@ -70,7 +83,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     w = functools.partial(p.add_argument_group("worker").add_argument, default=argparse.SUPPRESS)
     w("--device", help="cpu | cuda | cuda:N")
     w("--dtype", help="auto | float32 | bfloat16 | float16")
-    w("--load-format", help="auto (the checkpoint's weights) | dummy (random weights from its config.json alone: benchmarks)")
+    w(
+        "--load-format",
+        help="auto (the checkpoint's weights) | dummy (random weights from its config.json alone: benchmarks)",
+    )
     w("--tensor-parallel-size", "-tp", help="ranks of this worker: GPUs from --device on, or gloo processes on cpu")
     w("--kv-block-size")
     w("--num-kv-blocks")
@@ -78,20 +94,38 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     w("--max-num-batched-tokens")
     w("--enforce-eager", action="store_true", help="no CUDA graphs: run every decode step eagerly")
     w("--kv-cache-dtype", help="auto (the model dtype) | fp8 (FP8 latent records, V3 / V3.2)")
-    w("--quantization", "-q", help="weights: unset follows the checkpoint (FP8 block-scaled: kept FP8) | fp8 (require FP8) | none (dequantize at load)")
+    w(
+        "--quantization",
+        "-q",
+        help="weights: unset follows the checkpoint (FP8 block-scaled: kept FP8) | fp8 (require FP8) | none (dequantize at load)",
+    )
     w("--cuda-graph-max-bs", help="largest decode batch captured as a CUDA graph (default min(max-num-seqs, 256))")
     w("--engine-id", help="transfer agent name (default <role>-<port>)")
-    w("--advertise-host", help="the address other hosts reach this worker on, put in its KV handles (default: --host, or this host's name when --host is 0.0.0.0/::)")
+    w(
+        "--advertise-host",
+        help="the address other hosts reach this worker on, put in its KV handles (default: --host, or this host's name when --host is 0.0.0.0/::)",
+    )
     w("--lease-seconds", help="prefill keeps a request's KV this long for decode")
     w("--transfer-backend", help="nixl")
     w("--transfer-timeout", help="seconds for one request's KV read")
     w("--metadata-timeout", help="seconds to fetch a PD peer's transfer metadata")
     w("--handoff-timeout", help="decode: seconds a request sent with its prefill waits for the hand-off (default 300)")
-    w("--peer", action="append", metavar="URL", help="a worker whose transfer metadata may be fetched (repeatable; decode: the prefill workers, prefill: the decode workers)")
+    w(
+        "--peer",
+        action="append",
+        metavar="URL",
+        help="a worker whose transfer metadata may be fetched (repeatable; decode: the prefill workers, prefill: the decode workers)",
+    )
     w("--kv-transfer-staging", help="staged KV transfer, one slab a request: auto (on for GPU pools) | on | off")
-    w("--kv-load-failure-policy", help="decode: a failed KV read fails the request (fail) or computes the prompt here (recompute)")
+    w(
+        "--kv-load-failure-policy",
+        help="decode: a failed KV read fails the request (fail) or computes the prompt here (recompute)",
+    )
     w("--max-open-requests", help="requests admitted at once before 429 (default max(8 x max-num-seqs, 256))")
-    w("--stall-timeout", help="seconds without a finished engine step, while requests are open, before /health says 503 (default 60)")
+    w(
+        "--stall-timeout",
+        help="seconds without a finished engine step, while requests are open, before /health says 503 (default 60)",
+    )
     r = functools.partial(p.add_argument_group("router").add_argument, default=argparse.SUPPRESS)
     r("--prefill", action="append", metavar="URL")
     r("--decode", action="append", metavar="URL")
@@ -109,7 +143,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     r("--retry-backoff", help="seconds before the second try; doubles each try")
     r("--breaker-failures", help="consecutive failed requests that open a worker's circuit breaker")
     r("--breaker-cooldown", help="seconds an open breaker waits before a trial request")
-    r("--api-server-count", help="router processes sharing the port (default 1): each streamed token costs the router CPU")
+    r(
+        "--api-server-count",
+        help="router processes sharing the port (default 1): each streamed token costs the router CPU",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> WorkerServeConfig | RouterServeConfig:
@@ -117,7 +154,9 @@ def config_from_args(args: argparse.Namespace) -> WorkerServeConfig | RouterServ
     given = {k: v for k, v in vars(args).items() if k != "config_file"}
     if getattr(args, "config_file", None):
         if given:
-            raise ValueError(f"--config takes the whole component; drop {', '.join('--' + k.replace('_', '-') for k in given)}")
+            raise ValueError(
+                f"--config takes the whole component; drop {', '.join('--' + k.replace('_', '-') for k in given)}"
+            )
         data = yaml.safe_load(Path(args.config_file).read_text())
     else:
         data = _nest(given)
@@ -158,7 +197,11 @@ def run_serve(args: argparse.Namespace) -> int:
         if isinstance(cfg, RouterServeConfig):
             from pdserve.router.app import build_router_app
 
-            app, host, port = build_router_app(cfg), cfg.router.host, cfg.router.port  # with several processes: the settings checked here once
+            app, host, port = (
+                build_router_app(cfg),
+                cfg.router.host,
+                cfg.router.port,
+            )  # with several processes: the settings checked here once
         else:
             from pdserve.worker.build import build_worker
 
@@ -176,9 +219,16 @@ def _serve(app: Any, host: str, port: int, sockets: list[Any] | None = None, ann
     """uvicorn until a stop signal; on `sockets` already bound (router processes) if given."""
     # keep-alive longer than any client's idle expiry (the router's aiohttp: 30 s; httpx: 5 s): else
     # the server closes an idle connection just as the router reuses it, and the POST gets ReadError.
-    # h11, not httptools where installed: httptools takes a header of any size (tests/test_fuzz.py)
+    # h11, not httptools where installed: httptools takes a header of any size (tests/e2e/test_fuzz.py)
     config = uvicorn.Config(
-        app, host=host, port=port, http="h11", log_level="warning", lifespan="on", timeout_graceful_shutdown=5, timeout_keep_alive=75
+        app,
+        host=host,
+        port=port,
+        http="h11",
+        log_level="warning",
+        lifespan="on",
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=75,
     )
     _Server(config, getattr(app.state, "on_exit", None), announce).run(sockets=sockets)
 
@@ -186,7 +236,7 @@ def _serve(app: Any, host: str, port: int, sockets: list[Any] | None = None, ann
 def serve_router_processes(cfg: RouterServeConfig) -> int:
     """The router as `api_server_count` processes on one listening socket (pre-fork, as uvicorn's
     --workers): the kernel gives each new connection to one of them. Python costs the router CPU
-    on every streamed token (README, "Router processes"), so one process is the ceiling
+    on every streamed token (docs/pd-gpu.md), so one process is the ceiling
     of a busy cluster. Each process has its own view of the workers (probes, breakers, in-flight
     counts) and its own share of max_queued_requests; their metrics go to one Prometheus
     multiprocess folder, which /metrics on any of them reads whole. A process that dies stops the
@@ -211,7 +261,10 @@ def serve_router_processes(cfg: RouterServeConfig) -> int:
     metrics_dir = tempfile.mkdtemp(prefix=f"{METRICS_DIR_PREFIX}{os.getpid()}-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # read by prometheus_client when each child imports it
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_router_process, args=(cfg.model_dump_json(), sock, i, os.getpid()), name=f"router-{i}") for i in range(n)]
+    procs = [
+        ctx.Process(target=_router_process, args=(cfg.model_dump_json(), sock, i, os.getpid()), name=f"router-{i}")
+        for i in range(n)
+    ]
     stop = threading.Event()
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -222,12 +275,23 @@ def serve_router_processes(cfg: RouterServeConfig) -> int:
     for p in procs:
         p.start()
     sock.close()  # the children hold it now
-    log.info("pdserve router listening on http://%s:%d with %d processes (pids %s)", host, port, n, ", ".join(str(p.pid) for p in procs))
+    log.info(
+        "pdserve router listening on http://%s:%d with %d processes (pids %s)",
+        host,
+        port,
+        n,
+        ", ".join(str(p.pid) for p in procs),
+    )
     died = None
     while not stop.wait(0.2):
         died = next((p for p in procs if not p.is_alive()), None)
         if died is not None:
-            log.error("router process %s (pid %d) exited with code %s: stopping the others", died.name, died.pid, died.exitcode)
+            log.error(
+                "router process %s (pid %d) exited with code %s: stopping the others",
+                died.name,
+                died.pid,
+                died.exitcode,
+            )
             break
     for p in procs:
         if p.is_alive():

@@ -120,7 +120,9 @@ class _Shape:
 
     @property
     def flat(self) -> bool:
-        return self.pd_scaling is not None and self.hi / self.lo >= MIN_CONCURRENCY_SPAN and self.pd_scaling < FLAT_SCALING
+        return (
+            self.pd_scaling is not None and self.hi / self.lo >= MIN_CONCURRENCY_SPAN and self.pd_scaling < FLAT_SCALING
+        )
 
     def numbers(self) -> dict[str, float | None]:
         w = self.workers or {}
@@ -139,7 +141,9 @@ class _Shape:
         }
 
 
-def _measure(col_levels: dict[int, Level], pd_levels: dict[int, Level], gpu_ratio: float, workers: dict[str, Any] | None) -> _Shape:
+def _measure(
+    col_levels: dict[int, Level], pd_levels: dict[int, Level], gpu_ratio: float, workers: dict[str, Any] | None
+) -> _Shape:
     common = sorted(set(col_levels) & set(pd_levels))
     if not common:
         raise ValueError(
@@ -151,7 +155,10 @@ def _measure(col_levels: dict[int, Level], pd_levels: dict[int, Level], gpu_rati
     lo, hi, pd_scaling = _scaling(pd_levels)
     return _Shape(
         gpu_ratio=gpu_ratio,
-        gain=_ratio(max(pd_levels[c]["output_throughput"] for c in common), max(col_levels[c]["output_throughput"] for c in common)),
+        gain=_ratio(
+            max(pd_levels[c]["output_throughput"] for c in common),
+            max(col_levels[c]["output_throughput"] for c in common),
+        ),
         lo=lo,
         hi=hi,
         top=top,
@@ -184,7 +191,9 @@ def _ttft_lines(c: int, col: Level, pd: Level) -> list[str]:
         notes = [] if mb is None else [f"{mb / 1e6:.1f} MB a request at {_num(b.get('kv_gb_per_s'), 2)} GB/s"]
         via = b.get("handoffs_via") or {}
         if sum(via.values()):
-            notes.append(f"{via.get('prefill', 0)} handed off engine to engine, {via.get('router', 0)} posted by the router")
+            notes.append(
+                f"{via.get('prefill', 0)} handed off engine to engine, {via.get('router', 0)} posted by the router"
+            )
         kv = f" ({'; '.join(notes)})" if notes else ""
         lines.append(
             f"c={c}: PD hand-off, first token -> decode's first token, {total:.1f} ms (mean) = "
@@ -201,7 +210,9 @@ def _evidence(col_levels: dict[int, Level], pd_levels: dict[int, Level], s: _Sha
         f"throughput from c={s.lo} to c={s.hi}: PD x{_num(s.pd_scaling, 2)}, colocated x{_num(s.col_scaling, 2)} "
         f"(concurrency x{s.hi / s.lo:.0f}); PD median TPOT x{_num(s.tpot_growth, 1)}"
     )
-    lines.append(_worker_line(s.workers) if s.workers else "no worker metrics (run bench with --metrics-url, or advise --live)")
+    lines.append(
+        _worker_line(s.workers) if s.workers else "no worker metrics (run bench with --metrics-url, or advise --live)"
+    )
     for name, levels in (("colocated", col_levels), ("PD", pd_levels)):
         for c, r in sorted(levels.items()):
             if r.get("failed"):
@@ -217,7 +228,11 @@ def _decide(s: _Shape) -> tuple[str, str]:
 
     if s.gain is not None and s.gain >= THROUGHPUT_GAIN:
         per_gpu = s.gain / s.gpu_ratio
-        tail = "" if per_gpu >= 1.0 else "; per GPU that is less than colocated, so colocated replicas on the same GPUs would serve more"
+        tail = (
+            ""
+            if per_gpu >= 1.0
+            else "; per GPU that is less than colocated, so colocated replicas on the same GPUs would serve more"
+        )
         return "pd_helps_throughput", f"PD helps throughput: {uses} ({per_gpu:.2f}x per GPU); it {latency}{tail}."
 
     too_narrow = s.hi / s.lo < MIN_CONCURRENCY_SPAN  # flatness cannot be judged; the busy fraction decides alone
@@ -277,7 +292,11 @@ def advise(
     col_levels, pd_levels = _levels(colocated), _levels(pd)
     shape = _measure(col_levels, pd_levels, n_pd / n_col, workers)
     kind, headline = _decide(shape)
-    evidence = [f"GPUs: colocated {n_col} ({col_src}); PD {n_pd} ({pd_src})", *_shared(pd), *_evidence(col_levels, pd_levels, shape)]
+    evidence = [
+        f"GPUs: colocated {n_col} ({col_src}); PD {n_pd} ({pd_src})",
+        *_shared(pd),
+        *_evidence(col_levels, pd_levels, shape),
+    ]
     numbers = {**shape.numbers(), "colocated_gpus": n_col, "pd_gpus": n_pd, **_breakdown_numbers(pd_levels[shape.top])}
     return Verdict(kind, headline, evidence, numbers)
 

@@ -90,7 +90,10 @@ def breakdown(before: Scrape, after: Scrape) -> dict[str, Any]:
         "kv_transfers": n_kv,
         "kv_bytes_per_request": kv_bytes / n_kv if n_kv else None,
         "kv_gb_per_s": kv_bytes / kv_s / 1e9 if n_kv and kv_s > 0 else None,
-        "handoffs_via": {via: int(after.get(f"{HANDOFFS}{{{via}}}", 0.0) - before.get(f"{HANDOFFS}{{{via}}}", 0.0)) for via in ("prefill", "router")},
+        "handoffs_via": {
+            via: int(after.get(f"{HANDOFFS}{{{via}}}", 0.0) - before.get(f"{HANDOFFS}{{{via}}}", 0.0))
+            for via in ("prefill", "router")
+        },
     }
 
 
@@ -116,7 +119,20 @@ def _ms(v: float | None) -> str:
 
 def format_table(results: list[dict[str, Any]]) -> str:
     """One row per level: TTFT's parts and, for PD, the hand-off's (mean ms)."""
-    head = ["conc", "TTFT", "queue", "prefill", "other", "handoff: dispatch", "dec queue", "KV xfer", "first dec", "other", "KV MB/req", "KV GB/s"]
+    head = [
+        "conc",
+        "TTFT",
+        "queue",
+        "prefill",
+        "other",
+        "handoff: dispatch",
+        "dec queue",
+        "KV xfer",
+        "first dec",
+        "other",
+        "KV MB/req",
+        "KV GB/s",
+    ]
     rows = [head]
     for r in results:
         b = r.get("ttft_breakdown") or {}
@@ -133,4 +149,6 @@ def format_table(results: list[dict[str, Any]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "mean ms per request (router's TTFT and its parts; PD: first token -> decode's first token)\n" + "\n".join(lines)
+    return "mean ms per request (router's TTFT and its parts; PD: first token -> decode's first token)\n" + "\n".join(
+        lines
+    )

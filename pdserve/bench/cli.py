@@ -15,7 +15,8 @@ import datetime
 import platform
 import random
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from pdserve.bench import advisor, breakdown, dataset, report, workers
 from pdserve.bench.client import fetch_models, run_level
@@ -46,21 +47,42 @@ def run_parser() -> argparse.ArgumentParser:
         description="Benchmark an OpenAI-compatible server over concurrency levels.",
         epilog="Also: `pdserve bench plot A.json B.json -o out.png` and `pdserve bench advise colocated.json pd.json`.",
     )
-    p.add_argument("--base-url", default=DEFAULT_BASE_URL, help=f"server root (default {DEFAULT_BASE_URL}, where `pdserve launch` serves)")
+    p.add_argument(
+        "--base-url",
+        default=DEFAULT_BASE_URL,
+        help=f"server root (default {DEFAULT_BASE_URL}, where `pdserve launch` serves)",
+    )
     p.add_argument("--model", help="model name to request (default: the first of /v1/models)")
-    p.add_argument("--dataset", nargs="+", default=["random"], metavar="NAME [FILE]", help="random (token ids), or sharegpt FILE")
+    p.add_argument(
+        "--dataset", nargs="+", default=["random"], metavar="NAME [FILE]", help="random (token ids), or sharegpt FILE"
+    )
     p.add_argument("--input-len", type=int, default=256, help="prompt tokens (random dataset)")
-    p.add_argument("--output-len", type=int, default=256, help="generated tokens per request (max_tokens with ignore_eos)")
+    p.add_argument(
+        "--output-len", type=int, default=256, help="generated tokens per request (max_tokens with ignore_eos)"
+    )
     p.add_argument("--concurrency", type=_int_list, default=[1, 8, 16], help="comma-separated levels")
-    p.add_argument("--num-prompts", type=_int_list, default=[6, 24, 32], help="requests per level, one per concurrency level")
-    p.add_argument("--request-rate", type=_positive_float, default=float("inf"), help="Poisson arrivals in req/s (default: inf, all at once)")
+    p.add_argument(
+        "--num-prompts", type=_int_list, default=[6, 24, 32], help="requests per level, one per concurrency level"
+    )
+    p.add_argument(
+        "--request-rate",
+        type=_positive_float,
+        default=float("inf"),
+        help="Poisson arrivals in req/s (default: inf, all at once)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--slo", default=None, help="goodput SLO, e.g. ttft_ms=500,tpot_ms=50 (keys: ttft_ms, tpot_ms, e2el_ms)")
+    p.add_argument(
+        "--slo", default=None, help="goodput SLO, e.g. ttft_ms=500,tpot_ms=50 (keys: ttft_ms, tpot_ms, e2el_ms)"
+    )
     p.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
     p.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (or its folder) sizing the random vocabulary")
-    p.add_argument("--metrics-url", action="append", default=[], help="a worker's /metrics to record per level (repeatable)")
-    p.add_argument("--timeout", type=_positive_float, default=600.0, help="seconds a request may wait for its next byte")
+    p.add_argument(
+        "--metrics-url", action="append", default=[], help="a worker's /metrics to record per level (repeatable)"
+    )
+    p.add_argument(
+        "--timeout", type=_positive_float, default=600.0, help="seconds a request may wait for its next byte"
+    )
     p.add_argument("--disable-tqdm", action="store_true")
     p.add_argument("--out", default=None, help="results JSON file (default: pdserve-bench-<UTC time>.json here)")
     p.add_argument("--plot", default=None, help="also write this PNG (needs matplotlib: pip install 'pdserve[bench]')")
@@ -68,7 +90,7 @@ def run_parser() -> argparse.ArgumentParser:
 
 
 def default_out() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("pdserve-bench-%Y%m%d-%H%M%S.json")
+    return datetime.datetime.now(datetime.UTC).strftime("pdserve-bench-%Y%m%d-%H%M%S.json")
 
 
 def check_plotting() -> None:
@@ -76,14 +98,18 @@ def check_plotting() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise ValueError("plotting needs matplotlib, which is not installed: pip install 'pdserve[bench]' (or pip install matplotlib)") from None
+        raise ValueError(
+            "plotting needs matplotlib, which is not installed: pip install 'pdserve[bench]' (or pip install matplotlib)"
+        ) from None
 
 
 def _check(args: argparse.Namespace) -> None:
     if args.plot:
         check_plotting()
     if len(args.concurrency) != len(args.num_prompts):
-        raise ValueError(f"--concurrency has {len(args.concurrency)} levels but --num-prompts has {len(args.num_prompts)}")
+        raise ValueError(
+            f"--concurrency has {len(args.concurrency)} levels but --num-prompts has {len(args.num_prompts)}"
+        )
     if args.input_len <= 0 or args.output_len <= 0:
         raise ValueError("--input-len and --output-len must be positive")
     kind = args.dataset[0]
@@ -112,7 +138,9 @@ def _resolve_model(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]
 MakeRequests = Callable[[int, random.Random], list[dataset.BenchRequest]]
 
 
-def _prompt_source(args: argparse.Namespace, model: str, models: list[dict[str, Any]]) -> tuple[MakeRequests, dict[str, Any] | None]:
+def _prompt_source(
+    args: argparse.Namespace, model: str, models: list[dict[str, Any]]
+) -> tuple[MakeRequests, dict[str, Any] | None]:
     """make(num, rng) -> requests, and the random vocabulary's description for the report."""
     if args.dataset[0] == "sharegpt":
         prompts = dataset.load_sharegpt(args.dataset[1])
@@ -128,7 +156,14 @@ def _prompt_source(args: argparse.Namespace, model: str, models: list[dict[str, 
     return make, {"size": vocab.size, "excluded": len(vocab.excluded), "tokenizer": vocab.tokenizer}
 
 
-def _level(args: argparse.Namespace, model: str, requests: list[dataset.BenchRequest], concurrency: int, rng: random.Random, slo: dict[str, float]) -> dict[str, Any]:
+def _level(
+    args: argparse.Namespace,
+    model: str,
+    requests: list[dataset.BenchRequest],
+    concurrency: int,
+    rng: random.Random,
+    slo: dict[str, float],
+) -> dict[str, Any]:
     from tqdm import tqdm
 
     before = _try_scrape(args.metrics_url)
@@ -195,7 +230,7 @@ def bench(argv: list[str]) -> int:
     doc = {
         "results": results,
         "config": config,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "server": {"base_url": args.base_url, "endpoint": args.endpoint, "model": model, "models": models},
         "deployment": {"error": deployment} if isinstance(deployment, str) else deployment,
         "client": {"host": platform.node(), "python": platform.python_version()},
@@ -238,10 +273,14 @@ def plot_main(argv: list[str]) -> int:
 
 
 def advise_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="pdserve bench advise", description="Verdict on PD vs colocated from two result files.")
+    p = argparse.ArgumentParser(
+        prog="pdserve bench advise", description="Verdict on PD vs colocated from two result files."
+    )
     p.add_argument("colocated", help="results JSON of the colocated deployment")
     p.add_argument("pd", help="results JSON of the PD deployment")
-    p.add_argument("--colocated-gpus", type=int, default=None, help="default: the GPUs the colocated file records (else 1)")
+    p.add_argument(
+        "--colocated-gpus", type=int, default=None, help="default: the GPUs the colocated file records (else 1)"
+    )
     p.add_argument("--pd-gpus", type=int, default=None, help="default: the GPUs the PD file records (else 2)")
     p.add_argument("--live", action="store_true", help="also read the running workers' /metrics for --watch seconds")
     p.add_argument("--metrics-url", action="append", default=[], help="a worker's /metrics (repeatable; with --live)")

@@ -13,8 +13,9 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 
@@ -70,7 +71,9 @@ def _chunk_tokens(choice: dict[str, Any]) -> int:
     return 1 if choice.get("text") or choice.get("finish_reason") is None else 0
 
 
-async def send_request(client: httpx.AsyncClient, url: str, payload: dict[str, Any], headers: dict[str, str], t0: float) -> RequestOutput:
+async def send_request(
+    client: httpx.AsyncClient, url: str, payload: dict[str, Any], headers: dict[str, str], t0: float
+) -> RequestOutput:
     out = RequestOutput()
     start = time.perf_counter()
     out.start_time = start - t0
@@ -86,7 +89,7 @@ async def send_request(client: httpx.AsyncClient, url: str, payload: dict[str, A
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
                     continue
-                data = line[len("data:"):].strip()
+                data = line[len("data:") :].strip()
                 if data == "[DONE]":
                     done = True
                     break

@@ -77,7 +77,9 @@ def _phase(before: list[Scrape], after: list[Scrape], hist: str, window_s: float
     }
 
 
-def worker_stats(before: list[Scrape], after: list[Scrape], window_s: float, running: list[float] | None = None) -> dict[str, Any]:
+def worker_stats(
+    before: list[Scrape], after: list[Scrape], window_s: float, running: list[float] | None = None
+) -> dict[str, Any]:
     """JSON-able summary of a window between two scrapes of the same workers."""
     if window_s <= 0:
         raise ValueError(f"window must be positive, got {window_s} s")

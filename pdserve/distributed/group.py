@@ -33,7 +33,7 @@ class TPGroup:
     control: object | None = None  # gloo ProcessGroup for step messages (None: the default group)
 
     @classmethod
-    def single(cls) -> "TPGroup":
+    def single(cls) -> TPGroup:
         return cls()
 
     @property

@@ -53,7 +53,13 @@ class BlockPool:
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, *, window_tokens: int | None = None, num_window_blocks: int = 0, num_state_slots: int = 0
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        window_tokens: int | None = None,
+        num_window_blocks: int = 0,
+        num_state_slots: int = 0,
     ) -> None:
         """window_tokens: the window regions' last_tokens (None: the pool has no window space).
         num_state_slots: slots of the state space (0: none)."""
@@ -179,4 +185,8 @@ class BlockManager:
         of step_end) that hold no block yet."""
         first = max(seq.num_computed_tokens, step_end - self.window_tokens)
         table = seq.window_table
-        return [i for i in range(first // self.block_size, self.blocks_for(step_end)) if i >= len(table) or table[i] == FREED]
+        return [
+            i
+            for i in range(first // self.block_size, self.blocks_for(step_end))
+            if i >= len(table) or table[i] == FREED
+        ]

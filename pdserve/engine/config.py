@@ -26,6 +26,7 @@ def check_device(d: str) -> str:
         raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {d!r}")
     return d
 
+
 # KV memory when neither num_kv_blocks nor kv_cache_memory_gb is given (CPU; CUDA uses
 # gpu_memory_utilization of what is free after loading). Capped by what max_num_seqs sequences of
 # max_model_len tokens could ever use.

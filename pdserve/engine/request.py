@@ -48,7 +48,7 @@ class Handoff(BaseModel):
     first_token: FirstToken
 
     @model_validator(mode="after")
-    def _same_request(self) -> "Handoff":
+    def _same_request(self) -> Handoff:
         if self.kv_handle.request_id != self.request_id:
             raise ValueError(f"the KV handle is request {self.kv_handle.request_id!r}'s, not {self.request_id!r}'s")
         return self
@@ -76,7 +76,7 @@ class Request(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _one_role(self) -> "Request":
+    def _one_role(self) -> Request:
         if self.hold_kv and self.kv_handle is not None:
             raise ValueError("a request is either prefill (hold_kv) or decode (kv_handle), not both")
         if (self.kv_handle is None) != (self.first_token is None):

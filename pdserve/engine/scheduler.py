@@ -35,7 +35,7 @@ class ScheduledSeq:
     samples: bool = False  # the chunk reaches the sequence's last token: its logits give the next token
 
     @classmethod
-    def of(cls, seq: Sequence, num_tokens: int) -> "ScheduledSeq":
+    def of(cls, seq: Sequence, num_tokens: int) -> ScheduledSeq:
         start = seq.num_computed_tokens
         return cls(seq, start, num_tokens, start + num_tokens == seq.num_tokens)
 

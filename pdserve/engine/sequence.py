@@ -80,7 +80,9 @@ class Sequence:
     def advance_transfer(self, stage: TransferStage) -> None:
         """Move the decode-side transfer forward (never back: a stage once left is not re-entered)."""
         if stage < self.transfer_stage:
-            raise ValueError(f"transfer of {self.request_id} cannot go back from {self.transfer_stage.name} to {stage.name}")
+            raise ValueError(
+                f"transfer of {self.request_id} cannot go back from {self.transfer_stage.name} to {stage.name}"
+            )
         self.transfer_stage = stage
 
     def fail_transfer(self, failure: TransferFailure) -> None:

@@ -60,8 +60,13 @@ def send_forward(group: TPGroup, step: StepInputs) -> None:
     group.broadcast_control(_header(Command.FORWARD, step.input_ids.numel(), B, W))
     payload = torch.cat(
         [
-            step.input_ids, step.lens, step.starts, step.samples.to(torch.int64), step.state_slots,
-            step.block_tables.reshape(-1), step.window_tables.reshape(-1),
+            step.input_ids,
+            step.lens,
+            step.starts,
+            step.samples.to(torch.int64),
+            step.state_slots,
+            step.block_tables.reshape(-1),
+            step.window_tables.reshape(-1),
         ]
     )
     group.broadcast_control(payload.to(torch.int64).contiguous())
@@ -96,7 +101,12 @@ def receive(group: TPGroup) -> Message:
     group.broadcast_control(payload)
     ids, lens, starts, samples, slots, tables, windows = payload.split([T, B, B, B, B, B * W, B * W])
     step = StepInputs(
-        input_ids=ids, lens=lens, starts=starts, samples=samples.bool(), block_tables=tables.view(B, W),
-        window_tables=windows.view(B, W), state_slots=slots,
+        input_ids=ids,
+        lens=lens,
+        starts=starts,
+        samples=samples.bool(),
+        block_tables=tables.view(B, W),
+        window_tables=windows.view(B, W),
+        state_slots=slots,
     )
     return Message(command, step=step)

@@ -22,8 +22,11 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.tp_ranks import RANK_START_TIMEOUT_S
 from pdserve.lifetime import die_with_parent
 
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pdserve.engine.tp_rank", description="one tensor-parallel rank (started by rank 0)")
+    p = argparse.ArgumentParser(
+        prog="python -m pdserve.engine.tp_rank", description="one tensor-parallel rank (started by rank 0)"
+    )
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--size", type=int, required=True)
     p.add_argument("--store-port", type=int, required=True)

@@ -37,12 +37,8 @@ class RankProcesses:
         self.procs = procs  # procs[i] is rank i + 1
         self.store = store  # the rendezvous server lives as long as the group
 
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
-
     @classmethod
-    def start(cls, config: EngineConfig) -> tuple["RankProcesses", TPGroup]:
+    def start(cls, config: EngineConfig) -> tuple[RankProcesses, TPGroup]:
         size = config.tensor_parallel_size
         timeout = timedelta(seconds=RANK_START_TIMEOUT_S)
         store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=timeout, wait_for_workers=False)

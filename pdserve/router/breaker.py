@@ -26,7 +26,9 @@ class BreakerState(enum.IntEnum):
 
 
 class CircuitBreaker:
-    def __init__(self, threshold: int = 5, cooldown_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, threshold: int = 5, cooldown_s: float = 10.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         if threshold < 1 or cooldown_s <= 0:
             raise ValueError(f"breaker needs threshold >= 1 and cooldown > 0, got {threshold} and {cooldown_s}")
         self.threshold = threshold
@@ -64,7 +66,9 @@ class CircuitBreaker:
 
     def record_failure(self) -> None:
         self.failures += 1
-        if self.state is BreakerState.HALF_OPEN or (self.state is BreakerState.CLOSED and self.failures >= self.threshold):
+        if self.state is BreakerState.HALF_OPEN or (
+            self.state is BreakerState.CLOSED and self.failures >= self.threshold
+        ):
             self._open_until = self.clock() + self.cooldown_s
             self.opens += 1
         self._trial = False

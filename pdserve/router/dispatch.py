@@ -8,8 +8,8 @@
                    (a NIXL notification) --> deltas --> yielded as they come
       colocated: colocated /internal/generate --> deltas
 
-So the hand-off crosses no HTTP request and neither event loop: under load a per-hand-off POST
-queued behind every running request's token stream (H200, c=32: 47 ms of a 70 ms hand-off). When
+So the hand-off crosses no HTTP request and neither event loop: under load a POST per hand-off
+would queue behind every running request's token stream (docs/pd-gpu.md). When
 prefill could not notify this decode worker itself (no peers configured there, a failed send, or
 decode was retried on another worker), the router posts the Handoff to /internal/handoff.
 
@@ -20,11 +20,8 @@ Workers send deltas of new output with their offsets; the router checks that eac
 where the output stands (a decode worker's first chunk starts after the first token) and passes it
 on: nothing is joined or cut here.
 
-A worker that cannot be reached, answers 503, or is full (429) before anything streamed is retried
-on another worker of the role (at most `max_attempts` workers, with exponential backoff between
-tries); one that cannot be reached is marked down at once. Once output has started, a failure is
-final: an OpenAIError (502/504) raised into the stream, never tokens from a second attempt.
-Each request's outcome feeds its worker's circuit breaker (breaker.py).
+Every HTTP call to a worker goes through Upstream (upstream.py): retries on another worker before
+anything streamed, the circuit breakers' outcomes, fire-and-forget aborts.
 
 Aborts (the client left, a timeout, an error): a worker whose request was sent but not finished is
 told at once (/internal/abort), and if the decode side never streamed (so never read the KV) the
@@ -38,33 +35,21 @@ KV handle) is bounded by `prefill_timeout_s`.
 from __future__ import annotations
 
 import asyncio
-import logging
-import random
 import time
 from collections.abc import AsyncIterator, Callable
 
 import aiohttp
-from aiohttp.http_exceptions import HttpProcessingError
 
 from pdserve.config import RouterConfig
 from pdserve.disagg.base import KVPeerRef
-from pdserve.engine.request import FirstToken, Handoff, Request
+from pdserve.engine.request import Request
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import PairPolicy, Policy, RoundRobin
-from pdserve.router.pool import PoolRole, Worker, WorkerPool
+from pdserve.router.pool import Worker, WorkerPool
+from pdserve.router.upstream import Upstream
 from pdserve.sampling_params import SamplingParams
-from pdserve.wire.errors import ErrorResponse, OpenAIError
-from pdserve.wire.protocol import GenerateChunk, RequestRef
-
-log = logging.getLogger("pdserve.router")
-
-CONTROL_TIMEOUT = aiohttp.ClientTimeout(total=5.0)  # abort and hand-off calls
-MAX_BACKOFF_S = 1.0
-
-
-def backoff(retry_backoff_s: float, attempt: int) -> float:
-    """Seconds to wait before try number attempt + 1 (attempt >= 1): doubling, capped, jittered."""
-    return min(MAX_BACKOFF_S, retry_backoff_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
+from pdserve.wire.errors import OpenAIError
+from pdserve.wire.protocol import GenerateChunk
 
 
 class Dispatcher:
@@ -79,15 +64,16 @@ class Dispatcher:
         settings: RouterConfig | None = None,
     ) -> None:
         self.pool = pool
-        self.client = client
-        self.policies = {"prefill": prefill_policy, "decode": decode_policy, "colocated": RoundRobin()}
         self.pair = PairPolicy(prefill_policy, decode_policy)
-        self.headers = {**headers, "content-type": "application/json"}
         self.metrics = metrics
         self.s = settings or RouterConfig()
-        self._background: set[asyncio.Task] = set()
+        policies = {"prefill": prefill_policy, "decode": decode_policy, "colocated": RoundRobin()}
+        headers = {**headers, "content-type": "application/json"}
+        self.upstream = Upstream(pool, client, policies, headers, metrics, self.s)
 
-    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[GenerateChunk]:
+    async def generate(
+        self, request_id: str, prompt: list[int], params: SamplingParams
+    ) -> AsyncIterator[GenerateChunk]:
         """The request's output as chunks of new content only (offsets continue from 0 without
         overlap), the last one with finish_reason. Raises OpenAIError."""
         req = Request(request_id=request_id, prompt_token_ids=prompt, params=params)
@@ -115,7 +101,7 @@ class Dispatcher:
         def open_decode(pw: Worker) -> None:  # prefill has the request: decode gets it now, to wait there
             nonlocal opening
             dreq = req.model_copy(update={"kv_from": _peer_ref(pw)})
-            opening = asyncio.ensure_future(self._open("decode", dreq, first=decode))
+            opening = asyncio.ensure_future(self.upstream.open("decode", dreq, first=decode))
 
         pw: Worker | None = None
         dw: Worker | None = None
@@ -136,10 +122,10 @@ class Dispatcher:
             dw, dresp = await opening
             notified = first.kv_handoff_sent and dw.url == decode.url
             if not notified:  # prefill could not tell this decode worker itself
-                await self._post_handoff(dw, dresp, first)
+                await self.upstream.post_handoff(dw, dresp, first)
             self.metrics.handoffs.labels("prefill" if notified else "router").inc()
             dispatched = time.monotonic() - t1  # what the router still waited for after the first token
-            async for chunk in self._read(dw, dresp):
+            async for chunk in self.upstream.read(dw, dresp):
                 decode_read = chunk.finish_reason != "error"  # decode streams tokens only once the KV has arrived
                 _raise_if_failed(chunk, "decode")
                 self.metrics.observe_handoff(chunk.timing, time.monotonic() - t1, dispatched)
@@ -149,38 +135,21 @@ class Dispatcher:
             if dw is None and opening is not None:  # decode's answer never read (client gone, prefill failed)
                 dw = await self._drop_open(opening, rid)
             if pw is not None and first is not None and first.kv_handle is not None and not decode_read:
-                self._later(pw, "/internal/abort", rid)  # decode never read the KV: prefill frees it now
+                self.upstream.abort(pw, rid)  # decode never read the KV: prefill frees it now
             if dw is not None and not finished:
-                self._later(dw, "/internal/abort", rid)
-
-    async def _post_handoff(self, dw: Worker, dresp: aiohttp.ClientResponse, first: GenerateChunk) -> None:
-        """Give decode's waiting request its hand-off over HTTP (prefill did not notify dw itself)."""
-        first_token = FirstToken(token_id=first.token_ids[0], logprobs=first.logprobs[0] if first.logprobs else None, text_offset=len(first.text))
-        handoff = Handoff(request_id=first.request_id, kv_handle=first.kv_handle, first_token=first_token)
-        failure: OpenAIError | None = None
-        try:
-            async with self.client.post(
-                f"{dw.url}/internal/handoff", data=handoff.model_dump_json(exclude_none=True), headers=self.headers, timeout=CONTROL_TIMEOUT
-            ) as resp:
-                if resp.status != 200:
-                    text = (await resp.read())[:200].decode(errors="replace")
-                    failure = OpenAIError(502, f"decode worker {dw.url} refused the hand-off ({resp.status}): {text}", code="upstream_error")
-        except (aiohttp.ClientError, TimeoutError) as e:
-            failure = OpenAIError(502, f"decode worker {dw.url}: posting the hand-off failed ({type(e).__name__})", code="upstream_error")
-        if failure is not None:  # decode's stream is ours to close and its slot ours to give back
-            self._count("decode", "handoff")
-            dresp.close()
-            self.pool.release(dw)
-            raise failure
+                self.upstream.abort(dw, rid)
 
     async def _drop_open(self, opening: asyncio.Future, rid: str) -> Worker | None:
-        """An `_open` whose answer no one will read: cancelled if still running (it aborts the request
+        """An `Upstream.open` whose answer no one will read: cancelled if still running (it aborts the request
         on the worker it asked itself), else its response closed; the worker that admitted it, if any."""
         if not opening.done():
             opening.cancel()
         try:
             w, resp = await opening
-        except (asyncio.CancelledError, Exception):  # cancelled or failed (raised on the main path, if anywhere): nothing open
+        except (
+            asyncio.CancelledError,
+            Exception,
+        ):  # cancelled or failed (raised on the main path, if anywhere): nothing open
             return None
         resp.close()
         self.pool.release(w)
@@ -199,171 +168,51 @@ class Dispatcher:
         done = False
         try:
             async with asyncio.timeout(self.s.prefill_timeout):
-                pw, presp = await self._open("prefill", req, tried, first=chosen)
+                pw, presp = await self.upstream.open("prefill", req, tried, first=chosen)
                 if on_accepted is not None:
                     on_accepted(pw)
-                async for chunk in self._read(pw, presp):
+                async for chunk in self.upstream.read(pw, presp):
                     first = chunk
             done = True
         except TimeoutError:
-            self._count("prefill", "prefill_timeout")
+            self.upstream.count("prefill", "prefill_timeout")
             last = pw or (tried[-1] if tried else None)
             if last is not None:
                 self.pool.report(last, ok=False)
             where = f"prefill worker {last.url}" if last is not None else "no prefill worker"
-            raise OpenAIError(504, f"{where}: no first token within the prefill timeout ({self.s.prefill_timeout} s)", code="prefill_timeout") from None
+            raise OpenAIError(
+                504,
+                f"{where}: no first token within the prefill timeout ({self.s.prefill_timeout} s)",
+                code="prefill_timeout",
+            ) from None
         finally:
             if pw is not None and not done:
-                self._later(pw, "/internal/abort", rid)
+                self.upstream.abort(pw, rid)
         return pw, first
 
     async def _colocated(self, req: Request) -> AsyncIterator[GenerateChunk]:
         rid = req.request_id
         t0 = time.monotonic()
-        w, resp = await self._open("colocated", req)
+        w, resp = await self.upstream.open("colocated", req)
         finished = False
         try:
-            async for chunk in self._read(w, resp):
+            async for chunk in self.upstream.read(w, resp):
                 _raise_if_failed(chunk, "worker")
                 self.metrics.observe_ttft(chunk.timing, time.monotonic() - t0)
                 finished = chunk.finish_reason is not None
                 yield chunk
         finally:
             if not finished:
-                self._later(w, "/internal/abort", rid)
-
-    # -- talking to workers --
-    async def _open(
-        self, role: PoolRole, req: Request, attempts: list[Worker] | None = None, first: Worker | None = None
-    ) -> tuple[Worker, aiohttp.ClientResponse]:
-        """Start /internal/generate on a worker of `role`; the response is open and 200.
-        first: the worker chosen up front (tried first while it is still a candidate); retries
-        go to the role's policy. attempts: if given, each worker tried is appended (the caller's
-        timeout names the last)."""
-        tried: set[str] = set()
-        last: OpenAIError | None = None
-        body = req.model_dump_json(exclude_none=True)
-        for attempt in range(self.s.max_attempts):
-            candidates = [w for w in self.pool.candidates(role) if w.url not in tried]
-            if not candidates:
-                break
-            if attempt:
-                self.metrics.retries.labels(role).inc()
-                await asyncio.sleep(backoff(self.s.retry_backoff, attempt))
-            w = first if attempt == 0 and first in candidates else self.policies[role].choose(candidates)
-            tried.add(w.url)
-            if attempts is not None:
-                attempts.append(w)
-            self.pool.acquire(w)
-            try:
-                resp = await self.client.post(f"{w.url}/internal/generate", data=body, headers=self.headers)
-            except TimeoutError as e:  # aiohttp's connect and read timeouts are TimeoutErrors
-                self.pool.report(w, ok=False)
-                self.pool.release(w)
-                self._count(role, "timeout")
-                last = OpenAIError(504, f"{role} worker {w.url} did not answer: {type(e).__name__}", code="upstream_timeout")
-                continue
-            except aiohttp.ClientConnectorError as e:  # nothing listens: down until a health probe says otherwise
-                self.pool.report(w, ok=False)
-                self.pool.release(w)
-                self._count(role, "unreachable")
-                self.pool.mark_down(w, f"unreachable: {type(e).__name__}")
-                last = OpenAIError(503, f"{role} worker {w.url} is unreachable", code="upstream_unavailable")
-                continue
-            except aiohttp.ClientError as e:
-                # The connection broke after it was made (e.g. a keep-alive race): one failure for the
-                # breaker, not a verdict on the worker. It may have admitted the request: abort it there.
-                self.pool.report(w, ok=False)
-                self.pool.release(w)
-                self._count(role, "transport_error")
-                self._later(w, "/internal/abort", req.request_id)
-                last = OpenAIError(502, f"{role} worker {w.url} dropped the connection ({type(e).__name__})", code="upstream_error")
-                continue
-            except asyncio.CancelledError:  # the client left or a timeout fired: the worker may have admitted it
-                self.pool.release(w)
-                self._later(w, "/internal/abort", req.request_id)
-                raise
-            if resp.status == 200:
-                return w, resp
-            err = await self._refusal(w, resp, role)
-            if resp.status not in (429, 503):
-                raise err  # the request itself was refused: another worker would refuse it too
-            last = err
-        raise last or OpenAIError(503, f"no healthy {role} worker", code="no_healthy_workers")
-
-    async def _refusal(self, w: Worker, resp: aiohttp.ClientResponse, role: str) -> OpenAIError:
-        try:
-            body = await resp.read()
-        except (aiohttp.ClientError, TimeoutError):
-            body = b""
-        finally:
-            resp.close()
-            self.pool.release(w)
-        status = resp.status
-        self._count(role, str(status))
-        if status >= 500:
-            self.pool.report(w, ok=False)
-        try:
-            info = ErrorResponse.model_validate_json(body).error
-            msg, code = info.message, info.code
-        except ValueError:
-            msg, code = body[:200].decode(errors="replace"), None
-        if status == 503:
-            self.pool.mark_down(w, f"answered 503: {msg}")
-        headers = {"Retry-After": resp.headers["retry-after"]} if "retry-after" in resp.headers else None
-        status = status if status in (400, 413, 422, 429) else 502
-        return OpenAIError(status, f"{role} worker: {msg}", code="upstream_refused" if status == 502 else code, headers=headers)
-
-    async def _read(self, w: Worker, resp: aiohttp.ClientResponse) -> AsyncIterator[GenerateChunk]:
-        role = w.role
-        finished = False
-        try:
-            async for line in resp.content:  # NDJSON: one chunk a line
-                if line.strip():
-                    chunk = GenerateChunk.model_validate_json(line)
-                    if not finished and (chunk.finish_reason is not None or chunk.kv_handle is not None):
-                        finished = True
-                        self.pool.report(w, ok=chunk.finish_reason != "error")
-                    yield chunk
-        except TimeoutError:  # the read timeout (request_timeout) between two lines
-            self._count(role, "timeout")
-            self.pool.report(w, ok=False)
-            raise OpenAIError(504, f"{role} worker {w.url} stopped sending", code="upstream_timeout") from None
-        except (aiohttp.ClientError, HttpProcessingError, ValueError) as e:  # not a chunk, a line over the read buffer
-            self._count(role, "broken_stream")
-            self.pool.report(w, ok=False)
-            self.pool.mark_down(w, f"stream broke: {type(e).__name__}")
-            raise OpenAIError(502, f"{role} worker {w.url} failed mid-request ({type(e).__name__})", code="upstream_error") from None
-        finally:
-            resp.close()  # a stream read to its end has nothing left to drop; one left early drops its connection
-            self.pool.release(w)
-        if not finished:
-            self._count(role, "truncated")
-            self.pool.report(w, ok=False)
-            raise OpenAIError(502, f"{role} worker {w.url} closed the stream before the request finished", code="upstream_error")
-
-    def _later(self, w: Worker, path: str, rid: str) -> None:
-        """Fire-and-forget control call (abort / release); failures only cost a lease's time."""
-        task = asyncio.get_running_loop().create_task(self._control(w, path, rid))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _control(self, w: Worker, path: str, rid: str) -> None:
-        try:
-            async with self.client.post(f"{w.url}{path}", data=RequestRef(request_id=rid).model_dump_json(), headers=self.headers, timeout=CONTROL_TIMEOUT):
-                pass
-        except (aiohttp.ClientError, TimeoutError) as e:
-            log.info("%s %s for %s failed: %s: %s", w.url, path, rid, type(e).__name__, e)
-
-    def _count(self, role: str, kind: str) -> None:
-        self.metrics.upstream_errors.labels(role, kind).inc()
+                self.upstream.abort(w, rid)
 
 
 def _peer_ref(w: Worker) -> KVPeerRef:
     """How a PD worker is named to its pair: engine, instance, where its transfer metadata is."""
     info = w.info
     if info is None or info.kv_metadata_url is None:
-        raise OpenAIError(502, f"{w.role} worker {w.url} has not said where its transfer metadata is", code="upstream_error")
+        raise OpenAIError(
+            502, f"{w.role} worker {w.url} has not said where its transfer metadata is", code="upstream_error"
+        )
     return KVPeerRef(engine_id=info.engine_id, instance_id=info.instance_id, metadata_url=info.kv_metadata_url)
 
 
@@ -385,6 +234,10 @@ class _Offsets:
 
     def advance(self, c: GenerateChunk) -> None:
         if c.token_offset != self.tokens or c.text_offset != self.text:
-            raise OpenAIError(502, "a worker's stream does not continue where the output stands (protocol error)", code="upstream_error")
+            raise OpenAIError(
+                502,
+                "a worker's stream does not continue where the output stands (protocol error)",
+                code="upstream_error",
+            )
         self.tokens += len(c.token_ids)
         self.text += len(c.text)

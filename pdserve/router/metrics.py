@@ -39,34 +39,71 @@ from pdserve.wire.protocol import RequestTiming
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("pdserve_router_requests", "Requests by route and HTTP status", ["route", "status"], registry=r)
+        self.requests = Counter(
+            "pdserve_router_requests", "Requests by route and HTTP status", ["route", "status"], registry=r
+        )
         # gauges' multiprocess_mode: how the router's processes add up (--api-server-count; else unused)
-        self.in_flight = Gauge("pdserve_router_requests_in_flight", "Requests the router is serving now", registry=r, multiprocess_mode="livesum")
-        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Router arrival to first token", buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "Router arrival to last token", buckets=LATENCY_BUCKETS, registry=r)
+        self.in_flight = Gauge(
+            "pdserve_router_requests_in_flight",
+            "Requests the router is serving now",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.ttft = Histogram(
+            "pdserve_time_to_first_token_seconds", "Router arrival to first token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "pdserve_e2e_request_latency_seconds", "Router arrival to last token", buckets=LATENCY_BUCKETS, registry=r
+        )
         self.worker_healthy = Gauge(
-            "pdserve_router_worker_healthy", "1 if the worker's last probe succeeded", ["worker", "role"], registry=r, multiprocess_mode="livemin"
+            "pdserve_router_worker_healthy",
+            "1 if the worker's last probe succeeded",
+            ["worker", "role"],
+            registry=r,
+            multiprocess_mode="livemin",
         )
         self.worker_in_flight = Gauge(
-            "pdserve_router_worker_in_flight", "Router requests on the worker now", ["worker", "role"], registry=r, multiprocess_mode="livesum"
+            "pdserve_router_worker_in_flight",
+            "Router requests on the worker now",
+            ["worker", "role"],
+            registry=r,
+            multiprocess_mode="livesum",
         )
-        self.upstream_errors = Counter("pdserve_router_upstream_errors", "Failed calls to workers", ["role", "kind"], registry=r)
-        self.retries = Counter("pdserve_router_retries", "Requests sent to another worker after one refused", ["role"], registry=r)
+        self.upstream_errors = Counter(
+            "pdserve_router_upstream_errors", "Failed calls to workers", ["role", "kind"], registry=r
+        )
+        self.retries = Counter(
+            "pdserve_router_retries", "Requests sent to another worker after one refused", ["role"], registry=r
+        )
         self.worker_breaker = Gauge(
             "pdserve_router_worker_breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open", ["worker", "role"], registry=r,
             multiprocess_mode="livemax",
         )  # fmt: skip
-        self.breaker_opens = Counter("pdserve_router_breaker_opens", "Times a worker's circuit breaker opened", ["worker", "role"], registry=r)
+        self.breaker_opens = Counter(
+            "pdserve_router_breaker_opens", "Times a worker's circuit breaker opened", ["worker", "role"], registry=r
+        )
         self.prompt_tokens = Counter("pdserve_router_prompt_tokens", "Prompt tokens of served requests", registry=r)
         self.generation_tokens = Counter("pdserve_router_generation_tokens", "Tokens returned to clients", registry=r)
         self.ttft_parts = Histogram(
-            "pdserve_router_ttft_breakdown_seconds", "Time to first token by part: queue, prefill, other", ["part"], buckets=LATENCY_BUCKETS, registry=r
+            "pdserve_router_ttft_breakdown_seconds",
+            "Time to first token by part: queue, prefill, other",
+            ["part"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.handoff_parts = Histogram(
-            "pdserve_router_pd_handoff_seconds", "PD first token to decode's first token by part", ["part"], buckets=LATENCY_BUCKETS, registry=r
+            "pdserve_router_pd_handoff_seconds",
+            "PD first token to decode's first token by part",
+            ["part"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
-        self.handoffs = Counter("pdserve_router_pd_handoffs", "PD hand-offs by who delivered them to decode", ["via"], registry=r)
-        self.kv_bytes = Counter("pdserve_router_kv_transfer_bytes", "KV bytes decode workers read for the router's requests", registry=r)
+        self.handoffs = Counter(
+            "pdserve_router_pd_handoffs", "PD hand-offs by who delivered them to decode", ["via"], registry=r
+        )
+        self.kv_bytes = Counter(
+            "pdserve_router_kv_transfer_bytes", "KV bytes decode workers read for the router's requests", registry=r
+        )
 
     def render(self) -> bytes:
         """The exposition: this process's registry, or every router process's (--api-server-count)."""

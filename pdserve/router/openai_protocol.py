@@ -136,7 +136,13 @@ class TextPart(BaseModel):
 # that only an assistant message may leave content out.
 _CONTENT_RULE = {
     "oneOf": [
-        {"properties": {"role": {"enum": ["system", "developer", "user", "tool"]}, "content": {"not": {"type": "null"}}}, "required": ["content"]},
+        {
+            "properties": {
+                "role": {"enum": ["system", "developer", "user", "tool"]},
+                "content": {"not": {"type": "null"}},
+            },
+            "required": ["content"],
+        },
         {"properties": {"role": {"const": "assistant"}}},
     ]
 }

@@ -88,7 +88,11 @@ class WorkerPool:
         def make(url: str, role: PoolRole) -> Worker:
             return Worker(_clean(url), role, breaker=CircuitBreaker(breaker_failures, breaker_cooldown_s))
 
-        self.workers = [make(u, "prefill") for u in prefill] + [make(u, "decode") for u in decode] + [make(u, "colocated") for u in colocated]
+        self.workers = (
+            [make(u, "prefill") for u in prefill]
+            + [make(u, "decode") for u in decode]
+            + [make(u, "colocated") for u in colocated]
+        )
         self.metrics = metrics
         self.prober_error: str | None = None  # set if the prober ever stops: the pool's view is then stale
         for w in self.workers:
@@ -156,7 +160,9 @@ class WorkerPool:
         else:
             w.breaker.record_failure()
         if w.breaker.opens != opens:
-            log.warning("worker %s (%s): circuit breaker opened after %d failed requests", w.url, w.role, w.breaker.failures)
+            log.warning(
+                "worker %s (%s): circuit breaker opened after %d failed requests", w.url, w.role, w.breaker.failures
+            )
             self.metrics.breaker_opens.labels(w.name, w.role).inc()
         self._export(w)
 

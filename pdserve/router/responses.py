@@ -13,7 +13,6 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from pdserve.wire.errors import ERROR_RESPONSES, ErrorResponse, OpenAIError
 from pdserve.router.openai_protocol import (
     AssistantMessage,
     ChatChoice,
@@ -29,14 +28,19 @@ from pdserve.router.openai_protocol import (
     TopLogprob,
     UsageInfo,
 )
-from pdserve.wire.protocol import GenerateChunk, RouterHealth, TokenLogprobs
 from pdserve.tokenizer import Tokenizer
+from pdserve.wire.errors import ERROR_RESPONSES, ErrorResponse, OpenAIError
+from pdserve.wire.protocol import GenerateChunk, RouterHealth, TokenLogprobs
 
 DONE = b"data: [DONE]\n\n"
 
 # What each router route answers, for the OpenAPI schema (responses= on the route): the schema is
 # the API's documentation, and the fuzz test holds the router to it.
-_EVENT = {"type": "object", "properties": {"data": {"type": "string", "description": "a chunk as JSON; the last event is [DONE]"}}, "required": ["data"]}
+_EVENT = {
+    "type": "object",
+    "properties": {"data": {"type": "string", "description": "a chunk as JSON; the last event is [DONE]"}},
+    "required": ["data"],
+}
 _SSE = {"text/event-stream": {"schema": _EVENT}}
 _AUTH = {401: {"model": ErrorResponse}}
 COMPLETION_RESPONSES: dict[int | str, dict] = {**ERROR_RESPONSES, 200: {"model": CompletionResponse, "content": _SSE}}
@@ -75,7 +79,16 @@ class ChoiceState:
 class Formatter:
     """Shared by both endpoints: ids, usage, token texts."""
 
-    def __init__(self, rid: str, model: str, tokenizer: Tokenizer, prompts: list[list[int]], logprobs: int | None, return_token_ids: bool, include_usage: bool) -> None:
+    def __init__(
+        self,
+        rid: str,
+        model: str,
+        tokenizer: Tokenizer,
+        prompts: list[list[int]],
+        logprobs: int | None,
+        return_token_ids: bool,
+        include_usage: bool,
+    ) -> None:
         self.rid = rid
         self.model = model
         self.created = int(time.time())
@@ -111,7 +124,9 @@ class CompletionFormatter(Formatter):
             )
             for i, c in enumerate(self.choices)
         ]
-        return CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=choices, usage=self.usage()).model_dump(exclude_none=True)
+        return CompletionResponse(
+            id=self.rid, created=self.created, model=self.model, choices=choices, usage=self.usage()
+        ).model_dump(exclude_none=True)
 
     def chunk(self, i: int, c: GenerateChunk) -> bytes | None:
         state = self.choices[i]
@@ -129,14 +144,29 @@ class CompletionFormatter(Formatter):
             prompt_token_ids=self._ids(state.prompt_token_ids) if first else None,
             token_ids=self._ids(c.token_ids),
         )
-        body = {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model, "choices": [choice.model_dump(exclude_none=True)]}
+        body = {
+            "id": self.rid,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice.model_dump(exclude_none=True)],
+        }
         _keep_nulls(body["choices"][0], ("logprobs", "finish_reason"))
         if self.include_usage:
             body["usage"] = None
         return sse(body)
 
     def usage_chunk(self) -> bytes:
-        return sse({"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model, "choices": [], "usage": self.usage().model_dump()})
+        return sse(
+            {
+                "id": self.rid,
+                "object": "text_completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [],
+                "usage": self.usage().model_dump(),
+            }
+        )
 
     def _logprobs(self, steps: list[TokenLogprobs], offset: int) -> CompletionLogprobs:
         out = CompletionLogprobs()
@@ -165,7 +195,14 @@ class ChatFormatter(Formatter):
             for i, c in enumerate(self.choices)
         ]
         prompt_ids = self._ids(self.choices[0].prompt_token_ids)
-        resp = ChatCompletionResponse(id=self.rid, created=self.created, model=self.model, choices=choices, usage=self.usage(), prompt_token_ids=prompt_ids)
+        resp = ChatCompletionResponse(
+            id=self.rid,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=self.usage(),
+            prompt_token_ids=prompt_ids,
+        )
         body = resp.model_dump(exclude_none=True)
         for ch in body["choices"]:
             _keep_nulls(ch, ("logprobs",))
@@ -186,7 +223,13 @@ class ChatFormatter(Formatter):
             stop_reason=c.stop_reason,
             token_ids=self._ids(c.token_ids),
         )
-        chunk = ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=[choice], prompt_token_ids=self._ids(state.prompt_token_ids) if first else None)
+        chunk = ChatCompletionChunk(
+            id=self.rid,
+            created=self.created,
+            model=self.model,
+            choices=[choice],
+            prompt_token_ids=self._ids(state.prompt_token_ids) if first else None,
+        )
         body = chunk.model_dump(exclude_none=True)
         _keep_nulls(body["choices"][0], ("logprobs", "finish_reason"))
         if self.include_usage:
@@ -194,7 +237,16 @@ class ChatFormatter(Formatter):
         return sse(body)
 
     def usage_chunk(self) -> bytes:
-        return sse({"id": self.rid, "object": "chat.completion.chunk", "created": self.created, "model": self.model, "choices": [], "usage": self.usage().model_dump()})
+        return sse(
+            {
+                "id": self.rid,
+                "object": "chat.completion.chunk",
+                "created": self.created,
+                "model": self.model,
+                "choices": [],
+                "usage": self.usage().model_dump(),
+            }
+        )
 
     def _logprobs(self, steps: list[TokenLogprobs]) -> ChatLogprobs:
         content = []
@@ -207,7 +259,12 @@ class ChatFormatter(Formatter):
                     token=tok,
                     logprob=sampled.logprob,
                     bytes=list(tok.encode()),
-                    top_logprobs=[TopLogprob(token=(t := self.token_text(e.token_id, e.token)), logprob=e.logprob, bytes=list(t.encode())) for e in top],
+                    top_logprobs=[
+                        TopLogprob(
+                            token=(t := self.token_text(e.token_id, e.token)), logprob=e.logprob, bytes=list(t.encode())
+                        )
+                        for e in top
+                    ],
                 )
             )
         return ChatLogprobs(content=content)

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import jinja2
 from pydantic import ValidationError
 
-from pdserve.sampling_params import SamplingParams
-from pdserve.wire.errors import OpenAIError
 from pdserve.router.openai_protocol import INT64_MAX, ChatCompletionRequest, CompletionRequest, _Request
+from pdserve.sampling_params import SamplingParams
 from pdserve.tokenizer import Tokenizer
+from pdserve.wire.errors import OpenAIError
 
 NORMALIZER_SLACK = 4  # Unicode composition merges at most 3 characters into 1
 
@@ -56,14 +56,21 @@ class RequestValidator:
             raise OpenAIError(400, "tools are not supported by pdserve", param="tools", code="unsupported_parameter")
         fmt = req.response_format.type if req.response_format is not None else "text"
         if fmt != "text":
-            raise OpenAIError(400, f"response_format {fmt!r} is not supported (only 'text')", param="response_format", code="unsupported_parameter")
+            raise OpenAIError(
+                400,
+                f"response_format {fmt!r} is not supported (only 'text')",
+                param="response_format",
+                code="unsupported_parameter",
+            )
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
         self._fits_untokenized(sum(len(m["content"]) for m in messages), max_model_len, "messages")
         try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, tokenize=True)
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=req.add_generation_prompt, tokenize=True
+            )
         except (jinja2.TemplateError, ValueError, TypeError) as e:
             raise OpenAIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
         if not ids:
@@ -78,9 +85,16 @@ class RequestValidator:
         if req.stream_options is not None and not req.stream:
             raise OpenAIError(400, "stream_options is only allowed when stream is true", param="stream_options")
         if req.n != 1:
-            raise OpenAIError(400, f"n={req.n} is not supported: pdserve returns one choice per prompt (n=1)", param="n", code="unsupported_parameter")
+            raise OpenAIError(
+                400,
+                f"n={req.n} is not supported: pdserve returns one choice per prompt (n=1)",
+                param="n",
+                code="unsupported_parameter",
+            )
         if req.logit_bias:
-            raise OpenAIError(400, "logit_bias is not supported by pdserve", param="logit_bias", code="unsupported_parameter")
+            raise OpenAIError(
+                400, "logit_bias is not supported by pdserve", param="logit_bias", code="unsupported_parameter"
+            )
         if req.stop_token_ids and any(not 0 <= t < self.vocab_size for t in req.stop_token_ids):
             raise OpenAIError(400, f"stop_token_ids must lie in [0, {self.vocab_size})", param="stop_token_ids")
 
@@ -105,7 +119,9 @@ class RequestValidator:
             raise OpenAIError(400, f"prompt token ids must lie in [0, {self.vocab_size})", param="prompt")
         return list(ids)
 
-    def _params(self, req: _Request, prompt_len: int, max_model_len: int, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _params(
+        self, req: _Request, prompt_len: int, max_model_len: int, max_tokens: int | None, logprobs: int | None
+    ) -> SamplingParams:
         room = max_model_len - prompt_len
         if room < 1:
             raise OpenAIError(
@@ -146,5 +162,7 @@ class RequestValidator:
         except ValidationError as e:  # rules across fields, e.g. min_tokens <= max_tokens
             first = e.errors()[0]
             msg = first["msg"].removeprefix("Value error, ")
-            param = ".".join(str(p) for p in first["loc"]) or next((f for f in ("min_tokens", "max_tokens") if f in msg), None)
+            param = ".".join(str(p) for p in first["loc"]) or next(
+                (f for f in ("min_tokens", "max_tokens") if f in msg), None
+            )
             raise OpenAIError(400, f"{param + ': ' if first['loc'] else ''}{msg}", param=param) from None

@@ -82,7 +82,12 @@ def error_type(status: int) -> str:
 
 
 def too_busy(what: str, retry_after_s: int = 1) -> OpenAIError:
-    return OpenAIError(429, f"{what} is at capacity; retry after {retry_after_s} s", code="rate_limit_exceeded", headers={"Retry-After": str(retry_after_s)})
+    return OpenAIError(
+        429,
+        f"{what} is at capacity; retry after {retry_after_s} s",
+        code="rate_limit_exceeded",
+        headers={"Retry-After": str(retry_after_s)},
+    )
 
 
 # responses= for route decorators, so the OpenAPI schema documents the error shapes we return
@@ -122,7 +127,9 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     first = _best(errors) if errors else {"loc": (), "msg": "invalid request"}
     param = _loc(first.get("loc", ()))
     if param is None and isinstance(first.get("input"), (bytes, bytearray)):  # FastAPI parses JSON content types only
-        return OpenAIError(400, "the request body must be JSON, sent with Content-Type: application/json", code="invalid_content_type")
+        return OpenAIError(
+            400, "the request body must be JSON, sent with Content-Type: application/json", code="invalid_content_type"
+        )
     if param is None and first.get("type") == "missing":
         return OpenAIError(400, "the request body is empty: send a JSON object", code="invalid_json")
     if param is None and first.get("type") in ("model_attributes_type", "model_type", "dict_type"):
@@ -130,7 +137,9 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     others = {_top(e) for e in errors} - {_top(first)}
     more = f" (and problems with {', '.join(sorted(others))})" if others else ""
     where = f"{param}: " if param else ""
-    return OpenAIError(422, f"{where}{_message(str(first.get('msg', 'invalid value')))}{more}", param=param, code="invalid_value")
+    return OpenAIError(
+        422, f"{where}{_message(str(first.get('msg', 'invalid value')))}{more}", param=param, code="invalid_value"
+    )
 
 
 def _top(error: dict[str, Any]) -> str:
@@ -155,7 +164,10 @@ def install_error_handlers(app: FastAPI) -> None:
         elif exc.status_code == 405:
             msg = f"method {request.method} is not allowed on {request.url.path}"
         elif exc.status_code == 400 and exc.detail == _FASTAPI_PARSE_ERROR:  # not UTF-8, nested too deep, a huge number
-            msg, code = "the request body cannot be parsed as JSON (invalid UTF-8, nesting too deep or a number too long)", "invalid_json"
+            msg, code = (
+                "the request body cannot be parsed as JSON (invalid UTF-8, nesting too deep or a number too long)",
+                "invalid_json",
+            )
         else:
             msg = str(exc.detail)
         return OpenAIError(exc.status_code, msg, code=code, headers=dict(exc.headers or {})).response()

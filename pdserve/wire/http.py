@@ -1,5 +1,5 @@
 """HTTP plumbing shared by the router and the workers: two ASGI guards (a token on some paths, a
-cap on body size) and a streaming response that always closes its generator.
+cap on body size).
 """
 
 from __future__ import annotations
@@ -8,21 +8,9 @@ import hashlib
 import hmac
 from collections.abc import Callable
 
-from fastapi.responses import StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.wire.errors import OpenAIError
-
-
-class ClosingStreamingResponse(StreamingResponse):
-    """Closes the body generator however the response ends (done, client gone, send failed), so
-    its cleanup (abort upstream, free a slot) runs now rather than whenever it is collected."""
-
-    async def stream_response(self, send: Send) -> None:
-        try:
-            await super().stream_response(send)
-        finally:
-            await self.body_iterator.aclose()
 
 
 async def _send_error(send: Send, err: OpenAIError) -> None:
@@ -50,7 +38,9 @@ class TokenGuard:
             await self.app(scope, receive, send)
             return
         headers = {"WWW-Authenticate": "Bearer"} if self.header == b"authorization" else None
-        await _send_error(send, OpenAIError(401, f"missing or wrong {self.what}", code="invalid_api_key", headers=headers))
+        await _send_error(
+            send, OpenAIError(401, f"missing or wrong {self.what}", code="invalid_api_key", headers=headers)
+        )
 
     def _ok(self, scope: Scope) -> bool:
         given = b""

@@ -48,7 +48,17 @@ SECRET_HEADER = "x-pdserve-cluster-secret"
 
 Role = Literal["prefill", "decode", "colocated"]
 
-__all__ = ["FirstToken", "RequestTiming", "GenerateChunk", "Request", "RequestRef", "Ack", "WorkerInfo", "WorkerHealth", "RouterHealth"]
+__all__ = [
+    "FirstToken",
+    "RequestTiming",
+    "GenerateChunk",
+    "Request",
+    "RequestRef",
+    "Ack",
+    "WorkerInfo",
+    "WorkerHealth",
+    "RouterHealth",
+]
 
 
 class _Message(BaseModel):

@@ -127,14 +127,21 @@ def build_worker_app(state: WorkerState, cluster_secret: str | None) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
     if cluster_secret:
         app.add_middleware(
-            TokenGuard, token=cluster_secret, header=SECRET_HEADER, protects=lambda p: p not in PUBLIC_PATHS, what="cluster secret"
+            TokenGuard,
+            token=cluster_secret,
+            header=SECRET_HEADER,
+            protects=lambda p: p not in PUBLIC_PATHS,
+            what="cluster secret",
         )
     return app
 
 
 def _check_role(role: str, req: Request) -> None:
     if req.role != role:
-        raise OpenAIError(400, f"a {role} worker does not serve {req.role} requests (hold_kv: prefill; kv_handle + first_token or kv_from: decode; none: colocated)")
+        raise OpenAIError(
+            400,
+            f"a {role} worker does not serve {req.role} requests (hold_kv: prefill; kv_handle + first_token or kv_from: decode; none: colocated)",
+        )
 
 
 async def _ndjson(chunks: AsyncIterator[GenerateChunk]) -> AsyncIterator[bytes]:

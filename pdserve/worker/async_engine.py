@@ -20,7 +20,7 @@ import asyncio
 import logging
 import threading
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from pdserve.disagg.base import PeerMetadata
 from pdserve.engine.llm_engine import EngineStats, LLMEngine
@@ -68,7 +68,9 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: WorkerMetrics | None = None, stall_s: float = DEFAULT_STALL_S) -> None:
+    def __init__(
+        self, engine: LLMEngine, metrics: WorkerMetrics | None = None, stall_s: float = DEFAULT_STALL_S
+    ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.stall_s = stall_s

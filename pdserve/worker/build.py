@@ -38,7 +38,9 @@ def build_worker(cfg: WorkerServeConfig) -> FastAPI:
     engine_config = w.engine_config(cfg.model).model_copy(update={"reserved_memory_mib": arena_mib(cfg)})
     connector = _connector(cfg) if cfg.role != "colocated" else None
     log.info("loading %s on %s for role %s", cfg.model, w.device, cfg.role)
-    engine = LLMEngine(engine_config, connector, kv_load_failure_policy=t.kv_load_failure_policy, handoff_timeout_s=t.handoff_timeout)
+    engine = LLMEngine(
+        engine_config, connector, kv_load_failure_policy=t.kv_load_failure_policy, handoff_timeout_s=t.handoff_timeout
+    )
     headers = {SECRET_HEADER: cfg.cluster_secret} if cfg.cluster_secret else None
     info = WorkerInfo(
         role=cfg.role,
@@ -65,7 +67,9 @@ def build_worker(cfg: WorkerServeConfig) -> FastAPI:
         kv_metadata=connector.peer_metadata() if connector is not None else None,
         # the handshake is part of the transfer's time: never longer than the transfer timeout.
         # decode: its prefill peers'; prefill: its decode peers' (to hand off to them directly)
-        peers=PeerMetadataFetcher(cfg.peers, min(t.metadata_timeout, t.timeout), headers) if connector is not None and cfg.peers else None,
+        peers=PeerMetadataFetcher(cfg.peers, min(t.metadata_timeout, t.timeout), headers)
+        if connector is not None and cfg.peers
+        else None,
     )
     app = build_worker_app(state, cfg.cluster_secret)
     app.router.lifespan_context = _lifespan(state, connector)

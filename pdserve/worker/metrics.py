@@ -23,24 +23,54 @@ class WorkerMetrics:
         self.registry = r = CollectorRegistry()
         self.running = Gauge("pdserve_num_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("pdserve_num_requests_waiting", "Requests waiting (incl. for remote KV)", registry=r)
-        self.held = Gauge("pdserve_num_requests_holding_kv", "Prefill: requests whose KV waits for a decode worker", registry=r)
+        self.held = Gauge(
+            "pdserve_num_requests_holding_kv", "Prefill: requests whose KV waits for a decode worker", registry=r
+        )
         self.blocks_used = Gauge("pdserve_kv_blocks_used", "KV cache blocks in use", registry=r)
         self.blocks_total = Gauge("pdserve_kv_blocks_total", "KV cache blocks in the pool", registry=r)
         self.window_blocks_used = Gauge("pdserve_kv_window_blocks_used", "Sliding-window KV blocks in use", registry=r)
-        self.window_blocks_total = Gauge("pdserve_kv_window_blocks_total", "Sliding-window KV blocks in the pool", registry=r)
-        self.prefill_step = Histogram("pdserve_prefill_step_seconds", "Engine steps that ran prompt tokens", buckets=STEP_BUCKETS, registry=r)
-        self.decode_step = Histogram("pdserve_decode_step_seconds", "Engine steps that only decoded", buckets=STEP_BUCKETS, registry=r)
-        self.decode_batch = Histogram("pdserve_decode_batch_size", "Sequences in a decode-only step", buckets=BATCH_BUCKETS, registry=r)
+        self.window_blocks_total = Gauge(
+            "pdserve_kv_window_blocks_total", "Sliding-window KV blocks in the pool", registry=r
+        )
+        self.prefill_step = Histogram(
+            "pdserve_prefill_step_seconds", "Engine steps that ran prompt tokens", buckets=STEP_BUCKETS, registry=r
+        )
+        self.decode_step = Histogram(
+            "pdserve_decode_step_seconds", "Engine steps that only decoded", buckets=STEP_BUCKETS, registry=r
+        )
+        self.decode_batch = Histogram(
+            "pdserve_decode_batch_size", "Sequences in a decode-only step", buckets=BATCH_BUCKETS, registry=r
+        )
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens prefilled here", registry=r)
         self.generation_tokens = Counter("pdserve_generation_tokens", "Tokens sampled here", registry=r)
-        self.finished = Counter("pdserve_request_success", "Finished requests by finish reason", ["finish_reason"], registry=r)
+        self.finished = Counter(
+            "pdserve_request_success", "Finished requests by finish reason", ["finish_reason"], registry=r
+        )
         self.transfer_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes read from prefill workers", registry=r)
-        self.transfer_time = Histogram("pdserve_kv_transfer_seconds", "One request's KV read, post to completion", buckets=STEP_BUCKETS, registry=r)
+        self.transfer_time = Histogram(
+            "pdserve_kv_transfer_seconds", "One request's KV read, post to completion", buckets=STEP_BUCKETS, registry=r
+        )
         self.transfer_failures = Counter("pdserve_kv_transfer_failures", "Failed KV reads", registry=r)
-        self.lease_expirations = Counter("pdserve_kv_lease_expirations", "Prefill leases that expired unread", registry=r)
-        self.recomputes = Counter("pdserve_kv_load_recomputes", "Failed KV loads recomputed here (kv_load_failure_policy recompute)", registry=r)
-        self.staged = Counter("pdserve_kv_transfer_staged", "Staged transfers (one slab) by side and result: staged, arena_full, not_staged, peer_copies", ["side", "result"], registry=r)
-        self.paths = Counter("pdserve_kv_transfer_path", "Finished KV reads by how the bytes moved: cuda_ipc, staged, blocks, none", ["path"], registry=r)
+        self.lease_expirations = Counter(
+            "pdserve_kv_lease_expirations", "Prefill leases that expired unread", registry=r
+        )
+        self.recomputes = Counter(
+            "pdserve_kv_load_recomputes",
+            "Failed KV loads recomputed here (kv_load_failure_policy recompute)",
+            registry=r,
+        )
+        self.staged = Counter(
+            "pdserve_kv_transfer_staged",
+            "Staged transfers (one slab) by side and result: staged, arena_full, not_staged, peer_copies",
+            ["side", "result"],
+            registry=r,
+        )
+        self.paths = Counter(
+            "pdserve_kv_transfer_path",
+            "Finished KV reads by how the bytes moved: cuda_ipc, staged, blocks, none",
+            ["path"],
+            registry=r,
+        )
         self._seen = TransferStats()  # what has been exported of the connector's counters
         self._seen_recomputes = 0
 

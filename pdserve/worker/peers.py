@@ -60,7 +60,10 @@ class PeerMetadataFetcher:
     async def _get(self, handle: KVHandle | KVPeerRef) -> PeerMetadata:
         url = handle.metadata_url
         if origin(url) not in self.allowed:
-            return self._failed(handle, f"metadata URL {url} is not from a configured peer ({', '.join(sorted(self.allowed)) or 'none'})")
+            return self._failed(
+                handle,
+                f"metadata URL {url} is not from a configured peer ({', '.join(sorted(self.allowed)) or 'none'})",
+            )
         try:
             async with asyncio.timeout(self.timeout_s):
                 data = await self._download(url)

@@ -1,0 +1,234 @@
+"""The router's HTTP calls to its workers (`Upstream`): open /internal/generate, read its chunks,
+post a hand-off, tell a worker to abort. Dispatcher (dispatch.py) decides what to call when.
+
+    open(role, req)     POST /internal/generate on a worker of the role --> an open 200 response
+    read(w, resp)       its NDJSON lines --> GenerateChunks; the outcome feeds w's circuit breaker
+    post_handoff(...)   POST /internal/handoff {Handoff} (prefill could not notify decode itself)
+    abort(w, rid)       POST /internal/abort, fire-and-forget
+
+A worker that cannot be reached, answers 503, or is full (429) before anything streamed is retried
+on another worker of the role (at most `max_attempts` workers, with exponential backoff between
+tries); one that cannot be reached is marked down at once. Once output has started, a failure is
+final: an OpenAIError (502/504) raised into the stream, never tokens from a second attempt.
+Each request's outcome feeds its worker's circuit breaker (breaker.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import AsyncIterator
+
+import aiohttp
+from aiohttp.http_exceptions import HttpProcessingError
+
+from pdserve.config import RouterConfig
+from pdserve.engine.request import FirstToken, Handoff, Request
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.policies import Policy
+from pdserve.router.pool import PoolRole, Worker, WorkerPool
+from pdserve.wire.errors import ErrorResponse, OpenAIError
+from pdserve.wire.protocol import GenerateChunk, RequestRef
+
+log = logging.getLogger("pdserve.router")
+
+CONTROL_TIMEOUT = aiohttp.ClientTimeout(total=5.0)  # abort and hand-off calls
+MAX_BACKOFF_S = 1.0
+
+
+def backoff(retry_backoff_s: float, attempt: int) -> float:
+    """Seconds to wait before try number attempt + 1 (attempt >= 1): doubling, capped, jittered."""
+    return min(MAX_BACKOFF_S, retry_backoff_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
+
+
+class Upstream:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        client: aiohttp.ClientSession,
+        policies: dict[PoolRole, Policy],
+        headers: dict[str, str],
+        metrics: RouterMetrics,
+        settings: RouterConfig,
+    ) -> None:
+        self.pool = pool
+        self.client = client
+        self.policies = policies
+        self.headers = headers
+        self.metrics = metrics
+        self.s = settings
+        self._background: set[asyncio.Task] = set()
+
+    async def open(
+        self, role: PoolRole, req: Request, attempts: list[Worker] | None = None, first: Worker | None = None
+    ) -> tuple[Worker, aiohttp.ClientResponse]:
+        """Start /internal/generate on a worker of `role`; the response is open and 200.
+        first: the worker chosen up front (tried first while it is still a candidate); retries
+        go to the role's policy. attempts: if given, each worker tried is appended (the caller's
+        timeout names the last)."""
+        tried: set[str] = set()
+        last: OpenAIError | None = None
+        body = req.model_dump_json(exclude_none=True)
+        for attempt in range(self.s.max_attempts):
+            candidates = [w for w in self.pool.candidates(role) if w.url not in tried]
+            if not candidates:
+                break
+            if attempt:
+                self.metrics.retries.labels(role).inc()
+                await asyncio.sleep(backoff(self.s.retry_backoff, attempt))
+            w = first if attempt == 0 and first in candidates else self.policies[role].choose(candidates)
+            tried.add(w.url)
+            if attempts is not None:
+                attempts.append(w)
+            self.pool.acquire(w)
+            try:
+                resp = await self.client.post(f"{w.url}/internal/generate", data=body, headers=self.headers)
+            except TimeoutError as e:  # aiohttp's connect and read timeouts are TimeoutErrors
+                self.pool.report(w, ok=False)
+                self.pool.release(w)
+                self.count(role, "timeout")
+                last = OpenAIError(
+                    504, f"{role} worker {w.url} did not answer: {type(e).__name__}", code="upstream_timeout"
+                )
+                continue
+            except aiohttp.ClientConnectorError as e:  # nothing listens: down until a health probe says otherwise
+                self.pool.report(w, ok=False)
+                self.pool.release(w)
+                self.count(role, "unreachable")
+                self.pool.mark_down(w, f"unreachable: {type(e).__name__}")
+                last = OpenAIError(503, f"{role} worker {w.url} is unreachable", code="upstream_unavailable")
+                continue
+            except aiohttp.ClientError as e:
+                # The connection broke after it was made (e.g. a keep-alive race): one failure for the
+                # breaker, not a verdict on the worker. It may have admitted the request: abort it there.
+                self.pool.report(w, ok=False)
+                self.pool.release(w)
+                self.count(role, "transport_error")
+                self.abort(w, req.request_id)
+                last = OpenAIError(
+                    502, f"{role} worker {w.url} dropped the connection ({type(e).__name__})", code="upstream_error"
+                )
+                continue
+            except asyncio.CancelledError:  # the client left or a timeout fired: the worker may have admitted it
+                self.pool.release(w)
+                self.abort(w, req.request_id)
+                raise
+            if resp.status == 200:
+                return w, resp
+            err = await self._refusal(w, resp, role)
+            if resp.status not in (429, 503):
+                raise err  # the request itself was refused: another worker would refuse it too
+            last = err
+        raise last or OpenAIError(503, f"no healthy {role} worker", code="no_healthy_workers")
+
+    async def _refusal(self, w: Worker, resp: aiohttp.ClientResponse, role: str) -> OpenAIError:
+        try:
+            body = await resp.read()
+        except (aiohttp.ClientError, TimeoutError):
+            body = b""
+        finally:
+            resp.close()
+            self.pool.release(w)
+        status = resp.status
+        self.count(role, str(status))
+        if status >= 500:
+            self.pool.report(w, ok=False)
+        try:
+            info = ErrorResponse.model_validate_json(body).error
+            msg, code = info.message, info.code
+        except ValueError:
+            msg, code = body[:200].decode(errors="replace"), None
+        if status == 503:
+            self.pool.mark_down(w, f"answered 503: {msg}")
+        headers = {"Retry-After": resp.headers["retry-after"]} if "retry-after" in resp.headers else None
+        status = status if status in (400, 413, 422, 429) else 502
+        return OpenAIError(
+            status, f"{role} worker: {msg}", code="upstream_refused" if status == 502 else code, headers=headers
+        )
+
+    async def read(self, w: Worker, resp: aiohttp.ClientResponse) -> AsyncIterator[GenerateChunk]:
+        role = w.role
+        finished = False
+        try:
+            async for line in resp.content:  # NDJSON: one chunk a line
+                if line.strip():
+                    chunk = GenerateChunk.model_validate_json(line)
+                    if not finished and (chunk.finish_reason is not None or chunk.kv_handle is not None):
+                        finished = True
+                        self.pool.report(w, ok=chunk.finish_reason != "error")
+                    yield chunk
+        except TimeoutError:  # the read timeout (request_timeout) between two lines
+            self.count(role, "timeout")
+            self.pool.report(w, ok=False)
+            raise OpenAIError(504, f"{role} worker {w.url} stopped sending", code="upstream_timeout") from None
+        except (aiohttp.ClientError, HttpProcessingError, ValueError) as e:  # not a chunk, a line over the read buffer
+            self.count(role, "broken_stream")
+            self.pool.report(w, ok=False)
+            self.pool.mark_down(w, f"stream broke: {type(e).__name__}")
+            raise OpenAIError(
+                502, f"{role} worker {w.url} failed mid-request ({type(e).__name__})", code="upstream_error"
+            ) from None
+        finally:
+            resp.close()  # a stream read to its end has nothing left to drop; one left early drops its connection
+            self.pool.release(w)
+        if not finished:
+            self.count(role, "truncated")
+            self.pool.report(w, ok=False)
+            raise OpenAIError(
+                502, f"{role} worker {w.url} closed the stream before the request finished", code="upstream_error"
+            )
+
+    async def post_handoff(self, dw: Worker, dresp: aiohttp.ClientResponse, first: GenerateChunk) -> None:
+        """Give decode's waiting request its hand-off over HTTP (prefill did not notify dw itself)."""
+        first_token = FirstToken(
+            token_id=first.token_ids[0],
+            logprobs=first.logprobs[0] if first.logprobs else None,
+            text_offset=len(first.text),
+        )
+        handoff = Handoff(request_id=first.request_id, kv_handle=first.kv_handle, first_token=first_token)
+        failure: OpenAIError | None = None
+        try:
+            async with self.client.post(
+                f"{dw.url}/internal/handoff",
+                data=handoff.model_dump_json(exclude_none=True),
+                headers=self.headers,
+                timeout=CONTROL_TIMEOUT,
+            ) as resp:
+                if resp.status != 200:
+                    text = (await resp.read())[:200].decode(errors="replace")
+                    failure = OpenAIError(
+                        502,
+                        f"decode worker {dw.url} refused the hand-off ({resp.status}): {text}",
+                        code="upstream_error",
+                    )
+        except (aiohttp.ClientError, TimeoutError) as e:
+            failure = OpenAIError(
+                502, f"decode worker {dw.url}: posting the hand-off failed ({type(e).__name__})", code="upstream_error"
+            )
+        if failure is not None:  # decode's stream is ours to close and its slot ours to give back
+            self.count("decode", "handoff")
+            dresp.close()
+            self.pool.release(dw)
+            raise failure
+
+    def abort(self, w: Worker, rid: str) -> None:
+        """Tell w to abort rid, fire-and-forget: a failure only costs a lease's time."""
+        task = asyncio.get_running_loop().create_task(self._control(w, "/internal/abort", rid))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _control(self, w: Worker, path: str, rid: str) -> None:
+        try:
+            async with self.client.post(
+                f"{w.url}{path}",
+                data=RequestRef(request_id=rid).model_dump_json(),
+                headers=self.headers,
+                timeout=CONTROL_TIMEOUT,
+            ):
+                pass
+        except (aiohttp.ClientError, TimeoutError) as e:
+            log.info("%s %s for %s failed: %s: %s", w.url, path, rid, type(e).__name__, e)
+
+    def count(self, role: str, kind: str) -> None:
+        self.metrics.upstream_errors.labels(role, kind).inc()
