@@ -71,7 +71,7 @@ class SamplingParams(BaseModel):
         return [] if v is None else v
 
     @model_validator(mode="after")
-    def _min_le_max(self) -> "SamplingParams":
+    def _min_le_max(self) -> SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         return self
@@ -88,5 +88,5 @@ class SamplingParams(BaseModel):
         return self.model_dump()
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
+    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
         return cls.model_validate(d)
