@@ -177,6 +177,7 @@ def test_sched_setaffinity_pins_a_real_child():
         proc.wait()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     shutil.which("numactl") is None,
     reason="numactl is not installed (apt-get install -y numactl; .ci/run does): launch pins with sched_setaffinity instead, which the other tests check",
