@@ -8,9 +8,49 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _GREEDY_EPS = 1e-5  # temperatures below this sample greedily, as vLLM does
+
+
+class StructuredOutputsParams(BaseModel):
+    """A constraint on the generated text, vLLM's StructuredOutputsParams: exactly one of json_schema
+    (vLLM's `json`: a JSON schema, as a dict or its JSON text), json_object (any JSON object), regex, choice (one of
+    these strings) or grammar (an EBNF grammar). The sampler masks every token that would leave the
+    constraint. With start_after_token_id set (a reasoning model's end-of-thinking token) the
+    constraint applies only to what follows the first such token."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_schema: dict[str, Any] | str | None = Field(None, validation_alias=AliasChoices("json", "json_schema"))
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    start_after_token_id: int | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputsParams:
+        kinds = [
+            k
+            for k in ("json_schema", "json_object", "regex", "choice", "grammar")
+            if getattr(self, k) not in (None, False)
+        ]
+        if len(kinds) != 1:
+            raise ValueError(
+                f"structured outputs take exactly one of json (a schema), json_object, regex, choice, grammar; got {kinds or 'none'}"
+            )
+        if self.choice is not None and not self.choice:
+            raise ValueError("structured outputs: choice must list at least one string")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return next(
+            k
+            for k in ("json_schema", "json_object", "regex", "choice", "grammar")
+            if getattr(self, k) not in (None, False)
+        )
 
 
 class SamplingParams(BaseModel):
@@ -34,6 +74,7 @@ class SamplingParams(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     @field_validator("n")
     @classmethod

@@ -32,6 +32,7 @@ from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.stop import check_stop, visible_text
 from pdserve.outputs import CompletionOutput, Logprob, RequestOutput, from_entries
 from pdserve.sampling_params import SamplingParams
+from pdserve.structured.matcher import RequestMatcher
 
 
 @dataclass
@@ -112,7 +113,9 @@ class LLMEngine:
         """Admit a request (any thread); invalid ones raise ValueError and leave nothing behind.
         peer: decode role, the prefill engine's metadata the worker fetched (see KVConnector)."""
         self._validate(request)
+        grammar = self._grammar(request.params)
         seq = Sequence(request, arrival=next(self._arrival), peer=peer)
+        seq.grammar = grammar
         if self._detokenizes(request.params):
             from pdserve.tokenizer import IncrementalDetokenizer
 
@@ -146,6 +149,19 @@ class LLMEngine:
             problem = handoff_problem(req, req.kv_handle.num_tokens, req.first_token, vocab)
             if problem is not None:
                 raise ValueError(problem)
+
+    def _grammar(self, params: SamplingParams) -> RequestMatcher | None:
+        """The request's matcher (its spec compiled once per engine, then cached); ValueError when
+        the grammar library rejects the spec."""
+        spec = params.structured_outputs
+        if spec is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need a tokenizer (this engine has skip_tokenizer_init)")
+        from pdserve.structured.compiler import compiler_for
+
+        compiler = compiler_for(self.tokenizer, self.runner.model.config.vocab_size, sorted(self.eos_token_ids))
+        return RequestMatcher(compiler.compile(spec), spec)
 
     def _detokenizes(self, params: SamplingParams) -> bool:
         return self.tokenizer is not None and params.detokenize
@@ -215,6 +231,9 @@ class LLMEngine:
 
     def _push_token(self, seq: Sequence, token_id: int) -> SequenceStatus | None:
         seq.append_token(token_id)
+        if seq.grammar is not None and not seq.grammar.advance(token_id):
+            seq.error = f"structured outputs: {seq.grammar.error}"  # a masked token was sampled
+            return SequenceStatus.FINISHED_ERROR
         delta = seq.detokenizer.push(token_id) if seq.detokenizer is not None else ""
         status = check_stop(seq, token_id, delta, self.eos_token_ids, self.max_model_len)
         if status is SequenceStatus.FINISHED_LENGTH and seq.detokenizer is not None:
@@ -225,7 +244,7 @@ class LLMEngine:
         return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer is not None else None
 
     def _finish(self, seq: Sequence, status: SequenceStatus, error: str | None = None) -> None:
-        seq.error = error
+        seq.error = error or seq.error
         self.scheduler.finish(seq, status)
         if status is SequenceStatus.FINISHED_REMOTE_DECODE:
             self.remote_kv.hold(seq)

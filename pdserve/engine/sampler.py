@@ -1,7 +1,8 @@
 """Next-token sampling for one batch of sequences, with vLLM's semantics.
 
-Order, per row: min_tokens (EOS and stop_token_ids masked until min_tokens outputs exist) ->
-repetition penalty (prompt + output tokens: positive logits divided by it, negative multiplied) ->
+Order, per row: the structured-outputs grammar's token mask (pdserve/structured/bitmask.py; a
+complete answer allows only EOS, and min_tokens does not hold it back) -> min_tokens (EOS and
+stop_token_ids masked until min_tokens outputs exist) -> repetition penalty (prompt + output tokens: positive logits divided by it, negative multiplied) ->
 frequency and presence penalties (output tokens: logit -= frequency * count + presence * (count > 0))
 -> temperature -> min_p -> top_k -> top_p -> sample. Greedy rows (temperature 0) take the argmax
 of the penalized logits; temperature and filters do not touch them.
@@ -56,6 +57,7 @@ class Sampler:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.eos_token_ids = list(eos_token_ids)
         self.logprobs_mode = logprobs_mode
+        self.masks = None  # structured outputs' TokenMasks, made at the first constrained step
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
         return self.read(*self.draw(logits, seqs), seqs)
@@ -65,6 +67,7 @@ class Sampler:
         (queued, not waited for: `read` is where the host waits for the step)."""
         # logits: [N, V] float32
         x = logits.float().clone()
+        self._grammar_mask(x, seqs)
         self._min_tokens(x, seqs)
         self._penalties(x, seqs)
         if all(s.params.greedy for s in seqs):  # greedy rows are never filtered or scaled
@@ -84,8 +87,23 @@ class Sampler:
         return self._outputs(tokens, lp_source, seqs)
 
     # -- logits processing (in place on x: [N, V]) --
+    def _grammar_mask(self, x: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Structured outputs: tokens the row's grammar does not allow -> -inf (nothing when no row
+        has a grammar: unconstrained batches take the path they always took)."""
+        if all(s.grammar is None for s in seqs):
+            return
+        if self.masks is None:
+            from pdserve.structured.bitmask import TokenMasks
+
+            self.masks = TokenMasks(x.shape[1], self.device)
+        mask = self.masks.fill([s.grammar for s in seqs])
+        if mask is not None:
+            self.masks.apply(x, mask)
+
     def _min_tokens(self, x: torch.Tensor, seqs: list[Sequence]) -> None:
         for i, s in enumerate(seqs):
+            if s.grammar is not None and s.grammar.terminated:  # a complete answer may end: EOS is all it allows
+                continue
             if s.num_output_tokens < s.params.min_tokens:
                 stop_ids = list(s.params.stop_token_ids)
                 if not s.params.ignore_eos:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from pdserve.disagg.base import KVHandle, PeerMetadata
     from pdserve.engine.request import FirstToken, Request
     from pdserve.outputs import Logprob
+    from pdserve.structured.matcher import RequestMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -68,6 +69,7 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.stop_reason: int | str | None = None
         self.error: str | None = None
+        self.grammar: RequestMatcher | None = None  # structured outputs: advanced by each output token
         # PD
         self.hold_kv = request.hold_kv  # prefill role: keep blocks pinned after the first token
         self.kv_handle: KVHandle | None = request.kv_handle  # decode: the KV to load; prefill: what we hand out
