@@ -20,21 +20,24 @@ inside a multi-byte UTF-8 character.
 
 import json
 from collections.abc import Mapping, Sequence
-from datetime import datetime
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as _Backend
 
-# transformers' named special tokens, passed to chat templates under these names.
-SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+from pdserve.chat import dsv4
+from pdserve.chat.jinja import (
+    SPECIAL_TOKEN_NAMES,
+    alias_reasoning,
+    compile_template,
+    cut_at_tag,
+    plain,
+    tag_final_message,
+    template_variables,
+)
+
+DSV4_VARIABLES = frozenset({"thinking", "enable_thinking", "reasoning_effort", "response_format"})
 REPLACEMENT_CHAR = "\ufffd"  # what a lossy UTF-8 decode writes for incomplete bytes
 
 
@@ -59,10 +62,17 @@ class Tokenizer:
         if self._backend.post_processor is None:
             self._set_post_processor(bool(config.get("add_bos_token")), bool(config.get("add_eos_token")))
         self.chat_template: str | dict[str, str] | None = _load_chat_template(folder, config)
+        self.model_type: str | None = _read_json(folder / "config.json").get("model_type")
         self.model_max_length: int | None = config.get("model_max_length")
         self.bos_token_id = self._special_id("bos_token")
         self.eos_token_id = self._special_id("eos_token")
         self.pad_token_id = self._special_id("pad_token")
+
+    @property
+    def backend(self) -> _Backend:
+        """The `tokenizers` Tokenizer as set up here (added special tokens, post-processor): what a
+        library that reads tokenizer.json (llguidance) is given, as `backend.to_str()`."""
+        return self._backend
 
     @property
     def vocab_size(self) -> int:
@@ -89,6 +99,17 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
 
+    @property
+    def builtin_chat_encoder(self) -> bool:
+        """DeepSeek-V4 without a Jinja template: the built-in encoder (chat/dsv4.py) renders chats."""
+        return self.chat_template is None and self.model_type == "deepseek_v4"
+
+    def chat_template_variables(self, tools: list[dict] | None = None) -> frozenset[str]:
+        """The variables the chat template reads (chat_template_kwargs it can use)."""
+        if self.builtin_chat_encoder:
+            return DSV4_VARIABLES
+        return template_variables(self._pick_template(None, tools))
+
     def apply_chat_template(
         self,
         messages: list[dict],
@@ -101,27 +122,34 @@ class Tokenizer:
         continue_final_message: bool | str = False,
         **kwargs: Any,
     ) -> str | list[int]:
-        """Render `messages` with the chat template; token ids if `tokenize` (no second BOS)."""
-        template = self._pick_template(chat_template, tools)
+        """Render `messages` with the chat template; token ids if `tokenize` (no second BOS).
+        DeepSeek-V4 without a template: the built-in encoder, with kwargs thinking / enable_thinking,
+        reasoning_effort and response_format (rendered into the system message, as tools are)."""
         if not messages:
             raise ValueError("cannot apply a chat template to an empty conversation")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot be used together")
-        chat = _alias_reasoning(_plain([{k: v for k, v in m.items() if v is not None} for m in _plain(messages)]))
+        if self.builtin_chat_encoder and chat_template is None:
+            if continue_final_message or documents:
+                raise ValueError("the DeepSeek-V4 encoder takes no continue_final_message or documents")
+            text = _encode_dsv4(plain(messages), plain(tools), add_generation_prompt, plain(kwargs))
+            return self.encode(text, add_special_tokens=False) if tokenize else text
+        template = self._pick_template(chat_template, tools)
+        chat = alias_reasoning(plain([{k: v for k, v in m.items() if v is not None} for m in plain(messages)]))
         final_text = None
         if continue_final_message:
             field = continue_final_message if isinstance(continue_final_message, str) else "content"
-            final_text = _tag_final_message(chat, field, template)
-        variables = {**self.special_tokens, **_plain(kwargs)}
-        text = _compile(template).render(
+            final_text = tag_final_message(chat, field, template)
+        variables = {**self.special_tokens, **plain(kwargs)}
+        text = compile_template(template).render(
             messages=chat,
-            tools=_plain(tools),
-            documents=_plain(documents),
+            tools=plain(tools),
+            documents=plain(documents),
             add_generation_prompt=add_generation_prompt,
             **variables,
         )
         if final_text is not None:
-            text = _cut_at_tag(text, final_text)
+            text = cut_at_tag(text, final_text)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def _pick_template(self, chat_template: str | None, tools: list[dict] | None) -> str:
@@ -240,110 +268,39 @@ def _load_chat_template(folder: Path, config: dict) -> str | dict[str, str] | No
     return template
 
 
-class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` (assistant-mask marker): renders its body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller) -> str:
-        return caller()
-
-
-class _Namespace(jinja2.utils.Namespace):
-    """`namespace()` that refuses underscore attributes (no reaching into internals)."""
-
-    def __init__(*args, **kwargs):
-        self, args = args[0], args[1:]
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _Namespace._check(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name, value):
-        _Namespace._check(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check(name):
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore attributes ({name!r})")
-
-
-def _raise_exception(message: str):
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    # Jinja's own tojson escapes HTML characters; templates expect plain JSON.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-@lru_cache(maxsize=16)
-def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    env.globals["namespace"] = _Namespace
-    return env.from_string(template)
-
-
-def _plain(value: Any) -> Any:
-    """Plain JSON-like data for the sandbox: pydantic models dumped, containers copied."""
-    if value is None or type(value) in (str, int, float, bool):
-        return value
-    if isinstance(value, Mapping):
-        return {_plain(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if callable(getattr(value, "model_dump", None)):
-        return _plain(value.model_dump())
-    for base in (str, bool, int, float):
-        if isinstance(value, base):
-            return base(value)
-    return f"<{type(value).__name__}>"
-
-
-def _alias_reasoning(chat: list[dict]) -> list[dict]:
-    # transformers exposes a message's reasoning under both names templates read.
-    out = []
-    for message in chat:
-        reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
+def _encode_dsv4(messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool, kwargs: dict) -> str:
+    """OpenAI-style messages to the reference encoder's input: request-level tools and
+    response_format on the first system message (one made at the start when there is none),
+    developer messages as system ones, reasoning under reasoning_content, text parts joined."""
+    unknown = sorted(set(kwargs) - DSV4_VARIABLES)
+    if unknown:
+        raise ValueError(f"the DeepSeek-V4 encoder reads no {', '.join(unknown)}")
+    thinking = kwargs.get("thinking", kwargs.get("enable_thinking", False))
+    chat = []
+    for m in messages:
+        m = {k: v for k, v in m.items() if v is not None}
+        if m.get("role") == "developer":  # OpenAI's newer name for the system role
+            m["role"] = "system"
+        if m.get("role") not in ("system", "user", "assistant", "tool"):
+            raise ValueError(
+                f"the DeepSeek-V4 encoder takes roles system, user, assistant, tool; not {m.get('role')!r}"
+            )
+        if isinstance(m.get("content"), list) and m["role"] != "tool":
+            m["content"] = "".join(p.get("text", "") for p in m["content"] if p.get("type") == "text")
+        reasoning = next((m[k] for k in ("reasoning_content", "reasoning") if m.get(k) is not None), None)
         if reasoning is not None:
-            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
-        out.append(message)
-    return out
-
-
-def _tag_final_message(chat: list[dict], field: str, template: str) -> str:
-    """Mark the end of the final message's `field` so rendering can be cut right after it."""
-    final = chat[-1].get(field)
-    if final is None:
-        raise ValueError(f"continue_final_message is set but the final message has no {field!r}")
-    fields = [f for f in REASONING_FIELDS if chat[-1].get(f) == final] if field in REASONING_FIELDS else [field]
-    if not any(f in template for f in fields):
-        raise ValueError(f"continue_final_message: the chat template never reads {field!r}")
-    if isinstance(final, list):
-        for block in reversed(final):
-            if "text" in block:
-                final, block["text"] = block["text"], block["text"] + _CONTINUE_TAG
-                return final
-        raise ValueError("continue_final_message: the final message has no text block to continue")
-    for f in fields:
-        chat[-1][f] = chat[-1][f] + _CONTINUE_TAG
-    return final
-
-
-def _cut_at_tag(text: str, final_text: str) -> str:
-    tag = _CONTINUE_TAG.strip()
-    if final_text.strip() not in text or tag not in text:
-        raise ValueError("continue_final_message: the chat template dropped part of the final message")
-    at = text.rindex(tag)
-    return text[:at] if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
+            m["reasoning_content"] = reasoning
+        chat.append(m)
+    extras = {"tools": tools, "response_format": kwargs.get("response_format")}
+    if any(extras.values()):
+        at = next((i for i, m in enumerate(chat) if m["role"] == "system"), None)
+        if at is None:
+            chat.insert(0, {"role": "system", "content": ""})
+            at = 0
+        chat[at].update({k: v for k, v in extras.items() if v})
+    return dsv4.encode(
+        chat,
+        thinking=bool(thinking),
+        reasoning_effort=kwargs.get("reasoning_effort"),
+        add_generation_prompt=add_generation_prompt,
+    )

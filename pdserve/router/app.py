@@ -2,6 +2,7 @@
 
     POST /v1/completions, /v1/chat/completions    validate -> Router.serve (serving.py):
                                                   dispatch (dispatch.py) -> format (responses.py)
+    POST /tokenize, /detokenize                   a prompt or chat messages <-> token ids (tokenize.py)
     GET  /v1/models, /health, /workers, /metrics
 
 Thin by design: it tokenizes (the chat template for chat), validates, mints a request id, and hands
@@ -24,7 +25,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pdserve.config import RouterServeConfig
 from pdserve.router.dispatch import Dispatcher
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -39,6 +39,15 @@ from pdserve.router.responses import (
     CompletionFormatter,
 )
 from pdserve.router.serving import Router
+from pdserve.router.tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    detokenize,
+    tokenize,
+)
+from pdserve.serve_config import RouterServeConfig
 from pdserve.tokenizer import Tokenizer
 from pdserve.wire.errors import ERROR_RESPONSES, install_error_handlers
 from pdserve.wire.http import BodyLimit, TokenGuard
@@ -46,7 +55,16 @@ from pdserve.wire.metrics import CONTENT_TYPE
 
 MAX_BODY_BYTES = 8 << 20
 READ_BUFSIZE = 1 << 20  # a worker's chunk is one NDJSON line; aiohttp refuses a line over twice this
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/workers", "/metrics")
+ROUTES = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/tokenize",
+    "/detokenize",
+    "/health",
+    "/workers",
+    "/metrics",
+)
 
 
 def build_router_app(config: RouterServeConfig) -> FastAPI:
@@ -61,6 +79,7 @@ def build_router_app(config: RouterServeConfig) -> FastAPI:
         breaker_cooldown_s=settings.breaker_cooldown,
     )
     router = Router(config, _vocab_size(config.model), pool, Tokenizer(config.model), metrics)
+    router.validator.set_chat_defaults(settings.default_chat_template_kwargs)
     model_name = router.model_name
 
     @asynccontextmanager
@@ -127,8 +146,17 @@ def build_router_app(config: RouterServeConfig) -> FastAPI:
             prep.logprobs,
             body.return_token_ids,
             body.stream and body.include_usage(),
+            output=router.output_spec(body, prep),
         )
         return await router.serve(fmt, prep, body.stream, request.receive)
+
+    @app.post("/tokenize", responses=ERROR_RESPONSES)
+    async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:
+        return tokenize(router.validator, body, router.max_model_len())
+
+    @app.post("/detokenize", responses=ERROR_RESPONSES)
+    async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
+        return detokenize(router.validator, body)
 
     @app.get("/v1/models", responses=ERROR_RESPONSES)
     async def models() -> ModelList:

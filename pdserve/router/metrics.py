@@ -6,6 +6,7 @@ pdserve_time_to_first_token_seconds                 pdserve_router_upstream_erro
 pdserve_e2e_request_latency_seconds                 pdserve_router_retries_total{role}
 pdserve_router_prompt_tokens_total                  pdserve_router_worker_breaker_state{worker,role}
 pdserve_router_generation_tokens_total              pdserve_router_breaker_opens_total{worker,role}
+pdserve_router_tool_parse_failures_total{reason}    (chat: model markup that stayed text, responses.py)
 
 Where the time goes, from the RequestTiming a worker sends with its first new token:
 pdserve_router_ttft_breakdown_seconds{part}   queue | prefill (on the worker that made the first
@@ -103,6 +104,12 @@ class RouterMetrics:
         )
         self.kv_bytes = Counter(
             "pdserve_router_kv_transfer_bytes", "KV bytes decode workers read for the router's requests", registry=r
+        )
+        self.tool_parse_failures = Counter(
+            "pdserve_router_tool_parse_failures",
+            "Markup in model output that did not parse (a tool call, a think tag) and stayed text, by reason",
+            ["reason"],
+            registry=r,
         )
 
     def render(self) -> bytes:

@@ -2,12 +2,12 @@
 
 Requests are validated here (types, ranges, counts); what needs the model (prompt length against
 max_model_len, token ids against the vocabulary) is checked by the router (validation.py).
-Requests are strict, as OpenAI is: "5" is not a number and "yes" is not a boolean (422). Every
+Requests are strict, as OpenAI is: "5" is not a number and "yes" is not a boolean (400). Every
 string must be valid Unicode (no lone surrogates: they cannot be encoded, tokenized or echoed).
 The limits appear in the OpenAPI schema, which documents the API and drives the fuzz test.
 Unknown fields are ignored as OpenAI-compatible servers commonly do; fields pdserve knows but does
-not implement (n > 1, best_of, echo, suffix, logit_bias, tools, response_format other than text)
-are refused with 400 by the router.
+not implement (n > 1, best_of, echo, suffix, logit_bias, parallel_tool_calls false with
+tool_choice auto) are refused with 400 by the router.
 """
 
 from __future__ import annotations
@@ -15,41 +15,40 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from pdserve.router.chat_fields import (
+    NamedToolChoice,
+    ResponseFormat,
+    StructuredOutputs,
+    ThinkingOption,
+    Tool,
+    ToolCall,
+)
+from pdserve.router.protocol_types import (
+    INT64_MAX,
+    Name,
+    StopString,
+    Text,
+    TokenId,
+)
 
 MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256
 MAX_TOP_LOGPROBS = 20
 MAX_PROMPTS = 64  # prompts in one /v1/completions batch
 MAX_MESSAGES = 1024
 MAX_N = 128  # OpenAI's bound; the router serves n=1 only
-MAX_NAME_CHARS = 256  # model, user and message names
-INT64_MAX = 2**63 - 1
-
-
-def _valid_unicode(s: str) -> str:
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("the string is not valid Unicode (it holds a lone surrogate)") from None
-    return s
-
-
-# A JSON string that is valid Unicode; every request string is one.
-Text = Annotated[str, AfterValidator(_valid_unicode)]
-Name = Annotated[Text, StringConstraints(max_length=MAX_NAME_CHARS)]
-StopString = Annotated[Text, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
-TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = False
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
+    # a field pdserve does not know is refused (400 naming it), never silently dropped
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     model: Name | None = None  # None: the served model
     max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
@@ -74,6 +73,13 @@ class _Request(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
+    # structured outputs (both endpoints, as vLLM takes them); chat's V4 encoder also renders response_format
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: Annotated[list[Text], Field(min_length=1)] | None = None
+    guided_grammar: Text | None = None
 
     @field_validator("stop")
     @classmethod
@@ -154,11 +160,21 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | Annotated[list[TextPart], Field(min_length=1)] | None = None
     name: Name | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: Name | None = None  # tool: the call this result answers
+    reasoning_content: Text | None = None  # assistant: its reasoning, sent back by clients
+    reasoning: Text | None = None  # vLLM's newer name for reasoning_content
 
     @model_validator(mode="after")
     def _content(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content (only an assistant message may leave it out)")
+        if self.role != "assistant":
+            for field in ("tool_calls", "reasoning_content", "reasoning"):
+                if getattr(self, field) is not None:
+                    raise ValueError(f"{field} belongs to assistant messages, not {self.role} ones")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message needs tool_call_id, and only a tool message has one")
         return self
 
     def text(self) -> str:
@@ -168,11 +184,19 @@ class ChatMessage(BaseModel):
             return self.content
         return "".join(p.text for p in self.content)
 
-
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    type: Literal["text", "json_object", "json_schema"]
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates and the V4 encoder read it."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:
+            out["reasoning_content"] = reasoning
+        return out
 
 
 class ChatCompletionRequest(_Request):
@@ -181,8 +205,13 @@ class ChatCompletionRequest(_Request):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
-    tools: list[dict[str, Any]] | None = None
-    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # thinking controls (pdserve.chat.controls)
+    reasoning_effort: Text | None = None
+    thinking: ThinkingOption | None = None
+    chat_template_kwargs: dict[Text, Any] | None = None
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -191,10 +220,15 @@ class ChatCompletionRequest(_Request):
 # -- responses --
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0  # tokens generated while the answer was in its reasoning
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    completion_tokens_details: CompletionTokensDetails | None = None  # chat with a reasoning parser
 
 
 class CompletionLogprobs(BaseModel):
@@ -237,9 +271,22 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class ResponseFunction(BaseModel):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunction
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # with a reasoning parser: the answer's reasoning, apart
+    tool_calls: list[ResponseToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -261,9 +308,23 @@ class ChatCompletionResponse(BaseModel):
     prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
+class DeltaFunction(BaseModel):
+    name: str | None = None  # in a call's first delta
+    arguments: str | None = None  # a piece; a call's pieces joined are its arguments
+
+
+class DeltaToolCall(BaseModel):
+    index: int  # the call's place among the choice's calls
+    id: str | None = None  # in a call's first delta, with type
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

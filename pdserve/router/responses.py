@@ -13,6 +13,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
+from pdserve.chat.parsers import OutputParser, OutputSpec, Parsed
 from pdserve.router.openai_protocol import (
     AssistantMessage,
     ChatChoice,
@@ -24,10 +25,17 @@ from pdserve.router.openai_protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    CompletionTokensDetails,
+    DeltaFunction,
     DeltaMessage,
+    DeltaToolCall,
+    ResponseFunction,
+    ResponseToolCall,
     TopLogprob,
     UsageInfo,
 )
+from pdserve.router.token_bytes import TokenBytes
+from pdserve.sampling_params import SamplingParams
 from pdserve.tokenizer import Tokenizer
 from pdserve.wire.errors import ERROR_RESPONSES, ErrorResponse, OpenAIError
 from pdserve.wire.protocol import GenerateChunk, RouterHealth, TokenLogprobs
@@ -59,7 +67,8 @@ def sse_error(err: OpenAIError) -> bytes:
 
 @dataclass
 class ChoiceState:
-    """Everything one choice has produced so far."""
+    """Everything one choice has produced so far; with a parser (chat), its text read as
+    reasoning, content and tool calls as it comes (`parsed`: all of it, `last`: the last chunk's)."""
 
     prompt_token_ids: list[int]
     text: str = ""
@@ -67,6 +76,11 @@ class ChoiceState:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    parser: OutputParser | None = None
+    parsed: Parsed = field(default_factory=Parsed)
+    last: Parsed = field(default_factory=Parsed)
+    reasoning_tokens: int = 0
+    role_sent: bool = False  # streaming: the first delta sent carries the role
 
     def add(self, c: GenerateChunk) -> None:
         self.text += c.text
@@ -74,6 +88,28 @@ class ChoiceState:
         self.logprobs += c.logprobs or []
         if c.finish_reason is not None:
             self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
+        if self.parser is not None:
+            self._parse(c)
+
+    def _parse(self, c: GenerateChunk) -> None:
+        p = self.parser
+        reasoning = p.in_reasoning
+        new = p.feed(c.text)
+        if c.finish_reason is not None:
+            end = p.finish()
+            new = Parsed(new.reasoning + end.reasoning, new.content + end.content, new.calls + end.calls)
+        if reasoning or p.in_reasoning:
+            self.reasoning_tokens += len(c.token_ids)
+        self.last = new
+        self.parsed.reasoning += new.reasoning
+        self.parsed.content += new.content
+        self.parsed.calls += new.calls
+
+    def reason(self, finish_reason: str | None) -> str | None:
+        """A natural end after tool calls is OpenAI's "tool_calls"."""
+        if finish_reason == "stop" and self.parser is not None and self.parser.n_calls:
+            return "tool_calls"
+        return finish_reason
 
 
 class Formatter:
@@ -97,6 +133,7 @@ class Formatter:
         self.top_n = logprobs
         self.return_token_ids = return_token_ids
         self.include_usage = include_usage
+        self._token_bytes: TokenBytes | None = None  # made on first use: logprobs only
 
     def usage(self) -> UsageInfo:
         p = sum(len(c.prompt_token_ids) for c in self.choices)
@@ -106,8 +143,20 @@ class Formatter:
     def token_text(self, token_id: int, text: str | None) -> str:
         return text if text is not None else self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def bytes_of(self, token_id: int) -> list[int]:
+        """The token's own bytes (part of a UTF-8 character, it has no text of its own): token_bytes.py."""
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(self.tokenizer)
+        return self._token_bytes.of(token_id)
+
     def _ids(self, ids: list[int]) -> list[int] | None:
         return list(ids) if self.return_token_ids else None
+
+    def worker_params(self, params: SamplingParams) -> SamplingParams:
+        return params
+
+    def failures(self) -> list[str]:
+        return []
 
 
 class CompletionFormatter(Formatter):
@@ -182,13 +231,38 @@ class CompletionFormatter(Formatter):
 
 
 class ChatFormatter(Formatter):
+    """With an OutputSpec (a reasoning or tool-call parser): reasoning_content, content and
+    tool_calls apart; a stream sends each tool call once it is whole: a delta with its id and name,
+    then one per argument piece."""
+
+    def __init__(self, *args, output: OutputSpec | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.output = output if output is not None and output.active else None
+        for c in self.choices:
+            c.parser = self.output.parser() if self.output is not None else None
+
+    def worker_params(self, params: SamplingParams) -> SamplingParams:
+        """The workers keep special tokens' text when a parser reads it (they may be the markup)."""
+        return params if self.output is None else params.model_copy(update={"skip_special_tokens": False})
+
+    def failures(self) -> list[str]:
+        """Why markup the model wrote stayed text, for every choice (empty: all parsed)."""
+        return [f for c in self.choices if c.parser is not None for f in c.parser.failures]
+
+    def usage(self) -> UsageInfo:
+        usage = super().usage()
+        if self.output is not None and self.output.reasoning_parser is not None:
+            n = sum(c.reasoning_tokens for c in self.choices)
+            usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=n)
+        return usage
+
     def response(self) -> dict:
         choices = [
             ChatChoice(
                 index=i,
-                message=AssistantMessage(content=c.text),
+                message=_message(c),
                 logprobs=self._logprobs(c.logprobs) if self.top_n is not None else None,
-                finish_reason=c.finish_reason,
+                finish_reason=c.reason(c.finish_reason),
                 stop_reason=c.stop_reason,
                 token_ids=self._ids(c.token_ids),
             )
@@ -206,29 +280,39 @@ class ChatFormatter(Formatter):
         body = resp.model_dump(exclude_none=True)
         for ch in body["choices"]:
             _keep_nulls(ch, ("logprobs",))
+            _keep_nulls(ch["message"], ("content",))
         return body
 
     def chunk(self, i: int, c: GenerateChunk) -> bytes | None:
         state = self.choices[i]
-        first = not state.token_ids and not state.text
         state.add(c)
-        if not c.text and not c.finish_reason and not (self.return_token_ids and c.token_ids) and self.top_n is None:
+        deltas = _deltas(state.last) if state.parser is not None else [DeltaMessage(content=c.text)] if c.text else []
+        if not deltas and not c.finish_reason and not (self.return_token_ids and c.token_ids) and self.top_n is None:
             return None
-        delta = DeltaMessage(role="assistant", content=c.text) if first else DeltaMessage(content=c.text)
-        choice = ChatStreamChoice(
-            index=i,
-            delta=delta,
-            logprobs=self._logprobs(c.logprobs or []) if self.top_n is not None else None,
-            finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason,
-            token_ids=self._ids(c.token_ids),
-        )
+        deltas = deltas or [DeltaMessage()]
+        events = []
+        for k, delta in enumerate(deltas):
+            head, tail = k == 0, k == len(deltas) - 1
+            if not state.role_sent:
+                delta.role, state.role_sent = "assistant", True
+            choice = ChatStreamChoice(
+                index=i,
+                delta=delta,
+                logprobs=self._logprobs(c.logprobs or []) if self.top_n is not None and head else None,
+                finish_reason=state.reason(c.finish_reason) if tail else None,
+                stop_reason=c.stop_reason if tail else None,
+                token_ids=self._ids(c.token_ids) if head else None,
+            )
+            events.append(self._event(choice, first=head and len(state.token_ids) == len(c.token_ids)))
+        return b"".join(events)
+
+    def _event(self, choice: ChatStreamChoice, first: bool) -> bytes:
         chunk = ChatCompletionChunk(
             id=self.rid,
             created=self.created,
             model=self.model,
             choices=[choice],
-            prompt_token_ids=self._ids(state.prompt_token_ids) if first else None,
+            prompt_token_ids=self._ids(self.choices[choice.index].prompt_token_ids) if first else None,
         )
         body = chunk.model_dump(exclude_none=True)
         _keep_nulls(body["choices"][0], ("logprobs", "finish_reason"))
@@ -244,7 +328,7 @@ class ChatFormatter(Formatter):
                 "created": self.created,
                 "model": self.model,
                 "choices": [],
-                "usage": self.usage().model_dump(),
+                "usage": self.usage().model_dump(exclude_none=True),
             }
         )
 
@@ -258,16 +342,52 @@ class ChatFormatter(Formatter):
                 ChatTokenLogprob(
                     token=tok,
                     logprob=sampled.logprob,
-                    bytes=list(tok.encode()),
+                    bytes=self.bytes_of(sampled.token_id),
                     top_logprobs=[
                         TopLogprob(
-                            token=(t := self.token_text(e.token_id, e.token)), logprob=e.logprob, bytes=list(t.encode())
+                            token=self.token_text(e.token_id, e.token),
+                            logprob=e.logprob,
+                            bytes=self.bytes_of(e.token_id),
                         )
                         for e in top
                     ],
                 )
             )
         return ChatLogprobs(content=content)
+
+
+def _message(c: ChoiceState) -> AssistantMessage:
+    if c.parser is None:
+        return AssistantMessage(content=c.text)
+    p = c.parsed
+    calls = [
+        ResponseToolCall(id=t.id, function=ResponseFunction(name=t.call.name, arguments=t.call.arguments))
+        for t in p.calls
+    ]
+    return AssistantMessage(
+        content=p.content if p.content or not calls else None,
+        reasoning_content=p.reasoning if c.parser.reasoning_seen else None,
+        tool_calls=calls or None,
+    )
+
+
+def _deltas(new: Parsed) -> list[DeltaMessage]:
+    """A chunk's parsed output as deltas: text first, then each call (id and name, then pieces)."""
+    out = (
+        [DeltaMessage(reasoning_content=new.reasoning or None, content=new.content or None)]
+        if new.reasoning or new.content
+        else []
+    )
+    for t in new.calls:
+        head = DeltaToolCall(
+            index=t.index, id=t.id, type="function", function=DeltaFunction(name=t.call.name, arguments="")
+        )
+        out.append(DeltaMessage(tool_calls=[head]))
+        out += [
+            DeltaMessage(tool_calls=[DeltaToolCall(index=t.index, function=DeltaFunction(arguments=p))])
+            for p in t.call.pieces
+        ]
+    return out
 
 
 def _keep_nulls(d: dict, keys: tuple[str, ...]) -> None:

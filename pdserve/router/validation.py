@@ -3,7 +3,9 @@
 The checks that need the model live here (the schema's own checks are in openai_protocol.py):
 model name (404), options pdserve does not implement (400), prompt and completion length against
 max_model_len (400, code context_length_exceeded), token ids against the vocabulary (400), the
-chat template rendering (400).
+chat template rendering (400). Constraints become SamplingParams.structured_outputs: the structured
+outputs fields (both endpoints), and tool_choice required / a named function as the grammar of the
+model's tool-call block (pdserve/chat/tool_grammar.py).
 
 Tokenizing holds the GIL (a multi-MB prompt stalls the router for seconds), so text that cannot
 fit the context whatever it tokenizes to is refused before it is tokenized: no token spans more
@@ -12,13 +14,21 @@ than `max_token_chars` characters, and normalizers shrink text by less than NORM
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
 
 import jinja2
 from pydantic import ValidationError
 
+from pdserve import structured
+from pdserve.chat import controls
+from pdserve.chat.dsv4 import DSML, END_THINK, THINK
+from pdserve.chat.tool_grammar import ToolGrammarError, dsml_tool_grammar
+from pdserve.router.chat_fields import NamedToolChoice
 from pdserve.router.openai_protocol import INT64_MAX, ChatCompletionRequest, CompletionRequest, _Request
-from pdserve.sampling_params import SamplingParams
+from pdserve.sampling_params import SamplingParams, StructuredOutputsParams
+from pdserve.structured.compiler import JSON_OPTIONS
 from pdserve.tokenizer import Tokenizer
 from pdserve.wire.errors import OpenAIError
 
@@ -32,11 +42,16 @@ class Prepared:
     prompts: list[list[int]]
     params: list[SamplingParams]
     logprobs: int | None  # top-N alternatives requested, None for no logprobs
+    thinking: bool = False  # chat: the prompt ends in <think> (the output starts with reasoning)
+    tools: list[dict] | None = None  # chat: the request's tools (OpenAI form)
+    tool_choice: str = "auto"  # chat: "auto", "none", or "required" (required or a named function: a grammar)
 
 
 class RequestValidator:
     def __init__(self, tokenizer: Tokenizer, served_model_name: str, vocab_size: int) -> None:
         self.tokenizer = tokenizer
+        self.chat_defaults: dict[str, Any] = {}  # --default-chat-template-kwargs
+        self.tool_parser: str | None = None  # the router's tool-call parser: the format forced calls take
         self.served_model_name = served_model_name
         self.vocab_size = vocab_size
         self.max_token_chars = max(len(tokenizer.id_to_token(i) or "") for i in range(len(tokenizer))) or 1
@@ -48,40 +63,163 @@ class RequestValidator:
                 raise OpenAIError(400, f"{flag} is not supported by pdserve", param=flag, code="unsupported_parameter")
         prompts = [self._prompt_ids(p, max_model_len) for p in req.prompts()]
         params = [self._params(req, len(ids), max_model_len, req.max_tokens, req.logprobs) for ids in prompts]
+        spec = structured_outputs(req)
+        if spec is not None:
+            constraint = self._checked(spec, thinking=False)
+            for p in params:
+                p.structured_outputs = constraint
         return Prepared(prompts, params, req.logprobs)
+
+    def set_chat_defaults(self, defaults: dict[str, Any]) -> None:
+        """The server's default chat_template_kwargs; ValueError (at startup) if the template cannot use them."""
+        try:
+            variables = self.tokenizer.chat_template_variables()
+        except ValueError:  # no chat template
+            variables = frozenset()
+        controls.resolve(variables=variables, builtin_v4=self.tokenizer.builtin_chat_encoder, defaults=defaults)
+        self.chat_defaults = dict(defaults)
+
+    def chat_prompt(
+        self,
+        messages: list[dict],
+        *,
+        tools: list[dict] | None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        thinking: str | None = None,
+        reasoning_effort: str | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+        response_format: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """The prompt token ids of a chat, as the model's template or encoder renders it (400 if it cannot)."""
+        tok = self.tokenizer
+        try:
+            variables = tok.chat_template_variables(tools)
+            kwargs = controls.resolve(
+                variables=variables,
+                builtin_v4=tok.builtin_chat_encoder,
+                thinking=thinking,
+                reasoning_effort=reasoning_effort,
+                kwargs=template_kwargs,
+                defaults=self.chat_defaults,
+            )
+        except controls.ControlError as e:
+            raise OpenAIError(400, str(e), param=e.param) from None
+        except ValueError as e:  # no template at all
+            raise OpenAIError(400, str(e), param="messages") from None
+        if tools and "tools" not in variables and not tok.builtin_chat_encoder:
+            raise OpenAIError(400, "this model's chat template does not render tools", param="tools")
+        if response_format is not None and "response_format" in variables:
+            kwargs["response_format"] = response_format
+        try:
+            return tok.apply_chat_template(
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=True,
+                tools=tools,
+                **kwargs,
+            )
+        except (jinja2.TemplateError, ValueError, TypeError, KeyError) as e:
+            raise OpenAIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
 
     def chat(self, req: ChatCompletionRequest, max_model_len: int) -> Prepared:
         self._common(req)
-        if req.tools:
-            raise OpenAIError(400, "tools are not supported by pdserve", param="tools", code="unsupported_parameter")
-        fmt = req.response_format.type if req.response_format is not None else "text"
-        if fmt != "text":
-            raise OpenAIError(
-                400,
-                f"response_format {fmt!r} is not supported (only 'text')",
-                param="response_format",
-                code="unsupported_parameter",
-            )
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        tool_choice, forced = _tool_choice(req)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
-        self._fits_untokenized(sum(len(m["content"]) for m in messages), max_model_len, "messages")
-        try:
-            ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt, tokenize=True
-            )
-        except (jinja2.TemplateError, ValueError, TypeError) as e:
-            raise OpenAIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
+        messages = [m.for_template() for m in req.messages]
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        chars = sum(len(json.dumps(m, ensure_ascii=False)) for m in messages) + len(json.dumps(tools or []))
+        self._fits_untokenized(chars, max_model_len, "messages")
+        fmt = req.response_format
+        ids = self.chat_prompt(
+            messages,
+            tools=tools,
+            add_generation_prompt=req.add_generation_prompt,
+            thinking=req.thinking.type if req.thinking is not None else None,
+            reasoning_effort=req.reasoning_effort,
+            template_kwargs=req.chat_template_kwargs,
+            response_format=fmt.as_sent() if fmt and fmt.type != "text" else None,
+        )
         if not ids:
             raise OpenAIError(400, "the messages render to an empty prompt", param="messages")
+        thinking = self._ends_thinking(ids)
         params = self._params(req, len(ids), max_model_len, req.token_limit(), logprobs)
-        return Prepared([list(ids)], [params], logprobs)
+        spec = structured_outputs(req)
+        if forced is not None and spec is not None:
+            raise OpenAIError(
+                400,
+                f"tool_choice {forced or 'required'!r} and {spec['param']} each ask for a constraint; send one",
+                param=spec["param"],
+            )
+        if forced is not None:
+            params.structured_outputs = self._tool_calls(tools, forced or None, req.parallel_tool_calls, thinking)
+        elif spec is not None:
+            params.structured_outputs = self._checked(spec, thinking)
+        return Prepared([list(ids)], [params], logprobs, thinking=thinking, tools=tools, tool_choice=tool_choice)
+
+    def _tool_calls(
+        self, tools: list[dict], name: str | None, parallel: bool | None, thinking: bool
+    ) -> StructuredOutputsParams:
+        """The grammar of forced tool calls (tool_choice required, or `name`): one or more calls
+        in the model's DSML markup, each tool's arguments as its schema says."""
+        what = "tool_choice 'required'" if name is None else "a named tool_choice"
+        dsml, end = self.tokenizer.token_to_id(DSML), self.tokenizer.token_to_id(END_THINK)
+        if self.tool_parser != "deepseek_v4" or dsml is None or (thinking and end is None):
+            raise OpenAIError(
+                400,
+                f"{what} is enforced in DeepSeek-V4's tool-call format (tool-call parser deepseek_v4, a {DSML} "
+                f"token); this server's tool-call parser is {self.tool_parser or 'none'}",
+                param="tool_choice",
+                code="unsupported_parameter",
+            )
+        try:
+            grammar = dsml_tool_grammar(
+                tools,
+                dsml_id=dsml,
+                name=name,
+                single=parallel is False,
+                end_think_id=end if thinking else None,
+                json_layout=JSON_OPTIONS,
+            )
+            params = StructuredOutputsParams(grammar=grammar)
+            structured.check(params, self.tokenizer)
+        except ToolGrammarError as e:
+            raise OpenAIError(400, str(e), param="tools") from None
+        except ValueError as e:  # a parameter schema the grammar library rejects
+            raise OpenAIError(400, f"tools: {e}", param="tools") from None
+        return params
+
+    def _ends_thinking(self, ids: list[int]) -> bool:
+        """The prompt opens the model's reasoning: it ends with <think> (and perhaps a newline)."""
+        tail = self.tokenizer.decode(ids[-8:], skip_special_tokens=False)  # "<think>\n": 8 characters at most
+        return tail.rstrip("\n").endswith(THINK)
+
+    def _checked(self, spec: dict[str, Any], thinking: bool) -> StructuredOutputsParams:
+        if thinking:
+            end = self.tokenizer.token_to_id(END_THINK)
+            if end is None:
+                raise OpenAIError(
+                    400, f"structured outputs in thinking mode need a {END_THINK} token", param="thinking"
+                )
+            spec["start_after_token_id"] = end
+        param = spec.pop("param")
+        try:
+            params = StructuredOutputsParams(**spec)
+            structured.check(params, self.tokenizer)
+        except ValueError as e:
+            raise OpenAIError(400, f"{param}: {e}", param=param) from None
+        return params
 
     # -- shared --
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise OpenAIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
     def _common(self, req: _Request) -> None:
-        if req.model is not None and req.model != self.served_model_name:
-            raise OpenAIError(404, f"The model `{req.model}` does not exist.", param="model", code="model_not_found")
+        self.check_model(req.model)
         if req.stream_options is not None and not req.stream:
             raise OpenAIError(400, "stream_options is only allowed when stream is true", param="stream_options")
         if req.n != 1:
@@ -166,3 +304,56 @@ class RequestValidator:
                 (f for f in ("min_tokens", "max_tokens") if f in msg), None
             )
             raise OpenAIError(400, f"{param + ': ' if first['loc'] else ''}{msg}", param=param) from None
+
+
+def _tool_choice(req: ChatCompletionRequest) -> tuple[str, str | None]:
+    """(tool_choice as Prepared keeps it, what a grammar forces: "" for any tool, a function's
+    name, None for nothing)."""
+    choice = req.tool_choice
+    if choice is not None and not req.tools:
+        raise OpenAIError(400, "tool_choice needs tools", param="tool_choice")
+    if req.parallel_tool_calls is False and choice in (None, "auto"):
+        raise OpenAIError(
+            400,
+            "parallel_tool_calls: false is honoured with tool_choice 'required', a named function or 'none', "
+            "not with 'auto'",
+            param="parallel_tool_calls",
+            code="unsupported_parameter",
+        )
+    if isinstance(choice, NamedToolChoice):
+        name = choice.function.name
+        if all(t.function.name != name for t in req.tools):
+            raise OpenAIError(
+                400, f"tool_choice names the function {name!r}, which is not among the tools", param="tool_choice"
+            )
+        return "required", name
+    if choice == "required":
+        return "required", ""
+    return choice or "auto", None
+
+
+def structured_outputs(req: _Request) -> dict[str, Any] | None:
+    """StructuredOutputsParams fields (and `param`, the field they came from) of the one request
+    field that asks for a constraint; 400 if several do."""
+    asked: list[tuple[str, dict[str, Any]]] = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        asked.append(("response_format", {"json_object": True}))
+    elif fmt is not None and fmt.type == "json_schema":
+        schema = fmt.json_schema.schema_
+        asked.append(("response_format", {"json": schema} if schema is not None else {"json_object": True}))
+    if req.structured_outputs is not None:
+        so = req.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+        asked.append(("structured_outputs", so))
+    for field, key in (
+        ("guided_json", "json"),
+        ("guided_regex", "regex"),
+        ("guided_choice", "choice"),
+        ("guided_grammar", "grammar"),
+    ):
+        if getattr(req, field) is not None:
+            asked.append((field, {key: getattr(req, field)}))
+    if len(asked) > 1:
+        names = " and ".join(a[0] for a in asked)
+        raise OpenAIError(400, f"{names} each ask for a constraint; send one", param=asked[1][0])
+    return {**asked[0][1], "param": asked[0][0]} if asked else None

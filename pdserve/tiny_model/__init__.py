@@ -4,7 +4,8 @@ No weights can be downloaded where pdserve is tested, so this writes a checkpoin
 both pdserve and transformers 5.24 load: config.json, model.safetensors (float32, named as
 transformers' save_pretrained names them, per-expert weights), tokenizer.json (byte-level
 BPE, so any UTF-8 text round-trips), tokenizer_config.json (special tokens and a
-DeepSeek-style chat template), special_tokens_map.json and generation_config.json.
+DeepSeek-style chat template; deepseek_v4 has none, as its release), special_tokens_map.json
+and generation_config.json.
 
 Everything is deterministic: the same (arch, seed) gives byte-identical files. The seed
 only changes the weights; the tokenizer is trained on a fixed text (tokenizer.py).
@@ -66,7 +67,7 @@ def make_tiny_model(
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(arch)
     vocab_size = math.ceil(tokenizer.get_vocab_size() / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     config = tiny_v4_config(vocab_size) if arch == "deepseek_v4" else tiny_config(arch, vocab_size)
     unknown = sorted(set(overrides or {}) - set(config))
@@ -78,7 +79,7 @@ def make_tiny_model(
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n", encoding="utf-8")
     write_json(out / "config.json", config)
-    write_json(out / "tokenizer_config.json", tokenizer_config())
+    write_json(out / "tokenizer_config.json", tokenizer_config(arch))
     write_json(out / "special_tokens_map.json", {"bos_token": BOS, "eos_token": EOS, "pad_token": EOS})
     write_json(out / "generation_config.json", {"bos_token_id": 0, "eos_token_id": 1})
     return out

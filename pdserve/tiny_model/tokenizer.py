@@ -1,14 +1,23 @@
 """The tiny checkpoints' tokenizer: byte-level BPE (any UTF-8 text round-trips) trained on the
 embedded text below, DeepSeek's special tokens and a DeepSeek-style chat template (what
-tokenizer.json and tokenizer_config.json hold)."""
+tokenizer.json and tokenizer_config.json hold).
+
+deepseek_v4 ships as the release does: the tokens its encoder writes (think tags, DSML, the
+reminder and task tokens) and no chat template, so pdserve's built-in V4 encoder renders chats.
+Those tokens come after the trained vocabulary, so the other ids are the same for every arch."""
 
 from __future__ import annotations
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from pdserve.chat import dsv4
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
 SPECIAL_TOKENS = [BOS, EOS, USER, ASSISTANT]  # ids 0, 1, 2, 3
+# DeepSeek-V4's further tokens: think tags and DSML decode as text (the output parser reads them).
+V4_TEXT_TOKENS = [dsv4.THINK, dsv4.END_THINK, dsv4.DSML]
+V4_SPECIAL_TOKENS = [dsv4.REMINDER, *dsv4.TASK_TOKENS.values()]
 
 # Upper bound on the BPE size (4 special + 256 byte tokens + merges); training on _CORPUS stops
 # earlier, once every corpus word is a single token.
@@ -75,7 +84,7 @@ If something goes wrong, the user should get a clear error message, never a wron
 """
 
 
-def build_tokenizer() -> Tokenizer:
+def build_tokenizer(arch: str = "deepseek_v3") -> Tokenizer:
     """Byte-level BPE trained on `_CORPUS`; BOS is prepended by the post-processor."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -92,11 +101,14 @@ def build_tokenizer() -> Tokenizer:
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{BOS}:0 $A:0", pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1", special_tokens=[(BOS, bos_id)]
     )
+    if arch == "deepseek_v4":
+        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in V4_TEXT_TOKENS])
+        tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in V4_SPECIAL_TOKENS])
     return tokenizer
 
 
-def tokenizer_config() -> dict:
-    return {
+def tokenizer_config(arch: str = "deepseek_v3") -> dict:
+    config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS,
         "eos_token": EOS,
@@ -108,3 +120,6 @@ def tokenizer_config() -> dict:
         "model_max_length": 4096,
         "chat_template": CHAT_TEMPLATE,
     }
+    if arch == "deepseek_v4":
+        del config["chat_template"]  # the release ships a Python encoder, not a template
+    return config

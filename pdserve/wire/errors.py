@@ -6,9 +6,9 @@ Every error any pdserve HTTP server returns has OpenAI's shape:
 Status codes (as OpenAI uses them): 400 a body that is not JSON (malformed, empty, not UTF-8, nested
 too deep, a non-JSON Content-Type) or a request that cannot be served as asked (context length,
 unsupported option); 401 missing/wrong API key (or cluster secret on a worker); 404 unknown model
-or route; 405 a method the route does not take (with Allow); 413 body too large; 422 a body that
-does not match the schema (wrong types, missing fields, out-of-range values, unknown roles, invalid
-Unicode); 429 over capacity (with Retry-After); 502/503/504 an upstream worker failed, none is
+or route; 405 a method the route does not take (with Allow); 413 body too large; 400 too for a body
+that does not match the schema (wrong types, missing fields, out-of-range values, unknown roles,
+invalid Unicode), as OpenAI and vLLM answer it (the openai SDK raises BadRequestError); 429 over capacity (with Retry-After); 502/503/504 an upstream worker failed, none is
 healthy, or it timed out. Never 500 for bad input. Error bodies are ASCII JSON (non-ASCII escaped).
 """
 
@@ -92,7 +92,7 @@ def too_busy(what: str, retry_after_s: int = 1) -> OpenAIError:
 
 # responses= for route decorators, so the OpenAPI schema documents the error shapes we return
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    s: {"model": ErrorResponse} for s in (400, 401, 404, 413, 422, 429, 502, 503, 504)
+    s: {"model": ErrorResponse} for s in (400, 401, 404, 413, 429, 502, 503, 504)
 }
 
 
@@ -133,12 +133,19 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     if param is None and first.get("type") == "missing":
         return OpenAIError(400, "the request body is empty: send a JSON object", code="invalid_json")
     if param is None and first.get("type") in ("model_attributes_type", "model_type", "dict_type"):
-        return OpenAIError(422, "the request body must be a JSON object", code="invalid_value")
+        return OpenAIError(400, "the request body must be a JSON object", code="invalid_value")
+    if param and first.get("type") == "extra_forbidden":
+        return OpenAIError(
+            400,
+            f"{param}: unrecognized request field (pdserve does not honour it)",
+            param=param,
+            code="unsupported_parameter",
+        )
     others = {_top(e) for e in errors} - {_top(first)}
     more = f" (and problems with {', '.join(sorted(others))})" if others else ""
     where = f"{param}: " if param else ""
     return OpenAIError(
-        422, f"{where}{_message(str(first.get('msg', 'invalid value')))}{more}", param=param, code="invalid_value"
+        400, f"{where}{_message(str(first.get('msg', 'invalid value')))}{more}", param=param, code="invalid_value"
     )
 
 

@@ -11,7 +11,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-from pdserve.config import RouterServeConfig
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.stop import visible_text
 from pdserve.router.app import build_router_app
@@ -20,6 +19,7 @@ from pdserve.router.openai_protocol import ChatCompletionRequest, CompletionRequ
 from pdserve.router.policies import LeastLoad, PowerOfTwo, RoundRobin, make_policy
 from pdserve.router.validation import RequestValidator
 from pdserve.sampling_params import SamplingParams
+from pdserve.serve_config import RouterServeConfig
 from pdserve.tiny_model import make_tiny_model
 from pdserve.tokenizer import Tokenizer
 from pdserve.wire.errors import OpenAIError
@@ -142,7 +142,11 @@ def test_refusals(validator):
     )
     assert _err(lambda: validator.completion(CompletionRequest(prompt="x", echo=True), 64)).param == "echo"
     assert (
-        _err(lambda: validator.chat(ChatCompletionRequest(messages=msgs, tools=[{"type": "function"}]), 64)).param
+        _err(
+            lambda: validator.chat(
+                ChatCompletionRequest(messages=msgs, tools=[{"type": "function", "function": {"name": "f"}}]), 64
+            )
+        ).param
         == "tools"
     )
     e = _err(lambda: validator.completion(CompletionRequest(prompt="x", min_tokens=9, max_tokens=2), 64))
@@ -242,10 +246,10 @@ async def test_router_error_objects(router_app):
         (("POST", "/v1/completions"), {"json": ok, "key": None}, 401),
         (("POST", "/v1/completions"), {"json": ok, "key": "sk-wrong"}, 401),
         (("POST", "/v1/completions"), {"content": b"{not json", "headers": {"content-type": "application/json"}}, 400),
-        (("POST", "/v1/completions"), {"json": {**ok, "max_tokens": "many"}}, 422),
+        (("POST", "/v1/completions"), {"json": {**ok, "max_tokens": "many"}}, 400),
         (("POST", "/v1/completions"), {"json": {**ok, "model": "nope"}}, 404),
         (("POST", "/v1/completions"), {"json": {**ok, "max_tokens": 100}}, 400),
-        (("POST", "/v1/chat/completions"), {"json": {"messages": [{"role": "x", "content": "y"}]}}, 422),
+        (("POST", "/v1/chat/completions"), {"json": {"messages": [{"role": "x", "content": "y"}]}}, 400),
         (("POST", "/v1/completions"), {"content": b"x" * (9 << 20)}, 413),
         (("POST", "/internal/generate"), {"json": {}}, 404),
         (("GET", "/v1/nothing"), {}, 404),
@@ -261,6 +265,19 @@ async def test_router_error_objects(router_app):
         _error(await _call(router_app, "POST", "/v1/completions", json={**ok, "max_tokens": "many"}))["param"]
         == "max_tokens"
     )
+
+
+async def test_unknown_request_fields_are_refused_by_name(router_app):
+    """A field pdserve does not know (or a typo of one it does) is a 400 naming it, never dropped."""
+    for path, body in (
+        ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "frequency_penalty_x": 1}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "service_tier": "flex"}),
+        ("/v1/completions", {"prompt": "hi", "stream": True, "stream_options": {"include_usage": True, "x": 1}}),
+    ):
+        resp = await _call(router_app, "POST", path, json=body)
+        assert resp.status_code == 400, resp.text
+        err = _error(resp)
+        assert err["code"] == "unsupported_parameter" and err["param"].split(".")[-1] in str(body), err
 
 
 async def test_router_health_metrics_and_openapi(router_app):

@@ -1,0 +1,11 @@
+"""Chat prompts: how a conversation becomes the prompt text, per model family.
+
+    dsv4.py      DeepSeek-V4's encoder (the release ships Python, not a Jinja template)
+    jinja.py     Jinja chat templates (DeepSeek-V3 / V3.1 / V3.2 / R1 ship one), rendered as transformers does
+    controls.py  a request's thinking / reasoning-effort / chat_template_kwargs, checked against what the
+                 template reads, with the server's defaults
+    tool_grammar.py  tool_choice "required" / a named function as a grammar of V4's DSML call block
+
+pdserve.tokenizer.Tokenizer.apply_chat_template picks the encoder: a checkpoint's Jinja template
+when it ships one, the built-in V4 encoder for a deepseek_v4 checkpoint that ships none.
+"""

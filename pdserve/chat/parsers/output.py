@@ -1,0 +1,198 @@
+"""One choice's generated text -> reasoning_content, content and tool calls, as it streams.
+
+    start ──<think>──> reasoning ──</think>──> content ──block open──> block ──call open──> call
+      │ (thinking mode starts in reasoning)        ^  <──block close──  │  <──call close──  │
+      └────────────────── other text ─────────────┘                    (parsed: a Call, or text)
+    (a block opened in the reasoning ends it: V4 may call tools without writing </think>)
+
+`feed(text)` and `finish()` return what became certain: text is held back only while it may
+still be the start of a marker, and a tool call is given out only once its close marker is in and
+its body parses (so no client ever gets a call it would have to take back). What does not parse
+stays text in content, exactly as the model wrote it, and its reason is kept in `failures`
+(the router logs and counts them). Think tags never reach content; the special tokens in `drop`
+are removed (the worker's text keeps them so that the markup can be seen at all).
+
+Feeding the text in any pieces gives the same reasoning, content and calls as feeding it whole
+(tests/unit/test_chat_parsers.py splits at random).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+from pdserve.chat.parsers.calls import Call, CallError, Dialect
+from pdserve.chat.parsers.scan import MarkerScanner
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+@dataclass
+class ToolCall:
+    index: int
+    id: str
+    call: Call
+
+
+@dataclass
+class Parsed:
+    """What one feed or finish made certain."""
+
+    reasoning: str = ""
+    content: str = ""
+    calls: list[ToolCall] = field(default_factory=list)
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class OutputParser:
+    def __init__(
+        self,
+        reasoning: bool,
+        thinking: bool,
+        dialect: Dialect | None,
+        tool_names: Collection[str] = (),
+        drop: Collection[str] = (),
+    ) -> None:
+        self.think = {THINK_OPEN, THINK_CLOSE} if reasoning else set()
+        self.dialect = dialect
+        self.tool_names = frozenset(tool_names)
+        structural = self.think | (dialect.markers() if dialect else set())
+        self.drop = set(drop) - structural
+        self.scanner = MarkerScanner(structural | self.drop)
+        self._unwanted = MarkerScanner(self.think | self.drop)  # removed from markup kept as content
+        self.state = "reasoning" if reasoning and thinking else "start" if reasoning else "content"
+        self.failures: list[str] = []
+        self.n_calls = 0
+        self.reasoning_seen = self.state == "reasoning"
+        self._pending = ""  # start: leading whitespace; block: its markup and whitespace so far
+        self._call = ""  # call: the markup since its open marker
+        self._run = ""  # block: text since the last marker
+        self._block_calls = self._block_tried = 0  # calls parsed, calls begun in the current block
+        self._out = Parsed()
+
+    @property
+    def in_reasoning(self) -> bool:
+        return self.state == "reasoning"
+
+    def feed(self, text: str) -> Parsed:
+        for is_marker, piece in self.scanner.feed(text):
+            self._event(is_marker, piece)
+        return self._take()
+
+    def finish(self) -> Parsed:
+        for is_marker, piece in self.scanner.finish():
+            self._event(is_marker, piece)
+        if self.state == "block":
+            self._settle_run()
+        if self.state == "start":
+            self._text(self._pending)
+        elif self.state == "block" and not self._block_calls and self._pending:
+            self._fail("" if self._block_tried else "unclosed_block", self._pending)
+        elif self.state == "call":
+            self._fail("unclosed_call", self._pending + self._call)
+        self._pending = self._call = ""
+        self.state = "done"
+        return self._take()
+
+    # -- events by state --
+    def _event(self, is_marker: bool, piece: str) -> None:
+        getattr(self, f"_on_{self.state}")(is_marker, piece)
+
+    def _on_start(self, is_marker: bool, piece: str) -> None:
+        if not is_marker and not piece.strip():
+            self._pending += piece  # whitespace before a possible <think>
+            return
+        if is_marker and piece in self.drop:
+            return
+        if is_marker and piece == THINK_OPEN:
+            self.state, self._pending, self.reasoning_seen = "reasoning", "", True
+            return
+        self.state, pending, self._pending = "content", self._pending, ""
+        self._text(pending)
+        self._on_content(is_marker, piece)
+
+    def _on_reasoning(self, is_marker: bool, piece: str) -> None:
+        if piece == THINK_CLOSE and is_marker:
+            self.state = "content"
+        elif is_marker and self.dialect is not None and piece in self.dialect.block_open:
+            self.state = "content"  # calls straight after the reasoning, without </think> (V4 does)
+            self._on_content(is_marker, piece)
+        elif not is_marker or (piece not in self.drop and piece not in self.think):
+            self._out.reasoning += piece  # a call's markup outside a block is reasoning text here
+
+    def _on_content(self, is_marker: bool, piece: str) -> None:
+        if not is_marker:
+            self._text(piece)
+        elif self.dialect is not None and piece in self.dialect.block_open:
+            self.state, self._pending, self._block_calls, self._block_tried = "block", piece, 0, 0
+        elif piece in self.think:
+            self.failures.append("think_tag")  # a think tag in the answer: dropped
+        elif piece not in self.drop:
+            self._fail("stray_markup", piece)  # a call's or block's markup outside a block
+
+    def _on_block(self, is_marker: bool, piece: str) -> None:
+        d = self.dialect
+        if not is_marker:
+            self._run += piece  # text between markers is judged whole (its pieces depend on the split)
+            return
+        self._settle_run()
+        if piece == d.call_open:
+            self.state, self._call = "call", piece
+            self._block_tried += 1
+        elif piece == d.block_close:
+            if not self._block_calls:  # nothing parsed here: the block's markup stays text
+                self._fail("" if self._block_tried else "empty_block", self._pending + piece)
+            self.state, self._pending = "content", ""
+        elif piece not in self.drop:  # markup that has no place between calls
+            self._fail("text_in_block", self._pending + piece)
+            self._pending = ""
+
+    def _settle_run(self) -> None:
+        """Whitespace between calls is the block's; other text has no place there."""
+        run, self._run = self._run, ""
+        if run.strip():
+            self._fail("text_in_block", self._pending + run)
+            self._pending = ""
+        else:
+            self._pending += run
+
+    def _on_call(self, is_marker: bool, piece: str) -> None:
+        d = self.dialect
+        if is_marker and piece == d.call_close:
+            self._close_call(piece)
+        elif is_marker and piece in (d.call_open, d.block_close, *d.block_open):
+            self._fail("unclosed_call", self._pending + self._call)
+            self.state, self._pending, self._call = "block", "", ""
+            self._on_block(is_marker, piece)
+        else:
+            self._call += piece  # markup inside a body (DSML parameters, V3's separator) is its text
+
+    def _close_call(self, close: str) -> None:
+        body = self._call[len(self.dialect.call_open) :]
+        try:
+            call = self.dialect.parse(body, self.tool_names)
+        except CallError as e:
+            self._fail(str(e), self._pending + self._call + close)
+        else:
+            self._out.calls.append(ToolCall(self.n_calls, new_call_id(), call))
+            self.n_calls += 1
+            self._block_calls += 1
+        self.state, self._pending, self._call = "block", "", ""
+
+    # -- output --
+    def _text(self, text: str) -> None:
+        self._out.content += text
+
+    def _fail(self, reason: str, raw: str) -> None:
+        """Markup that does not parse: its text goes to content (without think tags or dropped tokens)."""
+        if reason:
+            self.failures.append(reason)
+        self._text(self._unwanted.strip(raw))
+
+    def _take(self) -> Parsed:
+        out, self._out = self._out, Parsed()
+        return out

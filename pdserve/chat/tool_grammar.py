@@ -1,0 +1,172 @@
+"""tool_choice "required" and a named function as a grammar: the DSML tool-call block that
+dsv4.dsml_tool_calls writes and parsers/calls.py reads, as an llguidance Lark grammar, so that
+constrained decoding makes the answer one or more well-formed calls whose arguments validate
+against each tool's JSON schema.
+
+    [reasoning </think>] \\n\\n<DSML tool_calls>\\n
+    <DSML invoke name="f">\\n
+    <DSML parameter name="k" string="true">raw text</DSML parameter>\\n     a plain string parameter
+    <DSML parameter name="n" string="false">JSON</DSML parameter>\\n        any other (JSON schema)
+    </DSML invoke>  (\\n and more invokes)  \\n</DSML tool_calls>
+
+DSML is one special token: the grammar names it by id, and free text (reasoning, raw values)
+never holds the token nor its text, so nothing the model writes can close a value early. A tool's
+parameters come in its schema's `properties` order; required ones always, optional ones at will.
+A string parameter is raw text (string="true", as the model writes strings) when its schema has
+only length bounds and enums there; one with a pattern or format is a JSON string (string="false"),
+which the library checks against the schema. In thinking mode the reasoning is part of the
+grammar: it cannot end the answer (EOS) or call tools before </think>.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pdserve.chat.dsv4 import DSML
+
+# schema keywords of a parameters object that the DSML form honours (anything else: 400)
+_OBJECT_KEYS = {"type", "properties", "required", "additionalProperties", "description", "title", "$defs"}
+_OBJECT_KEYS |= {"definitions", "$schema", "$id", "strict", "examples", "default"}
+# a string schema with only these is written as raw text
+_RAW_KEYS = {"type", "description", "title", "minLength", "maxLength", "enum", "const", "default", "examples"}
+_NO_DSML = f"~/(?s:.*)({DSML}|<\\/think>)(?s:.*)/"  # free text that holds no markup
+
+
+class ToolGrammarError(ValueError):
+    """A tool whose parameters the DSML form cannot express; str(e) names the tool and why."""
+
+
+def dsml_tool_grammar(
+    tools: list[dict],
+    *,
+    dsml_id: int,
+    name: str | None = None,
+    single: bool = False,
+    end_think_id: int | None = None,
+    json_layout: dict[str, Any] | None = None,
+) -> str:
+    """The Lark grammar of a DSML tool-call block for OpenAI-form `tools`.
+
+    name: only that function (a named tool_choice; one call). single: exactly one call
+    (parallel_tool_calls false). end_think_id: the prompt opens the reasoning (thinking mode);
+    the grammar starts with it and the </think> token. json_layout: llguidance's JSON options
+    ("x-guidance") for JSON values, so that they are laid out as the constraint's other JSON is."""
+    fns = [t["function"] for t in tools]
+    if name is not None:
+        fns = [f for f in fns if f["name"] == name]
+        if not fns:
+            raise ToolGrammarError(f"tool_choice names the function {name!r}, which is not among the tools")
+    dsml = f"<[{dsml_id}]>"
+    lines = ["%llguidance {}"]
+    head = f"REASON <[{end_think_id}]> " if end_think_id is not None else ""
+    lines.append(f'start: {head}"\\n\\n" "<" {dsml} "tool_calls>" "\\n" calls "\\n" "</" {dsml} "tool_calls>"')
+    lines.append("calls: call" if single or name is not None else 'calls: call ("\\n" call)*')
+    lines.append("call: " + " | ".join(f"f{i}" for i in range(len(fns))))
+    if end_think_id is not None:
+        lines.append(f"REASON: /(?s:.*)/ & {_NO_DSML}")
+    for i, fn in enumerate(fns):
+        lines += _invoke(f"f{i}", fn, dsml, json_layout or {})
+    return "\n".join(lines) + "\n"
+
+
+def _invoke(rule: str, fn: dict, dsml: str, layout: dict[str, Any]) -> list[str]:
+    """One function's invoke: its header, its parameters in order, the close."""
+    tool = fn["name"]
+    params = _parameters(tool, fn.get("parameters"))
+    lines, items = [], []
+    for k, (key, schema, required) in enumerate(params):
+        item = f"{rule}_p{k}"
+        lines += _parameter(item, key, schema, dsml, tool, layout)
+        items.append((item, required))
+    body, some = _sequence(rule, items)
+    lines += some
+    lines.insert(0, f'{rule}: "<" {dsml} {_lit(f"invoke name={_q(tool)}>")} "\\n" {body} "</" {dsml} "invoke>"')
+    return lines
+
+
+def _sequence(rule: str, items: list[tuple[str, bool]]) -> tuple[str, list[str]]:
+    """The parameters between the invoke's lines (and the rules they use): each item ends with a
+    newline, and with none present the encoder writes one empty line. Items come in order,
+    required ones always."""
+    if any(req for _, req in items):
+        return " ".join(item if req else f"{item}?" for item, req in items), []
+    if not items:
+        return '"\\n"', []
+    # all optional: a non-empty in-order subset (`some_k`: one of items k.., then any of the later), or the empty line
+    n, some = len(items), []
+    for k in range(n):
+        later = f" {rule}_some{k + 1}?" if k + 1 < n else ""
+        skip = f" | {rule}_some{k + 1}" if k + 1 < n else ""
+        some.append(f"{rule}_some{k}: {items[k][0]}{later}{skip}")
+    return f'({rule}_some0 | "\\n")', some
+
+
+def _parameters(tool: str, schema: Any) -> list[tuple[str, Any, bool]]:
+    """(name, schema, required) of a tool's parameters, in its `properties` order."""
+    if schema is None:
+        return []
+    if not isinstance(schema, dict):
+        raise ToolGrammarError(f"tool {tool!r}: parameters must be a JSON schema object")
+    extra = sorted(set(schema) - _OBJECT_KEYS)
+    if extra:
+        raise ToolGrammarError(f"tool {tool!r}: parameters keywords {extra} cannot be enforced on tool calls")
+    if schema.get("type", "object") != "object":
+        raise ToolGrammarError(f"tool {tool!r}: parameters must be of type 'object'")
+    props, required = schema.get("properties") or {}, schema.get("required") or []
+    if not isinstance(props, dict) or not isinstance(required, list):
+        raise ToolGrammarError(f"tool {tool!r}: parameters need 'properties' as an object, 'required' as a list")
+    defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
+    out = []
+    for key in [*props, *(r for r in required if r not in props)]:
+        if not isinstance(key, str) or '"' in key or DSML in key:
+            raise ToolGrammarError(f"tool {tool!r}: parameter name {key!r} cannot be written in a tool call")
+        sub = props.get(key, schema.get("additionalProperties", True))  # required, not in properties: an extra
+        if sub is False:
+            if key in required:
+                raise ToolGrammarError(f"tool {tool!r}: parameter {key!r} is required and allows no value")
+            continue
+        sub = {} if sub is True else sub
+        out.append((key, {**sub, **defs} if isinstance(sub, dict) and defs else sub, key in required))
+    return out
+
+
+def _parameter(item: str, key: str, schema: Any, dsml: str, tool: str, layout: dict[str, Any]) -> list[str]:
+    """One parameter: raw text for a plain string schema, else JSON that the library checks."""
+    if not isinstance(schema, dict):
+        raise ToolGrammarError(f"tool {tool!r}: parameter {key!r} has a schema that is not an object")
+    value = item.upper()
+    head = f'"<" {dsml} {_lit(f"parameter name={_q(key)} string=")}'
+    raw = _raw_value(schema)
+    if raw is not None:
+        return [f'{item}: {head} "\\"true\\">" {value} {dsml} "parameter>" "\\n"', f"{value}: {raw}"]
+    embedded = json.dumps({**schema, "x-guidance": layout} if layout else schema, ensure_ascii=False)
+    return [f'{item}: {head} "\\"false\\">" %json {embedded} "</" {dsml} "parameter>" "\\n"']
+
+
+def _raw_value(schema: dict) -> str | None:
+    """The terminal (the value, then the "</" that starts the close) of a string parameter
+    written raw; None where the schema asks for more than raw text can show."""
+    if not set(schema) <= _RAW_KEYS or schema.get("type", "string") != "string":
+        return None
+    lo, hi = schema.get("minLength", 0), schema.get("maxLength")
+    if not isinstance(lo, int) or not (hi is None or isinstance(hi, int)):
+        return None
+    options = [schema["const"]] if "const" in schema else schema.get("enum")
+    if options is not None:
+        if not all(isinstance(o, str) and DSML not in o for o in options):
+            return None
+        options = [o for o in dict.fromkeys(options) if lo <= len(o) <= (len(o) if hi is None else hi)]
+        return " | ".join(_lit(o + "</") for o in options) or None
+    if "type" not in schema:
+        return None
+    return f"/(?s:.{{{lo},{'' if hi is None else hi}}})<\\// & {_NO_DSML}"
+
+
+def _q(text: str) -> str:
+    return f'"{text}"'
+
+
+def _lit(text: str) -> str:
+    """A Lark string literal."""
+    return json.dumps(text, ensure_ascii=False)
