@@ -163,6 +163,16 @@ MOE_FP4 = {
     CPU: {10**9: MoEConfig(16, 32, 64, 4, 1)},
 }
 MOE_FP4_FP32 = MoEConfig(16, 32, 32, 4, 2)  # float32 x (parity checks only)
+# FP4 MoE on the tiled layout (ref_fp4.tile_fp4): the weight tile is the layout's (64 x 128 by
+# default), so block_n / block_k are not read; block_m, warps, stages and split_k are. sm_90
+# (docs/kernels.md): 3 stages and 4 warps beat 2-5 stages and 8 warps at T = 1-128; BM 32 is slower
+# there (1-3 rows an expert); the 64 and larger buckets are untimed guesses.
+MOE_FP4_TILED = {
+    90: {16: MoEConfig(16, 64, 128, 4, 3), 64: MoEConfig(32, 64, 128, 4, 3), 10**9: MoEConfig(64, 64, 128, 4, 3)},
+    120: {16: MoEConfig(16, 64, 128, 4, 3), 64: MoEConfig(32, 64, 128, 4, 3), 10**9: MoEConfig(32, 64, 128, 4, 2)},
+    CPU: {10**9: MoEConfig(16, 64, 128, 4, 1)},
+}
+MOE_FP4_TILED_FP32 = MoEConfig(16, 64, 128, 4, 2)
 
 # MLA prefill (non-absorbed, qk 192 = 128 + 64, v 128): keyed by family. Per stage a K tile
 # (BN x (128 + 64)) and a V tile (BN x 128) in bf16; q (BM x 192) and p (BM x BN) staged once.
@@ -224,6 +234,13 @@ def moe_fp4_config(cc: int, rows_per_expert: float, fp32: bool = False) -> MoECo
     if fp32 and cc != CPU:
         return MOE_FP4_FP32
     table = MOE_FP4[_family(cc)]
+    return table[min(k for k in table if rows_per_expert <= k)]
+
+
+def moe_fp4_tiled_config(cc: int, rows_per_expert: float, fp32: bool = False) -> MoEConfig:
+    if fp32 and cc != CPU:
+        return MOE_FP4_TILED_FP32
+    table = MOE_FP4_TILED[_family(cc)]
     return table[min(k for k in table if rows_per_expert <= k)]
 
 

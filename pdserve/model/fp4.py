@@ -7,8 +7,9 @@ float4_e2m1fn_x2; element 2j in the low nibble, 2j+1 in the high one), with one 
 
 Kept FP4 (the default for such a checkpoint: deepseek_v4/moe.py's Experts), the bytes and the
 scales go to the device as uint8 as they are (`packed_bytes`, `ue8m0_bytes`) and
-`ops.fused_moe_fp4` reads them (kernels/ref_fp4.py documents the same layout); dequantized at load (`--quantization none`),
-`dequantize_fp4` makes floats of them.
+`ops.fused_moe_fp4` reads them (kernels/ref_fp4.py documents the same layout); on a GPU the
+experts are re-laid once into the tiles the kernel reads fastest (`tile_experts`); dequantized at
+load (`--quantization none`), `dequantize_fp4` makes floats of them.
 """
 
 from __future__ import annotations
@@ -88,6 +89,32 @@ def ue8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
     if not bool(((mant == 0.5) & (b >= 0) & (b <= 254)).all()):
         raise ValueError("fp4 scales given as floats must be powers of two (ue8m0) to be kept FP4")
     return b.to(torch.uint8)
+
+
+MAX_TILED_SCALE = 128  # kernels/fused_moe_fp4.py: the tiled bf16 path takes scales up to 2**1
+TILE_CHUNK = 16  # experts re-laid at a time (bounds the transient memory)
+
+
+@torch.no_grad()
+def tile_experts(w13, w2, w13_scale, w2_scale) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Stacked checkpoint-layout experts (gate_up_proj [E, 2I, hidden/2], down_proj [E, hidden, I/2]
+    and their ue8m0 scales) -> (w13, w2) in kernels/ref_fp4.py's tiled layout, made on their
+    device a few experts at a time; None when a scale exceeds 2 (the tiled bf16 path's range):
+    keep the checkpoint layout. Reads the scales back (a host sync): once, at load."""
+    from pdserve_kernels import ref_fp4
+
+    s13, s2 = ue8m0_bytes(w13_scale), ue8m0_bytes(w2_scale)
+    if max(int(s13.max()), int(s2.max())) > MAX_TILED_SCALE:
+        return None
+    b13, b2, E = packed_bytes(w13), packed_bytes(w2), w13.shape[0]
+    t13 = t2 = None
+    for e in range(0, E, TILE_CHUNK):
+        c = slice(e, e + TILE_CHUNK)
+        a, b = ref_fp4.tile_experts(b13[c], s13[c], b2[c], s2[c])
+        if t13 is None:
+            t13, t2 = a.new_empty((E, *a.shape[1:])), b.new_empty((E, *b.shape[1:]))
+        t13[c], t2[c] = a, b
+    return t13, t2
 
 
 @torch.no_grad()

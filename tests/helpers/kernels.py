@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 
 from benchmarks.kernels.bench_util import poisoned_empty  # noqa: F401  (re-exported for the tests)
@@ -36,3 +38,8 @@ def require_interpreter() -> None:
             "triton was imported before TRITON_INTERPRET=1 was set; run the "
             "kernel tests with TRITON_INTERPRET=1 in the environment"
         )
+
+
+def seed_of(*parts: object) -> int:
+    """A seed from a test's parameters, the same in every process (Python's hash() of a string is not)."""
+    return zlib.crc32(repr(parts).encode())

@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from pdserve_kernels import configs, ref_fp8  # noqa: E402
+from pdserve_kernels._launch import capability  # noqa: E402
 from pdserve_kernels.fp8_gemm import fp8_linear, splits_for  # noqa: E402
 from tests.helpers.kernels import DEVICE, DTYPES, REL_TOL, poisoned_empty, rel_err, require_interpreter  # noqa: E402
 
@@ -61,8 +62,11 @@ SHAPES = [
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_matches_reference(shape, dtype):
+    """The tile config the wrapper picks for M: where it quantizes the activations to FP8 (small M
+    on a GPU), against the reference that quantizes them the same way."""
     *dims, block = shape
-    check(*dims, block, dtype, seed=sum(dims))
+    cfg = configs.fp8_gemm_config(capability(torch.device(DEVICE)), dims[0], dtype)
+    check(*dims, block, dtype, seed=sum(dims), config=cfg, act_quant=cfg.fp8_act)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

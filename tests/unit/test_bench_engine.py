@@ -315,3 +315,23 @@ def test_fp8_records_filled_finite():
     _fill_fp8_records(rows, torch.Generator().manual_seed(0))
     kv = unpack_kv_fp8(rows, 512, 576)
     assert torch.isfinite(kv).all() and kv[:, :512].abs().max() <= 1.0 and kv[:, :512].std() > 0.1
+
+
+def test_floor_counts_fp4_experts_once_tiled():
+    """On a GPU the FP4 experts are tiled at their first forward and the checkpoint layout freed:
+    the floor then counts the tiles (64 x 128 values: 4096 value bytes + 256 scale bytes each)."""
+    from pdserve.model import registry
+
+    config = ModelConfig.from_dict(bench_config("tiny-v4", 2, "fp4"))
+    model = plan.meta_model(config)
+    registry.entry(config).materialize(model, torch.bfloat16, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    for name, p in model.named_parameters():
+        if p.dtype == torch.uint8:  # packed values random, ue8m0 scales 2**0
+            p.data = torch.full_like(p, 127) if "scale" in name else torch.randint(0, 256, p.shape, generator=gen).to(p)
+    for layer in model.model.layers:
+        layer.mlp.experts._tile()
+    hidden, inter, tile = 128, 64, 64 * 128 // 2 + 64 * 128 // 32
+    per_expert = 2 * tile * -(-inter // 64) * -(-hidden // 128) + tile * -(-hidden // 64) * -(-inter // 128)
+    cost = step_cost(model, config, 4, 40, kv_itemsize=2, experts_touched={0: 3, 1: 5})
+    assert cost.expert_bytes == (3 + 5) * per_expert

@@ -39,6 +39,8 @@ _EXPERTS = (
     "experts.down_proj_scale_inv",
 )
 _SCALE = "_scale_inv"
+# FP4 experts tiled for the kernel (buffers made at the first CUDA forward): 16 value bytes to 1 scale byte
+_TILES = ("experts.w13_tiles", "experts.w2_tiles")
 
 
 @dataclass(frozen=True)
@@ -82,15 +84,17 @@ def step_cost(
     record, 656; V4's window and entry record, 584)."""
     E, k = config.n_routed_experts, config.num_experts_per_tok
     dense = experts = flops = 0
-    for name, p in model.named_parameters():
+    tiles = [(n, b) for n, b in model.named_buffers() if n.endswith(_TILES)]
+    for name, p in [*model.named_parameters(), *tiles]:
         nbytes = param_bytes(name, p) if param_bytes else p.numel() * p.element_size()
         if name.endswith("embed_tokens.weight"):
             dense += round(batch * nbytes / p.shape[0])
-        elif name.endswith(_EXPERTS):
+        elif name.endswith(_EXPERTS + _TILES):
             layer = int(_LAYER.search(name).group(1))
             touched = (experts_touched or {}).get(layer, expected_distinct_experts(E, k, batch))
             experts += round(touched * nbytes / E)
             values = p.numel() * (2 if p.dtype == torch.uint8 else 1)  # packed FP4: two values a byte
+            values = values * 16 // 17 if name.endswith(_TILES) else values
             flops += 0 if name.endswith(_SCALE) else 2 * batch * k * values // E
         else:
             dense += round(nbytes)
