@@ -34,17 +34,19 @@ def _bench_engine(argv: list[str]) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from pdserve.config import ConfigError, load_config
+    from pdserve.config import ConfigError
     from pdserve.launch import launch
+    from pdserve.launch.flags import apply_flags, load_cluster
 
+    flags = argparse.Namespace(
+        **{k: v for k, v in vars(args).items() if k not in ("config", "log_dir", "run", "command")}
+    )
     try:
-        cfg = load_config(args.config)
+        cfg = apply_flags(load_cluster(args.config), flags)
     except ConfigError as err:
         print(f"pdserve launch: {err}", file=sys.stderr)
         return 2
-    if args.router_host:
-        cfg = cfg.model_copy(update={"router": cfg.router.model_copy(update={"host": args.router_host})})
-    return launch(cfg, model=args.model, log_dir=args.log_dir)
+    return launch(cfg, log_dir=args.log_dir)
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
@@ -82,6 +84,7 @@ def _health(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from pdserve.health_cli import add_health_args
+    from pdserve.launch.flags import add_launch_flags
 
     p = argparse.ArgumentParser(
         prog="pdserve", description="Prefill-decode disaggregated serving for DeepSeek-style models."
@@ -92,16 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     lp.add_argument(
         "--config", default=DEFAULT_CONFIG, help=f"a YAML file or a name in configs/ (default {DEFAULT_CONFIG})"
     )
-    lp.add_argument("--model", help="checkpoint folder (or tiny:<arch>), overrides the config's model")
     lp.add_argument(
         "--log-dir",
         help="per-process logs (default: the config's log_dir, else a new folder per launch under ~/.cache/pdserve/logs, kept; logs/latest points at the newest)",
     )
-    lp.add_argument(
-        "--router-host",
-        metavar="ADDR",
-        help="bind the router here (e.g. 0.0.0.0 in a container), overrides the config's router.host",
-    )
+    add_launch_flags(lp)  # the serve flags over the config: --model, --api-key, --port, ...
     lp.set_defaults(run=_launch)
 
     # serve and bench parse their own flags (see _serve, _bench); listed here for --help.

@@ -1,7 +1,8 @@
 """`pdserve health`: GET /health on the router and workers, print a table, exit 0 only if all are up.
 
 Exit codes: 0 every URL healthy, 1 some unhealthy or unreachable, 2 usage error.
-A router started with --api-key guards /health too: pass the key (--api-key or PDSERVE_API_KEY).
+A router started with --api-key guards /health too: pass the key (--api-key, $PDSERVE_API_KEY or
+$OPENAI_API_KEY); a 401 is reported as such ("401: wrong or missing API key"), not as a server down.
 With the status file of a `pdserve launch` (default: the newest launch's, <cache>/logs/latest),
 each process's restarts and its last exit are shown too.
 """
@@ -19,6 +20,7 @@ from typing import TextIO
 import httpx
 
 DEFAULT_URLS = ("http://127.0.0.1:8000", "http://127.0.0.1:30000", "http://127.0.0.1:30001")
+WRONG_KEY = "401: wrong or missing API key (--api-key, $PDSERVE_API_KEY or $OPENAI_API_KEY)"
 
 
 @dataclass
@@ -44,8 +46,8 @@ def check(url: str, timeout: float, client: httpx.Client) -> HealthResult:
         resp = client.get(url, timeout=timeout)
     except httpx.HTTPError as err:
         return HealthResult(url, False, "unreachable", type(err).__name__, time.monotonic() - start)
-    detail = resp.text.strip().replace("\n", " ")
-    return HealthResult(url, resp.status_code == 200, str(resp.status_code), detail[:80], time.monotonic() - start)
+    detail = WRONG_KEY if resp.status_code == 401 else resp.text.strip().replace("\n", " ")[:80]
+    return HealthResult(url, resp.status_code == 200, str(resp.status_code), detail, time.monotonic() - start)
 
 
 def format_table(headers: list[str], rows: list[list[str]]) -> str:
@@ -85,9 +87,9 @@ def add_health_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=5.0, metavar="S", help="seconds per request (default 5)")
     p.add_argument(
         "--api-key",
-        default=os.environ.get("PDSERVE_API_KEY"),
+        default=os.environ.get("PDSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
         metavar="KEY",
-        help="sent as Authorization: Bearer KEY (a router with --api-key needs it; default $PDSERVE_API_KEY)",
+        help="sent as Authorization: Bearer KEY (a router with --api-key needs it; default $PDSERVE_API_KEY, else $OPENAI_API_KEY)",
     )
     p.add_argument(
         "--status",
@@ -109,7 +111,7 @@ def run_health(args: argparse.Namespace, out: TextIO | None = None) -> int:
     rows = [
         [
             r.url,
-            "ok" if r.healthy else "DOWN",
+            "ok" if r.healthy else "?" if r.status == "401" else "DOWN",
             r.status,
             f"{r.seconds * 1000:.0f} ms",
             r.detail,

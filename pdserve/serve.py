@@ -1,6 +1,6 @@
 """`pdserve serve`: run one component - a worker (prefill | decode | colocated) or the router.
 
-    flags, or --config FILE (what `pdserve launch` writes) -> ServeConfig (pdserve/config.py)
+    flags, or --config FILE (what `pdserve launch` writes) -> ServeConfig (pdserve/serve_config.py)
         -> worker.build.build_worker | router.app.build_router_app -> uvicorn
 
 Flags only collect what was given: every default, limit and choice is the config model's, so the
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import logging
 import os
 import sys
@@ -27,7 +28,8 @@ import uvicorn
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
-from pdserve.config import DEFAULT_PORTS, RouterServeConfig, ServeConfig, WorkerServeConfig, resolve_model
+from pdserve.config import DEFAULT_PORTS, resolve_model
+from pdserve.serve_config import RouterServeConfig, ServeConfig, WorkerServeConfig
 
 log = logging.getLogger("pdserve.serve")
 STOP_GRACE_S = 15.0  # uvicorn's graceful shutdown (5 s) and the lifespan's, with room
@@ -54,6 +56,8 @@ ROUTER_FLAGS = {
     "max_queued_requests": "router.max_queued_requests", "max_attempts": "router.max_attempts",
     "retry_backoff": "router.retry_backoff", "breaker_failures": "router.breaker_failures",
     "breaker_cooldown": "router.breaker_cooldown", "api_server_count": "router.api_server_count",
+    "reasoning_parser": "router.reasoning_parser", "tool_call_parser": "router.tool_call_parser",
+    "default_chat_template_kwargs": "router.default_chat_template_kwargs",
 }  # fmt: skip
 COMMON_FLAGS = {
     "role": "role",
@@ -133,6 +137,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     r("--prefill-policy", help="round_robin | least_load | power_of_two")
     r("--decode-policy", help="round_robin | least_load | power_of_two")
     r("--api-key", help="clients must send Authorization: Bearer <key>")
+    r(
+        "--default-chat-template-kwargs",
+        type=_json_object,
+        metavar="JSON",
+        help="chat_template_kwargs a chat request gets unless it sets them, e.g. '{\"thinking\": true}'",
+    )
     r("--served-model-name", help="the model name clients use (default: --model as given)")
     r("--health-interval", help="seconds between worker probes")
     r("--request-timeout", help="seconds a request may take in all")
@@ -143,10 +153,25 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     r("--retry-backoff", help="seconds before the second try; doubles each try")
     r("--breaker-failures", help="consecutive failed requests that open a worker's circuit breaker")
     r("--breaker-cooldown", help="seconds an open breaker waits before a trial request")
+    r("--reasoning-parser", help="auto (by the model) | none | deepseek_v4 | deepseek_r1: reasoning_content apart")
+    r(
+        "--tool-call-parser",
+        help="auto (by the model) | none | deepseek_v4 | deepseek_v32 | deepseek_v31 | deepseek_v3",
+    )
     r(
         "--api-server-count",
         help="router processes sharing the port (default 1): each streamed token costs the router CPU",
     )
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def config_from_args(args: argparse.Namespace) -> WorkerServeConfig | RouterServeConfig:
@@ -212,7 +237,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if isinstance(cfg, RouterServeConfig) and cfg.router.api_server_count > 1:
         return serve_router_processes(cfg)
     _serve(app, host, port, announce=f"pdserve {role} listening on http://{host}:{port}")
-    return 0
+    return getattr(app.state, "exit_code", 0)  # a worker whose engine failed: non-zero (worker/failure.py)
 
 
 def _serve(app: Any, host: str, port: int, sockets: list[Any] | None = None, announce: str | None = None) -> None:
@@ -230,7 +255,9 @@ def _serve(app: Any, host: str, port: int, sockets: list[Any] | None = None, ann
         timeout_graceful_shutdown=5,
         timeout_keep_alive=75,
     )
-    _Server(config, getattr(app.state, "on_exit", None), announce).run(sockets=sockets)
+    server = _Server(config, getattr(app.state, "on_exit", None), announce)
+    app.state.request_stop = lambda: setattr(server, "should_exit", True)  # a worker whose engine failed
+    server.run(sockets=sockets)
 
 
 def serve_router_processes(cfg: RouterServeConfig) -> int:

@@ -1,7 +1,7 @@
 """`pdserve bench`: sweep concurrency levels against an OpenAI-compatible server,
 plot result files, or advise on PD vs colocated.
 
-    pdserve bench [--base-url URL] --concurrency 1,8,16 --num-prompts 6,24,32 [--out r.json] [--plot r.png]
+    pdserve bench [--base-url URL] --concurrency 1,8,16 --num-prompts 6,24,32 [--out DIR | r.json] [--plot r.png]
     pdserve bench plot a.json b.json -o out.png
     pdserve bench advise colocated.json pd.json [--colocated-gpus N --pd-gpus M] [--live --metrics-url URL ...]
       (GPU counts default to what the files recorded: the distinct GPUs behind the router)
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import os
 import platform
 import random
 import sys
@@ -19,9 +20,10 @@ from collections.abc import Callable
 from typing import Any
 
 from pdserve.bench import advisor, breakdown, dataset, report, workers
-from pdserve.bench.client import fetch_models, run_level
+from pdserve.bench.client import WrongKey, fetch_models, run_level
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+DEFAULT_OUT = "bench-results"  # a folder: each run's JSON is a new file in it
 
 
 def _int_list(text: str) -> list[int]:
@@ -46,11 +48,12 @@ def run_parser() -> argparse.ArgumentParser:
         prog="pdserve bench",
         description="Benchmark an OpenAI-compatible server over concurrency levels.",
         epilog="Also: `pdserve bench plot A.json B.json -o out.png` and `pdserve bench advise colocated.json pd.json`.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
         "--base-url",
         default=DEFAULT_BASE_URL,
-        help=f"server root (default {DEFAULT_BASE_URL}, where `pdserve launch` serves)",
+        help="server root (where `pdserve launch` serves)",
     )
     p.add_argument("--model", help="model name to request (default: the first of /v1/models)")
     p.add_argument(
@@ -68,14 +71,16 @@ def run_parser() -> argparse.ArgumentParser:
         "--request-rate",
         type=_positive_float,
         default=float("inf"),
-        help="Poisson arrivals in req/s (default: inf, all at once)",
+        help="Poisson arrivals in req/s (inf: all at once)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
     p.add_argument(
         "--slo", default=None, help="goodput SLO, e.g. ttft_ms=500,tpot_ms=50 (keys: ttft_ms, tpot_ms, e2el_ms)"
     )
     p.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
-    p.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
+    p.add_argument(
+        "--api-key", default=None, help="sent as Authorization: Bearer KEY (None: $OPENAI_API_KEY or $PDSERVE_API_KEY)"
+    )
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (or its folder) sizing the random vocabulary")
     p.add_argument(
         "--metrics-url", action="append", default=[], help="a worker's /metrics to record per level (repeatable)"
@@ -83,14 +88,27 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--timeout", type=_positive_float, default=600.0, help="seconds a request may wait for its next byte"
     )
-    p.add_argument("--disable-tqdm", action="store_true")
-    p.add_argument("--out", default=None, help="results JSON file (default: pdserve-bench-<UTC time>.json here)")
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--out",
+        default=DEFAULT_OUT,
+        help="results: a folder (made if missing; the file is pdserve-bench-<UTC time>.json in it) or a .json file",
+    )
     p.add_argument("--plot", default=None, help="also write this PNG (needs matplotlib: pip install 'pdserve[bench]')")
     return p
 
 
-def default_out() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("pdserve-bench-%Y%m%d-%H%M%S.json")
+def out_file(out: str) -> str:
+    """--out as the results file: itself if it names a .json file, else a new file in that folder."""
+    if out.endswith(".json"):
+        return out
+    os.makedirs(out, exist_ok=True)
+    return os.path.join(out, datetime.datetime.now(datetime.UTC).strftime("pdserve-bench-%Y%m%d-%H%M%S.json"))
+
+
+def api_key(given: str | None) -> str | None:
+    """--api-key, else what the OpenAI clients read, else pdserve health's variable."""
+    return given or os.environ.get("OPENAI_API_KEY") or os.environ.get("PDSERVE_API_KEY")
 
 
 def check_plotting() -> None:
@@ -125,6 +143,8 @@ def _resolve_model(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]
     """The model to request and the server's /v1/models entries (empty if it has none to give)."""
     try:
         models = asyncio.run(fetch_models(args.base_url, args.api_key))
+    except WrongKey:
+        raise  # a model name would not help: every request would be refused
     except Exception as e:  # an unreachable server or one without /v1/models
         if args.model is None:
             raise ValueError(f"cannot list models at {args.base_url}/v1/models ({e}); pass --model") from None
@@ -208,13 +228,14 @@ def _try_scrape(urls: list[str]) -> list[workers.Scrape] | str:
 
 def bench(argv: list[str]) -> int:
     args = run_parser().parse_args(argv)
-    args.out = args.out or default_out()
+    args.api_key = api_key(args.api_key)
     try:
         _check(args)
         slo = report.parse_slo(args.slo)
         model, models = _resolve_model(args)
         make_requests, vocab = _prompt_source(args, model, models)
-    except ValueError as e:
+        args.out = out_file(args.out)
+    except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -35,8 +35,18 @@ class RequestOutput:
     usage_reported: bool = False  # False: counts were taken from the stream itself
 
 
+WRONG_KEY = "401: wrong or missing API key (--api-key, or $OPENAI_API_KEY)"
+
+
 def api_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+class WrongKey(ValueError):
+    """The server answered 401: no request would get through."""
+
+    def __init__(self) -> None:
+        super().__init__(WRONG_KEY)
 
 
 def build_payload(endpoint: str, model: str, req: BenchRequest) -> dict[str, Any]:
@@ -84,7 +94,7 @@ async def send_request(
         async with client.stream("POST", url, json=payload, headers=headers) as resp:
             if resp.status_code != 200:
                 body = (await resp.aread()).decode(errors="replace")
-                out.error = f"HTTP {resp.status_code}: {body[:300]}"
+                out.error = WRONG_KEY if resp.status_code == 401 else f"HTTP {resp.status_code}: {body[:300]}"
                 return out
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
@@ -138,6 +148,8 @@ async def fetch_models(base_url: str, api_key: str | None, timeout: float = 30.0
     """The server's /v1/models entries (id, root, max_model_len, ... as the server gives them)."""
     async with httpx.AsyncClient(timeout=timeout) as client:
         resp = await client.get(f"{base_url.rstrip('/')}/v1/models", headers=api_headers(api_key))
+        if resp.status_code == 401:
+            raise WrongKey()
         resp.raise_for_status()
         return list(resp.json().get("data") or [])
 

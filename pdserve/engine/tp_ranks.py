@@ -6,6 +6,9 @@
     rank r: die with rank 0 (PR_SET_PDEATHSIG) -> "ready/<r>" -> join -> load its shard ->
             ModelRunner.serve_forever() (FORWARD / SYNC_KV / STOP from rank 0) -> exit 0
 
+A rank that dies takes its worker down: `exited()` is polled by the worker's watchdog (not only
+before a step), so rank 0 never waits on it in a collective; the worker fails its requests and
+exits for its supervisor to restart it (worker/failure.py).
 No rank outlives rank 0: a clean stop sends STOP and waits; a rank still there after the grace
 period is killed; if rank 0's process dies, the kernel kills the ranks (PDEATHSIG fires when the
 thread that spawned them exits: build the engine on a thread that lives as long as it does, as
@@ -16,6 +19,7 @@ of a worker's GPUs stay visible to every rank (see group.rank_device).
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -65,9 +69,19 @@ class RankProcesses:
 
     def check_alive(self) -> None:
         """Raise if a rank has exited (the engine cannot step without it)."""
+        exited = self.exited()
+        if exited is not None:
+            raise RuntimeError(exited)
+
+    def exited(self) -> str | None:
+        """Which rank has exited and how, or None while all live. Safe from any thread: the worker's
+        watchdog asks it while rank 0's step may sit in a collective that rank will never join."""
         for r, p in enumerate(self.procs, start=1):
-            if p.poll() is not None:
-                raise RuntimeError(f"tensor-parallel rank {r} (pid {p.pid}) exited with code {p.returncode}")
+            code = p.poll()
+            if code is not None:
+                how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"code {code}"
+                return f"tensor-parallel rank {r} (pid {p.pid}) exited ({how})"
+        return None
 
     def wait(self, grace_s: float = STOP_GRACE_S) -> None:
         """After STOP: wait for every rank to exit, kill those that do not within grace_s."""

@@ -3,6 +3,7 @@
 planning.py    the cluster config -> one ProcSpec per process (ports, NUMA, GPUs, ServeConfig)
 supervisor.py  start, wait for /health, restart by policy (backoff, crash loop), stop
 run.py         `launch()`: plan -> check ports -> workers -> router -> supervise -> stop
+flags.py       the cluster YAML merged with the defaults, and the serve flags over it (`pdserve launch`)
 """
 
 from pdserve.launch.planning import ProcSpec, plan, port_free, router_spec, worker_spec, write_serve_config

@@ -19,8 +19,9 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.config import ClusterConfig, RestartPolicy, RouterServeConfig, WorkerConfig, WorkerServeConfig
+from pdserve.config import ClusterConfig, RestartPolicy, WorkerConfig
 from pdserve.numa import PinPlan, plan_pinning
+from pdserve.serve_config import RouterServeConfig, WorkerServeConfig
 
 
 @dataclass

@@ -35,6 +35,7 @@ KV handle) is bounded by `prefill_timeout_s`.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -45,11 +46,13 @@ from pdserve.disagg.base import KVPeerRef
 from pdserve.engine.request import Request
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import PairPolicy, Policy, RoundRobin
-from pdserve.router.pool import Worker, WorkerPool
+from pdserve.router.pool import RETRY_AFTER_S, Worker, WorkerPool
 from pdserve.router.upstream import Upstream
 from pdserve.sampling_params import SamplingParams
 from pdserve.wire.errors import OpenAIError
 from pdserve.wire.protocol import GenerateChunk
+
+log = logging.getLogger("pdserve.router")
 
 
 class Dispatcher:
@@ -78,7 +81,14 @@ class Dispatcher:
         overlap), the last one with finish_reason. Raises OpenAIError."""
         req = Request(request_id=request_id, prompt_token_ids=prompt, params=params)
         if self.pool.can_pd():
-            prefill, decode = self.pair.choose(self.pool.candidates("prefill"), self.pool.candidates("decode"))
+            prefills, decodes = self.pool.candidates("prefill"), self.pool.candidates("decode")
+            if not prefills or not decodes:  # a half-open breaker's one trial request is in flight
+                role = "decode" if prefills else "prefill"
+                raise OpenAIError(
+                    503, f"no {role} worker takes requests now (one is on trial after failures); retry shortly",
+                    code="no_healthy_workers", headers={"Retry-After": str(RETRY_AFTER_S)},
+                )  # fmt: skip
+            prefill, decode = self.pair.choose(prefills, decodes)
             source = self._pd(req, prefill, decode)
         elif self.pool.available("colocated"):
             source = self._colocated(req)
@@ -111,10 +121,11 @@ class Dispatcher:
             preq = req.model_copy(update={"hold_kv": True, "kv_to": _peer_ref(decode)})
             pw, first = await self._prefill(preq, prefill, on_accepted=open_decode)
             t1 = time.monotonic()
+            if first is not None and first.finish_reason == "error":
+                raise OpenAIError(502, f"the prefill worker failed: {first.error}", code="upstream_error")
             if first is None or (first.finish_reason is None and first.kv_handle is None) or not first.token_ids:
-                raise OpenAIError(502, f"prefill worker {pw.url} ended without a first token", code="upstream_error")
-            if first.finish_reason == "error":
-                raise OpenAIError(502, f"prefill failed: {first.error}", code="upstream_error")
+                log.warning("%s: prefill worker %s ended without a first token", rid, pw.url)
+                raise OpenAIError(502, "the prefill worker ended without a first token", code="upstream_error")
             self.metrics.observe_ttft(first.timing, t1 - t0)
             yield first
             if first.finish_reason is not None:  # the first token already ended it: no KV is held
@@ -125,7 +136,7 @@ class Dispatcher:
                 await self.upstream.post_handoff(dw, dresp, first)
             self.metrics.handoffs.labels("prefill" if notified else "router").inc()
             dispatched = time.monotonic() - t1  # what the router still waited for after the first token
-            async for chunk in self.upstream.read(dw, dresp):
+            async for chunk in self.upstream.read(dw, dresp, rid):
                 decode_read = chunk.finish_reason != "error"  # decode streams tokens only once the KV has arrived
                 _raise_if_failed(chunk, "decode")
                 self.metrics.observe_handoff(chunk.timing, time.monotonic() - t1, dispatched)
@@ -171,7 +182,7 @@ class Dispatcher:
                 pw, presp = await self.upstream.open("prefill", req, tried, first=chosen)
                 if on_accepted is not None:
                     on_accepted(pw)
-                async for chunk in self.upstream.read(pw, presp):
+                async for chunk in self.upstream.read(pw, presp, rid):
                     first = chunk
             done = True
         except TimeoutError:
@@ -179,7 +190,8 @@ class Dispatcher:
             last = pw or (tried[-1] if tried else None)
             if last is not None:
                 self.pool.report(last, ok=False)
-            where = f"prefill worker {last.url}" if last is not None else "no prefill worker"
+            log.warning("%s: no first token from prefill worker %s in time", rid, last.url if last else None)
+            where = "the prefill worker" if last is not None else "no prefill worker"
             raise OpenAIError(
                 504,
                 f"{where}: no first token within the prefill timeout ({self.s.prefill_timeout} s)",
@@ -196,8 +208,8 @@ class Dispatcher:
         w, resp = await self.upstream.open("colocated", req)
         finished = False
         try:
-            async for chunk in self.upstream.read(w, resp):
-                _raise_if_failed(chunk, "worker")
+            async for chunk in self.upstream.read(w, resp, rid):
+                _raise_if_failed(chunk, "colocated")
                 self.metrics.observe_ttft(chunk.timing, time.monotonic() - t0)
                 finished = chunk.finish_reason is not None
                 yield chunk
@@ -210,8 +222,9 @@ def _peer_ref(w: Worker) -> KVPeerRef:
     """How a PD worker is named to its pair: engine, instance, where its transfer metadata is."""
     info = w.info
     if info is None or info.kv_metadata_url is None:
+        log.warning("%s worker %s has not said where its transfer metadata is", w.role, w.url)
         raise OpenAIError(
-            502, f"{w.role} worker {w.url} has not said where its transfer metadata is", code="upstream_error"
+            502, f"the {w.role} worker has not said where its transfer metadata is", code="upstream_error"
         )
     return KVPeerRef(engine_id=info.engine_id, instance_id=info.instance_id, metadata_url=info.kv_metadata_url)
 
@@ -222,7 +235,7 @@ def _raise_if_failed(chunk: GenerateChunk, who: str) -> None:
     f = chunk.transfer_error
     if f is not None:
         raise OpenAIError(502, f"KV transfer failed at stage {f.stage}: {f.reason}", code="kv_transfer_failed")
-    raise OpenAIError(502, f"{who} failed: {chunk.error}", code="upstream_error")
+    raise OpenAIError(502, f"the {who} worker failed: {chunk.error}", code="upstream_error")
 
 
 class _Offsets:

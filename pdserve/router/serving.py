@@ -16,22 +16,29 @@ workers. On a stop signal (start_draining) every open stream ends with a server_
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+import os
 import time
 from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive
 
-from pdserve.config import RouterServeConfig
+from pdserve.chat.parsers import OutputSpec, default_parsers, resolve, tool_names
 from pdserve.router.dispatch import Dispatcher
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.openai_protocol import ChatCompletionRequest
 from pdserve.router.pool import WorkerPool
 from pdserve.router.responses import DONE, Formatter, sse_error
 from pdserve.router.validation import Prepared, RequestValidator
+from pdserve.serve_config import RouterServeConfig
 from pdserve.tokenizer import Tokenizer
 from pdserve.wire.disconnect import GuardedStreamingResponse, unless_disconnected
 from pdserve.wire.errors import OpenAIError, too_busy
 from pdserve.wire.protocol import SECRET_HEADER, GenerateChunk
+
+log = logging.getLogger(__name__)
 
 
 class _Admission:
@@ -70,6 +77,24 @@ class Router:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reading: set[asyncio.Task] = set()  # tasks waiting for a request's next chunk
         self._drained: set[asyncio.Task] = set()  # those of them cancelled by draining
+        model_type, template = _model_type(config.model), tokenizer.chat_template
+        reasoning, tools = default_parsers(model_type, template if isinstance(template, str) else None)
+        self.reasoning_parser = resolve(config.router.reasoning_parser, reasoning)
+        self.tool_call_parser = resolve(config.router.tool_call_parser, tools)
+        self.validator.tool_parser = self.tool_call_parser  # forced tool calls take its format
+        self._special = frozenset(tokenizer.decode([i], skip_special_tokens=False) for i in tokenizer.all_special_ids)
+
+    def output_spec(self, req: ChatCompletionRequest, prep: Prepared) -> OutputSpec:
+        """How this chat request's output is read: the parsers, the tools it may call (none with
+        tool_choice "none"), whether its prompt ends in thinking mode (the validator's `thinking`)."""
+        names = tool_names(prep.tools) if prep.tool_choice != "none" else frozenset()
+        return OutputSpec(
+            reasoning_parser=self.reasoning_parser,
+            tool_parser=self.tool_call_parser if names else None,
+            tool_names=names,
+            thinking=prep.thinking,
+            drop=self._special if req.skip_special_tokens else frozenset(),
+        )
 
     def start_draining(self) -> None:
         """From the signal handler (any thread): end every open stream with an error event now,
@@ -117,7 +142,7 @@ class Router:
         t0 = time.monotonic()
         deadline = t0 + self.s.request_timeout
         gens = [
-            self.dispatcher.generate(f"{fmt.rid}-{i}", ids, p)
+            self.dispatcher.generate(f"{fmt.rid}-{i}", ids, fmt.worker_params(p))
             for i, (ids, p) in enumerate(zip(prep.prompts, prep.params))
         ]
         merged = _merge(gens)
@@ -176,6 +201,11 @@ class Router:
         usage = fmt.usage()
         self.metrics.prompt_tokens.inc(usage.prompt_tokens)
         self.metrics.generation_tokens.inc(usage.completion_tokens)
+        failures = fmt.failures()
+        for reason in failures:
+            self.metrics.tool_parse_failures.labels(reason).inc()
+        if failures:
+            log.warning("request %s: model markup kept as text in content (%s)", fmt.rid, ", ".join(failures))
 
 
 async def _next(it: AsyncIterator, deadline: float, code: str = "timeout"):
@@ -186,6 +216,14 @@ async def _next(it: AsyncIterator, deadline: float, code: str = "timeout"):
     except TimeoutError:
         what = "the request timed out" if code == "timeout" else "no first token before the first-token timeout"
         raise OpenAIError(504, what, code=code) from None
+
+
+def _model_type(model_dir: str) -> str | None:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f).get("model_type")
 
 
 def _shutting_down() -> OpenAIError:

@@ -10,7 +10,9 @@ A worker that cannot be reached, answers 503, or is full (429) before anything s
 on another worker of the role (at most `max_attempts` workers, with exponential backoff between
 tries); one that cannot be reached is marked down at once. Once output has started, a failure is
 final: an OpenAIError (502/504) raised into the stream, never tokens from a second attempt.
-Each request's outcome feeds its worker's circuit breaker (breaker.py).
+Each request's outcome feeds its worker's circuit breaker (breaker.py). What the client reads names
+the worker's role ("the decode worker failed mid-request"); the log keeps the worker's URL and the
+cause (an aiohttp exception's name) with the request id (`_failure`).
 """
 
 from __future__ import annotations
@@ -88,16 +90,14 @@ class Upstream:
                 self.pool.report(w, ok=False)
                 self.pool.release(w)
                 self.count(role, "timeout")
-                last = OpenAIError(
-                    504, f"{role} worker {w.url} did not answer: {type(e).__name__}", code="upstream_timeout"
-                )
+                last = _failure(504, w, req.request_id, "did not answer", type(e).__name__, "upstream_timeout")
                 continue
             except aiohttp.ClientConnectorError as e:  # nothing listens: down until a health probe says otherwise
                 self.pool.report(w, ok=False)
                 self.pool.release(w)
                 self.count(role, "unreachable")
                 self.pool.mark_down(w, f"unreachable: {type(e).__name__}")
-                last = OpenAIError(503, f"{role} worker {w.url} is unreachable", code="upstream_unavailable")
+                last = _failure(503, w, req.request_id, "is unreachable", type(e).__name__, "upstream_unavailable")
                 continue
             except aiohttp.ClientError as e:
                 # The connection broke after it was made (e.g. a keep-alive race): one failure for the
@@ -106,9 +106,7 @@ class Upstream:
                 self.pool.release(w)
                 self.count(role, "transport_error")
                 self.abort(w, req.request_id)
-                last = OpenAIError(
-                    502, f"{role} worker {w.url} dropped the connection ({type(e).__name__})", code="upstream_error"
-                )
+                last = _failure(502, w, req.request_id, "dropped the connection", type(e).__name__, "upstream_error")
                 continue
             except asyncio.CancelledError:  # the client left or a timeout fired: the worker may have admitted it
                 self.pool.release(w)
@@ -144,10 +142,13 @@ class Upstream:
         headers = {"Retry-After": resp.headers["retry-after"]} if "retry-after" in resp.headers else None
         status = status if status in (400, 413, 422, 429) else 502
         return OpenAIError(
-            status, f"{role} worker: {msg}", code="upstream_refused" if status == 502 else code, headers=headers
+            status,
+            f"the {role} worker refused the request: {msg}",
+            code="upstream_refused" if status == 502 else code,
+            headers=headers,
         )
 
-    async def read(self, w: Worker, resp: aiohttp.ClientResponse) -> AsyncIterator[GenerateChunk]:
+    async def read(self, w: Worker, resp: aiohttp.ClientResponse, rid: str) -> AsyncIterator[GenerateChunk]:
         role = w.role
         finished = False
         try:
@@ -161,22 +162,20 @@ class Upstream:
         except TimeoutError:  # the read timeout (request_timeout) between two lines
             self.count(role, "timeout")
             self.pool.report(w, ok=False)
-            raise OpenAIError(504, f"{role} worker {w.url} stopped sending", code="upstream_timeout") from None
+            raise _failure(504, w, rid, "stopped sending", "read timeout", "upstream_timeout") from None
         except (aiohttp.ClientError, HttpProcessingError, ValueError) as e:  # not a chunk, a line over the read buffer
             self.count(role, "broken_stream")
             self.pool.report(w, ok=False)
             self.pool.mark_down(w, f"stream broke: {type(e).__name__}")
-            raise OpenAIError(
-                502, f"{role} worker {w.url} failed mid-request ({type(e).__name__})", code="upstream_error"
-            ) from None
+            raise _failure(502, w, rid, "failed mid-request", f"{type(e).__name__}: {e}", "upstream_error") from None
         finally:
             resp.close()  # a stream read to its end has nothing left to drop; one left early drops its connection
             self.pool.release(w)
         if not finished:
             self.count(role, "truncated")
             self.pool.report(w, ok=False)
-            raise OpenAIError(
-                502, f"{role} worker {w.url} closed the stream before the request finished", code="upstream_error"
+            raise _failure(
+                502, w, rid, "failed mid-request", "stream closed before the request finished", "upstream_error"
             )
 
     async def post_handoff(self, dw: Worker, dresp: aiohttp.ClientResponse, first: GenerateChunk) -> None:
@@ -197,14 +196,12 @@ class Upstream:
             ) as resp:
                 if resp.status != 200:
                     text = (await resp.read())[:200].decode(errors="replace")
-                    failure = OpenAIError(
-                        502,
-                        f"decode worker {dw.url} refused the hand-off ({resp.status}): {text}",
-                        code="upstream_error",
+                    failure = _failure(
+                        502, dw, first.request_id, "refused the KV hand-off", f"{resp.status}: {text}", "upstream_error"
                     )
         except (aiohttp.ClientError, TimeoutError) as e:
-            failure = OpenAIError(
-                502, f"decode worker {dw.url}: posting the hand-off failed ({type(e).__name__})", code="upstream_error"
+            failure = _failure(
+                502, dw, first.request_id, "did not take the KV hand-off", type(e).__name__, "upstream_error"
             )
         if failure is not None:  # decode's stream is ours to close and its slot ours to give back
             self.count("decode", "handoff")
@@ -232,3 +229,10 @@ class Upstream:
 
     def count(self, role: str, kind: str) -> None:
         self.metrics.upstream_errors.labels(role, kind).inc()
+
+
+def _failure(status: int, w: Worker, rid: str, what: str, detail: str, code: str) -> OpenAIError:
+    """The client's error names the role ("the decode worker failed mid-request"); the worker's URL
+    and the cause go to the log with the request id."""
+    log.warning("%s: %s worker %s %s (%s)", rid, w.role, w.url, what, detail)
+    return OpenAIError(status, f"the {w.role} worker {what}", code=code)

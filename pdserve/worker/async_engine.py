@@ -6,9 +6,11 @@
 Outputs are cumulative, so a stream keeps only the latest one: a slow reader never makes a queue
 grow, it just reads a bigger delta. The thread sleeps while there is nothing to do, polls often
 while KV loads are in flight, and now and then while prefill holds KV (to see releases and lease
-expiries). If step() raises, the engine is dead: every open stream gets an error output, `alive`
-turns False, and /health reports it. The thread beats (`last_beat`) at every turn of its loop, so
-a step that hangs (a stopped rank, a stuck collective) shows as a beat that grows old while
+expiries). If step() raises, the engine is dead (`fail`): every open stream gets an error output
+naming the exception's type (the traceback goes to the log), `alive` turns False, /health says why,
+and the worker exits for its supervisor to restart it (failure.py); a TP rank that has exited
+(`dead_rank`) fails the engine the same way. The thread beats (`last_beat`) at every turn of its
+loop, so a step that hangs (a stopped rank, a stuck collective) shows as a beat that grows old while
 requests are open: `stalled()` says so once it is older than the stall timeout, and /health is 503.
 Around each step a RequestTimer (timing.py) notes when a request first ran and, with the first
 output that holds a new token, gives the stream its RequestTiming.
@@ -27,6 +29,7 @@ from pdserve.engine.llm_engine import EngineStats, LLMEngine
 from pdserve.engine.request import Handoff, Request
 from pdserve.outputs import CompletionOutput, RequestOutput
 from pdserve.wire.protocol import RequestTiming
+from pdserve.worker.fault_hook import FaultHook
 from pdserve.worker.metrics import WorkerMetrics
 from pdserve.worker.timing import RequestTimer
 
@@ -80,7 +83,9 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
         self.error: str | None = None
+        self._failing = threading.Lock()
         self.last_beat = time.monotonic()
+        self._fault = FaultHook.from_env()  # tests only: None unless PDSERVE_TEST_FAULT is set
 
     # -- lifecycle --
     def start(self) -> None:
@@ -112,6 +117,19 @@ class AsyncEngine:
         """Requests this worker is serving (admitted, not finished)."""
         return len(self._streams)
 
+    def dead_rank(self) -> str | None:
+        """Which tensor-parallel rank process has exited, if one has (None at TP1). Any thread."""
+        ranks = self.engine.runner.ranks
+        return ranks.exited() if ranks is not None else None
+
+    def fail(self, reason: str) -> None:
+        """The engine cannot serve any more: end every open request with `reason` (its client sees
+        it), refuse new ones. Any thread; the first reason stays."""
+        with self._failing:
+            if self.error is None:
+                self.error = reason
+            self._fail_all(self.error)
+
     def stats(self) -> EngineStats:
         return self.engine.get_stats()
 
@@ -129,6 +147,8 @@ class AsyncEngine:
             raise ValueError(f"request id {rid!r} is already in use on this worker")
         stream = RequestStream(rid, asyncio.get_running_loop())
         self._streams[rid] = stream
+        if self._fault is not None:
+            self._fault.see(request.role, request.prompt_token_ids)
         self.timer.add(rid, time.monotonic(), 1 if request.role == "decode" else 0)  # decode: prefill's token first
         try:
             self.engine.add_request(request, peer)
@@ -166,10 +186,9 @@ class AsyncEngine:
                     self._step()
                 else:
                     self._wait(IDLE_WAIT_S)
-        except Exception as e:  # the engine is broken: fail every request, report unhealthy
-            log.exception("engine loop died")
-            self.error = f"engine loop died: {type(e).__name__}: {e}"
-            self._fail_all(self.error)
+        except Exception as e:  # the engine is broken: fail every request, report unhealthy, exit
+            log.exception("engine loop died with %d requests open: %s", len(self._streams), ", ".join(self._streams))
+            self.fail(f"engine step raised {type(e).__name__}")
 
     def _wait(self, seconds: float) -> None:
         self._wake.wait(seconds)
@@ -177,6 +196,8 @@ class AsyncEngine:
 
     def _step(self) -> None:
         t0 = time.monotonic()
+        if self._fault is not None:
+            self._fault.fire()
         outputs = self.engine.step()
         t1 = time.monotonic()
         sched = self.engine.last_schedule
@@ -193,7 +214,7 @@ class AsyncEngine:
             if stream is None:
                 continue
             if out.finished:
-                del self._streams[out.request_id]
+                self._streams.pop(out.request_id, None)  # gone already if fail() ran meanwhile
                 if self.metrics is not None:  # None: a prefill handing its KV to a decode worker
                     self.metrics.finished.labels(out.outputs[0].finish_reason or "kv_handoff").inc()
             stream.put(out, timing)
@@ -219,7 +240,9 @@ class AsyncEngine:
             m.sync_transfer(transfer)
 
     def _fail_all(self, reason: str) -> None:
-        for rid, stream in list(self._streams.items()):
+        streams = list(self._streams.items())
+        self._streams.clear()  # first: a reader woken by its error sees no request open
+        for rid, stream in streams:
             stream.put(
                 RequestOutput(
                     request_id=rid,
@@ -229,4 +252,3 @@ class AsyncEngine:
                     error=reason,
                 )
             )
-        self._streams.clear()

@@ -3,29 +3,35 @@
     WorkerServeConfig -> make_connector (prefill, decode) -> LLMEngine -> AsyncEngine -> build_worker_app
 
 The model is loaded here, before the port is bound, so a port that answers is a worker that can
-serve. On loopback the transfer listeners stay on loopback too (UCX_NET_DEVICES=lo unless set).
+serve. A worker whose engine fails exits (failure.py) for its supervisor to restart. On loopback
+the transfer listeners stay on loopback too (UCX_NET_DEVICES=lo unless set).
 KV handles carry the advertised address (`advertise_host`, not the bind address): the metadata URL a
 decode worker on another host fetches.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hashlib
 import ipaddress
 import logging
 import os
+import threading
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
 from pdserve import __version__
-from pdserve.config import LOOPBACK, WorkerServeConfig
+from pdserve.config import LOOPBACK
 from pdserve.disagg.base import KVConnector
 from pdserve.disagg.factory import ConnectorSettings, make_connector
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.serve_config import WorkerServeConfig
 from pdserve.wire.protocol import SECRET_HEADER, WorkerInfo
 from pdserve.worker.app import WorkerState, build_worker_app
 from pdserve.worker.async_engine import AsyncEngine
+from pdserve.worker.failure import exit_process, watch_engine
 from pdserve.worker.metrics import WorkerMetrics
 from pdserve.worker.peers import PeerMetadataFetcher
 
@@ -72,7 +78,10 @@ def build_worker(cfg: WorkerServeConfig) -> FastAPI:
         else None,
     )
     app = build_worker_app(state, cfg.cluster_secret)
-    app.router.lifespan_context = _lifespan(state, connector)
+    app.state.exit_code = 0  # set when the engine failed (failure.py): what `pdserve serve` exits with
+    stopping = threading.Event()
+    app.state.on_exit = stopping.set  # serve.py calls it on a stop signal: ranks that die now are stopping too
+    app.router.lifespan_context = _lifespan(state, connector, stopping)
     return app
 
 
@@ -120,14 +129,17 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def _lifespan(state: WorkerState, connector: KVConnector | None):
+def _lifespan(state: WorkerState, connector: KVConnector | None, stopping: threading.Event):
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.engine.start()
+        on_failure = functools.partial(exit_process, app)
+        watch = asyncio.create_task(watch_engine(state.engine, state.info.role, on_failure, stopping))
         try:
             yield
         finally:
-            state.engine.stop()
+            watch.cancel()
+            state.engine.stop(timeout_s=2.0 if state.engine.error else 10.0)  # failed: its thread may never return
             state.engine.shutdown()  # tensor-parallel ranks
             if state.peers is not None:
                 await state.peers.aclose()

@@ -71,10 +71,16 @@ def test_llm_takes_tiny_models(tmp_path, monkeypatch):
         LLM("tiny:gpt2")
 
 
-def test_bench_defaults_need_no_flags():
+def test_bench_defaults_need_no_flags(tmp_path, monkeypatch):
     args = bench_cli.run_parser().parse_args([])
-    assert args.base_url == "http://127.0.0.1:8000" and args.out is None
-    assert bench_cli.default_out().startswith("pdserve-bench-") and bench_cli.default_out().endswith(".json")
+    assert args.base_url == "http://127.0.0.1:8000" and args.out == "bench-results"
+    monkeypatch.chdir(tmp_path)
+    out = bench_cli.out_file(args.out)  # a file in the folder, not in the current directory
+    assert (
+        out.startswith("bench-results/pdserve-bench-")
+        and out.endswith(".json")
+        and (tmp_path / "bench-results").is_dir()
+    )
 
 
 def test_bench_plot_without_matplotlib_says_what_to_install(monkeypatch, capsys):

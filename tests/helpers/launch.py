@@ -70,11 +70,12 @@ def stop_group(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def start_launch(config: Path, tmp: Path) -> tuple[subprocess.Popen, Path]:
-    """`pdserve launch --config` in its own session, output to tmp/launch.out, cache in tmp/cache."""
+def start_launch(config: Path, tmp: Path, env: dict | None = None, *flags: str) -> tuple[subprocess.Popen, Path]:
+    """`pdserve launch --config` in its own session, output to tmp/launch.out, cache in tmp/cache;
+    env: more environment for the launcher (and so its children); flags: more launch flags."""
     out = tmp / "launch.out"
     with open(out, "wb") as f:
-        proc = pdserve("launch", "--config", str(config), env={"PDSERVE_CACHE": str(tmp / "cache")},
+        proc = pdserve("launch", "--config", str(config), *flags, env={"PDSERVE_CACHE": str(tmp / "cache"), **(env or {})},
                        stdout=f, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     return proc, out
 
