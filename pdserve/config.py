@@ -2,7 +2,7 @@
 
     cluster YAML (configs/*.yaml) -> ClusterConfig --pdserve launch--> one ServeConfig per process
     pdserve serve --flags ----------------------------------------> ServeConfig (same models)
-    ServeConfig -> WorkerServeConfig (prefill | decode | colocated) or RouterServeConfig
+    ServeConfig -> WorkerServeConfig (prefill | decode | colocated) or RouterServeConfig (serve_config.py)
 
 `pdserve launch` hands each child its ServeConfig as a JSON file (mode 0600: the cluster secret
 and API key never appear in argv), so every setting of the YAML reaches the process that uses it.
@@ -11,10 +11,12 @@ Defaults and limits live here and nowhere else; `load_config` accepts a path or 
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -35,6 +37,10 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = "tiny-cpu"
 TINY_ARCHS = ("deepseek_v3", "deepseek_v32", "deepseek_v4")
 TINY_PREFIX = "tiny:"  # model "tiny:<arch>": the tiny random checkpoint, made in the cache on first use
+# What the tiny writer makes, stamped in each cached folder: a cached model of another format (an older
+# pdserve's, e.g. a V4 tokenizer without V4's chat tokens) is made anew on its next use.
+TINY_FORMAT = 2
+TINY_STAMP = "pdserve_tiny.json"
 
 
 def default_served_name(model: str) -> str | None:
@@ -63,6 +69,10 @@ class _Strict(BaseModel):
 WILDCARD = ("0.0.0.0", "::", "")
 
 
+ReasoningParser = Literal["auto", "none", "deepseek_v4", "deepseek_r1"]
+ToolCallParser = Literal["auto", "none", "deepseek_v4", "deepseek_v32", "deepseek_v31", "deepseek_v3"]
+
+
 class RouterConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
@@ -71,6 +81,8 @@ class RouterConfig(_Strict):
     decode_policy: PolicyName = "least_load"
     api_key: str | None = None  # clients must send Authorization: Bearer <key> (every route)
     max_model_len: int | None = Field(None, ge=2)  # an extra cap on the workers' context length
+    # chat_template_kwargs a chat request gets unless it sets them (e.g. {"thinking": true})
+    default_chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     health_interval: float = Field(2.0, gt=0)  # seconds between worker probes
     request_timeout: float = Field(600.0, gt=0)  # seconds a request may take in all (then 504)
     first_token_timeout: float = Field(300.0, gt=0)  # seconds until a request's first token
@@ -81,6 +93,8 @@ class RouterConfig(_Strict):
     breaker_failures: int = Field(5, ge=1)  # consecutive failed requests that open a worker's breaker
     breaker_cooldown: float = Field(10.0, gt=0)  # seconds an open breaker waits before a trial
     restart: RestartPolicy = "on-failure"  # launch: restart the router when it dies
+    reasoning_parser: ReasoningParser = "auto"  # reasoning_content apart; auto: by the model (chat/parsers)
+    tool_call_parser: ToolCallParser = "auto"  # tool calls out of the model's markup; auto: by the model
 
 
 class WorkerConfig(_Strict):
@@ -267,59 +281,6 @@ class ClusterConfig(_Strict):
         return [(f"{role}-{i}", w) for role, workers in groups for i, w in enumerate(workers)]
 
 
-class WorkerServeConfig(_Strict):
-    """One worker process (`pdserve serve --role prefill|decode|colocated`)."""
-
-    role: WorkerRole
-    model: str  # checkpoint folder (or tiny:<arch>: `pdserve serve` resolves it before building)
-    worker: WorkerConfig
-    transfer: TransferConfig = Field(default_factory=TransferConfig)
-    peers: list[str] = Field(
-        default_factory=list
-    )  # workers whose transfer metadata may be fetched (decode: the prefill workers; prefill: the decode workers, to hand off to directly)
-    cluster_secret: str | None = None
-
-    @model_validator(mode="after")
-    def _safe(self) -> WorkerServeConfig:
-        if self.worker.host not in LOOPBACK and not self.cluster_secret:
-            raise ValueError(
-                f"binding a worker to {self.worker.host} exposes /internal/*: pass --cluster-secret (or bind 127.0.0.1)"
-            )
-        if self.role == "decode" and not self.peers:
-            raise ValueError(
-                "a decode worker reads KV only from configured peers: pass --peer URL for each prefill worker"
-            )
-        return self
-
-    @property
-    def engine_id(self) -> str:
-        return self.worker.engine_id or f"{self.role}-{self.worker.port}"
-
-
-class RouterServeConfig(_Strict):
-    """The router process (`pdserve serve --role router`)."""
-
-    role: Literal["router"]
-    model: str  # checkpoint folder: the router reads its tokenizer and chat template
-    served_model_name: str | None = None  # the model name clients use (default: model as given)
-    router: RouterConfig = Field(default_factory=RouterConfig)
-    prefill: list[str] = Field(default_factory=list)  # worker URLs
-    decode: list[str] = Field(default_factory=list)
-    colocated: list[str] = Field(default_factory=list)
-    cluster_secret: str | None = None
-
-    @model_validator(mode="after")
-    def _workers(self) -> RouterServeConfig:
-        if not (self.prefill or self.decode or self.colocated):
-            raise ValueError("the router needs workers: --prefill URL and --decode URL, and/or --colocated URL")
-        if bool(self.prefill) != bool(self.decode):
-            raise ValueError("PD needs both --prefill and --decode workers")
-        return self
-
-
-ServeConfig = Annotated[WorkerServeConfig | RouterServeConfig, Field(discriminator="role")]
-
-
 def cache_dir() -> Path:
     """Where pdserve keeps what it makes: tiny checkpoints, launch logs ($PDSERVE_CACHE, else ~/.cache/pdserve)."""
     return Path(os.environ.get("PDSERVE_CACHE") or Path.home() / ".cache" / "pdserve")
@@ -338,17 +299,31 @@ def resolve_model(spec: str) -> str:
     if arch not in TINY_ARCHS:
         raise ConfigError(f"unknown tiny model {spec!r}; choose one of {[TINY_PREFIX + a for a in TINY_ARCHS]}")
     target = cache_dir() / f"tiny-{arch}-seed0"
-    if not (target / "config.json").is_file():
+    stamp = {"format": TINY_FORMAT, "arch": arch, "seed": 0}
+    if _read_json(target / TINY_STAMP) != stamp:
         from pdserve.tiny_model import make_tiny_model
 
         print(f"making the tiny {arch} model in {target}", flush=True)
         tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
         make_tiny_model(str(tmp), arch, 0)
+        (tmp / TINY_STAMP).write_text(json.dumps(stamp))
+        if target.exists():  # another format: moved aside at once, removed after
+            old = target.with_name(f"{target.name}.old-{os.getpid()}")
+            with contextlib.suppress(OSError):
+                target.rename(old)
+            shutil.rmtree(old, ignore_errors=True)
         try:
             tmp.rename(target)  # atomic: a concurrent maker sees all of it or none
         except OSError:
             shutil.rmtree(tmp, ignore_errors=True)  # another one made it first
     return str(target)
+
+
+def _read_json(path: Path) -> object:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def find_config(name_or_path: str) -> Path:

@@ -5,6 +5,7 @@ Every test that starts a process is marked `slow`, which this file enforces, so 
 
 import multiprocessing.process
 import os
+import shlex
 import subprocess
 import sys
 
@@ -47,10 +48,20 @@ def pytest_runtest_protocol(item, nextitem):
         _current[0] = None
 
 
+_WRAPPERS = {"numactl", "taskset", "env", "setsid", "nice", "timeout"}
+
+
 def _starts_python(args) -> bool:
-    argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
-    names = {os.path.basename(os.fsdecode(a)).split()[0] for a in argv if os.fsdecode(a).strip()}
-    return any(n.startswith("python") or n == "pdserve" for n in names) or sys.executable in map(os.fsdecode, argv)
+    """Whether the command runs Python or pdserve (itself, or behind a wrapper such as numactl);
+    a tool that merely names the interpreter (`file -b python3`, as platform.architecture runs) is not."""
+    argv = shlex.split(args) if isinstance(args, str) else [os.fsdecode(a) for a in args]
+    for arg in argv:
+        name = os.path.basename(arg)
+        if name.startswith("python") or name == "pdserve" or arg == sys.executable:
+            return True
+        if name not in _WRAPPERS and not arg.startswith("-") and not arg.isdigit() and "=" not in arg:
+            return False  # the program that runs is something else
+    return False
 
 
 def _refuse_unless_slow(what: str) -> None:

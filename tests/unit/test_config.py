@@ -167,3 +167,23 @@ def test_router_processes_reach_the_router_from_the_yaml():
     assert plan(cfg, "/m")[-1].config.router.api_server_count == 4
     assert parse_config(_with("router", {})).router.api_server_count == 1
     assert "api_server_count" in _error(_with("router.api_server_count", 0))
+
+
+def test_a_cached_tiny_model_of_another_format_is_made_anew(tmp_path, monkeypatch):
+    """A tiny folder an older pdserve wrote (no stamp, or another format) is replaced on next use."""
+    import json
+
+    from pdserve.config import TINY_FORMAT, TINY_STAMP, resolve_model
+
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+    old = tmp_path / "tiny-deepseek_v4-seed0"
+    old.mkdir()
+    (old / "config.json").write_text("{}")
+    (old / "stale").write_text("from an older pdserve")
+    path = resolve_model("tiny:deepseek_v4")
+    assert path == str(old) and not (old / "stale").exists()
+    assert json.loads((old / TINY_STAMP).read_text()) == {"format": TINY_FORMAT, "arch": "deepseek_v4", "seed": 0}
+    assert json.loads((old / "config.json").read_text())["model_type"] == "deepseek_v4"
+    (old / "kept").write_text("same format: used as it is")
+    assert resolve_model("tiny:deepseek_v4") == str(old) and (old / "kept").exists()
+    assert not list(tmp_path.glob("*.tmp-*")) and not list(tmp_path.glob("*.old-*"))

@@ -107,8 +107,9 @@ def test_every_flag_is_documented(command: str) -> None:
 def _models() -> list[type[BaseModel]]:
     """Every config model a user sets: the cluster YAML and what it nests, a component's serve
     file, the offline engine's keyword arguments, and the nixl backend's transfer.options."""
-    from pdserve.config import ClusterConfig, RouterServeConfig, WorkerServeConfig
+    from pdserve.config import ClusterConfig
     from pdserve.engine.config import EngineConfig
+    from pdserve.serve_config import RouterServeConfig, WorkerServeConfig
 
     seen: list[type[BaseModel]] = []
     todo: list[type[BaseModel]] = [ClusterConfig, WorkerServeConfig, RouterServeConfig, EngineConfig, _nixl_options()]
