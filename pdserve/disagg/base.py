@@ -18,7 +18,9 @@ Life of a PD request (decode pulls, as vLLM's NixlConnector does):
                                                        machine: copy from the mapped pool (cuda_ipc.py);
                                                        else READ: the slab if both sides have room,
                                                        else blocks]
-                                                     poll_loads -> done | TransferError
+                                                     poll_loads -> verify the blocks written
+                                                       against handle.checksums (a mismatch reads
+                                                       once more) -> done | TransferError
           <----------- notify "release <request_id>" ---
     poll_releases -> free blocks
     (or lease expiry -> free blocks)
@@ -43,7 +45,7 @@ if TYPE_CHECKING:  # no torch at import: the router reads KVHandle too
     from pdserve.disagg.stats import TransferStats
     from pdserve.model.kv_cache import KVCache
 
-KV_HANDLE_VERSION = 4
+KV_HANDLE_VERSION = 5
 
 
 class StagedSlab(BaseModel):
@@ -77,6 +79,9 @@ class KVHandle(BaseModel):
     # the same KV gathered into one slab (None: the arena had no room, or staging is off); the
     # blocks above stay pinned too, so a decode side without landing room reads them instead
     staged: StagedSlab | None = None
+    # per region, the checksum (checksum.py) of the blocks above as prefill leased them; decode
+    # verifies what it wrote against it (None: prefill does not verify)
+    checksums: dict[str, int] | None = None
 
 
 class TransferStage(enum.IntEnum):
@@ -85,8 +90,9 @@ class TransferStage(enum.IntEnum):
     PENDING = 0
     HANDSHAKE = 1  # fetching / adding the remote agent's metadata
     READING = 2
-    DONE = 3
-    FAILED = 4
+    VERIFY = 3  # the blocks written here do not match prefill's checksums (read twice)
+    DONE = 4
+    FAILED = 5
 
 
 class TransferFailure(BaseModel):

@@ -29,6 +29,7 @@ class ConnectorSettings(BaseModel):
     lease_margin_s: float = Field(1.0, ge=0)
     role: ConnectorRole = "both"  # which arena it needs: prefill staging, decode landing, or both
     staging: StagingOptions = Field(default_factory=StagingOptions)
+    verify: bool = True  # checksum leased KV, check it where it lands (checksum.py)
     options: dict[str, Any] = Field(default_factory=dict)
 
 

@@ -5,6 +5,7 @@ release notifications, timeouts, typed failures), plus knobs to inject failures:
     fail_next(stage, reason)   the next load fails at that stage (HANDSHAKE/PENDING at start_load,
                                READING at the next poll_loads)
     hold_loads = True          loads stay in flight (until released or the transfer timeout)
+    corrupt_reads = n          the next n reads flip a byte of the first block they wrote here
     fabric.disconnect(id)      the prefill engine vanishes, as if killed
 """
 
@@ -13,6 +14,8 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+
+import torch
 
 from pdserve.disagg.base import KVHandle, PeerMetadata, TransferError, TransferStage
 from pdserve.disagg.layout import KVLayout, Runs, region_runs
@@ -69,14 +72,16 @@ class FakeConnector(LeasingConnector):
         fabric: FakeFabric | None = None,
         role: ConnectorRole = "both",
         staging: StagingOptions | None = None,
+        verify: bool = True,
     ) -> None:
         super().__init__(
             engine_id, model_id=model_id, metadata_url=metadata_url, lease_s=lease_s,
             transfer_timeout_s=transfer_timeout_s, lease_margin_s=lease_margin_s, version=version,
-            role=role, staging=staging,
+            role=role, staging=staging, verify=verify,
         )  # fmt: skip
         self.fabric = DEFAULT_FABRIC if fabric is None else fabric
         self.hold_loads = False
+        self.corrupt_reads = 0
         self._inject: tuple[TransferStage, str] | None = None
         self._inbox: list[bytes] = []  # notifications sent to this engine
         self._handoffs: list[tuple[str, bytes]] = []  # hand-offs sent to this engine: (sender, payload)
@@ -168,11 +173,19 @@ class FakeConnector(LeasingConnector):
                     TransferError(rid, TransferStage.READING, f"scattering the slab: {type(e).__name__}: {e}")
                 )
                 continue
+            if self.corrupt_reads > 0:
+                self.corrupt_reads -= 1
+                self._corrupt(load.local_blocks)
+            if not self._verified(load.handle):  # read again, or failed at VERIFY
+                if rid not in self._loads:
+                    peer._inbox.append(release_message(rid))
+                continue
             peer._inbox.append(release_message(rid))
             self.stats.record_done(
                 LoadRecord(rid, nbytes, load.started, time.monotonic() - load.started, load.num_descs)
             )
             done.append(rid)
+        self._prune_plans()
         failed, self._failed = self._failed, []
         return done, failed
 
@@ -208,6 +221,14 @@ class FakeConnector(LeasingConnector):
                 dst[:, d : d + n] = src[:, s : s + n].to(dst.device)
                 nbytes += n * r.block_bytes * r.num_layers
         return nbytes
+
+    def _corrupt(self, local_blocks: dict[str, list[int]]) -> None:
+        """Flip the low bit of the first byte of the first block written here (layer 0)."""
+        for name, ids in local_blocks.items():
+            if ids:
+                block = self.kv.regions[name][0, ids[0]].view(-1).view(torch.uint8)
+                block[0] ^= 1
+                return
 
     def _notify(self, engine_id: str, rid: str) -> None:
         peer = self.fabric.engines.get(engine_id)

@@ -16,6 +16,11 @@ decode's message or expiry), and a backend's _post asks _take_landing for room t
 into, then _land scatters it (or _drop_landing frees it on a failed or cancelled load). A backend
 whose decode peers copy straight from this pool (nixl, same machine: cuda_ipc.py) says so in
 _peer_copies, and no slab is gathered for them.
+
+Verified hand-off (checksum.py, `verify`): on_prefill_finished puts the blocks' checksums in the
+handle; once a load's bytes are in this pool, a backend's poll_loads asks _verified before it
+tells prefill to free them: a mismatch posts the same read once more (the lease still holds the
+blocks), a second one fails the load at stage VERIFY.
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ import time
 import uuid
 from abc import abstractmethod
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from pdserve import __version__
 from pdserve.disagg.base import KVConnector, KVHandle, PeerMetadata, StagedSlab, TransferError, TransferStage
+from pdserve.disagg.checksum import mismatched, pool_checksums, slab_checksums
 from pdserve.disagg.layout import KVLayout, check_block_ids, compat_hash, region_blocks
 from pdserve.disagg.lease_table import LeaseTable, parse_release
 from pdserve.disagg.options import ConnectorRole, StagingOptions
@@ -37,6 +44,17 @@ from pdserve.disagg.stats import TransferStats
 from pdserve.model.kv_cache import KVCache
 
 log = logging.getLogger("pdserve.disagg")
+
+
+@dataclass
+class _ReadPlan:
+    """What start_load posted for a verified load, kept to post it again after a mismatch."""
+
+    remote: Any
+    local_block_ids: list[int]
+    src: dict[str, list[int]]
+    dst: dict[str, list[int]]
+    reread: bool = False
 
 
 class LeasingConnector(KVConnector):
@@ -52,10 +70,12 @@ class LeasingConnector(KVConnector):
         version: str | None,
         role: ConnectorRole = "both",
         staging: StagingOptions | None = None,
+        verify: bool = True,
     ) -> None:
         """metadata_url: where this worker serves its transfer metadata (goes into handles).
         lease_margin_s: a handle whose lease ends sooner than this is refused (clock skew, read time).
-        role, staging: which staged-transfer arenas register_kv_cache makes, and their sizes."""
+        role, staging: which staged-transfer arenas register_kv_cache makes, and their sizes.
+        verify: checksum what prefill leases and check what decode writes (checksum.py)."""
         self.engine_id = engine_id
         self.instance_id = uuid.uuid4().hex[:16]  # tells a restarted engine of the same id apart
         self.model_id = model_id
@@ -75,6 +95,8 @@ class LeasingConnector(KVConnector):
         self.staging_arena: StagingArena | None = None  # prefill: gathered slabs, read by decode
         self.landing_arena: StagingArena | None = None  # decode: slabs read from prefill, then scattered
         self._slabs: dict[str, int] = {}  # request id -> its slab's offset in the staging arena
+        self.verify = verify
+        self._plans: dict[str, _ReadPlan] = {}  # decode: verified loads in flight
 
     # -- registration --
     def register_kv_cache(self, kv_cache: KVCache) -> None:
@@ -112,6 +134,7 @@ class LeasingConnector(KVConnector):
             staged = None
         else:
             staged = self._stage(request_id, list(block_ids), num_tokens, window, state_slot)
+        checksums = self._checksums(request_id, list(block_ids), num_tokens, window, state_slot, staged)
         return KVHandle(
             request_id=request_id,
             engine_id=self.engine_id,
@@ -124,7 +147,32 @@ class LeasingConnector(KVConnector):
             compat_hash=self.compat_hash,
             lease_expires_at=time.time() + lease_s,
             staged=staged,
+            checksums=checksums,
         )
+
+    def _checksums(
+        self,
+        rid: str,
+        block_ids: list[int],
+        num_tokens: int,
+        window: list[int],
+        state_slot: int,
+        staged: StagedSlab | None,
+    ) -> dict[str, int] | None:
+        """The leased blocks' checksums per region (over the slab, a copy of them, when staged)."""
+        if not self.verify:
+            return None
+        try:
+            blocks = region_blocks(self.layout, block_ids, num_tokens, window, state_slot)
+            for r in self.layout.regions:
+                check_block_ids(blocks[r.name], r.num_blocks, f"prefill {r.name}")
+        except ValueError as e:  # the decode side names the same problem when it reads the blocks
+            log.warning("request %s: no checksums: %s", rid, e)
+            return None
+        if staged is not None:
+            slab = self.staging_arena.slab(staged.offset, staged.nbytes)
+            return slab_checksums(slab, self.layout, {k: len(v) for k, v in blocks.items()})
+        return pool_checksums(self.kv.regions, self.layout, blocks)
 
     def _stage(
         self, rid: str, block_ids: list[int], num_tokens: int, window: list[int], state_slot: int
@@ -220,6 +268,43 @@ class LeasingConnector(KVConnector):
         except ValueError as e:
             self._fail_now(rid, TransferStage.PENDING, str(e))
         self._loads[rid] = self._post(handle, remote, list(local_block_ids), src, dst)
+        if self.verify and handle.checksums is not None:
+            self._plans[rid] = _ReadPlan(remote, list(local_block_ids), src, dst)
+
+    # -- decode side, verified --
+    def _verified(self, handle: KVHandle) -> bool:
+        """A load's bytes are in the pool: True when they match prefill's checksums (or are not
+        checked). False after a mismatch: the first time the read is posted again (in self._loads),
+        the second a TransferError (VERIFY) is queued. The backend tells prefill to free its blocks
+        only once no read of them is in flight (rid not in self._loads)."""
+        rid = handle.request_id
+        plan = self._plans.pop(rid, None)
+        if plan is None:
+            return True
+        t0 = time.monotonic()
+        bad = mismatched(handle.checksums, pool_checksums(self.kv.regions, self.layout, plan.dst))
+        self.stats.record_verify(not bad, time.monotonic() - t0)
+        if not bad:
+            return True
+        what = f"the KV read from {handle.engine_id} does not match its checksums in region(s) {', '.join(bad)}"
+        if plan.reread:
+            self.stats.record_failed(TransferStage.VERIFY.name)
+            self._failed.append(TransferError(rid, TransferStage.VERIFY, f"{what}, read twice"))
+            return False
+        log.warning("request %s: %s; reading it again", rid, what)
+        try:
+            self._loads[rid] = self._post(handle, plan.remote, plan.local_block_ids, plan.src, plan.dst)
+        except TransferError as e:  # _fail_now counted it
+            self._failed.append(e)
+            return False
+        plan.reread = True
+        self._plans[rid] = plan
+        return False
+
+    def _prune_plans(self) -> None:
+        """Forget the plans of loads no longer in flight (failed or cancelled)."""
+        for rid in [rid for rid in self._plans if rid not in self._loads]:
+            del self._plans[rid]
 
     # -- decode side, staged --
     def _take_landing(

@@ -43,6 +43,11 @@ class TransferStats:
     # decode: finished loads by how the bytes moved: "cuda_ipc" (copied from a same-host pool),
     # "staged" (one slab READ), "blocks" (a descriptor per region, layer and run), "none" (no bytes)
     paths: dict[str, int] = field(default_factory=dict)
+    # decode, verified hand-off (checksum.py): loads whose blocks matched prefill's checksums, reads
+    # that did not (each read: a re-read counts again), and the checksums' time (synchronized)
+    verified_loads: int = 0
+    verify_failures: int = 0
+    verify_seconds_sum: float = 0.0
 
     def record_handoff(self, request_id: str, at: float) -> None:
         """Decode: when (monotonic) a request's hand-off arrived; kept for the latest 1,024."""
@@ -69,6 +74,13 @@ class TransferStats:
         key = (side, result)
         self.staged[key] = self.staged.get(key, 0) + 1
         self.stage_seconds_sum += seconds
+
+    def record_verify(self, ok: bool, seconds: float) -> None:
+        if ok:
+            self.verified_loads += 1
+        else:
+            self.verify_failures += 1
+        self.verify_seconds_sum += seconds
 
     def record_path(self, path: str) -> None:
         self.paths[path] = self.paths.get(path, 0) + 1

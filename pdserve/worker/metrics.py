@@ -8,6 +8,7 @@ pdserve_decode_batch_size                               pdserve_kv_lease_expirat
 pdserve_prompt_tokens_total, pdserve_generation_tokens_total  pdserve_kv_load_recomputes_total
 pdserve_request_success_total{finish_reason}            pdserve_kv_transfer_staged_total{side,result}
                                                         pdserve_kv_transfer_path_total{path}
+                                 pdserve_kv_verified_loads_total, pdserve_kv_verify_failures_total
 """
 
 from __future__ import annotations
@@ -71,6 +72,12 @@ class WorkerMetrics:
             ["path"],
             registry=r,
         )
+        self.verified = Counter(
+            "pdserve_kv_verified_loads", "KV loads whose blocks matched prefill's checksums", registry=r
+        )
+        self.verify_failures = Counter(
+            "pdserve_kv_verify_failures", "KV reads whose blocks did not match prefill's checksums", registry=r
+        )
         self._seen = TransferStats()  # what has been exported of the connector's counters
         self._seen_recomputes = 0
 
@@ -101,6 +108,9 @@ class WorkerMetrics:
         for path, n in list(stats.paths.items()):
             self.paths.labels(path=path).inc(n - seen.paths.get(path, 0))
             seen.paths[path] = n
+        self.verified.inc(stats.verified_loads - seen.verified_loads)
+        self.verify_failures.inc(stats.verify_failures - seen.verify_failures)
+        seen.verified_loads, seen.verify_failures = stats.verified_loads, stats.verify_failures
         seen.bytes_transferred = stats.bytes_transferred
         seen.transfers_failed = stats.transfers_failed
         seen.lease_expirations = stats.lease_expirations

@@ -10,6 +10,8 @@ then answers JSON-line commands on stdin, one JSON line each on stdout:
                         "staging_used": int (bytes of the staging arena in slabs)}
     {"op": "handoff", "engine_id": str, "metadata": str (a decode connector's peer_metadata()), "payload": str}
                     -> {"sent": true} | {"error": str}   (send_handoff to that decode connector)
+    {"op": "flip", "region": str, "block": int} -> {"flipped": true}   (the low bit of that block's
+                    first byte in layer 0: the pool corrupted after the lease)
     {"op": "exit"}  -> {"bye": true}, after shutdown()
 
 All connector calls happen on the main thread; the HTTP thread serves bytes built at registration.
@@ -138,6 +140,10 @@ def main() -> None:
                 reply({"sent": True})
             except Exception as e:
                 reply({"error": f"{type(e).__name__}: {e}"})
+        elif cmd["op"] == "flip":
+            with lock:
+                conn.kv.regions[cmd["region"]][0, cmd["block"]].view(-1).view(torch.uint8)[0] ^= 1
+            reply({"flipped": True})
         elif cmd["op"] == "exit":
             break
         else:

@@ -366,3 +366,41 @@ def test_real_cuda_ipc_between_two_processes_on_one_gpu():
     finally:
         decode.shutdown()
         peer.stop()
+
+
+def test_same_host_copy_of_a_pool_flipped_after_the_lease_fails_at_verify(same_host):
+    pre, dec = same_host("v3")
+    handle = pre.on_prefill_finished("flip", SRC, TOKENS, kv_to=meta(dec))
+    assert handle.staged is None and handle.checksums is not None
+    pre.kv.regions["latent"][1, SRC[0]].view(-1).view(torch.uint8)[7] ^= 4  # after the lease
+    dec.start_load(handle, DST, meta(pre))
+    assert dec.poll_loads() == ([], [])  # the first copy (done at once on CPU) does not check: copied again
+    done, failed = dec.poll_loads()
+    assert done == [] and failed[0].stage is TransferStage.VERIFY and "latent" in failed[0].reason
+    assert dec.stats.verify_failures == 2 and dec.stats.paths == {}
+    wait_released(pre, dec, "flip")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU: run on the H200 (docs/pd-gpu.md)")
+def test_real_cuda_ipc_copy_of_a_flipped_pool_fails_at_verify():
+    from test_transfer import Peer, fetch, nixl_decode_on
+
+    peer = Peer("bfloat16", seed=7, staging_mib=1, device="cuda")
+    decode = nixl_decode_on("bfloat16", "cuda", landing_mib=1)
+    try:
+        to = {"engine_id": decode.engine_id, "metadata": decode.peer_metadata().decode()}
+        handle = peer.prefill("g2", [3, 4], kv_to=to)
+        peer.cmd(op="flip", region="latent", block=4)
+        decode.start_load(handle, [7, 8], fetch(handle))
+        failed: list = []
+        deadline = time.monotonic() + 5.0
+        while not failed:
+            assert time.monotonic() < deadline, "the load neither failed nor finished"
+            done, failed = decode.poll_loads()
+            assert done == []
+            time.sleep(0.002)
+        assert failed[0].stage is TransferStage.VERIFY and decode.stats.verify_failures == 2
+        assert decode.stats.failures_by_stage == {"VERIFY": 1}
+    finally:
+        decode.shutdown()
+        peer.stop()

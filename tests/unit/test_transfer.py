@@ -395,6 +395,20 @@ def test_nixl_read_is_byte_exact_and_notification_releases_the_lease(peer, decod
 
 
 @pytest.mark.slow
+def test_nixl_flipped_byte_in_the_prefill_pool_fails_every_read_at_verify(peer, decode):
+    handle = peer.prefill("flip", [2, 3])
+    assert handle.checksums is not None and set(handle.checksums) == {"latent", "index_k"}
+    peer.cmd(op="flip", region="index_k", block=3)  # after the lease: what decode reads is not what was leased
+    err = run_load(decode, handle, [5, 6], peer=fetch(handle))
+    assert err is not None and err.stage is TransferStage.VERIFY and "index_k" in err.reason
+    assert decode.stats.verify_failures == 2 and decode.stats.verified_loads == 0  # the read and the re-read
+    assert decode.stats.failures_by_stage == {"VERIFY": 1}
+    peer.wait_released("flip")  # the failed load let prefill free its blocks
+    peer.cmd(op="flip", region="index_k", block=3)  # flipped back: the module's peer serves other tests
+    assert run_load(decode, peer.prefill("clean", [4]), [7]) is None and decode.stats.verified_loads == 1
+
+
+@pytest.mark.slow
 def test_nixl_hand_off_is_a_notification_from_prefill_to_decode(peer, decode):
     # prefill adds the decode agent from its metadata and notifies it; decode sees who sent what
     payloads = ["a" * 40, "b" * 100_000]  # up to a long handle's JSON

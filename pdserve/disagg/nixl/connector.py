@@ -58,6 +58,7 @@ class NixlConnector(LeasingConnector):
         cuda_ipc: bool = True,
         role: ConnectorRole = "both",
         staging: StagingOptions | None = None,
+        verify: bool = True,
     ) -> None:
         """See LeasingConnector for the common arguments, NixlOptions for the others.
         progress_thread: workers take NixlOptions' default (off); on here for a caller that never
@@ -70,7 +71,7 @@ class NixlConnector(LeasingConnector):
         super().__init__(
             engine_id, model_id=model_id, metadata_url=metadata_url, lease_s=lease_s,
             transfer_timeout_s=transfer_timeout_s, lease_margin_s=lease_margin_s, version=version,
-            role=role, staging=staging,
+            role=role, staging=staging, verify=verify,
         )  # fmt: skip
         self._progress_thread, self._ucx_gpu_defaults, self._cuda_ipc = progress_thread, ucx_gpu_defaults, cuda_ipc
         self._progress_interval_s = progress_interval_ms / 1000
@@ -328,18 +329,25 @@ class NixlConnector(LeasingConnector):
                 self._fail_load(rid, TransferStage.READING, reason)
                 continue
             del self._loads[rid]
-            if load.done():  # the data is here: prefill may free its blocks (and slab)
-                self._notify(load.agent_name, rid)
+            tell = load.done()  # the data is here: prefill may free its blocks (and slab) once checked
             try:
                 load.land()
             except Exception as e:  # the blocks are not whole: fail the request, not the engine
+                if tell:
+                    self._notify(load.agent_name, rid)
                 self.stats.record_failed(TransferStage.READING.name)
                 why = f"scattering the slab: {nixl_reason(e)}"
                 self._failed.append(TransferError(rid, TransferStage.READING, why))
                 continue
+            verified = self._verified(load.handle)  # False: read again (in self._loads) or failed
+            if tell and rid not in self._loads:
+                self._notify(load.agent_name, rid)
+            if not verified:
+                continue
             self.stats.record_done(LoadRecord(rid, load.nbytes, load.started, load.seconds, load.num_descs))
             self.stats.record_path(load.path)
             done.append(rid)
+        self._prune_plans()
         failed, self._failed = self._failed, []
         return done, failed
 
