@@ -110,6 +110,9 @@ class WorkerConfig(_Strict):
     load_format: LoadFormat = "auto"  # "dummy": random weights from config.json alone (benchmarks)
     kv_block_size: int = Field(64, ge=1)
     num_kv_blocks: int | None = Field(None, ge=1)
+    # cuda: the share of the whole GPU this worker may use (weights + peak activations + KV pool;
+    # vLLM's meaning: two workers on one GPU at 0.45 each); the pool is planned at start
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     max_num_seqs: int = Field(256, ge=1)
     max_num_batched_tokens: int | None = Field(None, ge=1)
     max_model_len: int | None = Field(None, ge=2)
@@ -198,6 +201,7 @@ class WorkerConfig(_Strict):
             load_format=self.load_format,
             kv_block_size=self.kv_block_size,
             num_kv_blocks=self.num_kv_blocks,
+            gpu_memory_utilization=self.gpu_memory_utilization,
             max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len,
             enforce_eager=self.enforce_eager,
@@ -218,6 +222,7 @@ class TransferConfig(_Strict):
     kv_load_failure_policy: KVLoadFailurePolicy = "fail"  # decode: a failed read fails the request, or recomputes it
     options: dict[str, Any] = Field(default_factory=dict)  # the backend's own (nixl: progress_thread)
     staging: StagingOptions = Field(default_factory=StagingOptions)  # staged transfer: mode, arena MiB
+    verify: bool = True  # prefill checksums the KV it leases, decode checks what it read (disagg/checksum.py)
     ucx: dict[str, str | int | float] = Field(default_factory=dict)  # UCX_* env for the workers
 
     @field_validator("ucx")

@@ -18,26 +18,24 @@ import argparse
 import functools
 import json
 import logging
-import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import uvicorn
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
 from pdserve.config import DEFAULT_PORTS, resolve_model
 from pdserve.serve_config import RouterServeConfig, ServeConfig, WorkerServeConfig
+from pdserve.server import run_server, serve_router_processes
 
 log = logging.getLogger("pdserve.serve")
-STOP_GRACE_S = 15.0  # uvicorn's graceful shutdown (5 s) and the lifespan's, with room
 
 # flag dest -> where it goes in the ServeConfig; "@" is the role's own section (worker | router)
 WORKER_FLAGS = {
     "device": "worker.device", "dtype": "worker.dtype", "load_format": "worker.load_format", "tensor_parallel_size": "worker.tp_size",
     "kv_block_size": "worker.kv_block_size", "num_kv_blocks": "worker.num_kv_blocks",
+    "gpu_memory_utilization": "worker.gpu_memory_utilization",
     "max_num_seqs": "worker.max_num_seqs", "max_num_batched_tokens": "worker.max_num_batched_tokens",
     "engine_id": "worker.engine_id", "advertise_host": "worker.advertise_host", "lease_seconds": "worker.lease_seconds",
     "max_open_requests": "worker.max_open_requests", "stall_timeout": "worker.stall_timeout", "peer": "peers",
@@ -94,6 +92,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     w("--tensor-parallel-size", "-tp", help="ranks of this worker: GPUs from --device on, or gloo processes on cpu")
     w("--kv-block-size")
     w("--num-kv-blocks")
+    w(
+        "--gpu-memory-utilization",
+        help="cuda: the share of the whole GPU this worker may use (weights, activations, KV pool; default 0.9)",
+    )
     w("--max-num-seqs")
     w("--max-num-batched-tokens")
     w("--enforce-eager", action="store_true", help="no CUDA graphs: run every decode step eagerly")
@@ -236,159 +238,8 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     if isinstance(cfg, RouterServeConfig) and cfg.router.api_server_count > 1:
         return serve_router_processes(cfg)
-    _serve(app, host, port, announce=f"pdserve {role} listening on http://{host}:{port}")
+    run_server(app, host, port, announce=f"pdserve {role} listening on http://{host}:{port}")
     return getattr(app.state, "exit_code", 0)  # a worker whose engine failed: non-zero (worker/failure.py)
-
-
-def _serve(app: Any, host: str, port: int, sockets: list[Any] | None = None, announce: str | None = None) -> None:
-    """uvicorn until a stop signal; on `sockets` already bound (router processes) if given."""
-    # keep-alive longer than any client's idle expiry (the router's aiohttp: 30 s; httpx: 5 s): else
-    # the server closes an idle connection just as the router reuses it, and the POST gets ReadError.
-    # h11, not httptools where installed: httptools takes a header of any size (tests/e2e/test_fuzz.py)
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        http="h11",
-        log_level="warning",
-        lifespan="on",
-        timeout_graceful_shutdown=5,
-        timeout_keep_alive=75,
-    )
-    server = _Server(config, getattr(app.state, "on_exit", None), announce)
-    app.state.request_stop = lambda: setattr(server, "should_exit", True)  # a worker whose engine failed
-    server.run(sockets=sockets)
-
-
-def serve_router_processes(cfg: RouterServeConfig) -> int:
-    """The router as `api_server_count` processes on one listening socket (pre-fork, as uvicorn's
-    --workers): the kernel gives each new connection to one of them. Python costs the router CPU
-    on every streamed token (docs/pd-gpu.md), so one process is the ceiling
-    of a busy cluster. Each process has its own view of the workers (probes, breakers, in-flight
-    counts) and its own share of max_queued_requests; their metrics go to one Prometheus
-    multiprocess folder, which /metrics on any of them reads whole. A process that dies stops the
-    others and this one exits 1 (`pdserve launch` restarts the router by its policy)."""
-    import multiprocessing
-    import shutil
-    import signal
-    import socket
-    import tempfile
-    import threading
-
-    from prometheus_client import multiprocess
-
-    host, port, n = cfg.router.host, cfg.router.port, cfg.router.api_server_count
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        sock = socket.create_server((host, port), family=family, backlog=2048)
-    except OSError as e:
-        print(f"pdserve serve --role router: cannot listen on {host}:{port}: {e}", file=sys.stderr)
-        return 2
-    _remove_orphaned_metrics_dirs()
-    metrics_dir = tempfile.mkdtemp(prefix=f"{METRICS_DIR_PREFIX}{os.getpid()}-")
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # read by prometheus_client when each child imports it
-    ctx = multiprocessing.get_context("spawn")
-    procs = [
-        ctx.Process(target=_router_process, args=(cfg.model_dump_json(), sock, i, os.getpid()), name=f"router-{i}")
-        for i in range(n)
-    ]
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: Any) -> None:
-        stop.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
-    for p in procs:
-        p.start()
-    sock.close()  # the children hold it now
-    log.info(
-        "pdserve router listening on http://%s:%d with %d processes (pids %s)",
-        host,
-        port,
-        n,
-        ", ".join(str(p.pid) for p in procs),
-    )
-    died = None
-    while not stop.wait(0.2):
-        died = next((p for p in procs if not p.is_alive()), None)
-        if died is not None:
-            log.error(
-                "router process %s (pid %d) exited with code %s: stopping the others",
-                died.name,
-                died.pid,
-                died.exitcode,
-            )
-            break
-    for p in procs:
-        if p.is_alive():
-            os.kill(p.pid, signal.SIGTERM)  # each drains its streams (an error event each), as one router does
-    for p in procs:
-        p.join(timeout=STOP_GRACE_S)
-        if p.is_alive():
-            p.kill()
-            p.join()
-        multiprocess.mark_process_dead(p.pid)
-    shutil.rmtree(metrics_dir, ignore_errors=True)
-    return 1 if died is not None else 0
-
-
-METRICS_DIR_PREFIX = "pdserve-router-metrics-"  # + the router parent's pid + "-" + random
-
-
-def _remove_orphaned_metrics_dirs() -> None:
-    """Metrics folders of router parents that are gone (one SIGKILLed never removed its own)."""
-    import shutil
-    import tempfile
-
-    from pdserve.lifetime import pid_alive
-
-    for path in Path(tempfile.gettempdir()).glob(f"{METRICS_DIR_PREFIX}*-*"):
-        pid = path.name[len(METRICS_DIR_PREFIX) :].split("-", 1)[0]
-        if not pid.isdigit() or pid_alive(int(pid)):
-            continue
-        try:
-            shutil.rmtree(path)
-            log.info("removed %s, left by router process %s", path, pid)
-        except OSError as e:  # another user's, say: not ours to remove
-            log.warning("cannot remove %s, left by router process %s: %s", path, pid, e)
-
-
-def _router_process(cfg_json: str, sock: Any, index: int, parent: int) -> None:
-    """One of serve_router_processes' children (spawned: a fresh interpreter). It ends with its
-    parent, however that ends: an orphan would keep the port from the router a supervisor restarts."""
-    import signal
-
-    from pdserve.lifetime import die_with_parent
-
-    die_with_parent(parent, signal.SIGTERM)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s[{index}]: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    from pdserve.router.app import build_router_app
-
-    cfg = RouterServeConfig.model_validate_json(cfg_json)
-    app = build_router_app(cfg)
-    _serve(app, cfg.router.host, cfg.router.port, sockets=[sock])
-
-
-class _Server(uvicorn.Server):
-    """uvicorn's server, telling the app when a stop signal arrives (the router then ends its open
-    streams with an error event at once, rather than when the graceful-shutdown time runs out)."""
-
-    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None] | None, announce: str | None = None) -> None:
-        super().__init__(config)
-        self._on_exit = on_exit
-        self._announce = announce
-
-    async def startup(self, sockets: list[Any] | None = None) -> None:
-        await super().startup(sockets=sockets)
-        if self.started and self._announce:  # said once the port is bound (a failed bind exits 3 with uvicorn's error)
-            log.info(self._announce)
-
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        if self._on_exit is not None:
-            self._on_exit()
-        super().handle_exit(sig, frame)
 
 
 def main(argv: list[str] | None = None) -> int:

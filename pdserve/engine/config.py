@@ -27,8 +27,8 @@ def check_device(d: str) -> str:
     return d
 
 
-# KV memory when neither num_kv_blocks nor kv_cache_memory_gb is given (CPU; CUDA uses
-# gpu_memory_utilization of what is free after loading). Capped by what max_num_seqs sequences of
+# KV memory on CPU when neither num_kv_blocks nor kv_cache_memory_gb is given (CUDA plans the pool
+# in gpu_memory_utilization of the GPU: engine/memory.py). Capped by what max_num_seqs sequences of
 # max_model_len tokens could ever use.
 DEFAULT_CPU_KV_GB = 1.0
 
@@ -46,6 +46,8 @@ class EngineConfig(BaseModel):
     kv_block_size: int = Field(64, ge=1)
     num_kv_blocks: int | None = Field(None, ge=1)
     kv_cache_memory_gb: float | None = Field(None, gt=0)
+    # CUDA: the share of the WHOLE GPU this engine may use (vLLM's meaning): weights, profiled peak
+    # activations and the KV pool together; several engines on one GPU each take their share
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     # device memory taken outside the pool after it is sized (the KV transfer's staging / landing
     # arenas: set by the worker from transfer.staging), kept out of the gpu_memory_utilization budget

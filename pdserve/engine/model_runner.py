@@ -15,6 +15,7 @@ the other ranks.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 import weakref
@@ -27,12 +28,14 @@ from pdserve.engine import tp_protocol as protocol
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import DEFAULT_CPU_KV_GB, EngineConfig
 from pdserve.engine.cuda_graphs import CudaGraphRunner
+from pdserve.engine.memory import MemoryFigures, measure_figures, plan_kv_pool, profile_peak
 from pdserve.engine.sampler import SampledToken, Sampler
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.model.batch import ForwardBatch, StepInputs
 from pdserve.model.kv_cache import STATE, WINDOW, KVCache, KVRegionSpec
 
+log = logging.getLogger("pdserve.engine")
 WHILE_BUSY_POLL_S = 2e-4  # how late a step's end may be seen while the engine works beside it
 
 
@@ -43,6 +46,12 @@ def work_until(done: Callable[[], bool], work: Callable[[], None], poll_s: float
     while not done():
         time.sleep(poll_s)
         work()
+
+
+def plans_memory(device: torch.device) -> bool:
+    """Whether the pool is planned in device memory (engine/memory.py): on CUDA; on CPU it is the
+    configured size."""
+    return device.type == "cuda"
 
 
 def _pad(table: list[int], width: int) -> list[int]:
@@ -100,11 +109,19 @@ class ModelRunner:
             n * KVCache.bytes_per_block(specs, model.num_layers, self.block_size, self.dtype, space)
             for n, space in ((self.num_window_blocks, WINDOW), (self.num_state_slots, STATE))
         )
-        n = self._num_kv_blocks(
-            KVCache.bytes_per_block(specs, model.num_layers, self.block_size, self.dtype),
-            config.max_model_len or max_pos,
-            side_bytes,
+        block_bytes = KVCache.bytes_per_block(specs, model.num_layers, self.block_size, self.dtype)
+        use_graphs = (
+            self.device.type == "cuda"
+            and not config.enforce_eager
+            and self.tp.size == 1
+            and getattr(model, "supports_cuda_graphs", False)
         )
+        max_bs = config.cuda_graph_max_bs or min(config.max_num_seqs, 256)
+        self.memory_figures: MemoryFigures | None = None  # the start-up plan's numbers (CUDA)
+        if plans_memory(self.device):
+            n = self._planned_blocks(specs, block_bytes, side_bytes, max_pos, max_bs if use_graphs else None)
+        else:
+            n = self._num_kv_blocks(block_bytes, config.max_model_len or max_pos, side_bytes)
         self.num_kv_blocks = self.tp.min_control(n)  # the block manager's blocks must exist on every rank
         capacity = self.num_kv_blocks * self.block_size
         if config.max_model_len is not None and config.max_model_len > capacity:
@@ -113,12 +130,6 @@ class ModelRunner:
                 f"but only {self.num_kv_blocks} fit; lower max_model_len or raise num_kv_blocks / kv_cache_memory_gb"
             )
         self.max_model_len = config.max_model_len or min(max_pos, capacity)
-        use_graphs = (
-            self.device.type == "cuda"
-            and not config.enforce_eager
-            and self.tp.size == 1
-            and getattr(model, "supports_cuda_graphs", False)
-        )
         # + the graphs' scratch block in each space the pool has (cuda_graphs.py)
         scratch = [
             n + (1 if use_graphs and n else 0)
@@ -129,7 +140,6 @@ class ModelRunner:
         )
         self.graphs: CudaGraphRunner | None = None
         if use_graphs:
-            max_bs = config.cuda_graph_max_bs or min(config.max_num_seqs, 256)
             self.graphs = CudaGraphRunner(
                 model,
                 self.kv_cache,
@@ -143,19 +153,43 @@ class ModelRunner:
         self.eos_token_ids = set(model.config.eos_token_ids) | _ids(config.generation_config().get("eos_token_id"))
         self.sampler = Sampler(self.device, config.seed, sorted(self.eos_token_ids), config.logprobs_mode)
 
+    def _planned_blocks(
+        self, specs: list[KVRegionSpec], block_bytes: int, side_bytes: int, max_pos: int, graph_bs: int | None
+    ) -> int:
+        """CUDA: profile the peak activations, then plan the pool in this worker's share of the GPU
+        (engine/memory.py); kv_cache_memory_gb asks for that many blocks."""
+        c = self.config
+        max_len = c.max_model_len or max_pos
+        peak = profile_peak(
+            self.model,
+            specs,
+            block_size=self.block_size,
+            dtype=self.dtype,
+            device=self.device,
+            max_num_batched_tokens=c.max_num_batched_tokens,
+            max_model_len=max_len,
+            max_num_seqs=c.max_num_seqs,
+            graph_bs=graph_bs,
+        )
+        side_bytes += block_bytes if graph_bs is not None else 0  # the graphs' scratch block
+        figures = self.memory_figures = measure_figures(
+            self.device, peak, c.reserved_memory_mib, side_bytes, block_bytes
+        )
+        requested = c.num_kv_blocks
+        if requested is None and c.kv_cache_memory_gb is not None:
+            requested = max(int((c.kv_cache_memory_gb * 2**30 - side_bytes) // block_bytes), 1)
+        useful = c.max_num_seqs * math.ceil(max_len / self.block_size)
+        n = plan_kv_pool(figures, c.gpu_memory_utilization, requested, useful)
+        log.info("memory plan on %s: %s -> %d KV blocks", self.device, figures.summary(), n)
+        return n
+
     def _num_kv_blocks(self, bytes_per_block: int, max_len: int, side_bytes: int) -> int:
-        """Token-space blocks: config.num_kv_blocks, else what the budget holds after the window
-        and state spaces (side_bytes)."""
+        """CPU: token-space blocks of config.num_kv_blocks, else what kv_cache_memory_gb (or
+        DEFAULT_CPU_KV_GB) holds after the window and state spaces (side_bytes)."""
         c = self.config
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
-        if c.kv_cache_memory_gb is not None:
-            budget = c.kv_cache_memory_gb * 2**30
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = c.gpu_memory_utilization * total - (total - free) - c.reserved_memory_mib * 2**20
-        else:
-            budget = DEFAULT_CPU_KV_GB * 2**30
+        budget = (c.kv_cache_memory_gb or DEFAULT_CPU_KV_GB) * 2**30
         useful = c.max_num_seqs * math.ceil(max_len / self.block_size)  # more could never be used
         n = min(int((budget - side_bytes) // bytes_per_block), useful)
         if n < 1:

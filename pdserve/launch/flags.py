@@ -29,6 +29,7 @@ FLAGS: dict[str, tuple[str, str]] = {
     "max_num_seqs": ("workers", "max_num_seqs"),
     "max_num_batched_tokens": ("workers", "max_num_batched_tokens"),
     "num_kv_blocks": ("workers", "num_kv_blocks"),
+    "gpu_memory_utilization": ("workers", "gpu_memory_utilization"),
     "kv_cache_dtype": ("workers", "kv_cache_dtype"),
     "enforce_eager": ("workers", "enforce_eager"),
 }
@@ -88,6 +89,12 @@ def add_launch_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, metavar="N", help=f"{w} max_num_seqs")
     p.add_argument("--max-num-batched-tokens", type=int, metavar="N", help=f"{w} max_num_batched_tokens")
     p.add_argument("--num-kv-blocks", type=int, metavar="N", help=f"{w} num_kv_blocks")
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        metavar="F",
+        help=f"{w} gpu_memory_utilization (each worker's share of its whole GPU)",
+    )
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), help=f"{w} kv_cache_dtype")
     p.add_argument("--enforce-eager", action="store_true", default=None, help=f"{w} enforce_eager (no CUDA graphs)")
 

@@ -104,6 +104,7 @@ def _connector(cfg: WorkerServeConfig) -> KVConnector:
         transfer_timeout_s=t.timeout,
         role=cfg.role,
         staging=t.staging,
+        verify=t.verify,
         options=t.options,
     )
     return make_connector(t.backend, cfg.engine_id, settings)

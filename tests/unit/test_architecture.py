@@ -27,6 +27,7 @@ LAYERS = [
     {"pdserve.wire", "pdserve.config"},
     {"pdserve.serve_config"},
     {"pdserve.llm", "pdserve.worker", "pdserve.router"},
+    {"pdserve.server"},
     {"pdserve.serve", "pdserve.health_cli", "pdserve.bench"},
     {"pdserve.launch"},
     {"pdserve.cli"},
