@@ -54,6 +54,8 @@ _WRAPPERS = {"numactl", "taskset", "env", "setsid", "nice", "timeout"}
 def _starts_python(args) -> bool:
     """Whether the command runs Python or pdserve (itself, or behind a wrapper such as numactl);
     a tool that merely names the interpreter (`file -b python3`, as platform.architecture runs) is not."""
+    if isinstance(args, (bytes, os.PathLike)):
+        args = [args]  # one program path, no arguments
     argv = shlex.split(args) if isinstance(args, str) else [os.fsdecode(a) for a in args]
     for arg in argv:
         name = os.path.basename(arg)
