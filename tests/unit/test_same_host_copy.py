@@ -339,6 +339,7 @@ def test_copy_queue_on_a_gpu_copies_through_its_ring_and_through_a_buffer_of_its
             assert torch.equal(dst[name], want[name]), (n, name)
 
 
+@pytest.mark.slow  # starts a prefill peer process
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU: run on the H200 (docs/pd-gpu.md)")
 def test_real_cuda_ipc_between_two_processes_on_one_gpu():
     from test_transfer import Peer, fetch, nixl_decode_on
@@ -381,6 +382,7 @@ def test_same_host_copy_of_a_pool_flipped_after_the_lease_fails_at_verify(same_h
     wait_released(pre, dec, "flip")
 
 
+@pytest.mark.slow  # starts a prefill peer process
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU: run on the H200 (docs/pd-gpu.md)")
 def test_real_cuda_ipc_copy_of_a_flipped_pool_fails_at_verify():
     from test_transfer import Peer, fetch, nixl_decode_on
