@@ -73,6 +73,12 @@ def worker(name: str, engine_json: str, conn) -> None:
             "allowed_gib": config.gpu_memory_utilization * f.total / GiB if f else None,
             # the process's peak during the step: torch's reserved memory and its non-torch memory
             "step_peak_gib": (torch.cuda.max_memory_reserved(device) + f.non_torch) / GiB if f else None,
+            # what the plan predicts the step allocates (weights, pool, profiled activations) against
+            # what it did: the allocator's peak of live tensors (reserved above adds its caching)
+            "planned_allocated_gib": (f.weights + runner.num_kv_blocks * f.block_bytes + f.peak_activation) / GiB
+            if f
+            else None,
+            "step_peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GiB if cuda else None,
             "prompts": f"{n} x {each} tokens",
             "oom": error,
         }

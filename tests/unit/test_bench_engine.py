@@ -54,6 +54,8 @@ def test_report_is_well_formed(model, tmp_path, capsys):
         (["--dtype", "fp4"], "FP4 routed experts are DeepSeek-V4's"),
         (["--load-format", "auto"], "only 'dummy'"),
         (["--kv-cache-dtype", "bfloat16"], "auto (the weights' dtype) or fp8"),
+        (["--tp-shard", "2"], "a shard needs --num-layers"),
+        (["--tp-shard", "3", "--num-layers", "2"], "does not split 3 ways"),
     ],
 )
 def test_refuses_what_is_not_built(flags, says, capsys):
@@ -335,3 +337,21 @@ def test_floor_counts_fp4_experts_once_tiled():
     per_expert = 2 * tile * -(-inter // 64) * -(-hidden // 128) + tile * -(-hidden // 64) * -(-inter // 128)
     cost = step_cost(model, config, 4, 40, kv_itemsize=2, experts_touched={0: 3, 1: 5})
     assert cost.expert_bytes == (3 + 5) * per_expert
+
+
+@pytest.mark.parametrize("model", ["tiny-v3.2", "tiny-v4"])
+def test_tp_shard_is_one_ranks_share(model, tmp_path):
+    """--tp-shard 2: the dimensions pdserve's tensor parallelism splits are halved, nothing else,
+    and the shard runs as a model of its own; the same dimensions the TP model's rank 0 builds."""
+    full, half = bench_config(model, 2), bench_config(model, 2, tp_shard_size=2)
+    changed = {k for k in full if full[k] != half[k]}
+    split = {"tiny-v4": {"num_attention_heads", "o_groups", "moe_intermediate_size"}}.get(
+        model, {"num_attention_heads", "num_key_value_heads", "moe_intermediate_size", "intermediate_size"}
+    )
+    assert changed == split and all(half[k] * 2 == full[k] for k in split)
+    out = tmp_path / "shard.json"
+    assert main(["--model", model, *TINY_RUN[:6], "--long-context", "0", "--warmup", "0", "--steps", "1",
+                 "--baseline-steps", "0", "--profile-steps", "0", "--dtype", "float32", "--device", "cpu",
+                 "--tp-shard", "2", "--out", str(out)]) == 0  # fmt: skip
+    report = json.loads(out.read_text())
+    assert report["settings"]["tp_shard"] == 2 and report["rows"][0]["step_ms"] > 0

@@ -64,6 +64,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline-steps", type=int, default=3, help="timed steps of the naive baseline (0: none)")
     p.add_argument("--kv-block-size", type=int, default=64)
     p.add_argument(
+        "--tp-shard",
+        type=int,
+        default=1,
+        help="N > 1: one rank's share of a tensor-parallel-N worker (heads, o_groups, expert widths split), "
+        "on one device; the step's all-reduces are not in it; needs --num-layers",
+    )
+    p.add_argument(
         "--gpu-memory-utilization", type=float, default=0.9, help="share of free GPU memory the layers + KV may take"
     )
     p.add_argument("--seed", type=int, default=0)
@@ -92,6 +99,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--dtype {args.dtype}: choose bfloat16, float16 or float32")
     if args.kv_cache_dtype not in ("auto", "fp8"):
         raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype}: auto (the weights' dtype) or fp8")
+    if args.tp_shard < 1 or (args.tp_shard > 1 and not args.num_layers):
+        raise ValueError("--tp-shard must be >= 1, and a shard needs --num-layers (layers are fitted unsharded)")
     if min(batch_sizes(args)) < 1 or args.context < 1 or args.long_context < 0 or args.steps < 1 or args.warmup < 0:
         raise ValueError("batch sizes, --context and --steps must be >= 1; --long-context and --warmup >= 0")
 
@@ -118,7 +127,7 @@ def run(args: argparse.Namespace) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the ceilings' buffers: free before layers are fitted
     layers = args.num_layers or _fitting_layers(args, device, dtype, blocks)
-    model_json = bench_config(args.model, layers, args.quantization)
+    model_json = bench_config(args.model, layers, args.quantization, args.tp_shard)
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-engine-") as folder:
         config = EngineConfig(
             model=str(write_config(model_json, Path(folder))), device=args.device, dtype=args.dtype,

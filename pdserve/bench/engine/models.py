@@ -70,13 +70,39 @@ def real_num_layers(name: str) -> int:
     return MODELS[name]()["num_hidden_layers"]
 
 
-def bench_config(name: str, num_layers: int | None = None, quantization: str | None = None) -> dict:
+# what pdserve's tensor parallelism splits (model/parallel.py): attention heads (V4: and its
+# o_groups), every routed and shared expert's intermediate dim, the dense MLP's; the rest
+# (the low-rank q/kv projections, the indexer, compressors, router, embedding, lm_head) is
+# replicated on every rank
+TP_SPLIT = {
+    "deepseek_v4": ("num_attention_heads", "o_groups", "moe_intermediate_size"),
+    "deepseek_v32": ("num_attention_heads", "num_key_value_heads", "moe_intermediate_size", "intermediate_size"),
+}
+
+
+def tp_shard(d: dict, size: int) -> dict:
+    """One rank's share of a tensor-parallel-`size` worker as a model of its own: the split
+    dimensions divided by size. Its step is one rank's compute; the all-reduces are not in it."""
+    if size == 1:
+        return d
+    d = dict(d)
+    for key in TP_SPLIT[d["model_type"]]:
+        if d[key] % size:
+            raise ValueError(f"--tp-shard {size}: {key} ({d[key]}) does not split {size} ways")
+        d[key] //= size
+    return d
+
+
+def bench_config(
+    name: str, num_layers: int | None = None, quantization: str | None = None, tp_shard_size: int = 1
+) -> dict:
     """config.json of model `name` with `num_layers` layers (None: all of them), kinds mixed as
     the module docstring says; quantization "fp8": with an FP8 quantization_config; "fp4"
-    (DeepSeek-V4): the same with FP4 routed experts (expert_dtype fp4), as V4-Flash ships."""
+    (DeepSeek-V4): the same with FP4 routed experts (expert_dtype fp4), as V4-Flash ships;
+    tp_shard_size > 1: one rank's share of a tensor-parallel worker of that size (tp_shard)."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)}")
-    d = MODELS[name]()
+    d = tp_shard(MODELS[name](), tp_shard_size)
     if quantization in ("fp8", "fp4"):
         block = [FP8_BLOCK[name]] * 2
         d["quantization_config"] = {
