@@ -333,6 +333,12 @@ def cases(families):
     return out
 
 
+def mma_kinds(ptx: str) -> list[str]:
+    """The tensor-core instructions the kernel compiled to (PTX mnemonics without operands), e.g.
+    `mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32` or a block-scaled FP4 `mma...kind::mxf4...`."""
+    return sorted(set(re.findall(r"\b((?:w?gmma|mma)\.[\w.:]+)", ptx)))
+
+
 def _config_str(const: dict) -> str:
     keys = ("BLOCK_H", "BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_C", "BLOCK_DV", "BLOCK_P")
     return " ".join(f"{k[6:]}={const[k]}" for k in keys if k in const)
@@ -360,7 +366,7 @@ def check(arch: int, families) -> list[dict]:
             )
             try:
                 k = compile_launch(fn, args, kwargs, arch)
-                row.update(resource_usage(k.asm["cubin"]), shared=k.metadata.shared)
+                row.update(resource_usage(k.asm["cubin"]), shared=k.metadata.shared, mma=mma_kinds(k.asm["ptx"]))
                 row["shared_total"] = row["shared"] + row.get("static_shared", 0)
                 row["fits"] = row["shared_total"] <= SMEM_LIMIT[arch]
             except Exception as e:  # a config the compiler rejects is a finding, not a crash
