@@ -89,6 +89,11 @@ def run_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bars")
     p.add_argument(
+        "--save-output-ids",
+        action="store_true",
+        help="keep every answer's token ids in the results (to compare runs' tokens, e.g. with and without a cache)",
+    )
+    p.add_argument(
         "--out",
         default=DEFAULT_OUT,
         help="results: a folder (made if missing; the file is pdserve-bench-<UTC time>.json in it) or a .json file",
@@ -168,6 +173,8 @@ def _level(
         )  # fmt: skip
         outputs, duration = asyncio.run(run)
     result = report.level_metrics(outputs, duration, concurrency, args.request_rate, slo)
+    if args.save_output_ids:
+        result["output_ids"] = [o.output_ids for o in outputs]
     router_after = _try(breakdown.scrape, args.base_url, args.api_key)
     if isinstance(router_before, str) or isinstance(router_after, str):
         result["ttft_breakdown"] = {"error": router_before if isinstance(router_before, str) else router_after}

@@ -143,3 +143,51 @@ def test_flag_checks(extra, message, capsys, tmp_path):
     argv = ["--base-url", "http://127.0.0.1:9", "--model", "m", "--out", str(tmp_path / "r.json"), *extra]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def _level(c: int, ttft: float, later: float, prompt: int, computed: int | None, ids: list[list[int]]) -> dict:
+    return {
+        "max_concurrency": c, "completed": len(ids), "failed": 0, "median_ttft_ms": ttft,
+        "median_ttft_first_turn_ms": ttft * 2, "median_ttft_later_turns_ms": later, "total_input_tokens": prompt,
+        "prefill_tokens_computed": computed, "prefix_cache_hit_rate": None if computed is None else 1 - computed / prompt,
+        "output_ids": ids, "output_throughput": 10.0,
+    }  # fmt: skip
+
+
+def test_prefix_cache_table_ratios_and_sources(tmp_path, capsys):
+    """benchmarks/pd/prefix_cache_table.py: ratios no cache / cache, the goals, answers compared, and
+    where each computed count comes from (a no-cache run that reports nothing computed every token)."""
+    import json
+
+    from benchmarks.pd import prefix_cache_table as table
+
+    ids = [[1, 2], [3, 4], [5, 6]]
+    files = {
+        "pd.json": [_level(1, 100.0, 50.0, 9000, 1500, ids)],
+        "pd-nocache.json": [_level(1, 400.0, 420.0, 9000, None, [[1, 2], [3, 4], [5, 7]])],
+        "colocated.json": [_level(1, 100.0, 90.0, 9000, 3000, ids)],
+    }
+    for name, results in files.items():
+        (tmp_path / name).write_text(json.dumps({"results": results}))
+    s = table.summarize(str(tmp_path))
+    assert s["missing"] == [str(tmp_path / "colocated-nocache.json")]
+    (pd,) = s["comparisons"]  # colocated has no run without the cache to compare with
+    assert pd["ttft_ratio"] == 4.0 and pd["later_turns_ttft_ratio"] == 8.4 and pd["computed_ratio"] == 6.0
+    assert pd["same_answers"] == "2/3" and pd["done"]
+    sources = {(r["deployment"], r["prefix_caching"]): r["computed_from"] for r in s["runs"]}
+    assert sources == {
+        ("pd", True): "usage",
+        ("pd", False): "all prompt tokens (no cache)",
+        ("colocated", True): "usage",
+    }
+    worse = _level(1, 200.0, 90.0, 9000, 3000, ids)  # 2x TTFT, 3x computed: short of the goals
+    (tmp_path / "colocated-nocache.json").write_text(
+        json.dumps({"results": [{**worse, "prefill_tokens_computed": 9000}]})
+    )
+    (tmp_path / "colocated.json").write_text(json.dumps({"results": [_level(1, 100.0, 90.0, 9000, None, ids)]}))
+    s = table.summarize(str(tmp_path))
+    col = s["comparisons"][1]
+    assert col["deployment"] == "colocated" and col["computed_ratio"] is None and not col["done"]
+    assert [r["computed_from"] for r in s["runs"] if r["deployment"] == "colocated"][0] == "not reported"
+    printed = table.format_summary(s)
+    assert "no cache / cache:" in printed and "done (>= 3x, >= 5x)" in printed and "not reported" in printed
