@@ -70,7 +70,7 @@ def run_parser() -> argparse.ArgumentParser:
         "--request-rate",
         type=_positive_float,
         default=float("inf"),
-        help="Poisson arrivals in req/s (inf: all at once)",
+        help="Poisson arrivals in req/s (multi-turn: conversations/s; inf: all at once)",
     )
     p.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
     p.add_argument(

@@ -376,7 +376,7 @@ def test_multi_turn_against_cluster(cluster, tmp_path, capsys):
     argv = [
         "--base-url", cluster.pd_router.url, "--dataset", "multi-turn", "--num-turns", "3", "--input-len", "24",
         "--question-len", "8", "--output-len", "4", "--concurrency", "2", "--num-prompts", "2",
-        "--metrics-url", cluster.prefill.url, "--disable-tqdm", "--out", str(out),
+        "--metrics-url", cluster.prefill.url, "--save-output-ids", "--disable-tqdm", "--out", str(out),
     ]  # fmt: skip
     assert main(argv) == 0
     printed = capsys.readouterr().out
@@ -386,6 +386,7 @@ def test_multi_turn_against_cluster(cluster, tmp_path, capsys):
     assert r["turns"] == [0, 1, 2, 0, 1, 2]
     assert r["input_lens"] == [24, 36, 48] * 2  # the server's own prompt counts: 24, + 4 answer + 8 question, ...
     assert r["median_ttft_first_turn_ms"] > 0 and r["median_ttft_later_turns_ms"] > 0
+    assert [len(ids) for ids in r["output_ids"]] == [4] * 6  # the answers as appended to the next turns
     _cache_consistent(r)
 
 

@@ -190,3 +190,19 @@ def test_router_flags_reach_the_settings():
     assert cfg.router.cache_aware == CacheAwareSettings(
         cache_threshold=0.25, balance_abs_threshold=16, balance_rel_threshold=2.0, max_tree_size=4096
     )
+
+
+def test_cluster_yaml_reaches_the_router_process():
+    """router.cache_aware in a cluster YAML: validated with a message naming the key, and carried
+    whole into the router's own ServeConfig by launch."""
+    from pdserve.config import ConfigError, parse_config
+    from pdserve.launch.planning import router_spec
+
+    pd = {"model": "tiny:deepseek_v3", "prefill": [{"port": 30000}, {"port": 30003}], "decode": [{"port": 30001}]}
+    router = {"prefill_policy": "cache_aware", "cache_aware": {"cache_threshold": 0.8, "balance_abs_threshold": 2}}
+    cfg = parse_config({**pd, "router": router}, "c.yaml")
+    spec = router_spec(cfg, "/m", "secret")
+    assert spec.config.router.prefill_policy == "cache_aware"
+    assert spec.config.router.cache_aware == CacheAwareSettings(cache_threshold=0.8, balance_abs_threshold=2)
+    with pytest.raises(ConfigError, match="router.cache_aware.cache_threshold"):
+        parse_config({**pd, "router": {"cache_aware": {"cache_threshold": 2}}}, "c.yaml")
