@@ -52,7 +52,7 @@ def default_served_name(model: str) -> str | None:
 
 
 WorkerRole = Literal["prefill", "decode", "colocated"]
-PolicyName = Literal["round_robin", "least_load", "power_of_two"]  # router/policies.py
+PolicyName = Literal["round_robin", "least_load", "power_of_two", "cache_aware"]  # router/policies.py
 DEFAULT_PORTS = {"router": 8000, "prefill": 30000, "decode": 30001, "colocated": 30002}
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 RestartPolicy = Literal["on-failure", "always", "never"]  # what `pdserve launch` does when the process exits
@@ -73,12 +73,24 @@ ReasoningParser = Literal["auto", "none", "deepseek_v4", "deepseek_r1"]
 ToolCallParser = Literal["auto", "none", "deepseek_v4", "deepseek_v32", "deepseek_v31", "deepseek_v3"]
 
 
+class CacheAwareSettings(_Strict):
+    """The cache_aware policy (router/cache_aware.py); sgl-router's names and meanings."""
+
+    cache_threshold: float = Field(0.5, ge=0, le=1)  # share of the prompt a worker must hold to win on cache
+    # Out of balance, by requests in flight: max - min > abs AND max > rel x min -> the least loaded
+    # worker, whatever it holds. A prefill worker's in-flight requests are its queue of prompts.
+    balance_abs_threshold: int = Field(8, ge=0)
+    balance_rel_threshold: float = Field(1.5, ge=1)
+    max_tree_size: int = Field(1 << 20, ge=16)  # prompt tokens remembered per worker (LRU beyond)
+
+
 class RouterConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     api_server_count: int = Field(1, ge=1, le=64)  # router processes sharing the port (vLLM's --api-server-count)
     prefill_policy: PolicyName = "round_robin"
     decode_policy: PolicyName = "least_load"
+    cache_aware: CacheAwareSettings = Field(default_factory=CacheAwareSettings)  # the cache_aware policy's knobs
     api_key: str | None = None  # clients must send Authorization: Bearer <key> (every route)
     max_model_len: int | None = Field(None, ge=2)  # an extra cap on the workers' context length
     # chat_template_kwargs a chat request gets unless it sets them (e.g. {"thinking": true})

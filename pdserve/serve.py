@@ -48,7 +48,10 @@ WORKER_FLAGS = {
 }  # fmt: skip
 ROUTER_FLAGS = {
     "prefill": "prefill", "decode": "decode", "colocated": "colocated", "served_model_name": "served_model_name",
-    "prefill_policy": "router.prefill_policy", "decode_policy": "router.decode_policy", "api_key": "router.api_key",
+    "prefill_policy": "router.prefill_policy", "decode_policy": "router.decode_policy",
+    "cache_threshold": "router.cache_aware.cache_threshold", "balance_abs_threshold": "router.cache_aware.balance_abs_threshold",
+    "balance_rel_threshold": "router.cache_aware.balance_rel_threshold", "max_tree_size": "router.cache_aware.max_tree_size",
+    "api_key": "router.api_key",
     "health_interval": "router.health_interval", "request_timeout": "router.request_timeout",
     "first_token_timeout": "router.first_token_timeout", "prefill_timeout": "router.prefill_timeout",
     "max_queued_requests": "router.max_queued_requests", "max_attempts": "router.max_attempts",
@@ -136,8 +139,18 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     r("--prefill", action="append", metavar="URL")
     r("--decode", action="append", metavar="URL")
     r("--colocated", action="append", metavar="URL", help="a colocated (prefill + decode in one) worker")
-    r("--prefill-policy", help="round_robin | least_load | power_of_two")
-    r("--decode-policy", help="round_robin | least_load | power_of_two")
+    r("--prefill-policy", help="round_robin | least_load | power_of_two | cache_aware")
+    r("--decode-policy", help="round_robin | least_load | power_of_two | cache_aware")
+    r("--cache-threshold", help="cache_aware: share of the prompt a worker must hold to win on cache (default 0.5)")
+    r(
+        "--balance-abs-threshold",
+        help="cache_aware: in-flight gap (max - min) that, with the relative one, means imbalance",
+    )
+    r(
+        "--balance-rel-threshold",
+        help="cache_aware: in-flight ratio (max / min) that, with the absolute one, means imbalance",
+    )
+    r("--max-tree-size", help="cache_aware: prompt tokens remembered per worker (least recently used forgotten)")
     r("--api-key", help="clients must send Authorization: Bearer <key>")
     r(
         "--default-chat-template-kwargs",

@@ -1,4 +1,5 @@
-"""A mid-size random checkpoint for `benchmarks/pd/pd_gpu_bench.sh` (docs/pd-gpu.md), without its weights:
+"""A mid-size random checkpoint for `benchmarks/pd/pd_gpu_bench.sh` (docs/pd-gpu.md) and
+`prefix_cache_bench.sh` (docs/benchmarking.md), without its weights:
 a tiny DeepSeek-V3 checkpoint (tokenizer, config) whose config.json gets V3's layer dimensions; the
 workers then draw the weights themselves (`load_format: dummy`), in seconds instead of a 6.4 GiB
 write and three reads.
@@ -19,6 +20,7 @@ MID = dict(
     hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_attention_heads=128,
     num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
     v_head_dim=128, n_routed_experts=16, num_experts_per_tok=8, n_group=8, topk_group=4,
+    max_position_embeddings=16384,  # room for prefix_cache_bench.sh's 8K-token conversations (the tiny has 4096)
 )  # fmt: skip
 
 

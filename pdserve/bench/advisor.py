@@ -17,6 +17,9 @@ GPU counts come from the files (`deployment.gpus`: distinct GPUs behind the rout
 `pdserve bench` reads from its /workers) unless given; two processes sharing one GPU count once.
 Where the files recorded the router's TTFT breakdown, the evidence says where TTFT goes on each
 side and what PD's hand-off (queue, KV transfer, first decode step) adds before the second token.
+Where a side reported prefix caching (usage cached_tokens, or the workers' counters), the evidence
+gives each side's hit rate and prefill tokens computed: TTFT compared between a side that hits its
+cache and one that does not measures the cache as much as the deployment.
 """
 
 from __future__ import annotations
@@ -210,6 +213,7 @@ def _evidence(col_levels: dict[int, Level], pd_levels: dict[int, Level], s: _Sha
         f"throughput from c={s.lo} to c={s.hi}: PD x{_num(s.pd_scaling, 2)}, colocated x{_num(s.col_scaling, 2)} "
         f"(concurrency x{s.hi / s.lo:.0f}); PD median TPOT x{_num(s.tpot_growth, 1)}"
     )
+    lines += _cache_lines(s.top, col_levels[s.top], pd_levels[s.top])
     lines.append(
         _worker_line(s.workers) if s.workers else "no worker metrics (run bench with --metrics-url, or advise --live)"
     )
@@ -218,6 +222,28 @@ def _evidence(col_levels: dict[int, Level], pd_levels: dict[int, Level], s: _Sha
             if r.get("failed"):
                 lines.append(f"warning: {name} c={c} had {r['failed']} failed requests; its numbers cover the rest")
     return lines
+
+
+def _hit_rate(level: Level) -> tuple[float | None, int | None, str]:
+    """A level's prefix-cache hit rate and prefill tokens computed: from the responses' usage, else
+    from the workers' counters; (None, None, "") where neither reported."""
+    if level.get("prefix_cache_hit_rate") is not None:
+        return level["prefix_cache_hit_rate"], level.get("prefill_tokens_computed"), "usage"
+    w = level.get("prefix_cache_workers") or {}
+    if w.get("hit_rate") is not None:
+        return w["hit_rate"], w.get("computed_tokens"), "worker counters"
+    return None, None, ""
+
+
+def _cache_lines(c: int, col: Level, pd: Level) -> list[str]:
+    parts = []
+    for name, level in (("colocated", col), ("PD", pd)):
+        rate, computed, source = _hit_rate(level)
+        if rate is not None:
+            parts.append(
+                f"{name} hit rate {_pct(rate)}, {computed} of {level.get('total_input_tokens')} prompt tokens computed ({source})"
+            )
+    return [f"c={c}: prefix cache: " + "; ".join(parts)] if parts else []
 
 
 def _decide(s: _Shape) -> tuple[str, str]:
@@ -298,6 +324,8 @@ def advise(
         *_evidence(col_levels, pd_levels, shape),
     ]
     numbers = {**shape.numbers(), "colocated_gpus": n_col, "pd_gpus": n_pd, **_breakdown_numbers(pd_levels[shape.top])}
+    numbers["colocated_prefix_cache_hit_rate"] = _hit_rate(col_levels[shape.top])[0]
+    numbers["pd_prefix_cache_hit_rate"] = _hit_rate(pd_levels[shape.top])[0]
     return Verdict(kind, headline, evidence, numbers)
 
 

@@ -2,6 +2,7 @@
 plot result files, or advise on PD vs colocated.
 
     pdserve bench [--base-url URL] --concurrency 1,8,16 --num-prompts 6,24,32 [--out DIR | r.json] [--plot r.png]
+        [--dataset random | sharegpt FILE | generated-shared-prefix | multi-turn]   (sources.py)
     pdserve bench plot a.json b.json -o out.png
     pdserve bench advise colocated.json pd.json [--colocated-gpus N --pd-gpus M] [--live --metrics-url URL ...]
       (GPU counts default to what the files recorded: the distinct GPUs behind the router)
@@ -19,8 +20,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from pdserve.bench import advisor, breakdown, dataset, report, workers
+from pdserve.bench import advisor, breakdown, dataset, report, sources, workers
 from pdserve.bench.client import WrongKey, fetch_models, run_level
+from pdserve.bench.multiturn import run_conversations
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 DEFAULT_OUT = "bench-results"  # a folder: each run's JSON is a new file in it
@@ -56,22 +58,19 @@ def run_parser() -> argparse.ArgumentParser:
         help="server root (where `pdserve launch` serves)",
     )
     p.add_argument("--model", help="model name to request (default: the first of /v1/models)")
-    p.add_argument(
-        "--dataset", nargs="+", default=["random"], metavar="NAME [FILE]", help="random (token ids), or sharegpt FILE"
-    )
-    p.add_argument("--input-len", type=int, default=256, help="prompt tokens (random dataset)")
-    p.add_argument(
-        "--output-len", type=int, default=256, help="generated tokens per request (max_tokens with ignore_eos)"
-    )
+    sources.add_dataset_args(p)
     p.add_argument("--concurrency", type=_int_list, default=[1, 8, 16], help="comma-separated levels")
     p.add_argument(
-        "--num-prompts", type=_int_list, default=[6, 24, 32], help="requests per level, one per concurrency level"
+        "--num-prompts",
+        type=_int_list,
+        default=None,
+        help="requests per level, one per concurrency level (default 6,24,32; multi-turn: conversations)",
     )
     p.add_argument(
         "--request-rate",
         type=_positive_float,
         default=float("inf"),
-        help="Poisson arrivals in req/s (inf: all at once)",
+        help="Poisson arrivals in req/s (multi-turn: conversations/s; inf: all at once)",
     )
     p.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
     p.add_argument(
@@ -89,6 +88,11 @@ def run_parser() -> argparse.ArgumentParser:
         "--timeout", type=_positive_float, default=600.0, help="seconds a request may wait for its next byte"
     )
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--save-output-ids",
+        action="store_true",
+        help="keep every answer's token ids in the results (to compare runs' tokens, e.g. with and without a cache)",
+    )
     p.add_argument(
         "--out",
         default=DEFAULT_OUT,
@@ -124,19 +128,11 @@ def check_plotting() -> None:
 def _check(args: argparse.Namespace) -> None:
     if args.plot:
         check_plotting()
+    sources.check_dataset(args)
     if len(args.concurrency) != len(args.num_prompts):
         raise ValueError(
             f"--concurrency has {len(args.concurrency)} levels but --num-prompts has {len(args.num_prompts)}"
         )
-    if args.input_len <= 0 or args.output_len <= 0:
-        raise ValueError("--input-len and --output-len must be positive")
-    kind = args.dataset[0]
-    if kind == "random" and len(args.dataset) != 1:
-        raise ValueError("--dataset random takes no file")
-    if kind == "sharegpt" and len(args.dataset) != 2:
-        raise ValueError("--dataset sharegpt needs its JSON file: --dataset sharegpt FILE")
-    if kind not in ("random", "sharegpt"):
-        raise ValueError(f"unknown dataset {kind!r}: expected random or sharegpt FILE")
 
 
 def _resolve_model(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
@@ -155,31 +151,10 @@ def _resolve_model(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]
     return model, models
 
 
-MakeRequests = Callable[[int, random.Random], list[dataset.BenchRequest]]
-
-
-def _prompt_source(
-    args: argparse.Namespace, model: str, models: list[dict[str, Any]]
-) -> tuple[MakeRequests, dict[str, Any] | None]:
-    """make(num, rng) -> requests, and the random vocabulary's description for the report."""
-    if args.dataset[0] == "sharegpt":
-        prompts = dataset.load_sharegpt(args.dataset[1])
-        return lambda num, rng: dataset.sharegpt_requests(prompts, num, args.output_len, rng), None
-    root = next((m.get("root") for m in models if m.get("id") == model), None)
-    vocab = dataset.load_vocab([args.tokenizer, root, model])  # the model card's root is its checkpoint folder
-    if vocab.tokenizer is None:
-        print(f"note: no tokenizer found, random token ids from 0..{vocab.size - 1}; pass --tokenizer", file=sys.stderr)
-
-    def make(num: int, rng: random.Random) -> list[dataset.BenchRequest]:
-        return dataset.random_requests(num, args.input_len, args.output_len, vocab, rng)
-
-    return make, {"size": vocab.size, "excluded": len(vocab.excluded), "tokenizer": vocab.tokenizer}
-
-
 def _level(
     args: argparse.Namespace,
     model: str,
-    requests: list[dataset.BenchRequest],
+    requests: sources.Workload,
     concurrency: int,
     rng: random.Random,
     slo: dict[str, float],
@@ -188,13 +163,18 @@ def _level(
 
     before = _try_scrape(args.metrics_url)
     router_before = _try(breakdown.scrape, args.base_url, args.api_key)
-    with tqdm(total=len(requests), desc=f"c={concurrency}", disable=args.disable_tqdm) as bar:
-        run = run_level(
-            args.base_url, args.endpoint, model, requests, concurrency, args.request_rate, rng, args.api_key, args.timeout,
-            on_done=lambda _: bar.update(1),
+    convs = [r for r in requests if isinstance(r, dataset.Conversation)]
+    total = sum(c.turns for c in convs) if convs else len(requests)
+    with tqdm(total=total, desc=f"c={concurrency}", disable=args.disable_tqdm) as bar:
+        runner = run_conversations if convs else run_level
+        run = runner(
+            args.base_url, args.endpoint, model, convs or requests, concurrency, args.request_rate, rng, args.api_key,
+            args.timeout, on_done=lambda _: bar.update(1),
         )  # fmt: skip
         outputs, duration = asyncio.run(run)
     result = report.level_metrics(outputs, duration, concurrency, args.request_rate, slo)
+    if args.save_output_ids:
+        result["output_ids"] = [o.output_ids for o in outputs]
     router_after = _try(breakdown.scrape, args.base_url, args.api_key)
     if isinstance(router_before, str) or isinstance(router_after, str):
         result["ttft_breakdown"] = {"error": router_before if isinstance(router_before, str) else router_after}
@@ -206,6 +186,7 @@ def _level(
             result["worker_metrics"] = {"error": before if isinstance(before, str) else after}
         else:
             result["worker_metrics"] = workers.worker_stats(before, after, duration)
+            result["prefix_cache_workers"] = workers.prefix_cache_stats(args.metrics_url, before, after)
     return result
 
 
@@ -233,7 +214,7 @@ def bench(argv: list[str]) -> int:
         _check(args)
         slo = report.parse_slo(args.slo)
         model, models = _resolve_model(args)
-        make_requests, vocab = _prompt_source(args, model, models)
+        make_requests, vocab = sources.prompt_source(args, model, models)
         args.out = out_file(args.out)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -257,6 +238,8 @@ def bench(argv: list[str]) -> int:
         "client": {"host": platform.node(), "python": platform.python_version()},
     }
     print(report.format_table(results))
+    if _caching_shown(args, results):
+        print(report.format_cache_table(results))
     parts = breakdown.format_table(results)
     if parts:
         print(parts)
@@ -268,6 +251,13 @@ def bench(argv: list[str]) -> int:
         plot_runs([(run_label(args.out), doc)], args.plot, title=f"{model} @ {args.base_url}")
         print(f"wrote {args.plot}")
     return 0 if any(r["completed"] for r in results) else 1
+
+
+def _caching_shown(args: argparse.Namespace, results: list[dict[str, Any]]) -> bool:
+    """The prefix-cache table: for the workloads made for it, or wherever a cache reported."""
+    return args.dataset[0] in ("generated-shared-prefix", "multi-turn") or any(
+        r.get("cached_tokens_reported") or (r.get("prefix_cache_workers") or {}).get("queries") for r in results
+    )
 
 
 def plot_main(argv: list[str]) -> int:

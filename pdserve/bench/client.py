@@ -3,8 +3,9 @@
 Each request streams from an OpenAI-compatible endpoint and records, on a
 monotonic clock, its time to first token, every inter-token gap and its
 end-to-end latency; token counts come from the final `usage` chunk
-(`stream_options.include_usage`). A failed request is a value with its error,
-never an exception out of the run.
+(`stream_options.include_usage`), the prompt tokens the server found in its
+prefix cache from its `usage.prompt_tokens_details.cached_tokens` where it says
+so. A failed request is a value with its error, never an exception out of the run.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class RequestOutput:
     prompt_tokens: int = 0  # usage.prompt_tokens
     output_tokens: int = 0  # usage.completion_tokens
     usage_reported: bool = False  # False: counts were taken from the stream itself
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens; None: not reported
+    output_ids: list[int] = field(default_factory=list)  # the answer's token ids, where chunks carry them
+    turn: int = 0  # multi-turn: the turn this request was (0: the first, or not a conversation)
 
 
 WRONG_KEY = "401: wrong or missing API key (--api-key, or $OPENAI_API_KEY)"
@@ -81,6 +85,13 @@ def _chunk_tokens(choice: dict[str, Any]) -> int:
     return 1 if choice.get("text") or choice.get("finish_reason") is None else 0
 
 
+def _cached_tokens(usage: dict[str, Any]) -> int | None:
+    details = usage.get("prompt_tokens_details")
+    if not isinstance(details, dict) or details.get("cached_tokens") is None:
+        return None
+    return int(details["cached_tokens"])
+
+
 async def send_request(
     client: httpx.AsyncClient, url: str, payload: dict[str, Any], headers: dict[str, str], t0: float
 ) -> RequestOutput:
@@ -116,6 +127,8 @@ async def send_request(
                     return out
                 if n == 0 and finish and streamed_tokens == 0:
                     n = 1  # the server held every token's text back until the end
+                for c in choices:
+                    out.output_ids += c.get("token_ids") or []
                 if n:
                     if streamed_tokens == 0:
                         out.ttft = now - start
@@ -128,6 +141,7 @@ async def send_request(
                     out.prompt_tokens = int(usage.get("prompt_tokens") or 0)
                     out.output_tokens = int(usage.get("completion_tokens") or 0)
                     out.usage_reported = True
+                    out.cached_tokens = _cached_tokens(usage)
     except Exception as e:  # a broken server or stream fails this request, never the run
         out.error = f"{type(e).__name__}: {str(e) or repr(e)}"[:300]
         return out

@@ -1,9 +1,16 @@
-"""Benchmark prompts: random token ids (exact lengths) or ShareGPT conversations.
+"""Benchmark prompts: random token ids (exact lengths), ShareGPT conversations, and the two
+prefix-cache workloads.
 
 Random prompts are token-id lists sent as the `prompt` of /v1/completions, the
 way `vllm bench serve --dataset-name random` does, so the server sees exactly
 `input_len` tokens without a tokenizer round trip. Ids are drawn from the
 tokenizer's base vocabulary with its special tokens left out.
+
+    generated-shared-prefix   SGLang bench_serving's: G groups x M requests; a group's requests share
+                              one S-token system prompt and each adds its own Q-token question
+    multi-turn                conversations of T turns sent one after another: turn k+1's prompt is
+                              turn k's prompt + turn k's answer (its token ids) + a new Q-token
+                              question, as a chat client resends the conversation so far
 """
 
 from __future__ import annotations
@@ -54,11 +61,69 @@ def load_vocab(tokenizer_paths: list[str | None]) -> Vocab:
     return Vocab(FALLBACK_VOCAB_SIZE, frozenset(), None)
 
 
-def random_requests(num: int, input_len: int, output_len: int, vocab: Vocab, rng: random.Random) -> list[BenchRequest]:
+@dataclass(frozen=True)
+class Conversation:
+    """A multi-turn conversation: the first turn's prompt, then each later turn's new question; the
+    answers in between are the server's (multiturn.py)."""
+
+    first: list[int]
+    questions: list[list[int]]  # one per turn after the first
+    output_len: int  # each turn's answer
+
+    @property
+    def turns(self) -> int:
+        return 1 + len(self.questions)
+
+
+def _allowed(vocab: Vocab) -> list[int]:
     allowed = [i for i in range(vocab.size) if i not in vocab.excluded]
     if not allowed:
         raise ValueError(f"vocabulary from {vocab.tokenizer} has no usable token ids")
-    return [BenchRequest([rng.choice(allowed) for _ in range(input_len)], output_len) for _ in range(num)]
+    return allowed
+
+
+def _ids(allowed: list[int], n: int, rng: random.Random) -> list[int]:
+    return [rng.choice(allowed) for _ in range(n)]
+
+
+def random_requests(num: int, input_len: int, output_len: int, vocab: Vocab, rng: random.Random) -> list[BenchRequest]:
+    allowed = _allowed(vocab)
+    return [BenchRequest(_ids(allowed, input_len, rng), output_len) for _ in range(num)]
+
+
+def shared_prefix_requests(
+    num_groups: int,
+    prompts_per_group: int,
+    system_prompt_len: int,
+    question_len: int,
+    output_len: int,
+    vocab: Vocab,
+    rng: random.Random,
+) -> list[BenchRequest]:
+    """num_groups x prompts_per_group requests, groups interleaved in a seeded shuffle; each prompt is
+    its group's system prompt followed by its own question."""
+    allowed = _allowed(vocab)
+    systems = [_ids(allowed, system_prompt_len, rng) for _ in range(num_groups)]
+    requests = [
+        BenchRequest(system + _ids(allowed, question_len, rng), output_len)
+        for system in systems
+        for _ in range(prompts_per_group)
+    ]
+    rng.shuffle(requests)
+    return requests
+
+
+def conversations(
+    num: int, turns: int, input_len: int, question_len: int, output_len: int, vocab: Vocab, rng: random.Random
+) -> list[Conversation]:
+    """num conversations of `turns` turns: an input_len-token first prompt, question_len-token questions."""
+    allowed = _allowed(vocab)
+    return [
+        Conversation(
+            _ids(allowed, input_len, rng), [_ids(allowed, question_len, rng) for _ in range(turns - 1)], output_len
+        )
+        for _ in range(num)
+    ]
 
 
 def load_sharegpt(path: str) -> list[str]:

@@ -5,12 +5,20 @@ Field names follow `vllm bench serve` wherever the metric is the same
 end-to-end latency, ...), so its plotting and comparison scripts read ours.
 TPOT of one request is (e2el - ttft) / (output_tokens - 1); ITL is every gap
 between token chunks. Latency statistics over no samples are null.
+
+Prefix caching, from the responses' usage (`prompt_tokens_details.cached_tokens`, OpenAI's field):
+prompt tokens served (`total_input_tokens`), found in the cache (`total_cached_tokens`), computed
+(`prefill_tokens_computed` = served - cached) and `prefix_cache_hit_rate` (cached / served); all
+null, with `cached_tokens_reported` false, unless every completed request's usage says. The
+workers' own counters (pdserve_prefix_cache_*) are workers.py's. Multi-turn levels also give
+median TTFT of first turns and of later turns (whose prompts the cache may hold).
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -107,6 +115,10 @@ def level_metrics(
         "max_concurrent_requests": _peak_concurrency(outputs),
         "usage_reported": all(o.usage_reported for o in ok),
     }
+    result.update(_cache_fields(ok))
+    if any(o.turn for o in outputs):
+        result["median_ttft_first_turn_ms"] = _median_ms([o.ttft for o in ok if o.turn == 0])
+        result["median_ttft_later_turns_ms"] = _median_ms([o.ttft for o in ok if o.turn > 0])
     result.update(_stats("ttft", [o.ttft for o in ok]))
     result.update(_stats("tpot", tpots))
     result.update(_stats("itl", [gap for o in ok for gap in o.itl]))
@@ -115,6 +127,8 @@ def level_metrics(
         {
             "input_lens": [o.prompt_tokens for o in outputs],
             "output_lens": [o.output_tokens for o in outputs],
+            "cached_lens": [o.cached_tokens for o in outputs],
+            "turns": [o.turn for o in outputs],
             "ttfts": [o.ttft for o in outputs],
             "itls": [[round(gap, 6) for gap in o.itl] for o in outputs],  # s, to the microsecond
             "start_times": [o.start_time for o in outputs],
@@ -123,6 +137,22 @@ def level_metrics(
         }
     )
     return result
+
+
+def _median_ms(seconds: list[float]) -> float | None:
+    return float(np.median(seconds)) * 1000.0 if seconds else None
+
+
+def _cache_fields(ok: list[RequestOutput]) -> dict[str, Any]:
+    served = sum(o.prompt_tokens for o in ok)
+    reported = bool(ok) and all(o.cached_tokens is not None for o in ok)
+    cached = sum(o.cached_tokens or 0 for o in ok) if reported else None
+    return {
+        "cached_tokens_reported": reported,
+        "total_cached_tokens": cached,
+        "prefill_tokens_computed": None if cached is None else served - cached,
+        "prefix_cache_hit_rate": None if cached is None or not served else cached / served,
+    }
 
 
 def _fmt(v: Any, digits: int = 1) -> str:
@@ -158,6 +188,36 @@ def format_table(results: list[dict[str, Any]]) -> str:
     for r in results:
         for error, count in (r.get("error_counts") or {}).items():
             lines.append(f"c={r['max_concurrency']}: {count} failed: {error}")
+    return "\n".join(lines)
+
+
+CACHE_COLUMNS: tuple[tuple[str, Callable[[dict[str, Any]], Any], int], ...] = (
+    ("conc", lambda r: r.get("max_concurrency"), 0),
+    ("prompt tok", lambda r: r.get("total_input_tokens"), 0),
+    ("cached", lambda r: r.get("total_cached_tokens"), 0),
+    ("computed", lambda r: r.get("prefill_tokens_computed"), 0),
+    ("hit %", lambda r: _pct(r.get("prefix_cache_hit_rate")), 1),
+    ("workers hit %", lambda r: _pct((r.get("prefix_cache_workers") or {}).get("hit_rate")), 1),
+    ("workers computed", lambda r: (r.get("prefix_cache_workers") or {}).get("computed_tokens"), 0),
+    ("TTFT med", lambda r: r.get("median_ttft_ms"), 1),
+    ("TTFT 1st turn", lambda r: r.get("median_ttft_first_turn_ms"), 1),
+    ("TTFT later", lambda r: r.get("median_ttft_later_turns_ms"), 1),
+)
+
+
+def _pct(rate: float | None) -> float | None:
+    return None if rate is None else rate * 100.0
+
+
+def format_cache_table(results: list[dict[str, Any]]) -> str:
+    """Prefix caching per level: prompt tokens served, cached, computed (by the responses' usage and
+    by the workers' counters), hit rates, TTFT. '-': not reported."""
+    rows = [[h for h, _, _ in CACHE_COLUMNS]]
+    for r in results:
+        rows.append(["-" if get(r) is None else f"{get(r):.{d}f}" for _, get, d in CACHE_COLUMNS])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
 

@@ -21,6 +21,9 @@ DECODE_STEP = "pdserve_decode_step_seconds"  # histogram
 PREFILL_STEP = "pdserve_prefill_step_seconds"  # histogram
 DECODE_BATCH = "pdserve_decode_batch_size"  # histogram
 RUNNING = "pdserve_num_requests_running"  # gauge
+PREFIX_QUERIES = "pdserve_prefix_cache_queries_total"  # counter: prompt tokens looked up in the prefix cache
+PREFIX_HITS = "pdserve_prefix_cache_hits_total"  # counter: of those, tokens found
+BLOCKS_CACHED = "pdserve_kv_blocks_cached"  # gauge: blocks kept for reuse, not in use
 
 Scrape = dict[str, float]  # sample name (e.g. pdserve_decode_step_seconds_sum) -> value summed over labels
 
@@ -97,6 +100,30 @@ def worker_stats(
         "prefill_busy_fraction": prefill["busy_fraction"],
         "mean_decode_batch": batch_sum / batch_n if batch_n else None,
         "mean_running": sum(running) / len(running) if running else None,
+    }
+
+
+def prefix_cache_stats(urls: list[str], before: list[Scrape], after: list[Scrape]) -> dict[str, Any]:
+    """Prompt tokens the workers looked up in their prefix caches over a window, and found: summed
+    over the workers that export the counters (null where none does), and per worker."""
+    per_worker = []
+    for url, b, a in zip(urls, before, after):
+        queries, hits = _delta(b, a, PREFIX_QUERIES), _delta(b, a, PREFIX_HITS)
+        if queries is None or hits is None:
+            continue
+        per_worker.append(
+            {"url": url, "queries": int(queries), "hits": int(hits), "blocks_cached": a.get(BLOCKS_CACHED)}
+        )
+    if not per_worker:
+        return {"queries": None, "hits": None, "computed_tokens": None, "hit_rate": None, "workers": []}
+    queries = sum(w["queries"] for w in per_worker)
+    hits = sum(w["hits"] for w in per_worker)
+    return {
+        "queries": queries,
+        "hits": hits,
+        "computed_tokens": queries - hits,
+        "hit_rate": hits / queries if queries else None,
+        "workers": per_worker,
     }
 
 

@@ -98,8 +98,10 @@ def build_router_app(config: RouterServeConfig) -> FastAPI:
             router.dispatcher = Dispatcher(
                 pool,
                 session,
-                make_policy(settings.prefill_policy),
-                make_policy(settings.decode_policy),
+                make_policy(
+                    settings.prefill_policy, cache=settings.cache_aware, observe=metrics.cache_route("prefill")
+                ),
+                make_policy(settings.decode_policy, cache=settings.cache_aware, observe=metrics.cache_route("decode")),
                 router.headers,
                 metrics,
                 settings,

@@ -88,7 +88,7 @@ class Dispatcher:
                     503, f"no {role} worker takes requests now (one is on trial after failures); retry shortly",
                     code="no_healthy_workers", headers={"Retry-After": str(RETRY_AFTER_S)},
                 )  # fmt: skip
-            prefill, decode = self.pair.choose(prefills, decodes)
+            prefill, decode = self.pair.choose(prefills, decodes, prompt)
             source = self._pd(req, prefill, decode)
         elif self.pool.available("colocated"):
             source = self._colocated(req)

@@ -7,6 +7,8 @@ pdserve_e2e_request_latency_seconds                 pdserve_router_retries_total
 pdserve_router_prompt_tokens_total                  pdserve_router_worker_breaker_state{worker,role}
 pdserve_router_generation_tokens_total              pdserve_router_breaker_opens_total{worker,role}
 pdserve_router_tool_parse_failures_total{reason}    (chat: model markup that stayed text, responses.py)
+pdserve_router_cache_aware_routes_total{role,outcome}  cache_aware's choices: cache | cold | balance
+pdserve_router_cache_aware_matched_tokens_total{role}  prompt tokens the chosen worker was believed to hold
 
 Where the time goes, from the RequestTiming a worker sends with its first new token:
 pdserve_router_ttft_breakdown_seconds{part}   queue | prefill (on the worker that made the first
@@ -29,6 +31,7 @@ worst state.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -111,6 +114,28 @@ class RouterMetrics:
             ["reason"],
             registry=r,
         )
+
+        self.cache_routes = Counter(
+            "pdserve_router_cache_aware_routes",
+            "cache_aware policy choices among several workers: cache (best prefix match), cold, balance (least loaded)",
+            ["role", "outcome"],
+            registry=r,
+        )
+        self.cache_matched = Counter(
+            "pdserve_router_cache_aware_matched_tokens",
+            "Prompt tokens the worker cache_aware chose was believed to hold",
+            ["role"],
+            registry=r,
+        )
+
+    def cache_route(self, role: str) -> Callable[[str, int], None]:
+        """cache_aware's observer for one role's choices."""
+
+        def observe(outcome: str, matched: int) -> None:
+            self.cache_routes.labels(role, outcome).inc()
+            self.cache_matched.labels(role).inc(matched)
+
+        return observe
 
     def render(self) -> bytes:
         """The exposition: this process's registry, or every router process's (--api-server-count)."""

@@ -79,7 +79,11 @@ class Upstream:
             if attempt:
                 self.metrics.retries.labels(role).inc()
                 await asyncio.sleep(backoff(self.s.retry_backoff, attempt))
-            w = first if attempt == 0 and first in candidates else self.policies[role].choose(candidates)
+            w = (
+                first
+                if attempt == 0 and first in candidates
+                else self.policies[role].choose(candidates, req.prompt_token_ids)
+            )
             tried.add(w.url)
             if attempts is not None:
                 attempts.append(w)

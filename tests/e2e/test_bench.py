@@ -352,3 +352,56 @@ def test_router_benchmark_streams_every_token_through_the_real_router(tmp_path):
     (row,) = json.loads(out.read_text())["rows"]
     assert (row["concurrency"], row["requests"], row["tokens"]) == (2, 2, 16)
     assert row["completed_tokens"] == 16 and row["router_cpu_us_per_token"] > 0 and row["itl_median_ms"] > 0
+
+
+def _cache_consistent(r: dict) -> None:
+    """The prefix-cache fields: numbers only where the server reported them, and consistent."""
+    if r["cached_tokens_reported"]:
+        assert 0 <= r["total_cached_tokens"] <= r["total_input_tokens"]
+        assert r["prefill_tokens_computed"] == r["total_input_tokens"] - r["total_cached_tokens"]
+        assert r["prefix_cache_hit_rate"] == pytest.approx(r["total_cached_tokens"] / r["total_input_tokens"])
+        assert sum(r["cached_lens"]) == r["total_cached_tokens"]
+    else:
+        assert r["total_cached_tokens"] is r["prefill_tokens_computed"] is r["prefix_cache_hit_rate"] is None
+    w = r["prefix_cache_workers"]
+    if w["queries"] is None:
+        assert w == {"queries": None, "hits": None, "computed_tokens": None, "hit_rate": None, "workers": []}
+    else:
+        assert 0 <= w["hits"] <= w["queries"] and w["computed_tokens"] == w["queries"] - w["hits"]
+
+
+def test_multi_turn_against_cluster(cluster, tmp_path, capsys):
+    """Conversations of 3 turns: each later prompt is exactly the last prompt + the answer + a question."""
+    out = tmp_path / "mt.json"
+    argv = [
+        "--base-url", cluster.pd_router.url, "--dataset", "multi-turn", "--num-turns", "3", "--input-len", "24",
+        "--question-len", "8", "--output-len", "4", "--concurrency", "2", "--num-prompts", "2",
+        "--metrics-url", cluster.prefill.url, "--save-output-ids", "--disable-tqdm", "--out", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "TTFT 1st turn" in printed and "hit %" in printed
+    (r,) = json.loads(out.read_text())["results"]
+    assert (r["completed"], r["failed"], r["num_prompts"]) == (6, 0, 6)
+    assert r["turns"] == [0, 1, 2, 0, 1, 2]
+    assert r["input_lens"] == [24, 36, 48] * 2  # the server's own prompt counts: 24, + 4 answer + 8 question, ...
+    assert r["median_ttft_first_turn_ms"] > 0 and r["median_ttft_later_turns_ms"] > 0
+    assert [len(ids) for ids in r["output_ids"]] == [4] * 6  # the answers as appended to the next turns
+    _cache_consistent(r)
+
+
+def test_generated_shared_prefix_against_cluster(cluster, tmp_path, capsys):
+    out = tmp_path / "gsp.json"
+    argv = [
+        "--base-url", cluster.pd_router.url, "--dataset", "generated-shared-prefix", "--gsp-num-groups", "2",
+        "--gsp-prompts-per-group", "3", "--gsp-system-prompt-len", "32", "--gsp-question-len", "8",
+        "--gsp-output-len", "4", "--concurrency", "3", "--metrics-url", cluster.prefill.url,
+        "--metrics-url", cluster.decode.url, "--disable-tqdm", "--out", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    assert "workers hit %" in capsys.readouterr().out
+    (r,) = json.loads(out.read_text())["results"]
+    assert (r["completed"], r["num_prompts"]) == (6, 6)
+    assert r["input_lens"] == [40] * 6 and r["output_lens"] == [4] * 6
+    assert "median_ttft_first_turn_ms" not in r
+    _cache_consistent(r)

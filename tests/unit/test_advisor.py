@@ -246,3 +246,25 @@ def test_ttft_breakdown_in_the_evidence():
         80.0,
         12.0,
     )
+
+
+def test_prefix_cache_hit_rates_in_the_evidence():
+    """Each side's hit rate from usage (or, without it, the workers' counters); none where none was reported."""
+    col = json.loads(json.dumps(DECODE_BOUND_COLOCATED))
+    pd = json.loads(json.dumps(DECODE_BOUND_PD))
+    col["results"][-1].update(total_input_tokens=1000, prefix_cache_hit_rate=0.8, prefill_tokens_computed=200)
+    pd["results"][-1].update(
+        total_input_tokens=1000,
+        prefix_cache_hit_rate=None,
+        prefix_cache_workers={"hit_rate": 0.5, "computed_tokens": 500, "queries": 1000, "hits": 500},
+    )
+    v = advisor.advise(col, pd, colocated_gpus=1, pd_gpus=2)
+    (line,) = [e for e in v.evidence if "prefix cache" in e]
+    assert line == (
+        "c=16: prefix cache: colocated hit rate 80%, 200 of 1000 prompt tokens computed (usage); "
+        "PD hit rate 50%, 500 of 1000 prompt tokens computed (worker counters)"
+    )
+    assert v.numbers["colocated_prefix_cache_hit_rate"] == 0.8 and v.numbers["pd_prefix_cache_hit_rate"] == 0.5
+    plain = advisor.advise(DECODE_BOUND_COLOCATED, DECODE_BOUND_PD, colocated_gpus=1, pd_gpus=2)
+    assert not [e for e in plain.evidence if "prefix cache" in e]
+    assert plain.numbers["pd_prefix_cache_hit_rate"] is None
