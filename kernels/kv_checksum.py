@@ -9,11 +9,12 @@ dividing a block) or a slab part (ids None: blocks 0..N-1); a word is widened as
 `sum(dtype=int64)` does (int16/int32 sign-extended, uint8 zero-extended), so the number is the
 torch path's, bit for bit.
 
-Grid (m, cdiv(W, BW), cdiv(L, LG)): a program sums BW words of one block in each of LG layers (the
-layers unrolled, so their loads are in flight together), multiplies each layer's partial sum by
-that (layer, block)'s weight and adds the total into acc with one atomic. Wrapping adds commute
-and w * (a + b) = w * a + w * b mod 2^64, so splitting a block over programs and the order they
-finish in leave the number as the formula's. No shared memory beyond the reduction's scratch.
+Grid (m, cdiv(W, BW), cdiv(L, LG)): a program reads BW words of one block in each of LG layers
+(unrolled: the loads are in flight together), adds each word times its (layer, block)'s weight
+into a [BW] vector, reduces it once and adds the total into acc with one atomic. Wrapping adds
+commute and w * (a + b) = w * a + w * b mod 2^64, so weighting word by word, splitting a block
+over programs and the order they finish in all leave the formula's number. No shared memory beyond
+the one reduction's scratch.
 
 Launching through Triton binds the arguments and asks CUDA about every tensor pointer each time;
 the pools and slab parts repeat, so a CUDA launch after the first reuses the compiled kernel with
@@ -47,13 +48,13 @@ def _checksum_kernel(
     offs = tl.program_id(1).to(tl.int64) * BW + tl.arange(0, BW)
     ok = (offs < W) & (b >= 0) & (b < N)  # -1 padding (and an id past the pool) adds nothing
     first = tl.program_id(2) * LG
-    total = tl.zeros((), dtype=tl.int64)
+    # weighted word by word, reduced once: no barrier between the layers' loads
+    total = tl.zeros((BW,), dtype=tl.int64)
     for j in tl.static_range(LG):
         layer = (first + j).to(tl.int64)
         x = tl.load(words + layer * s_layer + b * s_block + offs, mask=ok & (layer < L), other=0)
-        weight = 2 * (layer * n + i) + 1
-        total += tl.sum(x.to(tl.int64), axis=0) * weight
-    tl.atomic_add(acc, total, sem="relaxed")
+        total += x.to(tl.int64) * (2 * (layer * n + i) + 1)
+    tl.atomic_add(acc, tl.sum(total, axis=0), sem="relaxed")
 
 
 def _check(words: torch.Tensor, ids: torch.Tensor | None, acc: torch.Tensor) -> None:
@@ -95,9 +96,10 @@ def checksum_blocks(words: torch.Tensor, ids: torch.Tensor | None, acc: torch.Te
         _checksum_kernel[grid](words, id_arg, acc, *ints, **consts, num_warps=cfg.num_warps)
         return
     with torch.cuda.device(words.device):
-        # what the compiled kernel was specialized on: the word type, the words pointer's 16-byte
-        # alignment, the exact strides and sizes, the tile (n and the other pointers are not)
-        key = (words.device.index, words.dtype, words.data_ptr() % 16 == 0, *ints[1:], *consts.values(), cfg)
+        # what the compiled kernel was specialized on: the word and id types, the words pointer's
+        # 16-byte alignment, the exact strides and sizes, the tile (not n, not the alignment of ids / acc)
+        aligned = words.data_ptr() % 16 == 0
+        key = (words.device.index, words.dtype, id_arg.dtype, aligned, *ints[1:], *consts.values(), cfg)
         kernel = _BOUND.get(key)
         if kernel is None:
             kernel = _checksum_kernel[grid](words, id_arg, acc, *ints, **consts, num_warps=cfg.num_warps)

@@ -61,22 +61,22 @@ def pool_checksums(
 def slab_checksums(
     slab: torch.Tensor, layout: KVLayout, counts: dict[str, int], kernel: bool | None = None
 ) -> dict[str, int]:
-    """The same checksums over a gathered slab (staging.gather of blocks with these counts per region)."""
+    """The same checksums over a gathered slab (staging.gather of blocks with these counts per
+    region); kernel as for pool_checksums."""
     parts, _ = slab_parts(layout, counts)
-    use_kernel = slab.device.type == "cuda" if kernel is None else kernel
-    acc = torch.zeros(len(parts), dtype=torch.int64, device=slab.device) if use_kernel else None
+    if slab.device.type == "cuda" if kernel is None else kernel:
+        acc = torch.zeros(len(parts), dtype=torch.int64, device=slab.device)
+        for k, (r, part) in enumerate(zip(layout.regions, parts)):
+            if part.num_blocks:
+                _checksum_blocks()(_part_words(slab, part, r.num_layers, r.block_bytes), None, acc[k : k + 1])
+        return {r.name: v for r, v in zip(layout.regions, acc.tolist())}
     sums = []
-    for k, (r, part) in enumerate(zip(layout.regions, parts)):
+    for r, part in zip(layout.regions, parts):
         if part.num_blocks == 0:
             sums.append(torch.zeros((), dtype=torch.int64, device=slab.device))
             continue
         words = _part_words(slab, part, r.num_layers, r.block_bytes)
-        if acc is not None:
-            _checksum_blocks()(words, None, acc[k : k + 1])
-        else:
-            sums.append(_fold(words, _weights(r.num_layers, part.num_blocks, slab.device)))
-    if acc is not None:
-        return {r.name: v for r, v in zip(layout.regions, acc.tolist())}
+        sums.append(_fold(words, _weights(r.num_layers, part.num_blocks, slab.device)))
     return _to_host(layout, sums)
 
 
