@@ -104,6 +104,5 @@ def checksum_blocks(words: torch.Tensor, ids: torch.Tensor | None, acc: torch.Te
         if kernel is None:
             kernel = _checksum_kernel[grid](words, id_arg, acc, *ints, **consts, num_warps=cfg.num_warps)
             _BOUND[key] = kernel
-        else:
-            stream = torch.cuda.current_stream(words.device).cuda_stream
-            kernel[grid](words.data_ptr(), id_arg.data_ptr(), acc.data_ptr(), *ints, *consts.values(), stream=stream)
+        else:  # on the current stream of words' device (the runner asks the driver, as Triton's launch does)
+            kernel[grid](words.data_ptr(), id_arg.data_ptr(), acc.data_ptr(), *ints, *consts.values())
