@@ -97,6 +97,9 @@ def measure(size_mib: int, layers: int, device: torch.device, reps: int) -> dict
         sums = {path: pool_checksums(kv.regions, layout, ids, kernel) for path, kernel in paths.items()}
         if len(set(map(str, sums.values()))) != 1:
             raise SystemExit(f"checksum paths disagree at {size_mib} MiB: {sums}")
+    slab_sums = {path: slab_checksums(slab, layout, counts, kernel) for path, kernel in paths.items()}
+    if len(set(map(str, [*slab_sums.values(), pool_checksums(kv.regions, layout, blocks, False)]))) != 1:
+        raise SystemExit(f"slab checksums disagree at {size_mib} MiB: {slab_sums}, pool {sums}")
     for path, kernel in paths.items():
         out[f"{path} runs"] = timed(lambda: pool_checksums(kv.regions, layout, in_runs, kernel), device, reps)
         out[f"{path} scattered"] = timed(lambda: pool_checksums(kv.regions, layout, blocks, kernel), device, reps)
@@ -138,6 +141,7 @@ def main() -> None:
     print("| ---: " * 19 + "|")
     ms = lambda r, k: f"{r[k] * 1e3:.3f}" if k in r else "-"  # noqa: E731
     share = lambda r, k, t: f"{r[k] / t:.1%}" if k in r else "-"  # noqa: E731
+    times = lambda r, k, t: f"{r[k] / t:.2f}x" if k in r else "-"  # noqa: E731
     for size in (int(s) for s in args.sizes.split(",")):
         r = measure(size, args.layers, device, args.reps)
         read_s = r["bytes"] / (args.link_gbps * 1e9)
@@ -145,7 +149,7 @@ def main() -> None:
         cells = [f"{r['MiB']:.0f}", str(r["blocks"]), f"{floor * 1e3:.3f}", ms(r, "kernel GPU")]
         cells += [ms(r, f"{p} {k}") for p in ("kernel", "torch") for k in ("runs", "scattered", "slab")]
         cells += [ms(r, "dev copy"), ms(r, "gather")]
-        cells += [share(r, "kernel GPU", floor), share(r, "kernel runs", floor), share(r, "kernel runs", r["dev copy"])]
+        cells += [times(r, "kernel GPU", floor), times(r, "kernel runs", floor), share(r, "kernel runs", r["dev copy"])]
         cells += [share(r, k, read_s) for k in ("kernel runs", "kernel scattered", "torch runs", "torch scattered")]
         print("| " + " | ".join(cells) + " |")
         torch.cuda.empty_cache() if device.type == "cuda" else None

@@ -64,7 +64,8 @@ def slab_checksums(
     """The same checksums over a gathered slab (staging.gather of blocks with these counts per
     region); kernel as for pool_checksums."""
     parts, _ = slab_parts(layout, counts)
-    if slab.device.type == "cuda" if kernel is None else kernel:
+    use_kernel = slab.device.type == "cuda" if kernel is None else kernel
+    if use_kernel:
         acc = torch.zeros(len(parts), dtype=torch.int64, device=slab.device)
         for k, (r, part) in enumerate(zip(layout.regions, parts)):
             if part.num_blocks:
@@ -81,9 +82,10 @@ def slab_checksums(
 
 
 def _kernel(regions: dict[str, torch.Tensor], layout: KVLayout, kernel: bool | None) -> bool:
-    if kernel is not None:
-        return kernel
-    return bool(layout.regions) and regions[layout.regions[0].name].device.type == "cuda"
+    """Whether pool_checksums runs the kernel: as asked, else on a GPU (never with no regions)."""
+    if not layout.regions:
+        return False
+    return regions[layout.regions[0].name].device.type == "cuda" if kernel is None else kernel
 
 
 def _checksum_blocks():
