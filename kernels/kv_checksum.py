@@ -33,7 +33,7 @@ import triton.language as tl
 from pdserve_kernels import configs
 from pdserve_kernels._launch import capability, cdiv
 
-INT_WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
+INT_WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)  # what staging.region_words gives
 
 
 @triton.jit(do_not_specialize=["n"], do_not_specialize_on_alignment=["ids", "acc"])
