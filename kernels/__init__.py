@@ -1,4 +1,4 @@
-"""pdserve_kernels: Triton kernels for MLA (sparse decode, dense prefill), fused MoE, V4's hyper-connection mixes and the KV block copy of a same-host transfer, with PyTorch references.
+"""pdserve_kernels: Triton kernels for MLA (sparse decode, dense prefill), fused MoE, V4's hyper-connection mixes, the KV block copy of a same-host transfer and the KV checksum of a verified one, with PyTorch references.
 
 Every kernel has a reference in `ref.py` with the same signature; the engine picks one through
 `pdserve.model.ops`. The Triton kernels are imported on first use, so `import pdserve_kernels`
@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 
 from pdserve_kernels.ref import (
+    checksum_blocks_ref,
     copy_blocks_ref,
     fused_moe_ref,
     hc_mix_ref,
@@ -34,10 +35,11 @@ _LAZY = {  # name -> module; fp8 / fp4 references and quantizers: pdserve_kernel
     "mla_prefill_attention": "pdserve_kernels.mla_prefill",
     "hc_mix": "pdserve_kernels.hyper",
     "copy_blocks": "pdserve_kernels.block_copy",
+    "checksum_blocks": "pdserve_kernels.kv_checksum",
 }
 
 __all__ = [
-    "copy_blocks_ref", "fused_moe_ref", "hc_mix_ref", "indexer_topk_paged_ref", "indexer_topk_ref", "mla_prefill_attention_ref", "paged_mla_decode_ref", "sparse_mla_decode_ref", *_LAZY,
+    "checksum_blocks_ref", "copy_blocks_ref", "fused_moe_ref", "hc_mix_ref", "indexer_topk_paged_ref", "indexer_topk_ref", "mla_prefill_attention_ref", "paged_mla_decode_ref", "sparse_mla_decode_ref", *_LAZY,
 ]  # fmt: skip
 
 

@@ -75,6 +75,13 @@ class PrefillConfig:
 
 
 @dataclass(frozen=True)
+class ChecksumConfig:
+    block_bytes: int  # bytes of one block a program sums per layer (block_bytes / word size words)
+    layer_group: int  # layers a program sums (unrolled: their loads are in flight together)
+    num_warps: int
+
+
+@dataclass(frozen=True)
 class IndexerConfig:
     block_c: int  # candidate keys per program
     num_warps: int
@@ -192,6 +199,17 @@ INDEXER = {
 }
 
 
+# KV checksum (kv_checksum.py): no shared memory beyond the reduction's scratch, so both GPU families
+# take one tile: 8 layers of 8 KiB, 64 KiB a program in flight; untimed until benchmarks/transfer/
+# bench_verify.py runs on a GPU. The interpreter's tile is small, so a block takes several
+# programs and the last layer group is masked.
+CHECKSUM = {
+    90: ChecksumConfig(block_bytes=8192, layer_group=8, num_warps=4),
+    120: ChecksumConfig(block_bytes=8192, layer_group=8, num_warps=4),
+    CPU: ChecksumConfig(block_bytes=64, layer_group=2, num_warps=4),
+}
+
+
 def _family(cc: int) -> int:
     """sm_100/103 are treated as sm_90 (large shared memory), sm_8x/sm_12x as sm_120."""
     if cc == CPU:
@@ -249,6 +267,10 @@ def prefill_config(cc: int, dtype: object = None) -> PrefillConfig:
     if cc != CPU and str(dtype) == "torch.float32":
         return PREFILL_FP32
     return PREFILL[_family(cc)]
+
+
+def checksum_config(cc: int) -> ChecksumConfig:
+    return CHECKSUM[_family(cc)]
 
 
 def indexer_config(cc: int) -> IndexerConfig:

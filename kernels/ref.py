@@ -231,3 +231,15 @@ def hc_mix_ref(
 def copy_blocks_ref(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
     """dst[:, dst_ids] = src[:, src_ids] (kernel: block_copy.py); src [L, Ns, W], dst [L, Nd, W]."""
     dst[:, dst_ids.long()] = src[:, src_ids.long()].to(dst.device)
+
+
+def checksum_blocks_ref(words: torch.Tensor, ids: torch.Tensor | None, acc: torch.Tensor, n: int | None = None) -> None:
+    """acc[0] += the weighted word-sum checksum of blocks ids of words [L, N, W] (kernel:
+    kv_checksum.py, which gives the formula); ids < 0 skipped, None: every block; int64, wrapping."""
+    L, N = words.shape[:2]
+    ids = torch.arange(N) if ids is None else ids.long().cpu()
+    n = ids.numel() if n is None else n
+    pos = torch.nonzero(ids >= 0).flatten()
+    sums = words[:, ids[pos].to(words.device)].sum(-1, dtype=torch.int64)  # [L, kept]
+    weights = torch.arange(L, device=words.device)[:, None] * n + pos.to(words.device)[None, :]
+    acc[0] += (sums * (2 * weights + 1)).sum()

@@ -50,6 +50,7 @@ MODULES = (
     "fused_moe_fp4",
     "fp8_gemm",
     "block_copy",
+    "kv_checksum",
 )
 # moe_fp4_dot_scaled: the FP4 configs with `MoEConfig.dot_scaled` (not the default): compiled for
 # the record, since on sm_120 Triton may lower them to the FP4 block-scaled MMA
@@ -65,6 +66,7 @@ FAMILIES = (
     "fp8_gemm",
     "hc",
     "block_copy",
+    "kv_checksum",
 )
 
 
@@ -259,6 +261,24 @@ def cases(families):
                 lambda: copy_blocks(
                     _e(61, 256, 9216, dtype=torch.int64), _e(61, 256, 9216, dtype=torch.int64), ids, ids
                 ),
+            )
+        )
+    if "kv_checksum" in families:  # the verified hand-off: V3's 72 KiB blocks as int64 words, 61 layers
+        from pdserve_kernels.kv_checksum import checksum_blocks
+
+        acc = torch.zeros(1, dtype=torch.int64)
+        out.append(
+            (
+                "kv_checksum",
+                "V3 61 layers, 128 blocks of the pool",
+                lambda: checksum_blocks(_e(61, 256, 9216, dtype=torch.int64), torch.zeros(128, dtype=torch.int64), acc),
+            )
+        )
+        out.append(
+            (
+                "kv_checksum",
+                "V3 61 layers, a slab of 15",
+                lambda: checksum_blocks(_e(61, 15, 9216, dtype=torch.int64), None, acc),
             )
         )
     if "hc" in families:  # V4-Flash's hyper-connection mixes: hc_mult 4, 20 Sinkhorn iterations

@@ -14,9 +14,12 @@ unless the two blocks' word sums agree modulo 2^(63 - a few bits), which random-
 does by chance. Words swapped inside one block are not caught (no transfer moves less than a
 block's run). Regions are checked separately, so a region's blocks read into another are caught.
 
-Cost: one read of the request's bytes on the pool's device (a sum per run of consecutive blocks;
-on a GPU, blocks in many runs are gathered first); one host sync for the few numbers.
-benchmarks/transfer/bench_verify.py times it.
+Cost: one read of the request's bytes where they lie, no copy, and one host sync for the few
+numbers. On a GPU, one Triton launch per region (pdserve_kernels/kv_checksum.py: each program sums
+a chunk of one block in a few layers and adds its weighted sum into the region's accumulator with
+an atomic), however many runs the ids fall in, after one upload of every region's ids and zeroed
+accumulators. On the CPU, torch sums run by run of consecutive blocks (no launch cost there).
+benchmarks/transfer/bench_verify.py times both paths against a device copy and a network READ.
 
 Legend: Lr layers of a region, N blocks in the pool, n blocks of the request, W words per block.
 """
@@ -28,9 +31,9 @@ import torch
 from pdserve.disagg.layout import KVLayout, block_runs
 from pdserve.disagg.staging import _index, _part_words, region_words, slab_parts
 
-# ids in at most this many runs of consecutive blocks are summed in place, run by run (on the CPU
-# always: no launch cost, and a gather there costs more than the sums); more runs on a GPU are
-# gathered, at most CHUNK_BYTES at once (bounded scratch), and summed
+# the torch path: ids in at most this many runs of consecutive blocks are summed in place, run by
+# run (on the CPU always: no launch cost, and a gather there costs more than the sums); more runs on
+# a GPU are gathered, at most CHUNK_BYTES at once (bounded scratch), and summed
 MAX_RUNS = 16
 CHUNK_BYTES = 64 << 20
 
@@ -45,9 +48,77 @@ def _fold(words: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return (words.sum(-1, dtype=torch.int64) * weights).sum()
 
 
-def pool_checksums(regions: dict[str, torch.Tensor], layout: KVLayout, blocks: dict[str, list[int]]) -> dict[str, int]:
-    """Each region's checksum over blocks[region] of every layer, read from the pool: runs of
-    consecutive ids summed in place (no copy), or, for ids in many runs on a GPU, gathered a chunk at a time."""
+def pool_checksums(
+    regions: dict[str, torch.Tensor], layout: KVLayout, blocks: dict[str, list[int]], kernel: bool | None = None
+) -> dict[str, int]:
+    """Each region's checksum over blocks[region] of every layer, read from the pool in place.
+    kernel: the Triton kernel (default on a GPU), else the torch path (_torch_pool_sums)."""
+    if _kernel(regions, layout, kernel):
+        return _kernel_pool_checksums(regions, layout, blocks)
+    return _to_host(layout, _torch_pool_sums(regions, layout, blocks))
+
+
+def slab_checksums(
+    slab: torch.Tensor, layout: KVLayout, counts: dict[str, int], kernel: bool | None = None
+) -> dict[str, int]:
+    """The same checksums over a gathered slab (staging.gather of blocks with these counts per
+    region); kernel as for pool_checksums."""
+    parts, _ = slab_parts(layout, counts)
+    use_kernel = slab.device.type == "cuda" if kernel is None else kernel
+    if use_kernel:
+        acc = torch.zeros(len(parts), dtype=torch.int64, device=slab.device)
+        for k, (r, part) in enumerate(zip(layout.regions, parts)):
+            if part.num_blocks:
+                _checksum_blocks()(_part_words(slab, part, r.num_layers, r.block_bytes), None, acc[k : k + 1])
+        return {r.name: v for r, v in zip(layout.regions, acc.tolist())}
+    sums = []
+    for r, part in zip(layout.regions, parts):
+        if part.num_blocks == 0:
+            sums.append(torch.zeros((), dtype=torch.int64, device=slab.device))
+            continue
+        words = _part_words(slab, part, r.num_layers, r.block_bytes)
+        sums.append(_fold(words, _weights(r.num_layers, part.num_blocks, slab.device)))
+    return _to_host(layout, sums)
+
+
+def _kernel(regions: dict[str, torch.Tensor], layout: KVLayout, kernel: bool | None) -> bool:
+    """Whether pool_checksums runs the kernel: as asked, else on a GPU (never with no regions)."""
+    if not layout.regions:
+        return False
+    return regions[layout.regions[0].name].device.type == "cuda" if kernel is None else kernel
+
+
+def _checksum_blocks():
+    from pdserve_kernels.kv_checksum import checksum_blocks  # Triton: GPU installs (and the kernel tests)
+
+    return checksum_blocks
+
+
+def _kernel_pool_checksums(
+    regions: dict[str, torch.Tensor], layout: KVLayout, blocks: dict[str, list[int]]
+) -> dict[str, int]:
+    """One kernel launch per region with blocks. Every region's ids and a zeroed accumulator per
+    region travel in one upload (from pinned memory on a GPU); one host sync reads the sums."""
+    device = regions[layout.regions[0].name].device
+    num = len(layout.regions)
+    host = [0] * num  # [R accumulators | region 0's ids | region 1's ids | ...]
+    for r in layout.regions:
+        host += blocks.get(r.name, [])
+    buf = torch.tensor(host, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+    checksum_blocks, at = _checksum_blocks(), num
+    for k, r in enumerate(layout.regions):
+        n = len(blocks.get(r.name, []))
+        if n:
+            checksum_blocks(region_words(regions[r.name], r.block_bytes), buf[at : at + n], buf[k : k + 1])
+        at += n
+    return {r.name: v for r, v in zip(layout.regions, buf[:num].tolist())}
+
+
+def _torch_pool_sums(
+    regions: dict[str, torch.Tensor], layout: KVLayout, blocks: dict[str, list[int]]
+) -> list[torch.Tensor]:
+    """The torch path (the CPU's; on a GPU the benchmark's baseline): runs of consecutive ids
+    summed in place (no copy), or, for ids in many runs on a GPU, gathered a chunk at a time."""
     sums = []
     for r in layout.regions:
         ids = blocks.get(r.name, [])
@@ -67,20 +138,7 @@ def pool_checksums(regions: dict[str, torch.Tensor], layout: KVLayout, blocks: d
                     chunk = torch.index_select(words, 1, _index(ids[c0 : c0 + step], words.device))
                     total += _fold(chunk, weights[:, c0 : c0 + step])
         sums.append(total)
-    return _to_host(layout, sums)
-
-
-def slab_checksums(slab: torch.Tensor, layout: KVLayout, counts: dict[str, int]) -> dict[str, int]:
-    """The same checksums over a gathered slab (staging.gather of blocks with these counts per region)."""
-    parts, _ = slab_parts(layout, counts)
-    sums = []
-    for r, part in zip(layout.regions, parts):
-        if part.num_blocks == 0:
-            sums.append(torch.zeros((), dtype=torch.int64, device=slab.device))
-            continue
-        words = _part_words(slab, part, r.num_layers, r.block_bytes)
-        sums.append(_fold(words, _weights(r.num_layers, part.num_blocks, slab.device)))
-    return _to_host(layout, sums)
+    return sums
 
 
 def _to_host(layout: KVLayout, sums: list[torch.Tensor]) -> dict[str, int]:

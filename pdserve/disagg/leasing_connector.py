@@ -111,6 +111,8 @@ class LeasingConnector(KVConnector):
             self.staging_arena = StagingArena(staging_mib * MIB, first.device)
         if landing_mib:
             self.landing_arena = StagingArena(landing_mib * MIB, first.device)
+        if self.verify and first.is_cuda:  # the checksum kernel compiled for this pool now, not at a first lease
+            pool_checksums(kv_cache.regions, self.layout, {r.name: [0] for r in self.layout.regions if r.num_blocks})
         self._registered(kv_cache)
 
     def arenas(self) -> list[StagingArena]:

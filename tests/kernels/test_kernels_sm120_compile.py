@@ -42,6 +42,7 @@ def test_sm120_configs_compile_within_shared_memory(tmp_path):
         "fp8_gemm",
         "hc",
         "block_copy",
+        "kv_checksum",
     }
     # DeepSeek-V4-Flash's attention (D = d_v = 512, sinks) in bf16, over fp8_ds_v4 pages and at
     # the float32 parity tile
