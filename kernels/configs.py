@@ -177,6 +177,9 @@ MOE_FP4_TILED_FP32 = MoEConfig(16, 64, 128, 4, 2)
 # block-scaled MMA); block_n / block_k multiples of 32. sm_120 entries: the largest that
 # scripts/check_sm120_configs.py compiles under 99 KB to kind::mxf8f6f4, not timed on that card;
 # sm_90 (where Triton upcasts dot_scaled to bf16): the same tiles, for correctness runs, untimed.
+# which FP4 MoE path fp4_moe_backend "auto" runs (engine/config.py; docs/kernels.md): W4A16 (the
+# tiled kernels) everywhere until the MXFP8 path is measured faster on an sm_120 card
+FP4_MOE_BACKEND = {90: "w4a16", 120: "w4a16", CPU: "w4a16"}
 MOE_FP4_MX8 = {
     90: {16: MoEConfig(16, 64, 128, 4, 3), 64: MoEConfig(32, 64, 64, 4, 3), 10**9: MoEConfig(64, 64, 128, 4, 3)},
     120: {16: MoEConfig(16, 64, 128, 4, 3), 64: MoEConfig(32, 64, 128, 4, 3), 10**9: MoEConfig(32, 64, 128, 4, 3)},
@@ -251,6 +254,11 @@ def moe_fp4_tiled_config(cc: int, rows_per_expert: float, fp32: bool = False) ->
         return MOE_FP4_TILED_FP32
     table = MOE_FP4_TILED[_family(cc)]
     return table[min(k for k in table if rows_per_expert <= k)]
+
+
+def fp4_moe_backend(cc: int) -> str:
+    """The FP4 experts' path an engine with fp4_moe_backend "auto" takes on this GPU."""
+    return FP4_MOE_BACKEND[_family(cc)]
 
 
 def moe_fp4_mx8_config(cc: int, rows_per_expert: float) -> MoEConfig:
