@@ -53,7 +53,7 @@ MODULES = (
     "block_copy",
 )
 # moe_fp4_dot_scaled: the FP4 configs with `MoEConfig.dot_scaled` (not the default): compiled for
-# the record, since on sm_120 Triton may lower them to the FP4 block-scaled MMA;
+# the record (Triton 3.6 upcasts bf16 x e2m1 to bf16 mma.sync on sm_120 too: their `mma` field);
 # moe_fp4_mx8: FP4 weights x MXFP8 activations, e4m3 x e4m3 dot_scaled (`mma` shows kind::mxf8f6f4)
 FAMILIES = (
     "mla",

@@ -73,6 +73,7 @@ def spec_check(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> None:
     nz = amax > 0
     assert (amax[nz] / scale[nz] <= 448).all() and (amax[nz] / scale[nz] > 224).all()
     assert (s.cpu()[~nz] == 0).all()  # an all-zero group: the smallest scale
+    assert ((bits(q) & 0x7F) != 0x7F).all()  # no NaN code: with this scale nothing passes 448
     v = (xg / scale[..., None]).view(R, 32 * G)[:, :K]
     got = q.cpu().double()
     grid = torch.tensor([float(b) for b in torch.arange(0, 0x7F, dtype=torch.uint8).view(E4M3)], dtype=torch.float64)
