@@ -122,9 +122,8 @@ def test_logits_match_dequantized_at_load_and_transformers(ckpt):
 
 def test_mxfp8_backend_quantizes_the_expert_activations(ckpt):
     """fp4_moe_backend mxfp8 (engine option): the experts run `fused_moe_fp4_ref(mxfp8_act=True)`
-    on CPU (the MX8 kernel's oracle), on the checkpoint layout. Its accuracy cost on this model
-    (docs/kernels.md): max logit difference 0.18 of max |logit| 1.1 (relative L2 6%), 37/40
-    argmax positions agree - the bounds below leave some room; W4A16's bf16 run agrees 37/40 too."""
+    on CPU (the MX8 kernel's oracle), on the checkpoint layout. The bounds are a little wider than
+    the accuracy cost docs/kernels.md records for this model."""
     w4a16 = _logits(load_v4_model(ckpt[0], dtype=torch.float32))
     model = load_v4_model(ckpt[0], dtype=torch.float32, fp4_moe_backend="mxfp8")
     assert model.model.layers[3].mlp.experts.fp4_backend == "mxfp8"
@@ -137,7 +136,7 @@ def test_mxfp8_backend_quantizes_the_expert_activations(ckpt):
 
 def test_mxfp8_backend_through_the_worker_config_and_engine(ckpt, prompts, expected):
     """The worker key reaches the experts; greedy tokens stay near transformers' float32 ones on
-    the unquantized activations (measured: 59 of 60 equal, the last token of one prompt differs)."""
+    unquantized activations (the bound a little below what docs/kernels.md records)."""
     from pdserve.config import WorkerConfig
 
     cfg = WorkerConfig(port=9000, fp4_moe_backend="mxfp8").engine_config(str(ckpt[0]))
