@@ -65,8 +65,15 @@ class ModelEntry:
         """The checkpoint in model_dir (quantization: None follows it, "none" dequantizes at load;
         fp4_moe_backend: the kernel path of FP4 experts, engine/config.py)."""
         load = getattr(self._module("loader"), self.loader_name)
-        kw = {"fp4_moe_backend": fp4_moe_backend} if fp4_moe_backend != "auto" else {}
-        return load(model_dir, dtype, device, tp=tp, quantization=quantization, progress=progress, **kw)
+        return load(
+            model_dir,
+            dtype,
+            device,
+            tp=tp,
+            quantization=quantization,
+            progress=progress,
+            fp4_moe_backend=fp4_moe_backend,
+        )
 
     def materialize(self, model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
         self._module("loader").materialize(model, dtype, device)
