@@ -180,6 +180,18 @@ MOE_FP4_TILED = {
     CPU: {10**9: MoEConfig(16, 64, 128, 4, 1)},
 }
 MOE_FP4_TILED_FP32 = MoEConfig(16, 64, 128, 4, 2)
+# FP4 weights x MXFP8 activations (`fused_moe_fp4_mx8`: e4m3 x e4m3 `tl.dot_scaled`, sm_120's
+# block-scaled MMA); block_n / block_k multiples of 32. sm_120 entries: the largest that
+# scripts/check_sm120_configs.py compiles under 99 KB to kind::mxf8f6f4, not timed on that card;
+# sm_90 (where Triton upcasts dot_scaled to bf16): the same tiles, for correctness runs, untimed.
+# which FP4 MoE path fp4_moe_backend "auto" runs (engine/config.py; docs/kernels.md): W4A16 (the
+# tiled kernels) everywhere until the MXFP8 path is measured faster on an sm_120 card
+FP4_MOE_BACKEND = {90: "w4a16", 120: "w4a16", CPU: "w4a16"}
+MOE_FP4_MX8 = {
+    90: {16: MoEConfig(16, 64, 128, 4, 3), 64: MoEConfig(32, 64, 64, 4, 3), 10**9: MoEConfig(64, 64, 128, 4, 3)},
+    120: {16: MoEConfig(16, 64, 128, 4, 3), 64: MoEConfig(32, 64, 128, 4, 3), 10**9: MoEConfig(32, 64, 128, 4, 3)},
+    CPU: {10**9: MoEConfig(16, 32, 64, 4, 1)},
+}
 
 # MLA prefill (non-absorbed, qk 192 = 128 + 64, v 128): keyed by family. Per stage a K tile
 # (BN x (128 + 64)) and a V tile (BN x 128) in bf16; q (BM x 192) and p (BM x BN) staged once.
@@ -259,6 +271,16 @@ def moe_fp4_tiled_config(cc: int, rows_per_expert: float, fp32: bool = False) ->
     if fp32 and cc != CPU:
         return MOE_FP4_TILED_FP32
     table = MOE_FP4_TILED[_family(cc)]
+    return table[min(k for k in table if rows_per_expert <= k)]
+
+
+def fp4_moe_backend(cc: int) -> str:
+    """The FP4 experts' path an engine with fp4_moe_backend "auto" takes on this GPU."""
+    return FP4_MOE_BACKEND[_family(cc)]
+
+
+def moe_fp4_mx8_config(cc: int, rows_per_expert: float) -> MoEConfig:
+    table = MOE_FP4_MX8[_family(cc)]
     return table[min(k for k in table if rows_per_expert <= k)]
 
 

@@ -21,7 +21,8 @@ each GEMM's K is cut into S slices whose float32 partials are summed (w13's by `
 before the activation, w2's with the top-k sum). Deterministic (no atomics).
 
 `MoEConfig.dot_scaled` (checkpoint layout, GPU, bf16/fp16 only) hands the dequantization to
-`tl.dot_scaled` (on sm_120 Triton may use the FP4 block-scaled MMA).
+`tl.dot_scaled` (bf16 x e2m1: Triton 3.6 upcasts it to bf16 MMAs on sm_120 as on sm_90; the
+block-scaled MMA is reached by `fused_moe_fp4_mx8`).
 Reference: `ref_fp4.fused_moe_fp4_ref` (either layout).
 """
 

@@ -26,7 +26,8 @@ Split-K: grid (R / BM, N / BN, S); `_w13_fp4_kernel` then writes float32 gate | 
 DOT_SCALED (`MoEConfig.dot_scaled`) instead hands the packed tile and its scales to
 `tl.dot_scaled` (x as "bf16"/"fp16", the weight as "e2m1" with its ue8m0 scales [BN, BK/32]), so
 the compiler does the upcast: on sm_90 it dequantizes to bf16 in registers as well (and swaps the
-operands itself: that path keeps acc [BM, BN]); on sm_120 Triton may use the FP4 block-scaled MMA.
+operands itself: that path keeps acc [BM, BN]); on sm_120 Triton 3.6 upcasts this mix too (bf16
+mma.sync): its block-scaled MMA takes equal MX formats only (`fused_moe_fp4_mx8_kernels.py`).
 """
 
 from __future__ import annotations

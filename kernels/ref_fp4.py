@@ -82,6 +82,35 @@ def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = 
     return (vals * s).to(dtype)
 
 
+E4M3_MAX = 448.0
+
+
+def quant_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """OCP MXFP8 along the last dim: x [..., K] -> (q [..., K] float8_e4m3fn, scale [..., G] uint8
+    ue8m0 bytes). Per 32-value group the smallest power of two s = 2**e with amax / s <= 448
+    (e = ceil(log2(amax / 448)) in [-127, 127]; NVIDIA's MXFP8 recipe), q = x / s rounded to
+    nearest e4m3, ties to even (torch's cast; |x / s| <= 448 so nothing saturates)."""
+    *lead, K = x.shape
+    G = -(-K // GROUP)
+    xg = F.pad(x.double(), (0, G * GROUP - K)).reshape(*lead, G, GROUP)
+    mant, exp = torch.frexp(xg.abs().amax(-1) / E4M3_MAX)  # amax / 448 = mant * 2**exp, mant in [0.5, 1)
+    e = torch.where(mant == 0.5, exp - 1, exp)  # ceil(log2(.)): an exact power of two keeps its exponent
+    e = torch.where(mant == 0, -127, e).clamp(-127, 127)
+    q = (xg / torch.exp2(e.double())[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(*lead, G * GROUP)[..., :K], (e + 127).to(torch.uint8)
+
+
+def dequant_mxfp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """q [..., K] e4m3 and scale [..., G] -> q * 2**(scale - 127) in `dtype` (exact in float64)."""
+    s = scale_to_float(scale, torch.float64).repeat_interleave(GROUP, dim=-1)[..., : q.shape[-1]]
+    return (q.double() * s).to(dtype)
+
+
+def mxfp8_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """x rounded through MXFP8 (quantized, dequantized), float64."""
+    return dequant_mxfp8(*quant_mxfp8(x))
+
+
 def swiglu(h: torch.Tensor, inter: int, limit: float | None) -> torch.Tensor:
     """h [n, 2I] (gate then up) -> silu(gate) * up, with DeepSeek-V4's clamp when `limit` is set:
     gate <= limit, -limit <= up <= limit (transformers' DeepseekV4Experts._apply_gate)."""
@@ -102,9 +131,11 @@ def fused_moe_fp4_ref(
     topk_ids: torch.Tensor,  # [T, k] int
     swiglu_limit: float | None = None,
     act_dtype: torch.dtype | None = None,  # dtype the SiLU-and-mul output is rounded to; x's by default
+    mxfp8_act: bool = False,  # x and the SiLU-and-mul output through MXFP8 (`quant_mxfp8`), as the MX8 kernels
 ) -> torch.Tensor:
     """y[t] = sum_j w[t,j] * W2_e @ act_dtype(silu(clamp(G_e x[t])) * clamp(U_e x[t])), with W the
-    dequantized FP4 weights; activations are not quantized (the kernel multiplies x's dtype)."""
+    dequantized FP4 weights; activations are not quantized (the kernel multiplies x's dtype),
+    unless mxfp8_act: then x[t] and the activation are rounded through MXFP8 per token instead."""
     if w13.dim() == 5:  # the tiled layout (`tile_experts`): back to the checkpoint's, I padded
         w13, w2, w13_scale, w2_scale = untile_experts(w13, w2, x.shape[1], w13.shape[2] * TILE_N)
     math = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -114,8 +145,11 @@ def fused_moe_fp4_ref(
     y = torch.zeros(T, hidden, dtype=math, device=x.device)
     for e in torch.unique(topk_ids.reshape(-1)).tolist():
         tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
-        h = x[tok].to(math) @ dequant_fp4(w13[e], w13_scale[e], math).t()  # [n, 2I]
-        act = swiglu(h, inter, swiglu_limit).to(act_dtype).to(math)
+        xe = mxfp8_round_trip(x[tok]) if mxfp8_act else x[tok]
+        h = xe.to(math) @ dequant_fp4(w13[e], w13_scale[e], math).t()  # [n, 2I]
+        act = swiglu(h, inter, swiglu_limit)
+        act = mxfp8_round_trip(act) if mxfp8_act else act.to(act_dtype)
+        act = act.to(math)
         out = act @ dequant_fp4(w2[e], w2_scale[e], math).t()  # [n, hidden]
         y.index_add_(0, tok, out * topk_weights[tok, slot, None].to(math))
     return y.to(x.dtype)

@@ -25,6 +25,7 @@ from pdserve.disagg.factory import StagingOptions, TransferBackend
 from pdserve.engine.config import (
     DType,
     EngineConfig,
+    Fp4MoEBackend,
     KVCacheDType,
     KVLoadFailurePolicy,
     LoadFormat,
@@ -133,6 +134,7 @@ class WorkerConfig(_Strict):
     quantization: Quantization | None = (
         None  # weights: unset follows the checkpoint (FP8 kept FP8); none dequantizes at load
     )
+    fp4_moe_backend: Fp4MoEBackend = "auto"  # FP4 experts' kernel path (engine/config.py)
     cuda_graph_max_bs: int | None = Field(None, ge=1)  # largest decode batch captured (default min(max_num_seqs, 256))
     lease_seconds: float = Field(60.0, gt=0)  # prefill keeps KV this long for decode to pull
     engine_id: str | None = None  # default: "<role>-<index>-<port>" (launch), "<role>-<port>" (serve)
@@ -219,6 +221,7 @@ class WorkerConfig(_Strict):
             enforce_eager=self.enforce_eager,
             kv_cache_dtype=self.kv_cache_dtype,
             quantization=self.quantization,
+            fp4_moe_backend=self.fp4_moe_backend,
             cuda_graph_max_bs=self.cuda_graph_max_bs,
             **({"max_num_batched_tokens": self.max_num_batched_tokens} if self.max_num_batched_tokens else {}),
         )

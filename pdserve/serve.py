@@ -40,7 +40,7 @@ WORKER_FLAGS = {
     "engine_id": "worker.engine_id", "advertise_host": "worker.advertise_host", "lease_seconds": "worker.lease_seconds",
     "max_open_requests": "worker.max_open_requests", "stall_timeout": "worker.stall_timeout", "peer": "peers",
     "enforce_eager": "worker.enforce_eager", "cuda_graph_max_bs": "worker.cuda_graph_max_bs", "kv_cache_dtype": "worker.kv_cache_dtype",
-    "quantization": "worker.quantization",
+    "quantization": "worker.quantization", "fp4_moe_backend": "worker.fp4_moe_backend",
     "transfer_backend": "transfer.backend", "transfer_timeout": "transfer.timeout",
     "metadata_timeout": "transfer.metadata_timeout", "kv_load_failure_policy": "transfer.kv_load_failure_policy",
     "handoff_timeout": "transfer.handoff_timeout",
@@ -107,6 +107,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--quantization",
         "-q",
         help="weights: unset follows the checkpoint (FP8 block-scaled: kept FP8) | fp8 (require FP8) | none (dequantize at load)",
+    )
+    w(
+        "--fp4-moe-backend",
+        help="FP4 experts (V4): auto (per GPU, docs/kernels.md) | w4a16 | mxfp8 (MXFP8 activations, block-scaled e4m3 MMAs)",
     )
     w("--cuda-graph-max-bs", help="largest decode batch captured as a CUDA graph (default min(max-num-seqs, 256))")
     w("--engine-id", help="transfer agent name (default <role>-<port>)")

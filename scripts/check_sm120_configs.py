@@ -48,12 +48,14 @@ MODULES = (
     "fused_moe",
     "fused_moe_fp8",
     "fused_moe_fp4",
+    "fused_moe_fp4_mx8",
     "fp8_gemm",
     "block_copy",
     "kv_checksum",
 )
 # moe_fp4_dot_scaled: the FP4 configs with `MoEConfig.dot_scaled` (not the default): compiled for
-# the record, since on sm_120 Triton may lower them to the FP4 block-scaled MMA
+# the record (Triton 3.6 upcasts bf16 x e2m1 to bf16 mma.sync on sm_120 too: their `mma` field);
+# moe_fp4_mx8: FP4 weights x MXFP8 activations, e4m3 x e4m3 dot_scaled (`mma` shows kind::mxf8f6f4)
 FAMILIES = (
     "mla",
     "mla_prefill",
@@ -63,6 +65,7 @@ FAMILIES = (
     "moe_fp4",
     "moe_fp4_dot_scaled",
     "moe_fp4_tiled",
+    "moe_fp4_mx8",
     "fp8_gemm",
     "hc",
     "block_copy",
@@ -350,6 +353,15 @@ def cases(families):
                 fused_moe_fp4(_e(T, hidden), w13, w2, None, None, *routed(T), swiglu_limit=10.0)
 
             out.append(("moe_fp4_tiled", f"fp4 tiled {tag}", tiled))
+        if "moe_fp4_mx8" in families:  # the checkpoint layout, both operands MXFP8-shaped e4m3
+            from pdserve_kernels.fused_moe_fp4_mx8 import fused_moe_fp4_mx8
+
+            def mx8(T=T, u8=torch.uint8):
+                w13, w2 = _e(E, 2 * inter, hidden // 2, dtype=u8), _e(E, hidden, inter // 2, dtype=u8)
+                s13, s2 = _e(E, 2 * inter, hidden // 32, dtype=u8), _e(E, hidden, inter // 32, dtype=u8)
+                fused_moe_fp4_mx8(_e(T, hidden), w13, w2, s13, s2, *routed(T), swiglu_limit=10.0)
+
+            out.append(("moe_fp4_mx8", f"fp4 x mxfp8 {tag}", mx8))
     return out
 
 

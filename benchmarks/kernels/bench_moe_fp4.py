@@ -3,12 +3,18 @@ top-6, bf16 x, `swiglu_limit` 10): each variant checked against `ref_fp4.fused_m
 fresh random inputs, then timed against the weight-bytes floor of the experts it touches.
 
     python -m benchmarks.kernels.bench_moe_fp4 [--tokens 1 16 64 128] [--sets 4] [--no-sweep] [--out DIR]
+        [--variants tiled mx8 ...]
     python -m benchmarks.kernels.bench_moe_fp4 --smoke      # CPU, interpreter, tiny dims: the code path only
 
 Variants: `checkpoint` (the checkpoint layout, the register-dequant kernels, default config),
 `checkpoint dot_scaled` (the same weights through `tl.dot_scaled`), `tiled` (the same weights
-repacked once by `tile_experts`, the tiled kernels, default config) and a small sweep of the tiled
-configs (`tiled TK256`: tiles of 256 K values). Times: median of CUDA-graph replays of `--sets` different routings per call (so the
+repacked once by `tile_experts`, the tiled kernels, default config), `mx8` (the checkpoint
+weights x MXFP8 activations, `fused_moe_fp4_mx8`: e4m3 x e4m3 `tl.dot_scaled`, sm_120's
+block-scaled MMA; checked against `fused_moe_fp4_ref(mxfp8_act=True)`, its rel err against the
+bf16-activation reference reported as the accuracy cost, and the MXFP8 quantizer's bits against
+`ref_fp4.quant_mxfp8` at [T, hidden]) and a small sweep of the tiled configs (`tiled TK256`: tiles
+of 256 K values); `--variants` picks some by label. Exits 1 when a variant's rel err exceeds
+1e-2 against its reference, has a NaN, or the quantizer's bits differ. Times: median of CUDA-graph replays of `--sets` different routings per call (so the
 experts read are cold in L2). Floor: FP4 bytes + ue8m0 bytes of the distinct experts each routing
 reads, averaged over the sets, + activations, over the device-copy rate measured in the same run
 (1 GiB, read + write counted). Writes moe_fp4.json to --out.
@@ -28,6 +34,8 @@ import torch
 from benchmarks.kernels.bench_util import graph_ms, kernel_profile, poisoned_empty, rel_err
 from pdserve_kernels import configs, ref_fp4
 from pdserve_kernels.fused_moe_fp4 import fused_moe_fp4, tile_experts
+from pdserve_kernels.fused_moe_fp4_mx8 import fused_moe_fp4_mx8
+from pdserve_kernels.mxfp8 import quant_mxfp8
 
 M = configs.MoEConfig
 TILED_SWEEP = [  # (label, layout, config); the default is timed as "tiled"
@@ -38,6 +46,7 @@ TILED_SWEEP = [  # (label, layout, config); the default is timed as "tiled"
     ("tiled TK256 2 stages", "tiled256", M(16, 64, 256, 4, 2)),
 ]
 V4_LIMIT = 10.0  # DeepSeek-V4-Flash's swiglu_limit
+MAX_REL_ERR = 1e-2  # bf16 output against the float32 reference of the same numerics
 
 
 def random_fp4(E, N, K, dev, g, exp_center):
@@ -78,8 +87,19 @@ def variants(T, top_k, E, sweep):
         ("checkpoint", "checkpoint", None),
         ("checkpoint dot_scaled", "checkpoint", dataclasses.replace(default, dot_scaled=True)),
         ("tiled", "tiled", None),
+        ("mx8", "mx8", None),
     ]
     return out + (TILED_SWEEP if sweep else [])
+
+
+def quantizer_exact(T, hidden, dev, g) -> bool:
+    """The MXFP8 quantizer (GPU: the hardware conversion) gives the reference's bits."""
+    x = torch.randn(T, hidden, device=dev, generator=g) * torch.exp2(
+        torch.randint(-8, 8, (T, 1), device=dev, generator=g).float()
+    )
+    q, s = quant_mxfp8(x.to(torch.bfloat16))
+    want_q, want_s = ref_fp4.quant_mxfp8(x.to(torch.bfloat16).float())
+    return torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
 
 
 def run(args) -> dict:
@@ -93,23 +113,30 @@ def run(args) -> dict:
     q13, s13 = random_fp4(E, 2 * inter, hidden, dev, g, -7 if hidden >= 1024 else -3)
     q2, s2 = random_fp4(E, hidden, inter, dev, g, -6 if inter >= 1024 else -3)
     weights = {"checkpoint": (q13, q2, s13, s2), "tiled": (*tile_experts(q13, q2, s13, s2), None, None)}
+    weights["mx8"] = weights["checkpoint"]
     if not args.no_sweep and not args.smoke:
         weights["tiled256"] = (*tile_experts(q13, q2, s13, s2, tile_k=256), None, None)
     dt = torch.float16 if args.smoke else torch.bfloat16
     per_expert = 3 * inter * hidden // 2 + 3 * inter * hidden // 32
-    rows, prof = [], []
+    rows, prof, failed = [], [], []
     for T in tokens:
         sets = routings(T, E, top_k, hidden, dev, g, dt, 1 if args.smoke else args.sets)
         used = sum(torch.unique(ids).numel() for _, ids, _ in sets) / len(sets)
         floor = (used * per_expert + 2 * T * hidden * 2) / bw * 1e3  # ms
         x, ids, tw = sets[0]
         want = ref_fp4.fused_moe_fp4_ref(x, q13, q2, s13, s2, tw, ids, swiglu_limit=V4_LIMIT).float()
-        for label, layout, cfg in variants(T, top_k, E, not args.no_sweep and not args.smoke):
+        picked = [v for v in variants(T, top_k, E, not args.no_sweep and not args.smoke) if v[0] in args.variants]
+        if any(layout == "mx8" for _, layout, _ in picked):
+            want_mx8 = ref_fp4.fused_moe_fp4_ref(x, q13, q2, s13, s2, tw, ids, swiglu_limit=V4_LIMIT, mxfp8_act=True)
+            exact = quantizer_exact(T, hidden, dev, g)
+            print(f"T={T:4d} MXFP8 quantizer bits equal the reference's: {exact}", flush=True)
+            failed += [] if exact else [f"quantizer T={T}"]
+        for label, layout, cfg in picked:
             if args.smoke and cfg is not None and cfg.dot_scaled:
                 continue
-            w = weights[layout]
+            w, fn = weights[layout], fused_moe_fp4_mx8 if layout == "mx8" else fused_moe_fp4
             calls = [
-                lambda x=x, ids=ids, tw=tw, w=w, c=cfg: fused_moe_fp4(
+                lambda x=x, ids=ids, tw=tw, w=w, c=cfg, fn=fn: fn(
                     x, w[0], w[1], w[2], w[3], tw, ids, swiglu_limit=V4_LIMIT, config=c
                 )
                 for x, ids, tw in sets
@@ -117,25 +144,29 @@ def run(args) -> dict:
             try:
                 with poisoned_empty():
                     out = calls[0]()
-                err = rel_err(out, want)
+                err = rel_err(out, want_mx8.float() if layout == "mx8" else want)
                 t = graph_ms(calls, replays=args.replays) if dev == "cuda" else float("nan")
             except Exception as e:  # a sweep candidate may not compile: report it
                 print(f"{label} failed at T={T}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
             row = dict(T=T, experts=used, impl=label, us=t * 1e3, floor_us=floor * 1e3, rel_err=err)
             row["nan"] = bool(out.isnan().any())
+            cost = f"  vs bf16-act ref {rel_err(out, want):.1e}" if layout == "mx8" else ""
+            row["rel_err_bf16_act"] = rel_err(out, want)
             rows.append(row)
+            failed += [f"{label} T={T}"] if row["nan"] or err > MAX_REL_ERR else []
             print(
                 f"T={T:4d} ({used:5.1f} experts) {label:24s} {t * 1e3:8.1f} us  floor {floor * 1e3:7.1f} us  "
-                f"x{t / floor:5.2f}  rel {err:.1e}{'  NaN!' if row['nan'] else ''}",
+                f"x{t / floor:5.2f}  rel {err:.1e}{cost}{'  NaN!' if row['nan'] else ''}",
                 flush=True,
             )
         if dev == "cuda" and T in (1, 64):
-            for label, w in (("checkpoint", weights["checkpoint"]), ("tiled", weights["tiled"])):
-                fn = lambda w=w: fused_moe_fp4(x, w[0], w[1], w[2], w[3], tw, ids, swiglu_limit=V4_LIMIT)  # noqa: E731
-                prof += kernel_profile(fn, f"{label} T={T}", top=4)
+            for label, layout, cfg in picked[:4]:  # the variants before the sweep
+                w, fn = weights[layout], fused_moe_fp4_mx8 if layout == "mx8" else fused_moe_fp4
+                run1 = lambda w=w, fn=fn, c=cfg: fn(x, w[0], w[1], w[2], w[3], tw, ids, swiglu_limit=V4_LIMIT, config=c)  # noqa: E731
+                prof += kernel_profile(run1, f"{label} T={T}", top=4)
     print("\n".join(prof), flush=True)
-    return dict(copy_GBps=bw / 1e9, rows=rows, profile=prof)
+    return dict(copy_GBps=bw / 1e9, rows=rows, profile=prof, failed=failed)
 
 
 def table(rows) -> str:
@@ -158,6 +189,8 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny dims")
+    labels = [v[0] for v in variants(1, 6, 256, True)]
+    ap.add_argument("--variants", nargs="+", default=labels, choices=labels, metavar="LABEL", help=", ".join(labels))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     t0 = time.time()
@@ -170,6 +203,8 @@ def main() -> None:
     with open(os.path.join(args.out, "moe_fp4.json"), "w") as f:
         json.dump(dict(head=head, **res), f, indent=1)
     print(f"\n{head}\n{table(res['rows'])}\ndone in {time.time() - t0:.0f}s", flush=True)
+    if res["failed"]:
+        raise SystemExit(f"FAILED (rel err > {MAX_REL_ERR:g}, NaN, or quantizer bits): {', '.join(res['failed'])}")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,9 @@ KVCacheDType = Literal["auto", "fp8"]
 # block-scaled: kept FP8 on the device); "fp8" requires FP8 weights (load_format dummy: makes
 # them); "none" dequantizes FP8 checkpoints at load into `dtype` (debugging). model/fp8.py.
 Quantization = Literal["fp8", "none"]
+# FP4 experts (V4): "w4a16" (FP4 weights x 16-bit activations), "mxfp8" (activations quantized to
+# MXFP8, block-scaled e4m3 MMAs: sm_120's FP4-era tensor cores), "auto" (kernels/configs.py, per GPU)
+Fp4MoEBackend = Literal["auto", "w4a16", "mxfp8"]
 
 
 def check_device(d: str) -> str:
@@ -73,6 +76,8 @@ class EngineConfig(BaseModel):
     # weights kept as the checkpoint ships them (None), FP8 ("fp8"), or dequantized ("none"); the
     # KV layout does not depend on it, so it is not part of the KV compatibility hash
     quantization: Quantization | None = None
+    # the kernel path of FP4 routed experts (Fp4MoEBackend; docs/kernels.md says which GPU runs which)
+    fp4_moe_backend: Fp4MoEBackend = "auto"
 
     @field_validator("device")
     @classmethod

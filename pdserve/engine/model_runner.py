@@ -334,10 +334,13 @@ def _load(config: EngineConfig, dtype: torch.dtype, device: torch.device, tp: TP
 
     model_config = ModelConfig.from_model_dir(config.model)
     if config.load_format == "dummy":
-        build = model_config_for(model_config, config.quantization, dummy=True)
+        build = model_config_for(model_config, config.quantization, dummy=True, fp4_moe_backend=config.fp4_moe_backend)
         return dummy_model(build, dtype, device, tp, seed=config.seed)
     entry = registry.entry(model_config)
-    return entry.load(config.model, dtype, device, tp=tp, quantization=config.quantization, progress=tp.is_driver)
+    return entry.load(
+        config.model, dtype, device, tp=tp, quantization=config.quantization, progress=tp.is_driver,
+        fp4_moe_backend=config.fp4_moe_backend,
+    )  # fmt: skip
 
 
 def _check_shardable(config: EngineConfig) -> None:

@@ -13,6 +13,8 @@ class QuantConfig:
     weight_block_size: tuple[int, int] = (128, 128)
     scale_fmt: str = "float"  # "float" (fp32 scales, V3) or "ue8m0" (power-of-two byte scales, V4)
     expert_dtype: str = "fp8"  # "fp8", or "fp4" (e2m1, one ue8m0 scale per 32 values: V4's routed experts)
+    # FP4 experts' kernel path, not the checkpoint's: the engine's fp4_moe_backend (model_config_for)
+    fp4_moe_backend: str = "auto"
 
 
 class ConfigError(ValueError):

@@ -98,11 +98,27 @@ def linear(in_features: int, out_features: int, bias: bool = False, fp8_block: B
 # load_format dummy the random weights are made FP8); "none" dequantizes FP8 weights at load into
 # the model dtype (debugging: the same numbers, 2-4x the memory)
 QUANTIZATIONS = ("fp8", "none")
+# the kernel path of FP4 experts (engine/config.py's fp4_moe_backend; ops.fused_moe_fp4)
+FP4_MOE_BACKENDS = ("auto", "w4a16", "mxfp8")
 
 
-def model_config_for(config: ModelConfig, quantization: str | None, dummy: bool = False) -> ModelConfig:
+def model_config_for(
+    config: ModelConfig, quantization: str | None, dummy: bool = False, fp4_moe_backend: str = "auto"
+) -> ModelConfig:
     """The config to build the model from: `quant` kept (FP8 layers) or None (dequantized at
-    load). Raises ValueError on a combination that cannot hold."""
+    load), FP4 experts' kernel path (`fp4_moe_backend`, engine/config.py) in it. Raises ValueError
+    on a combination that cannot hold."""
+    import dataclasses
+
+    if fp4_moe_backend not in FP4_MOE_BACKENDS:
+        raise ValueError(f"fp4_moe_backend {fp4_moe_backend!r}: choose one of {', '.join(FP4_MOE_BACKENDS)}")
+    config = _for_quantization(config, quantization, dummy)
+    if config.quant is None or config.quant.expert_dtype != "fp4":
+        return config  # no FP4 experts: the choice has nothing to act on
+    return dataclasses.replace(config, quant=dataclasses.replace(config.quant, fp4_moe_backend=fp4_moe_backend))
+
+
+def _for_quantization(config: ModelConfig, quantization: str | None, dummy: bool) -> ModelConfig:
     import dataclasses
 
     from pdserve.model.config import QuantConfig

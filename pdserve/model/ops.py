@@ -134,15 +134,36 @@ def fused_moe_fp8(x, w13, w2, w13_scale_inv, w2_scale_inv, topk_weights, topk_id
     )
 
 
-def fused_moe_fp4(x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, swiglu_limit: float | None = None):
-    """Packed e2m1 expert weights with ue8m0 scales per 32 values (kernels/ref_fp4.py's layout)."""
+def fp4_moe_mxfp8(backend: str, x: torch.Tensor) -> bool:
+    """Whether FP4 experts run with MXFP8 activations (`fused_moe_fp4(mxfp8=True)`) for this
+    backend choice (engine/config.py's fp4_moe_backend) on x's device; "auto" follows the
+    per-GPU table kernels/configs.py FP4_MOE_BACKEND."""
+    if backend != "auto":
+        return backend == "mxfp8"
+    from pdserve_kernels import configs
+    from pdserve_kernels._launch import capability
+
+    return configs.fp4_moe_backend(capability(x.device) if _use_triton(x) else configs.CPU) == "mxfp8"
+
+
+def fused_moe_fp4(
+    x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, swiglu_limit: float | None = None, mxfp8: bool = False
+):
+    """Packed e2m1 expert weights with ue8m0 scales per 32 values (kernels/ref_fp4.py's layout).
+    mxfp8: activations quantized to MXFP8 (kernels/fused_moe_fp4_mx8.py; checkpoint layout only)."""
     if _use_triton(x):
+        if mxfp8:
+            from pdserve_kernels.fused_moe_fp4_mx8 import fused_moe_fp4_mx8 as mx8_kernel
+
+            return mx8_kernel(x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, swiglu_limit=swiglu_limit)
         from pdserve_kernels.fused_moe_fp4 import fused_moe_fp4 as kernel
 
         return kernel(x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, swiglu_limit=swiglu_limit)
     from pdserve_kernels.ref_fp4 import fused_moe_fp4_ref
 
-    return fused_moe_fp4_ref(x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, swiglu_limit=swiglu_limit)
+    return fused_moe_fp4_ref(
+        x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, swiglu_limit=swiglu_limit, mxfp8_act=mxfp8
+    )
 
 
 def indexer_topk(q, k_cache, weights, candidates, topk: int):

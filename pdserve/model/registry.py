@@ -60,11 +60,20 @@ class ModelEntry:
 
     def load(
         self, model_dir: str | Path, dtype: torch.dtype, device: torch.device | str, *, tp: TPGroup | None = None,
-        quantization: str | None = None, progress: bool = True,
+        quantization: str | None = None, progress: bool = True, fp4_moe_backend: str = "auto",
     ) -> nn.Module:  # fmt: skip
-        """The checkpoint in model_dir (quantization: None follows it, "none" dequantizes at load)."""
+        """The checkpoint in model_dir (quantization: None follows it, "none" dequantizes at load;
+        fp4_moe_backend: the kernel path of FP4 experts, engine/config.py)."""
         load = getattr(self._module("loader"), self.loader_name)
-        return load(model_dir, dtype, device, tp=tp, quantization=quantization, progress=progress)
+        return load(
+            model_dir,
+            dtype,
+            device,
+            tp=tp,
+            quantization=quantization,
+            progress=progress,
+            fp4_moe_backend=fp4_moe_backend,
+        )
 
     def materialize(self, model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
         self._module("loader").materialize(model, dtype, device)

@@ -39,6 +39,7 @@ def test_sm120_configs_compile_within_shared_memory(tmp_path):
         "moe_fp8",
         "moe_fp4",
         "moe_fp4_tiled",
+        "moe_fp4_mx8",
         "fp8_gemm",
         "hc",
         "block_copy",
@@ -48,6 +49,11 @@ def test_sm120_configs_compile_within_shared_memory(tmp_path):
     # the float32 parity tile
     v4 = {r["case"].split()[0] for r in rows if r["kernel"] == "_mla_split_kernel" and "V4-Flash" in r["case"]}
     assert v4 == {"bf16", "fp8_v4", "fp32"}, v4
+    # the MX8 FP4 MoE's GEMMs run on sm_120's block-scaled MMA (e4m3 x e4m3, ue8m0 scales), not on
+    # a bf16 mma.sync after an upcast
+    mx8 = [r for r in rows if r["family"] == "moe_fp4_mx8" and r["kernel"] in ("_w13_mx8_kernel", "_w2_mx8_kernel")]
+    assert mx8 and all(any("kind::mxf8f6f4.block_scale" in m for m in r["mma"]) for r in mx8), mx8
+    assert all(not any(".bf16" in m for m in r["mma"]) for r in mx8), mx8
     for r in rows:
         assert r["fits"] and r["shared_total"] <= 101376, r
         if r["family"] != "moe_fp4_dot_scaled":  # the engine's configs: no local-memory spills

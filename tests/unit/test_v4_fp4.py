@@ -33,6 +33,7 @@ from pdserve.model.deepseek_v4.model import DeepseekV4ForCausalLM
 from pdserve.model.dummy import dummy_model
 from pdserve.model.fp4 import dequantize_fp4, ue8m0_bytes
 from pdserve.model.fp8 import dequantize_block_fp8
+from pdserve.model.loader import CheckpointError
 from pdserve.tiny_model import make_tiny_model, quantize_tiny_v4
 from tests.helpers import v4_tp_rank
 from tests.helpers.v4 import PROMPT_LENS, engine, ranks_logits, requests, run, transformers_greedy
@@ -117,6 +118,40 @@ def test_logits_match_dequantized_at_load_and_transformers(ckpt):
     hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt[1], dtype=torch.float32).eval()
     with torch.no_grad():
         assert _rel(kept, hf(IDS[None]).logits[0]) < 1e-4
+
+
+def test_mxfp8_backend_quantizes_the_expert_activations(ckpt):
+    """fp4_moe_backend mxfp8 (engine option): the experts run `fused_moe_fp4_ref(mxfp8_act=True)`
+    on CPU (the MX8 kernel's oracle), on the checkpoint layout. The bounds are a little wider than
+    the accuracy cost docs/kernels.md records for this model."""
+    w4a16 = _logits(load_v4_model(ckpt[0], dtype=torch.float32))
+    model = load_v4_model(ckpt[0], dtype=torch.float32, fp4_moe_backend="mxfp8")
+    assert model.model.layers[3].mlp.experts.fp4_backend == "mxfp8"
+    mx8 = _logits(model)
+    assert torch.isfinite(mx8).all() and not torch.equal(mx8, w4a16)  # the activations are quantized
+    assert _rel(mx8, w4a16) < 0.25 and (mx8.argmax(-1) == w4a16.argmax(-1)).sum() >= 35
+    with pytest.raises(CheckpointError, match="fp4_moe_backend 'mx8'"):
+        load_v4_model(ckpt[0], dtype=torch.float32, fp4_moe_backend="mx8")
+
+
+def test_mxfp8_backend_through_the_worker_config_and_engine(ckpt, prompts, expected):
+    """The worker key reaches the experts; greedy tokens stay near transformers' float32 ones on
+    unquantized activations (the bound a little below what docs/kernels.md records)."""
+    from pdserve.config import WorkerConfig
+
+    cfg = WorkerConfig(port=9000, fp4_moe_backend="mxfp8").engine_config(str(ckpt[0]))
+    assert cfg.fp4_moe_backend == "mxfp8"
+    with pytest.raises(ValueError, match="fp4_moe_backend"):
+        WorkerConfig(port=9000, fp4_moe_backend="fp4")
+    eng = engine(ckpt[0], cpu_threads=1, kv_block_size=4, max_num_batched_tokens=11, fp4_moe_backend="mxfp8")
+    try:
+        assert eng.runner.model.model.layers[3].mlp.experts.fp4_backend == "mxfp8"
+        out = run(eng, requests(prompts))
+        got = [out[str(i)].outputs[0].token_ids for i in range(len(prompts))]
+        same = sum(a == b for g, e in zip(got, expected) for a, b in zip(g, e))
+        assert [len(g) for g in got] == [len(e) for e in expected] and same >= 55, (same, got, expected)
+    finally:
+        eng.shutdown()
 
 
 @pytest.mark.parametrize("size", [1, pytest.param(2, marks=pytest.mark.slow)])  # size 2: rank processes

@@ -54,6 +54,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--enforce-eager", action="store_true", help="no CUDA graphs (the engine captures decode graphs by default)"
     )
+    p.add_argument(
+        "--fp4-moe-backend",
+        default="auto",
+        choices=("auto", "w4a16", "mxfp8"),
+        help="with --dtype fp4: the FP4 experts' kernel path (auto: per GPU, docs/kernels.md)",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batch-sizes", default="1,16,64,128", help="comma-separated decode batch sizes")
     p.add_argument("--context", type=int, default=4096, help="tokens in each sequence's cache")
@@ -132,6 +138,7 @@ def run(args: argparse.Namespace) -> dict:
         config = EngineConfig(
             model=str(write_config(model_json, Path(folder))), device=args.device, dtype=args.dtype,
             load_format="dummy", quantization=engine_quantization(args.quantization), kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
+            fp4_moe_backend=args.fp4_moe_backend,
             kv_block_size=args.kv_block_size, num_kv_blocks=blocks,
             max_num_seqs=max(b for b, _ in rows), max_model_len=max(c for _, c in rows) + extra + 1, seed=args.seed,
         )  # fmt: skip

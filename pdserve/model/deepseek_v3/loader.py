@@ -49,8 +49,10 @@ def load_v3_model(
     progress: bool = True,
     tp: TPGroup | None = None,
     quantization: str | None = None,
+    fp4_moe_backend: str = "auto",
 ) -> DeepseekForCausalLM:
-    """quantization: None follows the checkpoint, "none" dequantizes FP8 at load (model/fp8.py)."""
+    """quantization: None follows the checkpoint, "none" dequantizes FP8 at load (model/fp8.py);
+    fp4_moe_backend: checked, without effect (V3 has no FP4 experts)."""
     model_dir = Path(model_dir)
     config = ModelConfig.from_model_dir(model_dir)
     if config.v4 is not None:
@@ -61,7 +63,7 @@ def load_v3_model(
     files = weight_files(model_dir)
     try:
         with torch.device("meta"):
-            model = DeepseekForCausalLM(model_config_for(config, quantization), tp)
+            model = DeepseekForCausalLM(model_config_for(config, quantization, fp4_moe_backend=fp4_moe_backend), tp)
     except ValueError as e:  # a quantization that cannot hold, FP8 blocks a shard would cut
         raise CheckpointError(f"{model_dir}: {e}") from e
     materialize(model, dtype, torch.device(device))

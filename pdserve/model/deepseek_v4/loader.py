@@ -89,6 +89,7 @@ def load_v4_model(
     tp: TPGroup | None = None,
     quantization: str | None = None,
     progress: bool = True,
+    fp4_moe_backend: str = "auto",
 ) -> DeepseekV4ForCausalLM:
     """quantization (--quantization): None follows the checkpoint (FP8 kept FP8, FP4 experts kept
     FP4), "fp8" the same but refuses a checkpoint without an FP8 quantization_config, "none"
@@ -100,7 +101,7 @@ def load_v4_model(
     files = _readable(model_dir)
     try:
         with torch.device("meta"):
-            model = DeepseekV4ForCausalLM(model_config_for(config, quantization), tp)
+            model = DeepseekV4ForCausalLM(model_config_for(config, quantization, fp4_moe_backend=fp4_moe_backend), tp)
     except ValueError as e:  # a quantization that cannot hold; a shard that would cut a scale block
         raise CheckpointError(f"{model_dir}: {e}") from e
     materialize(model, dtype, torch.device(device))

@@ -75,13 +75,15 @@ class Experts(nn.Module):
     down_proj_scale_inv [E, hidden, ceil(I/32)], all uint8, read by ops.fused_moe_fp4 (the Triton
     kernel on CUDA, which dequantizes in registers; the torch reference elsewhere). On CUDA the
     first forward (the engine's eager warm-up, before any graph capture) re-lays them once into
-    the kernel's tiles (`fp4.tile_experts`) and frees the checkpoint layout.
+    the kernel's tiles (`fp4.tile_experts`) and frees the checkpoint layout, unless the engine's
+    fp4_moe_backend picks MXFP8 activations (`ops.fp4_moe_mxfp8`): that kernel reads the checkpoint layout.
     Under TP, down_proj's I columns split: a rank's share must hold whole 32-value scale groups."""
 
     def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         E, hidden = config.n_routed_experts, config.hidden_size
         self.size, self.limit, self.fp4 = tp.size, config.v4.swiglu_limit, fp4_experts(config)
+        self.fp4_backend = config.quant.fp4_moe_backend if self.fp4 else None  # ops.fp4_moe_mxfp8
         self.start, I = tp.shard(config.moe_intermediate_size, "moe_intermediate_size")
         self.inter = I  # this rank's share
         if not self.fp4:
@@ -124,6 +126,9 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], weights/ids [T, k] -> [T, hidden] (this rank's partial sum under TP)."""
         if self.fp4:
+            if ops.fp4_moe_mxfp8(self.fp4_backend, x):  # the checkpoint layout, never tiled
+                w = self.gate_up_proj, self.down_proj, self.gate_up_proj_scale_inv, self.down_proj_scale_inv
+                return ops.fused_moe_fp4(x, *w, weights, ids, swiglu_limit=self.limit, mxfp8=True)
             if x.is_cuda and self.tiles is None:
                 self._tile()
             if self.tiles:
