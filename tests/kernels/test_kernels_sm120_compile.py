@@ -40,6 +40,7 @@ def test_sm120_configs_compile_within_shared_memory(tmp_path):
         "moe_fp4",
         "moe_fp4_tiled",
         "fp8_gemm",
+        "fp8_gemv",
         "hc",
         "block_copy",
     }
