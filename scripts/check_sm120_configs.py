@@ -350,7 +350,7 @@ def _gemv_cases(configs):
     from pdserve_kernels import fp8_gemm
     from pdserve_kernels.fp8_gemm import fp8_grouped_linear, fp8_linear
 
-    f8, f32, bf = torch.float8_e4m3fn, torch.float32, torch.bfloat16
+    f8, f32 = torch.float8_e4m3fn, torch.float32
     w = lambda n, k: (_e(n, k, dtype=f8), _e(n // 128, k // 128, dtype=f32))  # noqa: E731
     fma = lambda: dataclasses.replace(configs.fp8_gemv_config(fp8_gemm.capability(None), 1), fma=True)  # noqa: E731
     return [
