@@ -170,13 +170,15 @@ def time_linear(name, N, K, M, ws, x, floor_us, timer, cc, do_sweep) -> dict:
     q0, s0 = ws[0]
     gemm_cfg = configs.fp8_gemm_config(cc, M, x.dtype)
     variants = [("gemv", None), ("gemm", gemm_cfg)] + (sweep(cc) if do_sweep else [])
-    row = dict(shape=name, N=N, K=K, M=M, floor_us=floor_us, us={}, err={})
+    row = dict(shape=name, N=N, K=K, M=M, floor_us=floor_us, us={}, err={}, launches={})
     for label, cfg in variants:
         act = quantizes(x, cfg)
         with poisoned_empty():
             y = fp8_linear(x, q0, s0, B, config=cfg)
         row["err"][label] = rel_err(y, ref_fp8.fp8_linear_ref(x.double(), q0, s0, B, act_quant=act))
         row["us"][label] = 1e3 * timer([lambda q=q, s=s, c=cfg: fp8_linear(x, q, s, B, config=c) for q, s in ws])
+        if label in ("gemv", "gemm"):
+            row["launches"][label] = launches(lambda c=cfg: fp8_linear(x, q0, s0, B, config=c))
     deq = lambda q, s: ref_fp8.dequant_block_fp8(q, s, B, x.dtype)  # noqa: E731
     row["us"]["naive"] = 1e3 * timer([lambda q=q, s=s: x @ deq(q, s).t() for q, s in ws])
     w16 = [deq(q, s) for q, s in ws[: max(1, len(ws) // 2)]]  # bf16: twice the bytes, half the copies
@@ -266,7 +268,8 @@ def _fmt(r: dict) -> str:
     best_s = f"{best} {swept[best]:.1f} ({swept[best] / f:.2f}x)" if best else "-"
     return (
         f"| {r['tp']} | {r['shape']} {r['N']} x {r['K']} | {r['M']} | {f:.1f} | **{us['gemv']:.1f} ({us['gemv'] / f:.2f}x)** | "
-        f"{best_s} | {us['gemm']:.1f} ({us['gemm'] / f:.2f}x) | {us['naive']:.1f} ({us['naive'] / f:.1f}x) | "
+        f"{best_s} | {us['gemm']:.1f} ({us['gemm'] / f:.2f}x) | {r['launches']['gemv']} / {r['launches']['gemm']} | "
+        f"{us['naive']:.1f} ({us['naive'] / f:.1f}x) | "
         f"{us['bf16 cuBLAS']:.1f} | {max(r['err'].values()):.1e} |"
     )
 
@@ -278,8 +281,8 @@ def _fmt_o_a(r: dict) -> str:
 
 
 HEADER = (
-    "| tp | shape (N x K) | M | floor us | GEMV us (x floor) | best sweep variant | GEMM us | "
-    "torch naive us | bf16 cuBLAS us | max rel err |\n| ---: | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |"
+    "| tp | shape (N x K) | M | floor us | GEMV us (x floor) | best sweep variant | GEMM us | launches GEMV / GEMM | "
+    "torch naive us | bf16 cuBLAS us | max rel err |\n| ---: | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"
 )
 O_A_HEADER = (
     "| tp | o_a | M | floor us fp8 / bf16 | fp8 grouped | fp8 per-group loop | bf16 grouped (one bmm) | "
