@@ -43,3 +43,27 @@ def interpreting() -> bool:
     argument as a loop bound, so kernels take the bound as a constexpr too and use it only there
     (`range(0, N_CONST if INTERPRET else n)`): compiled kernels do not specialize on it."""
     return bool(triton.knobs.runtime.interpret)
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []  # outgrown buffers, kept alive for graphs captured with them
+
+
+def arrival_counters(device: torch.device, n: int, who: str) -> torch.Tensor:
+    """int32 arrival counters for kernels whose last program to arrive finishes a reduction
+    (sparse MLA's fused merge, the FP8 GEMV's split-K sum): zero between launches (that program
+    resets its own), so one buffer per device serves every kernel, call and CUDA-graph replay.
+    Calls on one device must not overlap on two streams. Grows only outside graph capture (a
+    graph cannot zero a buffer made while capturing before it replays)."""
+    buf = _COUNTERS.get(device)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"{who} needs {n} arrival counters on {device} but has {0 if buf is None else buf.numel()}: "
+            "call it once at this batch size before capturing a CUDA graph"
+        )
+    if buf is not None:
+        _RETIRED.append(buf)
+    _COUNTERS[device] = buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return buf

@@ -67,6 +67,20 @@ class Fp8GemmConfig:
 
 
 @dataclass(frozen=True)
+class Fp8GemvConfig:
+    """The FP8 GEMV (fp8_gemv.py): one M tile, BN weight rows a program over a range of K steps."""
+
+    block_n: int  # weight rows a program (the MMA's M side: 64 a warpgroup on sm_90)
+    block_k: int  # capped at the weight block's bk (one scale per K step)
+    num_warps: int
+    num_stages: int
+    fp8_act: bool = True  # e4m3 x e4m3 dot, x quantized per 128 values (bf16 / fp16 x only)
+    fma: bool = False  # float32 products on CUDA cores instead of a tensor-core dot (x not quantized)
+    waves: int = 4  # programs aimed for per multiprocessor when splitting K
+    max_rows: int = 16  # fp8_linear takes the GEMV up to this M (the dots' 16-row tile)
+
+
+@dataclass(frozen=True)
 class PrefillConfig:
     block_m: int  # query rows per program (one head)
     block_n: int  # key rows per tile
@@ -159,6 +173,16 @@ FP8_GEMM = {
 }
 # float32 x (parity checks only: IEEE dots, speed does not matter): a tile any GPU fits
 FP8_GEMM_FP32 = Fp8GemmConfig(16, 32, 32, 4, 2)
+
+# FP8 GEMV (decode rows, M <= max_rows): keyed by capability. BN 64 is one warpgroup MMA on sm_90
+# (mma.sync tiles on sm_120), BK one 128-wide scale block; K is split so that the programs fill
+# every SM `waves` times (docs/kernels.md). sm_120: the same tile, 4 stages of 10 KB (compiled, not run).
+FP8_GEMV = {
+    90: Fp8GemvConfig(64, 128, 4, 4),
+    120: Fp8GemvConfig(64, 128, 4, 4),
+    CPU: Fp8GemvConfig(32, 32, 4, 1, waves=2),
+}
+FP8_GEMV_FP32 = Fp8GemvConfig(32, 32, 4, 2, fp8_act=False)  # float32 x: IEEE dots (parity runs)
 
 # FP4 MoE (e2m1 weights, ue8m0 scale per 32 values): block_k = K values per loop step (a multiple
 # of 32; the register path runs one 32-value group at a time inside it). sm_90 (docs/kernels.md):
@@ -258,6 +282,14 @@ def fp8_gemm_config(cc: int, rows: int, dtype: object = None) -> Fp8GemmConfig:
         return FP8_GEMM_FP32
     table = FP8_GEMM[_family(cc)]
     return table[min(k for k in table if rows <= k)]
+
+
+def fp8_gemv_config(cc: int, rows: int, dtype: object = None) -> Fp8GemvConfig | None:
+    """The GEMV's config for `rows` (M) rows of x, or None where the GEMM takes them (M > max_rows)."""
+    cfg = FP8_GEMV[_family(cc)]
+    if rows > cfg.max_rows:
+        return None
+    return FP8_GEMV_FP32 if cc != CPU and str(dtype) == "torch.float32" else cfg
 
 
 def moe_fp4_config(cc: int, rows_per_expert: float, fp32: bool = False) -> MoEConfig:

@@ -20,7 +20,11 @@ reach about a third of cuBLAS's rate there.
 Small grids split K (S programs per output tile, partial sums in float32, reduced by a second
 small kernel that adds the bias and casts): at M = 1 a projection has only N / BN tiles, too few
 to keep the copy engines of every multiprocessor busy.
-Reference: `ref_fp8.fp8_linear_ref`.
+Decode rows (M <= configs.Fp8GemvConfig.max_rows) go to the GEMV (fp8_gemv.py: one launch, the
+weight spread evenly over the SMs) unless a GEMM config is given.
+Grouped (`fp8_grouped_linear`, V4's o_a): x [M, G, K], weight [G * R, K]; an output tile lies in
+one group and reads that group's x, so all groups are one launch on every path.
+Reference: `ref_fp8.fp8_linear_ref` / `ref_fp8.grouped_linear_ref`.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ import triton.language as tl
 
 from pdserve_kernels import configs
 from pdserve_kernels._launch import capability, interpreting, sm_count
+from pdserve_kernels.fp8_gemv import fp8_gemv
 from pdserve_kernels.fused_moe_fp8 import _round_e4m3
+from pdserve_kernels.ref_fp8 import grouped_mm
 
 
 @triton.jit
@@ -44,8 +50,10 @@ def _fp8_gemm_kernel(
     M,
     N,
     K,
+    R,
     K_SPLIT,
     s_xm,
+    s_xg,
     s_wn,
     s_sn,
     s_sk,
@@ -63,18 +71,22 @@ def _fp8_gemm_kernel(
     K_C: tl.constexpr,
 ):
     """acc^T [BN, BM] += W tile [BN, BK] @ x^T tile [BK, BM]: the weight is the MMA's M side (64+
-    rows even when M is 1), its upcast tile an operand from registers, x^T from shared memory."""
+    rows even when M is 1), its upcast tile an operand from registers, x^T from shared memory.
+    Grouped (R rows a group): tile pid_n of group g = pid_n // ceil(R / BN) reads x[:, g]."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
+    tiles = tl.cdiv(R, BLOCK_N)
+    g = pid_n // tiles
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = (pid_n % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = g * R + offs_r
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
-    n_ok = offs_n < N
+    n_ok = offs_r < R
     k_lo = pid_s * K_SPLIT
     k_hi = tl.minimum(K, k_lo + K_SPLIT)
-    x_ptrs = x_ptr + offs_m.to(tl.int64)[None, :] * s_xm + offs_k[:, None]  # x^T [BK, BM]
+    x_ptrs = x_ptr + g.to(tl.int64) * s_xg + offs_m.to(tl.int64)[None, :] * s_xm + offs_k[:, None]  # x^T [BK, BM]
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * s_wn + offs_k[None, :]  # W [BN, BK]
     s_ptrs = s_ptr + (offs_n // W_BLOCK_N) * s_sn
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
@@ -145,8 +157,13 @@ def _split_sum_kernel(
 
 
 def _check(x, weight, scale_inv, block, bias):
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"x must be [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    """x [M, K], or [M, G, K] grouped (weight [G * R, K])."""
+    if x.dim() not in (2, 3) or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"x must be [M, K] or [M, G, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}"
+        )
+    if x.dim() == 3 and (x.shape[1] < 1 or weight.shape[0] % x.shape[1]):
+        raise ValueError(f"weight rows {weight.shape[0]} do not split into {x.shape[1]} groups")
     if weight.dtype != torch.float8_e4m3fn:
         raise ValueError(f"weight must be float8_e4m3fn, got {weight.dtype}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -162,7 +179,7 @@ def _check(x, weight, scale_inv, block, bias):
         )
     if bias is not None and tuple(bias.shape) != (N,):
         raise ValueError(f"bias must be [{N}], got {tuple(bias.shape)}")
-    if x.stride(1) != 1 or weight.stride(1) != 1:
+    if x.stride(-1) != 1 or weight.stride(1) != 1:
         raise ValueError("x and weight need contiguous last dims")
 
 
@@ -173,22 +190,52 @@ def splits_for(tiles: int, k_blocks: int, sms: int, waves: int) -> int:
     return max(1, min(k_blocks, (waves * sms) // tiles))
 
 
+Config = configs.Fp8GemmConfig | configs.Fp8GemvConfig
+
+
 def fp8_linear(
     x: torch.Tensor,  # [M, K] bf16/fp16 (fp32: parity runs)
     weight: torch.Tensor,  # [N, K] float8_e4m3fn
     weight_scale_inv: torch.Tensor,  # [ceil(N/bn), ceil(K/bk)] float32
     block: tuple[int, int] = (128, 128),  # (bn, bk) of weight_scale_inv
     bias: torch.Tensor | None = None,  # [N]
-    config: configs.Fp8GemmConfig | None = None,  # tile override (benchmark sweeps)
+    config: Config | None = None,  # override (benchmark sweeps): a GEMM tile or the GEMV's
 ) -> torch.Tensor:
     """y [M, N] in x's dtype; same contract as `ref_fp8.fp8_linear_ref` (with act_quant = the
-    config's fp8_act when x is bf16 / fp16)."""
+    config's fp8_act when x is bf16 / fp16). By M: the GEMV (fp8_gemv.py) up to its max_rows,
+    then this file's kernel, then (`dequant`) cuBLAS on the dequantized weight."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [M, K], got {tuple(x.shape)}")
+    return _linear(x, weight, weight_scale_inv, block, bias, config)
+
+
+def fp8_grouped_linear(
+    x: torch.Tensor,  # [M, G, K] bf16/fp16 (fp32: parity runs), any strides but the last
+    weight: torch.Tensor,  # [G * R, K] float8_e4m3fn: group g's rows g*R .. g*R+R-1
+    weight_scale_inv: torch.Tensor,  # [ceil(G*R/bn), ceil(K/bk)] float32
+    block: tuple[int, int] = (128, 128),
+    config: Config | None = None,
+) -> torch.Tensor:
+    """y [M, G * R]: y[:, g*R:(g+1)*R] = x[:, g] @ W_g^T for every group in one launch (V4's
+    o_a projection); reference `ref_fp8.grouped_linear_ref`."""
+    if x.dim() != 3:
+        raise ValueError(f"x must be [M, G, K], got {tuple(x.shape)}")
+    return _linear(x, weight, weight_scale_inv, block, None, config)
+
+
+def _linear(x, weight, weight_scale_inv, block, bias, config) -> torch.Tensor:
     _check(x, weight, weight_scale_inv, block, bias)
-    (M, K), N, (bn, bk) = x.shape, weight.shape[0], block
+    (M, K), N, (bn, bk) = (x.shape[0], x.shape[-1]), weight.shape[0], block
+    grouped = x.dim() == 3
+    G = x.shape[1] if grouped else 1
+    cc = capability(x.device)
+    gemv = configs.fp8_gemv_config(cc, M, x.dtype) if config is None else config
+    if isinstance(gemv, configs.Fp8GemvConfig) and M > 0:
+        return fp8_gemv(x, weight, weight_scale_inv, block, bias, gemv)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return y
-    cfg = config or configs.fp8_gemm_config(capability(x.device), M, x.dtype)
+    cfg = config or configs.fp8_gemm_config(cc, M, x.dtype)
     if cfg.dequant and x.dtype != torch.float32:  # compute-bound: dequantize (1 + 2 B a value), then cuBLAS
         w = torch.empty(N, K, dtype=x.dtype, device=x.device)
         _dequant_kernel[(triton.cdiv(N, 64), triton.cdiv(K, 128))](
@@ -205,17 +252,19 @@ def fp8_linear(
             W_BLOCK_N=bn,
             W_BLOCK_K=bk,
         )
-        return torch.nn.functional.linear(x, w, bias)
+        return grouped_mm(x, w) if grouped else torch.nn.functional.linear(x, w, bias)
     fp8_act = cfg.fp8_act and x.dtype != torch.float32
     block_k = bk if fp8_act else min(cfg.block_k, bk)  # one scale per K step; fp8: one act group
-    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    R = N // G
+    n_tiles = G * triton.cdiv(R, cfg.block_n)
+    tiles = triton.cdiv(M, cfg.block_m) * n_tiles
     k_steps = triton.cdiv(K, block_k)
     splits = splits_for(tiles, k_steps, sm_count(x.device), cfg.waves) if cfg.split_k else 1
     k_split = triton.cdiv(k_steps, splits) * block_k
     splits = triton.cdiv(K, k_split)
     out = y if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
     interp = interpreting()
-    _fp8_gemm_kernel[(triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n), splits)](
+    _fp8_gemm_kernel[(triton.cdiv(M, cfg.block_m), n_tiles, splits)](
         x,
         weight.view(torch.uint8),
         weight_scale_inv,
@@ -224,8 +273,10 @@ def fp8_linear(
         M,
         N,
         K,
+        R,
         k_split,
         x.stride(0),
+        x.stride(1) if grouped else 0,
         weight.stride(0),
         *weight_scale_inv.stride(),
         out.stride(0) if splits > 1 else 0,

@@ -107,3 +107,31 @@ def fp8_linear_ref(
     w = dequant_block_fp8(weight, weight_scale_inv, block, math)
     xm = dequant_act_groups(*quant_act_groups(x, block[1]), block[1], math) if act_quant else x.to(math)
     return F.linear(xm, w, None if bias is None else bias.to(math)).to(x.dtype)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, G, K] and w [G * R, K] (same dtype) -> y [M, G * R], y[:, g*R:(g+1)*R] = x[:, g] @
+    w_g^T: one strided-batched matmul (cuBLAS on a GPU) that writes y's group-major layout in
+    place, no copy of x or y. V4's bf16 o_a projection and the FP8 GEMM's dequantized path use it."""
+    M, G, K = x.shape
+    R = w.shape[0] // G
+    y = torch.empty(M, G * R, dtype=x.dtype, device=x.device)
+    with torch.no_grad():  # an out= matmul; inference only
+        torch.bmm(x.transpose(0, 1), w.view(G, R, K).transpose(1, 2), out=y.view(M, G, R).transpose(0, 1))
+    return y
+
+
+def grouped_linear_ref(
+    x: torch.Tensor,  # [M, G, K] bf16/fp16/fp32 (float64: oracle math)
+    weight: torch.Tensor,  # [G * R, K] float8_e4m3fn
+    weight_scale_inv: torch.Tensor,  # [ceil(G*R/bn), ceil(K/bk)] float32
+    block: tuple[int, int] = (128, 128),
+    act_quant: bool = False,
+) -> torch.Tensor:
+    """y [M, G * R] = for each group g, fp8_linear_ref(x[:, g], rows g*R .. g*R+R-1 of W)."""
+    M, G, K = x.shape
+    math = torch.float64 if x.dtype == torch.float64 else torch.float32
+    w = dequant_block_fp8(weight, weight_scale_inv, block, math).view(G, -1, K)  # [G, R, K]
+    xm = x.reshape(M * G, K)
+    xm = dequant_act_groups(*quant_act_groups(xm, block[1]), block[1], math) if act_quant else xm.to(math)
+    return torch.einsum("mgk,grk->mgr", xm.view(M, G, K), w).reshape(M, -1).to(x.dtype)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from pdserve_kernels import configs, kv_fp8
-from pdserve_kernels._launch import capability, cdiv, interpreting, next_pow2, sm_count
+from pdserve_kernels._launch import arrival_counters, capability, cdiv, interpreting, next_pow2, sm_count
 from pdserve_kernels.sparse_mla_checks import _check, _check_fp8_records, _check_kv, _extra, _paged_keys, _v4_record
 from pdserve_kernels.sparse_mla_kernels import _mla_merge_kernel, _mla_split_kernel
 
@@ -49,30 +49,6 @@ def num_splits(bs: int, head_blocks: int, tiles: int, sms: int, cfg: configs.MLA
     splits = max(1, min(want, tiles // max(cfg.min_tiles, 1)))
     per = cdiv(tiles, splits)
     return cdiv(tiles, per)
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []  # outgrown buffers, kept alive for graphs captured with them
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Arrival counters of the fused merge, one per (query, head block): zero between launches
-    (the merging program resets its own), so one buffer per device serves every call and every
-    CUDA-graph replay. Calls on one device must not overlap on two streams. Grows only outside
-    graph capture (a graph cannot zero a buffer made while capturing before it replays)."""
-    buf = _COUNTERS.get(device)
-    if buf is not None and buf.numel() >= n:
-        return buf
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            f"sparse_mla_decode needs {n} merge counters on {device} but has "
-            f"{0 if buf is None else buf.numel()}: call it once at this batch size "
-            "before capturing a CUDA graph"
-        )
-    if buf is not None:
-        _RETIRED.append(buf)
-    _COUNTERS[device] = buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return buf
 
 
 def _run(q, kv, s_kvn, s_kvd, indices, sm_scale, d_v, sink, kv_format, cfg, paged=None, record=None, extra=None):
@@ -119,7 +95,7 @@ def _run(q, kv, s_kvn, s_kvd, indices, sm_scale, d_v, sink, kv_format, cfg, page
         part_out = torch.empty(BS, splits, H, d_v, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(BS, splits, H, dtype=torch.float32, device=q.device)
         s_p = part_out.stride()[:3]
-    counters = _counters(q.device, BS * head_blocks) if fused else lse  # lse: unused
+    counters = arrival_counters(q.device, BS * head_blocks, "sparse_mla_decode") if fused else lse  # lse: unused
     sink_arg = sink if sink is not None else lse
     kv2, idx_x = (extra[0], extra[1].reshape(BS, -1)) if extra is not None else (kv, idx2)  # else unused
     _mla_split_kernel[(head_blocks, splits, BS)](

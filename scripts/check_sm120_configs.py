@@ -50,6 +50,7 @@ MODULES = (
     "fused_moe_fp4",
     "fused_moe_fp4_mx8",
     "fp8_gemm",
+    "fp8_gemv",
     "block_copy",
     "kv_checksum",
 )
@@ -67,6 +68,7 @@ FAMILIES = (
     "moe_fp4_tiled",
     "moe_fp4_mx8",
     "fp8_gemm",
+    "fp8_gemv",
     "hc",
     "block_copy",
     "kv_checksum",
@@ -234,6 +236,7 @@ def cases(families):
             )
         )
     if "fp8_gemm" in families:  # V3.2's o_proj (N 7168, K 16384) at every M bucket, bf16 and fp32 x
+        from pdserve_kernels import fp8_gemm
         from pdserve_kernels.fp8_gemm import fp8_linear
 
         f8, n, kk = torch.float8_e4m3fn, 7168, 16384
@@ -249,10 +252,15 @@ def cases(families):
                     "fp8_gemm",
                     f"{str(dt)[6:]} M={M} (V3.2 o_proj)",
                     lambda M=M, dt=dt: fp8_linear(
-                        _e(M, kk, dtype=dt), _e(n, kk, dtype=f8), _e(n // 128, kk // 128, dtype=torch.float32)
+                        _e(M, kk, dtype=dt),
+                        _e(n, kk, dtype=f8),
+                        _e(n // 128, kk // 128, dtype=torch.float32),
+                        config=configs.fp8_gemm_config(fp8_gemm.capability(None), M, dt),  # the GEMM at M = 1 too
                     ),
                 )
             )
+    if "fp8_gemv" in families:  # V4-Flash's projections at decode M (the GEMV), and o_a's 8 groups
+        out.extend(_gemv_cases(configs))
     if "block_copy" in families:  # a same-host KV transfer: V3's 72 KiB blocks as int64 words, 61 layers
         from pdserve_kernels.block_copy import copy_blocks
 
@@ -369,6 +377,28 @@ def mma_kinds(ptx: str) -> list[str]:
     """The tensor-core instructions the kernel compiled to (PTX mnemonics without operands), e.g.
     `mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32` or a block-scaled FP4 `mma...kind::mxf4...`."""
     return sorted(set(re.findall(r"\b((?:w?gmma|mma)\.[\w.:]+)", ptx)))
+
+
+def _gemv_cases(configs):
+    """The FP8 GEMV (fp8_linear's decode path) and the grouped o_a at V4-Flash's dims: o_b 4096 x
+    8192 and q_b 32768 x 1024 at M = 1 / 16, float32 x (parity), the FMA variant; o_a 8 x 1024 x
+    4096 at M = 1 (GEMV) and M = 64 (the group-aware GEMM)."""
+    import dataclasses
+
+    from pdserve_kernels import fp8_gemm
+    from pdserve_kernels.fp8_gemm import fp8_grouped_linear, fp8_linear
+
+    f8, f32 = torch.float8_e4m3fn, torch.float32
+    w = lambda n, k: (_e(n, k, dtype=f8), _e(n // 128, k // 128, dtype=f32))  # noqa: E731
+    fma = lambda: dataclasses.replace(configs.fp8_gemv_config(fp8_gemm.capability(None), 1), fma=True)  # noqa: E731
+    return [
+        ("fp8_gemv", "bf16 M=1 (V4-Flash o_b)", lambda: fp8_linear(_e(1, 8192), *w(4096, 8192))),
+        ("fp8_gemv", "bf16 M=16 (V4-Flash q_b)", lambda: fp8_linear(_e(16, 1024), *w(32768, 1024))),
+        ("fp8_gemv", "float32 M=1 (V4-Flash o_b)", lambda: fp8_linear(_e(1, 8192, dtype=f32), *w(4096, 8192))),
+        ("fp8_gemv", "bf16 fma M=1 (V4-Flash o_b)", lambda: fp8_linear(_e(1, 8192), *w(4096, 8192), config=fma())),
+        ("fp8_gemv", "bf16 M=1 (V4-Flash o_a, 8 groups)", lambda: fp8_grouped_linear(_e(1, 8, 4096), *w(8192, 4096))),
+        ("fp8_gemv", "bf16 M=64 (V4-Flash o_a, 8 groups)", lambda: fp8_grouped_linear(_e(64, 8, 4096), *w(8192, 4096))),
+    ]
 
 
 def _config_str(const: dict) -> str:

@@ -5,8 +5,8 @@ float32, one scale per (bn x bk) block (128 x 128 in DeepSeek's checkpoints); th
 W_fp8 * scale_inv of its block (the last row/column blocks may be partial).
 
 Kept FP8 (the default for an FP8 checkpoint, `--quantization`), a linear layer holds both tensors
-under the checkpoint's names and multiplies through `ops.fp8_linear` (kernels/fp8_gemm.py on
-CUDA, the torch reference elsewhere): `Fp8Linear` for replicated layers, and the tensor-parallel
+under the checkpoint's names and multiplies through `ops.fp8_linear` (on CUDA kernels/fp8_gemm.py,
+which hands decode rows, M <= 16, to the GEMV of kernels/fp8_gemv.py; the torch reference elsewhere): `Fp8Linear` for replicated layers, and the tensor-parallel
 linears of parallel.py when given a block (`fp8_block`). Their shards cut both tensors at the same
 place, which must fall on a block edge (`shard_scales`).
 """

@@ -114,6 +114,23 @@ def fp8_linear(x, weight, weight_scale_inv, block: tuple[int, int], bias=None):
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
+def grouped_linear(x, weight, weight_scale_inv=None, block: tuple[int, int] | None = None):
+    """x [T, G, K] -> [T, G * R]: output rows g*R .. g*R+R-1 of weight [G * R, K] read x[:, g]
+    (V4's o_a projection), every group in one launch. weight in x's dtype (one strided-batched
+    matmul), or e4m3 with its block scales (kernels/fp8_gemm.py's fp8_grouped_linear on CUDA)."""
+    if weight_scale_inv is None:
+        from pdserve_kernels.ref_fp8 import grouped_mm
+
+        return grouped_mm(x, weight)
+    if _use_triton(x):
+        from pdserve_kernels.fp8_gemm import fp8_grouped_linear as kernel
+
+        return kernel(x if x.stride(-1) == 1 else x.contiguous(), weight, weight_scale_inv, block)
+    from pdserve_kernels.ref_fp8 import grouped_linear_ref  # no activation quantization, as fp8_linear's
+
+    return grouped_linear_ref(x, weight, weight_scale_inv, block)
+
+
 def quant_block_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """w [..., N, K] float -> (e4m3 values, float32 scale_inv per block): DeepSeek's quantizer (the
     same on every device; dummy weights)."""

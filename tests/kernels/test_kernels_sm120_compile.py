@@ -41,6 +41,7 @@ def test_sm120_configs_compile_within_shared_memory(tmp_path):
         "moe_fp4_tiled",
         "moe_fp4_mx8",
         "fp8_gemm",
+        "fp8_gemv",
         "hc",
         "block_copy",
         "kv_checksum",

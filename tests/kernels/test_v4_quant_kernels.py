@@ -1,8 +1,8 @@
 """DeepSeek-V4's kept FP4 experts and FP8 projections through the Triton kernels (interpreted on
 CPU, TRITON_INTERPRET set before triton's first import as in the kernel tests) against the torch
 references the CPU tests run: the modules as the loader fills them from a V4-Flash-format
-checkpoint (packed bytes, ue8m0 scale bytes, e4m3 + float32 block scales, o_a_proj's groups one
-GEMM each), fresh random inputs of an odd token count."""
+checkpoint (packed bytes, ue8m0 scale bytes, e4m3 + float32 block scales, o_a_proj's groups in one
+launch), fresh random inputs of an odd token count."""
 
 import os
 

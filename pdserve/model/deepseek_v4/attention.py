@@ -42,8 +42,9 @@ from pdserve.model.parallel import ColumnParallelLinear, RowParallelLinear, narr
 class GroupedLinear(nn.Module):
     """Block-diagonal projection: weight [G*Ro, in/G]; group g maps its slice of the input.
     Under TP a rank holds G/tp whole groups (rows [r*G/tp*Ro, (r+1)*G/tp*Ro)); G below is that.
-    FP8 (`fp8_block` (bn, bk)): the e4m3 weight with weight_scale_inv [G*Ro/bn, ceil(in/G/bk)],
-    one `ops.fp8_linear` a group, so a group's rows must start on a block edge (Ro % bn == 0)."""
+    FP8 (`fp8_block` (bn, bk)): the e4m3 weight with weight_scale_inv [G*Ro/bn, ceil(in/G/bk)];
+    a rank's groups must start on a block edge (Ro % bn == 0). Every group in one launch
+    (`ops.grouped_linear`), bf16 or FP8."""
 
     def __init__(
         self,
@@ -60,6 +61,7 @@ class GroupedLinear(nn.Module):
         self.start, self.n = first * self.rows, self.groups * self.rows
         if fp8_block is None:
             self.weight = nn.Parameter(torch.zeros(self.n, in_per_group))
+            self.weight_scale_inv = None
             return
         if self.rows % fp8_block[0]:
             raise ValueError(
@@ -76,14 +78,7 @@ class GroupedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, G, in/G] -> [T, G*Ro]."""
-        if self.fp8_block is None:
-            w = self.weight.view(self.groups, -1, self.weight.shape[-1])  # [G, Ro, in/G]
-            return torch.einsum("tgi,goi->tgo", x, w).flatten(1)
-        Ro, sr = self.rows, self.rows // self.fp8_block[0]  # rows and scale rows a group
-        return torch.cat([
-            ops.fp8_linear(x[:, g], self.weight[g * Ro : (g + 1) * Ro], self.weight_scale_inv[g * sr : (g + 1) * sr], self.fp8_block)
-            for g in range(self.groups)
-        ], dim=-1)  # fmt: skip
+        return ops.grouped_linear(x, self.weight, self.weight_scale_inv, self.fp8_block)
 
 
 class V4Attention(nn.Module):
