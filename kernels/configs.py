@@ -178,7 +178,7 @@ FP8_GEMM_FP32 = Fp8GemmConfig(16, 32, 32, 4, 2)
 # (mma.sync tiles on sm_120), BK one 128-wide scale block; K is split so that the programs fill
 # every SM `waves` times (docs/kernels.md). sm_120: the same tile, 4 stages of 10 KB (compiled, not run).
 FP8_GEMV = {
-    90: Fp8GemvConfig(64, 128, 4, 4),
+    90: Fp8GemvConfig(64, 128, 4, 4, waves=2),  # waves 2: the H100 sweep's best in most rows (docs/kernels.md)
     120: Fp8GemvConfig(64, 128, 4, 4),
     CPU: Fp8GemvConfig(32, 32, 4, 1, waves=2),
 }
