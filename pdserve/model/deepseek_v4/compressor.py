@@ -71,7 +71,9 @@ class CompressedKV(nn.Module):
             gate = torch.cat([prev_gate, gate[..., dim:]], dim=1)
         pooled = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)  # [U, Dc]
         cos, sin = plan.rope
-        store_records(entries, plan.slot, rope_tail(self.kv_norm(pooled), cos, sin), 2 * cos.shape[-1])
+        store_records(
+            entries, plan.slot, self.kv_norm(pooled, rope=(cos, sin)), 2 * cos.shape[-1]
+        )  # norm + rope: one kernel
         states.index_copy_(0, slots, self._record(plan, raw_kv, raw_gate, biased, prev_kv, prev_gate).to(states.dtype))
 
     def _record(self, plan, raw_kv, raw_gate, biased, prev_kv, prev_gate) -> torch.Tensor:
