@@ -70,6 +70,7 @@ FAMILIES = (
 
 
 def v4_glue_cases() -> list:
+    from pdserve_kernels.compress import compress_decode
     from pdserve_kernels.glue import rms_norm_rope, route, swiglu
     from pdserve_kernels.mhc import hc_post, hc_pre
 
@@ -86,6 +87,11 @@ def v4_glue_cases() -> list:
             ("v4_glue", f"hash router T={T}", lambda T=T: route(_e(T, 256, dtype=bf), 6, "sqrtsoftplus", 1.5, table=torch.zeros(1000, 6, dtype=torch.int64), input_ids=torch.zeros(T, dtype=torch.int64))),
             ("v4_glue", f"swiglu T={T}", lambda T=T: swiglu(_e(T, 2048, dtype=bf), _e(T, 2048, dtype=bf), 10.0)),
         ]  # fmt: skip
+        for what, dim, m, overlap in (("CSA", 512, 4, True), ("indexer", 128, 4, True), ("HCA", 512, 128, False)):
+            C, i64 = (2 if overlap else 1) * dim, torch.int64
+            state = 2 * (m - 1) * C + (2 * m * dim if overlap else 0)
+            cases.append(("v4_glue", f"{what} compressor decode B={T}", lambda T=T, dim=dim, m=m, o=overlap, C=C, s=state: compress_decode(
+                _e(T, C, dtype=bf), _e(T, C, dtype=bf), _e(T + 1, s, dtype=bf), torch.zeros(T, dtype=i64), torch.zeros(T, dtype=i64), _e(m, C, dtype=f32), dim, o)))  # fmt: skip
     return cases
 
 

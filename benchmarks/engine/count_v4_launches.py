@@ -5,7 +5,10 @@ Counted per module kind, so the per-layer glue (mHC, norms, rope, router) stands
 step's metadata (step.py) and the kernels proper. A CUDA-graph replay pays roughly one launch
 gap per kernel, so this is what the B=1 step's "launch gaps" scale with.
 
-    PYTHONPATH=. python benchmarks/engine/count_v4_launches.py [--batch 1] [--context 300]
+    PYTHONPATH=. python benchmarks/engine/count_v4_launches.py [--batch 1] [--context 300] [--backend torch]
+
+--backend triton (default) takes the paths a GPU takes (the Triton kernels, interpreted; some
+fused paths exist only there); torch counts the CPU's paths.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import argparse
 import collections
 import functools
 import inspect
+import os
 import tempfile
 import traceback
 from pathlib import Path
@@ -39,7 +43,7 @@ class Count(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         out = func(*args, **(kwargs or {}))
-        same = args and out is args[0]  # `.to` / `.contiguous` that had nothing to do
+        same = name in ("to", "contiguous", "reshape", "type_as") and args and out is args[0]  # nothing to do
         if not self.muted and name not in NO_KERNEL and not same:
             self.by_where[_where()] += 1
         return out
@@ -58,7 +62,12 @@ def _mute_ops(counter: Count) -> None:
     from pdserve.model import ops
 
     for name, fn in list(vars(ops).items()):
-        if not inspect.isfunction(fn) or name.startswith("_") or fn.__module__ != ops.__name__ or name == "set_backend":
+        if (
+            not inspect.isfunction(fn)
+            or name.startswith("_")
+            or fn.__module__ != ops.__name__
+            or name in ("set_backend", "uses_triton")
+        ):
             continue
 
         @functools.wraps(fn)
@@ -79,11 +88,18 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=300)
     p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument(
+        "--backend", choices=("triton", "torch"), default="triton", help="triton: the GPU's paths, interpreted"
+    )
     args = p.parse_args()
+    if args.backend == "triton":
+        os.environ["TRITON_INTERPRET"] = "1"  # before the first triton import
     from pdserve.bench.engine.decode import DecodeBench
     from pdserve.bench.engine.models import bench_config, write_config
     from pdserve.engine.config import EngineConfig
+    from pdserve.model import ops
 
+    ops.set_backend(args.backend)
     counter = Count()
     _mute_ops(counter)
     with tempfile.TemporaryDirectory() as folder:

@@ -27,6 +27,11 @@ def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
+def uses_triton(t: torch.Tensor) -> bool:
+    """Whether calls on t take the Triton kernels (for a fused path whose torch side is the model's own code)."""
+    return _use_triton(t)
+
+
 def sparse_mla_decode(q, kv, indices, sm_scale: float, d_v: int, sink=None, extra=None):
     """kv: [N, D] values, or [N, R] uint8 FP8 records (kernels/kv_fp8.py). extra: (kv2,
     indices2 [B, S, K2]), a second key source in kv's format read in the same softmax."""
@@ -342,3 +347,12 @@ def swiglu(gate, up, limit: float):
     from pdserve_kernels.ref_glue import swiglu_ref
 
     return swiglu_ref(gate, up, limit)
+
+
+def compress_decode(kv, gate, states, slots, positions, position_bias, dim: int, overlap: bool):
+    """A V4 compressor's decode step in one kernel (kernels/compress.py): the entries [B, Dc] before
+    kv_norm and rope, the state records advanced in place. Triton only: its torch side is
+    `CompressedKV.update`'s general path (callers check `uses_triton`)."""
+    from pdserve_kernels.compress import compress_decode as kernel
+
+    return kernel(kv, gate, states, slots, positions, position_bias, dim, overlap)

@@ -54,6 +54,7 @@ class GroupPlan:
     last: torch.Tensor  # [B] int64, each sequence's last group of the step
     pending: torch.Tensor  # [B] int64, (n + L) % m: rows of that group left pending
     rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin [U, R/2] of the compress rope at e*m
+    start: torch.Tensor | None = None  # [B] int64 the new tokens' positions, in a decode plan only (U = B)
 
 
 @dataclass
@@ -237,5 +238,5 @@ def decode_group_plan(
     return GroupPlan(
         seq=s, src=src.masked_fill(~present, 0), present=present, first=torch.ones_like(present[:, 0]),
         prev=(s - 1).clamp(min=0), has_prev=e >= 1, slot=entry_rows(table, page, s, e), last=s,
-        pending=(n + 1) % m, rope=(cos, sin),
+        pending=(n + 1) % m, rope=(cos, sin), start=n,
     )  # fmt: skip
