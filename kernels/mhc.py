@@ -24,7 +24,8 @@ from pdserve_kernels._launch import cdiv, next_pow2
 from pdserve_kernels.glue import round_to
 
 BLOCK_T, BLOCK_K = 16, 64  # projection tile (tl.dot's smallest M is 16)
-BLOCK_D = 256  # features a `_hc_pre` loop iteration / a `_hc_post` tile
+PRE_D, PRE_WARPS = 1024, 8  # features a `_hc_pre` loop iteration: one program a token walks N x D twice
+BLOCK_D = 256  # a `_hc_post` tile's N x features
 POST_T = 4  # tokens a `_hc_post` tile
 PROGRAMS = 256  # projection programs to aim for (K splits x token blocks)
 
@@ -158,7 +159,8 @@ def hc_pre(
     _hc_pre[(T,)](
         h, dots, sq, base, scale, norm_weight if norm else base, post if post is not None else sq,
         comb if comb is not None else sq, x, T, splits, norm_eps, hc_eps, out_eps, N=N, D=D, MP=MP,
-        SP=next_pow2(splits), ITERS=max(iters, 1), BLOCK_D=min(BLOCK_D, next_pow2(D)), HEAD=head, NORM=norm,
+        SP=next_pow2(splits), ITERS=max(iters, 1), BLOCK_D=min(PRE_D, next_pow2(D)), HEAD=head, NORM=norm,
+        num_warps=PRE_WARPS,
     )  # fmt: skip
     return post, comb, x
 
