@@ -281,8 +281,8 @@ def indexer_topk_paged(q, k_cache, weights, block_tables, seq_ids, context_lens,
 def rms_norm(x, weight, eps: float, rope=None):
     """x [T, ..., D] -> RMSNorm over D (weight [D] float32: V4RMSNorm; None: the unweighted
     norm with its scale rounded to x's dtype), then the interleaved rope of the last R dims when
-    rope = (cos, sin) [T, R/2] float32 is given; one kernel on a GPU."""
-    if _use_triton(x):
+    rope = (cos, sin) [T, R/2] float32 is given; one kernel on a GPU (an even D)."""
+    if _use_triton(x) and x.shape[-1] % 2 == 0:
         from pdserve_kernels.glue import rms_norm_rope
 
         return rms_norm_rope(x, weight, eps, rope=rope)
@@ -294,7 +294,7 @@ def rms_norm(x, weight, eps: float, rope=None):
 
 def rope_tail(x, cos, sin):
     """x [T, ..., D] with its last R dims rotated as interleaved pairs; cos/sin [T, R/2] float32."""
-    if _use_triton(x):
+    if _use_triton(x) and x.shape[-1] % 2 == 0:
         from pdserve_kernels.glue import rms_norm_rope
 
         return rms_norm_rope(x, None, 0.0, norm=False, rope=(cos, sin))
