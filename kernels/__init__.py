@@ -1,4 +1,4 @@
-"""pdserve_kernels: Triton kernels for MLA (sparse decode, dense prefill), fused MoE, V4's hyper-connection mixes, the KV block copy of a same-host transfer and the KV checksum of a verified one, with PyTorch references.
+"""pdserve_kernels: Triton kernels for MLA (sparse decode, dense prefill), fused MoE, V4's hyper-connections and per-layer glue (kernels/mhc.py, glue.py, compress.py), the KV block copy of a same-host transfer and the KV checksum of a verified one, with PyTorch references.
 
 Every kernel has a reference in `ref.py` with the same signature; the engine picks one through
 `pdserve.model.ops`. The Triton kernels are imported on first use, so `import pdserve_kernels`
@@ -34,6 +34,12 @@ _LAZY = {  # name -> module; fp8 / fp4 references and quantizers: pdserve_kernel
     "indexer_topk_paged": "pdserve_kernels.indexer",
     "mla_prefill_attention": "pdserve_kernels.mla_prefill",
     "hc_mix": "pdserve_kernels.hyper",
+    "hc_pre": "pdserve_kernels.mhc",
+    "hc_post": "pdserve_kernels.mhc",
+    "rms_norm_rope": "pdserve_kernels.glue",
+    "route": "pdserve_kernels.glue",
+    "swiglu": "pdserve_kernels.glue",
+    "compress_decode": "pdserve_kernels.compress",
     "copy_blocks": "pdserve_kernels.block_copy",
     "checksum_blocks": "pdserve_kernels.kv_checksum",
 }

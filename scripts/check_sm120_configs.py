@@ -70,9 +70,36 @@ FAMILIES = (
     "fp8_gemm",
     "fp8_gemv",
     "hc",
+    "v4_glue",
     "block_copy",
     "kv_checksum",
 )
+
+
+def v4_glue_cases() -> list:
+    from pdserve_kernels.compress import compress_decode
+    from pdserve_kernels.glue import rms_norm_rope, route, swiglu
+    from pdserve_kernels.mhc import hc_post, hc_pre
+
+    f32, bf = torch.float32, torch.bfloat16
+    cases = []
+    for T in (1, 128):
+        h, rope = _e(T, 4, 4096, dtype=bf), (_e(T, 32, dtype=f32), _e(T, 32, dtype=f32))
+        hc = (_e(24, 16384, dtype=f32), _e(24, dtype=f32), _e(3, dtype=f32), 20, 1e-6, 1e-6, _e(4096, dtype=f32))
+        cases += [
+            ("v4_glue", f"hc_pre T={T}", lambda h=h, hc=hc: hc_pre(h, *hc, 1e-6)),
+            ("v4_glue", f"hc_post T={T}", lambda h=h, T=T: hc_post(h, _e(T, 4096, dtype=bf), _e(T, 4, dtype=f32), _e(T, 4, 4, dtype=f32))),
+            ("v4_glue", f"q heads norm + rope T={T}", lambda T=T, r=rope: rms_norm_rope(_e(T, 64, 512, dtype=bf), None, 1e-6, rope=r)),
+            ("v4_glue", f"router T={T}", lambda T=T: route(_e(T, 256, dtype=bf), 6, "sqrtsoftplus", 1.5, bias=_e(256, dtype=f32))),
+            ("v4_glue", f"hash router T={T}", lambda T=T: route(_e(T, 256, dtype=bf), 6, "sqrtsoftplus", 1.5, table=torch.zeros(1000, 6, dtype=torch.int64), input_ids=torch.zeros(T, dtype=torch.int64))),
+            ("v4_glue", f"swiglu T={T}", lambda T=T: swiglu(_e(T, 2048, dtype=bf), _e(T, 2048, dtype=bf), 10.0)),
+        ]  # fmt: skip
+        for what, dim, m, overlap in (("CSA", 512, 4, True), ("indexer", 128, 4, True), ("HCA", 512, 128, False)):
+            C, i64 = (2 if overlap else 1) * dim, torch.int64
+            state = 2 * (m - 1) * C + (2 * m * dim if overlap else 0)
+            cases.append(("v4_glue", f"{what} compressor decode B={T}", lambda T=T, dim=dim, m=m, o=overlap, C=C, s=state: compress_decode(
+                _e(T, C, dtype=bf), _e(T, C, dtype=bf), _e(T + 1, s, dtype=bf), torch.zeros(T, dtype=i64), torch.zeros(T, dtype=i64), _e(m, C, dtype=f32), dim, o)))  # fmt: skip
+    return cases
 
 
 @contextlib.contextmanager
@@ -303,6 +330,8 @@ def cases(families):
                 lambda: hc_mix(_e(64, 24, dtype=f32), _e(24, dtype=f32), _e(3, dtype=f32), 4, 20, 1e-6),
             )
         )
+    if "v4_glue" in families:  # V4-Flash's fused glue (kernels/mhc.py, glue.py) at B=1 and 128
+        out += v4_glue_cases()
     E, k, hidden, inter = 8, 6, 4096, 2048  # V4-Flash expert dims; E small: rows per expert = 6T/8
     routed = lambda T: (_e(T, k, dtype=torch.float32), torch.zeros(T, k, dtype=torch.int32))  # noqa: E731
     for T in (1, 32, 128):  # the three rows-per-expert buckets: <= 16, <= 64, more

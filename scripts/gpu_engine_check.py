@@ -69,6 +69,14 @@ OPS = (
     "fp8_linear",
     "fused_moe_fp8",
     "fused_moe_fp4",
+    # DeepSeek-V4's fused glue (recorded, not required)
+    "hc_pre",
+    "hc_post",
+    "rms_norm",
+    "rope_tail",
+    "route",
+    "swiglu",
+    "compress_decode",
 )
 FP8_BLOCK = (32, 32)  # the tiny models' widths (64 .. 256) are multiples; kv_a's 80 rows leave a partial block
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 
+import numpy as np
 import torch
 
 from pdserve.model.batch import ForwardBatch, StepInputs
@@ -68,21 +69,28 @@ class CudaGraphRunner:
         self.width = -(-max_len // bs)
         self.scratch_slot = scratch_block * bs
         dev, G = next(iter(kv_cache.regions.values())).device, self.sizes[-1]
-        self.input_ids = torch.zeros(G, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(G, dtype=torch.int64, device=dev)
-        self.lens = torch.ones(G, dtype=torch.int64, device=dev)  # static too: a graph must not read a freed tensor
-        self.slot_mapping = torch.full((G,), self.scratch_slot, dtype=torch.int64, device=dev)
-        self.seq_ids = torch.zeros(G, dtype=torch.int32, device=dev)
-        self.context_lens = torch.zeros(G, dtype=torch.int32, device=dev)
         self.scratch_block, self.scratch_window_block, self.scratch_state_slot = (
             scratch_block,
             scratch_window_block,
             scratch_state_slot,
         )
+        # the static inputs, as rows of two tensors so that one copy fills each dtype's rows:
+        # int64 input_ids, positions, slot_mapping, state_slots; int32 seq_ids, context_lens
+        self.ids64 = torch.zeros(4, G, dtype=torch.int64, device=dev)
+        self.ids64[2], self.ids64[3] = self.scratch_slot, scratch_state_slot
+        self.ids32 = torch.zeros(2, G, dtype=torch.int32, device=dev)
+        self.input_ids, self.positions, self.slot_mapping, self.state_slots = self.ids64.unbind(0)
+        self.seq_ids, self.context_lens = self.ids32.unbind(0)
+        self.lens = torch.ones(G, dtype=torch.int64, device=dev)  # static too: a graph must not read a freed tensor
         self.block_tables = torch.full((G, self.width), scratch_block, dtype=torch.int32, device=dev)
         self.window_tables = torch.full((G, self.width), scratch_window_block, dtype=torch.int64, device=dev)
-        self.state_slots = torch.full((G,), scratch_state_slot, dtype=torch.int64, device=dev)
         self.rows = torch.arange(G, device=dev)
+        # a step's inputs are written on the host into one pinned buffer and cross in one copy
+        # (6 rows of G, then the step's [B, w] block and window tables)
+        cuda = dev.type == "cuda"
+        self.staged_host = torch.empty(6 * G + 2 * G * self.width, dtype=torch.int64, pin_memory=cuda)
+        self.staged = torch.empty_like(self.staged_host, device=dev)
+        self.copied = torch.cuda.Event() if cuda else None  # the last copy out of staged_host
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}  # (G, bucket) -> [G, hidden] output buffer
 
@@ -115,13 +123,10 @@ class CudaGraphRunner:
 
     def fits(self, step: StepInputs) -> bool:
         B = step.lens.numel()
-        return (
-            0 < B <= self.sizes[-1]
-            and bool((step.lens == 1).all())
-            and bool(step.samples.all())
-            and step.block_tables.shape[1] <= self.width
-            and int((step.starts + 1).max()) <= self.max_len
-        )
+        if not 0 < B <= self.sizes[-1] or step.block_tables.shape[1] > self.width:
+            return False
+        ok = (step.lens.numpy() == 1).all() and step.samples.numpy().all()  # numpy: no torch op per check
+        return bool(ok) and int(step.starts.numpy().max()) + 1 <= self.max_len
 
     def run(self, step: StepInputs) -> torch.Tensor:
         """hidden [B, hidden] of a step that `fits`: fill the buffers, replay the graph of G rows."""
@@ -130,31 +135,39 @@ class CudaGraphRunner:
         return self.outputs[key][: step.lens.numel()]
 
     def fill(self, step: StepInputs) -> tuple[int, int]:
-        """Write the step into the static buffers; returns the graph's (rows G, context bucket)."""
+        """Write the step into the static buffers; returns the graph's (rows G, context bucket).
+        Host work is numpy on a pinned buffer; the device sees one copy in and 2-6 copies out
+        (the step's inputs are on the host: the scheduler's lists)."""
         B, bs = step.lens.numel(), self.block_size
         g = self.sizes[bisect.bisect_left(self.sizes, B)]
-        bucket = self.buckets[bisect.bisect_left(self.buckets, int((step.starts + 1).max()))]
-        pos, tables = step.starts, step.block_tables
-        slots = tables[torch.arange(B), pos // bs] * bs + pos % bs
-        pad = g - B  # padding rows: token 0 at position 0, no context, writes to the scratch slot
-        rows = torch.stack([
-            torch.cat([step.input_ids, step.input_ids.new_zeros(pad)]),
-            torch.cat([pos, pos.new_zeros(pad)]),
-            torch.cat([slots, slots.new_full((pad,), self.scratch_slot)]),
-            torch.arange(g),  # a padding row is its own sequence (V4 reads its tables: the scratch)
-            torch.cat([pos + 1, pos.new_zeros(pad)]),
-        ])  # fmt: skip
-        rows = rows.to(self.input_ids.device, non_blocking=True)
-        self.input_ids[:g], self.positions[:g], self.slot_mapping[:g] = rows[0], rows[1], rows[2]
-        self.seq_ids[:g], self.context_lens[:g] = rows[3].to(torch.int32), rows[4].to(torch.int32)
-        dev, w = self.block_tables.device, tables.shape[1]
-        self.block_tables[:B, :w] = tables.to(dev, torch.int32, non_blocking=True)
-        self.block_tables[B:g] = self.scratch_block  # padding rows: every table points at the scratch
-        if self.scratch_window_block >= 0:  # DeepSeek-V4's window tables and state slots
-            self.window_tables[:B, :w] = step.window_tables.to(dev, non_blocking=True)
-            self.window_tables[B:g] = self.scratch_window_block
-            self.state_slots[:B] = step.state_slots.to(dev, non_blocking=True)
-            self.state_slots[B:g] = self.scratch_state_slot
+        pos, tables = step.starts.numpy(), step.block_tables.numpy()
+        bucket = self.buckets[bisect.bisect_left(self.buckets, int(pos.max()) + 1)]
+        w, v4 = tables.shape[1], self.scratch_window_block >= 0
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous step's copy has read the pinned buffer
+        rows = self.staged_host.numpy()[: 6 * g].reshape(6, g)
+        rows[:, B:] = np.array([0, 0, self.scratch_slot, self.scratch_state_slot, 0, 0])[:, None]  # padding rows:
+        rows[4] = np.arange(g)  # token 0 at position 0, no context, writes to the scratch; its own sequence
+        rows[0, :B], rows[1, :B], rows[5, :B] = step.input_ids.numpy(), pos, pos + 1
+        rows[2, :B] = tables[np.arange(B), pos // bs] * bs + pos % bs
+        rows[3, :B] = step.state_slots.numpy() if v4 else self.scratch_state_slot
+        n = 6 * g + 2 * B * w
+        both = self.staged_host.numpy()[6 * g : n].reshape(2, B, w)
+        both[0], both[1] = tables, step.window_tables.numpy()
+        self.staged[:n].copy_(self.staged_host[:n], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+        staged = self.staged[: 6 * g].view(6, g)
+        self.ids64[:, :g].copy_(staged[:4])
+        self.ids32[:, :g].copy_(staged[4:])
+        both = self.staged[6 * g : n].view(2, B, w)
+        self.block_tables[:B, :w].copy_(both[0])
+        if g > B:
+            self.block_tables[B:g] = self.scratch_block  # padding rows: every table points at the scratch
+        if v4:  # DeepSeek-V4's window tables
+            self.window_tables[:B, :w].copy_(both[1])
+            if g > B:
+                self.window_tables[B:g] = self.scratch_window_block
         return g, bucket
 
     def replay(self, key: tuple[int, int]) -> None:

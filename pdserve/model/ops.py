@@ -27,6 +27,11 @@ def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
+def uses_triton(t: torch.Tensor) -> bool:
+    """Whether calls on t take the Triton kernels (for a fused path whose torch side is the model's own code)."""
+    return _use_triton(t)
+
+
 def sparse_mla_decode(q, kv, indices, sm_scale: float, d_v: int, sink=None, extra=None):
     """kv: [N, D] values, or [N, R] uint8 FP8 records (kernels/kv_fp8.py). extra: (kv2,
     indices2 [B, S, K2]), a second key source in kv's format read in the same softmax."""
@@ -306,3 +311,86 @@ def indexer_topk_paged(q, k_cache, weights, block_tables, seq_ids, context_lens,
 
         return kernel(q, k_cache, weights, block_tables, seq_ids, context_lens, page, max_len, topk)
     return ref.indexer_topk_paged_ref(q, k_cache, weights, block_tables, seq_ids, context_lens, page, max_len, topk)
+
+
+# DeepSeek-V4's per-layer glue (kernels/mhc.py, kernels/glue.py; references: kernels/ref_glue.py)
+
+
+def rms_norm(x, weight, eps: float, rope=None):
+    """x [T, ..., D] -> RMSNorm over D (weight [D] float32: V4RMSNorm; None: the unweighted
+    norm with its scale rounded to x's dtype), then the interleaved rope of the last R dims when
+    rope = (cos, sin) [T, R/2] float32 is given; one kernel on a GPU (an even D)."""
+    if _use_triton(x) and x.shape[-1] % 2 == 0:
+        from pdserve_kernels.glue import rms_norm_rope
+
+        return rms_norm_rope(x, weight, eps, rope=rope)
+    from pdserve_kernels.ref_glue import rms_norm_ref, rope_tail_ref
+
+    out = rms_norm_ref(x, weight, eps)
+    return out if rope is None else rope_tail_ref(out, *rope)
+
+
+def rope_tail(x, cos, sin):
+    """x [T, ..., D] with its last R dims rotated as interleaved pairs; cos/sin [T, R/2] float32."""
+    if _use_triton(x) and x.shape[-1] % 2 == 0:
+        from pdserve_kernels.glue import rms_norm_rope
+
+        return rms_norm_rope(x, None, 0.0, norm=False, rope=(cos, sin))
+    from pdserve_kernels.ref_glue import rope_tail_ref
+
+    return rope_tail_ref(x, cos, sin)
+
+
+def hc_pre(h, fn, base, scale, iters: int, hc_eps: float, norm_eps: float, norm_weight=None, out_eps: float = 0.0):
+    """A hyper-connection before its block: post [T, N], comb [T, N, N] and the block's input
+    [T, D] (RMSNorm'd by norm_weight when given); the head (fn [N, N*D]): (None, None, input)."""
+    if _use_triton(h):
+        from pdserve_kernels.mhc import hc_pre as kernel
+
+        return kernel(h, fn, base, scale, iters, hc_eps, norm_eps, norm_weight, out_eps)
+    from pdserve_kernels.ref_glue import hc_pre_ref
+
+    return hc_pre_ref(h, fn, base, scale, iters, hc_eps, norm_eps, norm_weight, out_eps)
+
+
+def hc_post(h, out, post, comb):
+    """The new streams [T, N, D]: post * out + comb^T @ h."""
+    if _use_triton(h):
+        from pdserve_kernels.mhc import hc_post as kernel
+
+        return kernel(h, out, post, comb)
+    from pdserve_kernels.ref_glue import hc_post_ref
+
+    return hc_post_ref(h, out, post, comb)
+
+
+def route(logits, top_k: int, scoring: str, scaling: float, bias=None, table=None, input_ids=None):
+    """The router after its GEMM: weights [T, k], expert ids [T, k] (top-k of scores + bias, or
+    the hash table's rows of input_ids)."""
+    if _use_triton(logits):
+        from pdserve_kernels.glue import route as kernel
+
+        return kernel(logits, top_k, scoring, scaling, bias, table, input_ids)
+    from pdserve_kernels.ref_glue import route_ref
+
+    return route_ref(logits, top_k, scoring, scaling, bias, table, input_ids)
+
+
+def swiglu(gate, up, limit: float):
+    """DeepSeek-V4's clamped SwiGLU."""
+    if _use_triton(gate):
+        from pdserve_kernels.glue import swiglu as kernel
+
+        return kernel(gate, up, limit)
+    from pdserve_kernels.ref_glue import swiglu_ref
+
+    return swiglu_ref(gate, up, limit)
+
+
+def compress_decode(kv, gate, states, slots, positions, position_bias, dim: int, overlap: bool):
+    """A V4 compressor's decode step in one kernel (kernels/compress.py): the entries [B, Dc] before
+    kv_norm and rope, the state records advanced in place. Triton only: its torch side is
+    `CompressedKV.update`'s general path (callers check `uses_triton`)."""
+    from pdserve_kernels.compress import compress_decode as kernel
+
+    return kernel(kv, gate, states, slots, positions, position_bias, dim, overlap)

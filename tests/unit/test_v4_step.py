@@ -114,3 +114,23 @@ def test_indices_name_exactly_the_keys_each_query_may_read():
                 (b, (n + ln - 1) // m) for b, (n, ln) in enumerate(zip(starts, lens))
             ]
             assert g.pending.tolist() == [(n + ln) % m for n, ln in zip(starts, lens)]
+
+
+def test_decode_group_plan_is_group_plan():
+    """The decode step's short path gives the general plan's groups (its first B: the real ones)."""
+    from pdserve.model.deepseek_v4.step import decode_group_plan, entry_table, group_plan
+
+    rng = random.Random(7)
+    for _ in range(200):
+        bs, m = rng.choice([4, 8, 16]), rng.choice([4, 16, 128])
+        batch, *_ = _step(rng, True, 8, (m,), bs)
+        table, page = entry_table(batch.block_tables, m, bs)
+        fast, general = (
+            decode_group_plan(batch, m, table, page, _Rope()),
+            group_plan(batch, m, table, page, False, _Rope()),
+        )
+        B = batch.starts.shape[0]
+        for name in ("seq", "src", "present", "first", "prev", "has_prev", "slot"):
+            assert torch.equal(getattr(fast, name), getattr(general, name)[:B]), name
+        assert torch.equal(fast.last, general.last) and torch.equal(fast.pending, general.pending)
+        assert torch.equal(fast.rope[0], general.rope[0][:B]) and torch.equal(fast.rope[1], general.rope[1][:B])

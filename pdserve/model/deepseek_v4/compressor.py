@@ -52,6 +52,12 @@ class CompressedKV(nn.Module):
         [N, Dc] values or fp8_ds_v4 pages) and each sequence's new record into `states`
         [S, state_dim]."""
         plan, m, dim, C = ix.groups, self.rate, self.dim, self.width
+        cos, sin = plan.rope
+        if plan.start is not None and ops.uses_triton(x):  # a decode step: one kernel, in place
+            kv, gate = self.kv_proj(x), self.gate_proj(x)
+            pooled = ops.compress_decode(kv, gate, states, slots, plan.start, self.position_bias, dim, self.overlap)
+            store_records(entries, plan.slot, self.kv_norm(pooled, rope=(cos, sin)), 2 * cos.shape[-1])
+            return
         B, n = slots.shape[0], (self.rate - 1) * self.width
         rec = states[slots]  # [B, state_dim]
         raw_kv = torch.cat([rec[:, :n].reshape(-1, C).to(x.dtype), self.kv_proj(x)])[plan.src]  # [U, m, C]
@@ -70,8 +76,9 @@ class CompressedKV(nn.Module):
             kv = torch.cat([prev_kv, raw_kv[..., dim:]], dim=1)  # [U, 2m, Dc]: previous Ca, own Cb
             gate = torch.cat([prev_gate, gate[..., dim:]], dim=1)
         pooled = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)  # [U, Dc]
-        cos, sin = plan.rope
-        store_records(entries, plan.slot, rope_tail(self.kv_norm(pooled), cos, sin), 2 * cos.shape[-1])
+        store_records(
+            entries, plan.slot, self.kv_norm(pooled, rope=(cos, sin)), 2 * cos.shape[-1]
+        )  # norm + rope: one kernel
         states.index_copy_(0, slots, self._record(plan, raw_kv, raw_gate, biased, prev_kv, prev_gate).to(states.dtype))
 
     def _record(self, plan, raw_kv, raw_gate, biased, prev_kv, prev_gate) -> torch.Tensor:

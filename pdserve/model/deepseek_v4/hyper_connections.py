@@ -6,8 +6,9 @@ The residual is N parallel streams h [T, N, D]. Before a block (attention or MoE
 projection of all streams gives three mixes per token: `pre` [T, N] collapses the streams into
 the block's input, `post` [T, N] spreads the block's output back over the streams, and `comb`
 [T, N, N] mixes the old streams into the new ones; comb is pushed towards a doubly-stochastic
-matrix by Sinkhorn-Knopp iterations, all in float32 (`ops.hc_mix`: one kernel on a GPU, where PyTorch
-takes ~115 launches a hyper-connection):
+matrix by Sinkhorn-Knopp iterations, all in float32. On a GPU `ops.hc_pre` is two kernels (the
+projection split over N*D, then gates + Sinkhorn + the collapse + the block's input RMSNorm) and
+`ops.hc_post` one (kernels/mhc.py), where PyTorch takes ~140 launches a hyper-connection:
 
     h' = post[:, :, None] * block(sum_n pre[:, n] h[:, n]) [:, None, :] + comb^T @ h
 
@@ -17,11 +18,10 @@ takes ~115 launches a hyper-connection):
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.model import ops
-from pdserve.model.deepseek_v4.layers import rms_norm
+from pdserve.model.deepseek_v4.layers import V4RMSNorm
 
 
 class HyperConnection(nn.Module):
@@ -36,19 +36,20 @@ class HyperConnection(nn.Module):
         self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32))
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
 
-    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """h [T, N, D] -> post [T, N], comb [T, N, N] (float32) and the block input [T, D]."""
-        mixes = F.linear(rms_norm(h.flatten(1).float(), self.norm_eps), self.fn.float())  # [T, (2+N)*N]
-        pre, post, comb = ops.hc_mix(
-            mixes, self.base, self.scale, self.n, self.iters, self.hc_eps
-        )  # one kernel on a GPU
-        collapsed = (pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype)  # [T, D]
-        return post, comb, collapsed
+    def forward(
+        self, h: torch.Tensor, norm: V4RMSNorm | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h [T, N, D] -> post [T, N], comb [T, N, N] (float32) and the block input [T, D]
+        (passed through `norm`, the block's input RMSNorm, when given: fused on a GPU)."""
+        w, eps = (norm.weight, norm.eps) if norm is not None else (None, 0.0)
+        return ops.hc_pre(
+            h, self.fn.float(), self.base.float(), self.scale.float(), self.iters, self.hc_eps, self.norm_eps, w, eps
+        )
 
 
 def hc_residual(h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """New streams [T, N, D] from the old h [T, N, D], the block output [T, D] and the mixes."""
-    return post.to(h.dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(h.dtype).transpose(-1, -2), h)
+    return ops.hc_post(h, out, post, comb)
 
 
 class HyperHead(nn.Module):
@@ -61,8 +62,9 @@ class HyperHead(nn.Module):
         self.hc_base = nn.Parameter(torch.zeros(hc_mult, dtype=torch.float32))
         self.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """h [T, N, D] -> [T, D]."""
-        mixes = F.linear(rms_norm(h.flatten(1).float(), self.norm_eps), self.hc_fn.float())  # [T, N]
-        pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
-        return (pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype)
+    def forward(self, h: torch.Tensor, norm: V4RMSNorm | None = None) -> torch.Tensor:
+        """h [T, N, D] -> [T, D]: pre = sigmoid(mixes * hc_scale + hc_base) + hc_eps, the streams
+        collapsed by pre (then `norm`, the final RMSNorm, when given: fused on a GPU)."""
+        w, eps = (norm.weight, norm.eps) if norm is not None else (None, 0.0)
+        fn, base, scale = self.hc_fn.float(), self.hc_base.float(), self.hc_scale.float()
+        return ops.hc_pre(h, fn, base, scale, 0, self.hc_eps, self.norm_eps, w, eps)[2]

@@ -83,10 +83,10 @@ class V4DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, step: V4Step, kv_cache: KVCache, layer: int) -> torch.Tensor:
         """h [T, N, hidden] -> [T, N, hidden]."""
-        post, comb, x = self.attn_hc(h)
-        h = hc_residual(h, self.self_attn(self.input_layernorm(x), step, kv_cache, layer), post, comb)
-        post, comb, x = self.ffn_hc(h)
-        return hc_residual(h, self.mlp(self.post_attention_layernorm(x), step.input_ids), post, comb)
+        post, comb, x = self.attn_hc(h, norm=self.input_layernorm)  # x normed
+        h = hc_residual(h, self.self_attn(x, step, kv_cache, layer), post, comb)
+        post, comb, x = self.ffn_hc(h, norm=self.post_attention_layernorm)
+        return hc_residual(h, self.mlp(x, step.input_ids), post, comb)
 
 
 class DeepseekV4Model(nn.Module):
@@ -137,7 +137,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         h = h.unsqueeze(1).expand(-1, self.config.v4.hc_mult, -1).contiguous()  # [T, N, hidden]
         for i, layer in enumerate(self.model.layers):
             h = layer(h, step, kv_cache, i)
-        return self.model.norm(self.model.hc_head(h))
+        return self.model.hc_head(h, norm=self.model.norm)
 
     def step(self, batch: ForwardBatch) -> V4Step:
         v4 = self.config.v4

@@ -37,10 +37,6 @@ def fp4_experts(config: ModelConfig) -> bool:
     return config.quant is not None and config.quant.expert_dtype == "fp4"
 
 
-def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
-
-
 class Router(nn.Module):
     """weight [E, hidden]; e_score_correction_bias [E] (routed) or tid2eid [vocab, k] (hash)."""
 
@@ -57,14 +53,10 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden], input_ids [T] -> weights [T, k], expert ids [T, k]."""
         logits = F.linear(x, self.weight)  # [T, E]
-        scores = F.softplus(logits).sqrt() if self.scoring == "sqrtsoftplus" else torch.sigmoid(logits)
-        if self.hashed:
-            ids = self.tid2eid[input_ids]
-        else:
-            ids = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
-        weights = scores.gather(1, ids)
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.scaling, ids
+        if self.hashed:  # scoring, top-k or hash rows, normalization: one kernel on a GPU
+            return ops.route(logits, self.top_k, self.scoring, self.scaling, table=self.tid2eid, input_ids=input_ids)
+        bias = self.e_score_correction_bias
+        return ops.route(logits, self.top_k, self.scoring, self.scaling, bias=bias)
 
 
 class Experts(nn.Module):
@@ -169,7 +161,7 @@ class SharedExpert(nn.Module):
         self.down_proj = RowParallelLinear(inter, hidden, tp, reduce=False, what=what, fp8_block=fp8_block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+        return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 
 
 class V4MoE(nn.Module):

@@ -54,6 +54,7 @@ class GroupPlan:
     last: torch.Tensor  # [B] int64, each sequence's last group of the step
     pending: torch.Tensor  # [B] int64, (n + L) % m: rows of that group left pending
     rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin [U, R/2] of the compress rope at e*m
+    start: torch.Tensor | None = None  # [B] int64 the new tokens' positions, in a decode plan only (U = B)
 
 
 @dataclass
@@ -195,9 +196,11 @@ def group_plan(
     """The groups of rate m the step touches. Sequence b touches groups n // m ..
     (n + L - 1) // m: at most (L + m - 2) // m + 1, so U = (T + B*(m-2)) // m + B bounds them all
     (U = B when every chunk is one token)."""
+    if decode:
+        return decode_group_plan(batch, m, table, page, rotary)
     n, L = batch.starts, batch.lens
     B, T, dev = n.shape[0], batch.num_tokens, n.device
-    U = B if decode else (T + B * max(m - 2, 0)) // m + B
+    U = (T + B * max(m - 2, 0)) // m + B
     first_g = n // m  # [B]
     count = (n + L - 1) // m - first_g + 1  # [B] groups touched
     ends = torch.cumsum(count, 0)  # [B]
@@ -216,4 +219,24 @@ def group_plan(
     return GroupPlan(
         seq=s, src=src, present=present, first=g == 0, prev=(u - 1).clamp(min=0), has_prev=e >= 1,
         slot=entry_rows(table, page, s, e), last=ends - 1, pending=(n + L) % m, rope=(cos, sin),
+    )  # fmt: skip
+
+
+def decode_group_plan(
+    batch: ForwardBatch, m: int, table: torch.Tensor, page: int, rotary: RotaryEmbedding
+) -> GroupPlan:
+    """`group_plan` of a decode step (every chunk one token, U = B): sequence b touches one group,
+    e = n // m, whose positions before n are its state's pending rows b*(m-1) + j and whose
+    position n is the step's row b. The same plan in a third of group_plan's launches."""
+    n, B = batch.starts, batch.starts.shape[0]
+    s = batch.decode_rows  # [B] = arange(B): every token is a one-token chunk
+    e, r = n // m, (n % m)[:, None]  # [B], [B, 1]: the new token's place in its group
+    j = torch.arange(m, device=n.device)  # [m]
+    src = torch.where(j < r, s[:, None] * (m - 1) + j, (B * (m - 1) + s)[:, None])  # [B, m]
+    present = j <= r
+    cos, sin = rotary(e * m)
+    return GroupPlan(
+        seq=s, src=src.masked_fill(~present, 0), present=present, first=torch.ones_like(present[:, 0]),
+        prev=(s - 1).clamp(min=0), has_prev=e >= 1, slot=entry_rows(table, page, s, e), last=s,
+        pending=(n + 1) % m, rope=(cos, sin), start=n,
     )  # fmt: skip

@@ -1,0 +1,121 @@
+"""A DeepSeek-V4 compressor's decode step in one kernel (where PyTorch takes ~40 launches): each
+sequence's one new token joins its group of m positions; the group's entry is pooled and the
+sequence's state record advanced in place, as `CompressedKV.update` does for a decode plan
+(`step.decode_group_plan`).
+
+Per sequence b at position n (its group e = n // m, the token its row j0 = n % m), per entry
+channel c (programs split the channels: pooling is channel by channel):
+  - the group's rows: state's pending rows j < j0 (raw kv, raw gate), the new row j0, nothing past;
+    gate + position_bias[j], absent rows -inf;
+  - overlap (CSA, C = 2 Dc): the entry softmaxes over the previous group's Ca (kv, biased gate from
+    the state; kv 0, gate -inf before group 1) and this group's Cb (channels Dc + c);
+  - pooled[c] = sum_j kv_j * softmax_j(gate), rounded where PyTorch rounds (kv in the model dtype,
+    the softmax in float32 then rounded, the products, the sum);
+  - the new record: the group's first (n + 1) % m rows (both halves of C), zeros past them, and
+    with overlap the Ca this group hands on (its own when complete, else the one it read).
+Every value is read before any is written (a barrier between): a program writes only the record
+channels it reads.
+
+Legend: B sequences (one token each), m rate, C kv width (2 Dc with overlap, else Dc), Dc entry dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve_kernels._launch import cdiv, next_pow2
+from pdserve_kernels.glue import round_to
+
+BLOCK_C = 32  # entry channels a program
+
+
+@triton.jit
+def _rows(rec, new_ptr, j, j0, ch, c_ok, C: tl.constexpr, dt: tl.constexpr):
+    """[MP, BC] the group's raw rows of channels ch: state rows j < j0, the new row j0, 0 past."""
+    state = tl.load(rec + j[:, None] * C + ch[None, :], mask=(j < j0)[:, None] & c_ok[None, :], other=0.0)
+    new = tl.load(new_ptr + ch, mask=c_ok, other=0.0).to(tl.float32)
+    return tl.where((j == j0)[:, None], new[None, :], round_to(state.to(tl.float32), dt))
+
+
+@triton.jit
+def _compress_decode(kv_ptr, gate_ptr, states_ptr, stride_s, slots_ptr, pos_ptr, bias_ptr, pooled_ptr,
+                     M: tl.constexpr, MP: tl.constexpr, C: tl.constexpr, DC: tl.constexpr,
+                     OVERLAP: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # entry channels
+    j = tl.arange(0, MP)  # rows of the group
+    c_ok = c < DC
+    dt = pooled_ptr.dtype.element_ty
+    st = states_ptr.dtype.element_ty
+    n = tl.load(pos_ptr + b)
+    j0, e = n % M, n // M
+    rec = states_ptr + tl.load(slots_ptr + b) * stride_s
+    P = (M - 1) * C  # pending kv values; the pending gate follows, then the Ca
+    kv_new, gate_new = kv_ptr + b * C, gate_ptr + b * C
+    own = c + DC if OVERLAP else c  # this group's channels of the entry (Cb with overlap)
+    kv_own = _rows(rec, kv_new, j, j0, own, c_ok, C, dt)  # [MP, BC]
+    graw_own = _rows(rec + P, gate_new, j, j0, own, c_ok, C, dt)
+    bias_own = tl.load(bias_ptr + j[:, None] * C + own[None, :], mask=(j < M)[:, None] & c_ok[None, :], other=0.0)
+    gate_own = tl.where((j <= j0)[:, None], graw_own + bias_own, float("-inf"))
+    mx = tl.max(gate_own, axis=0)
+    if OVERLAP:  # the previous group's Ca, kept in the state
+        kv_ca = _rows(rec, kv_new, j, j0, c, c_ok, C, dt)  # this group's Ca (channels c)
+        graw_ca = _rows(rec + P, gate_new, j, j0, c, c_ok, C, dt)
+        prev_ok = (j < M)[:, None] & c_ok[None, :] & (e >= 1)
+        ca = rec + 2 * P + j[:, None] * DC + c[None, :]
+        kv_prev = round_to(tl.load(ca, mask=prev_ok, other=0.0).to(tl.float32), dt)
+        gate_prev = tl.load(ca + M * DC, mask=prev_ok, other=float("-inf")).to(tl.float32)
+        mx = tl.maximum(mx, tl.max(gate_prev, axis=0))
+    ex_own = tl.exp(gate_own - mx[None, :])
+    total = tl.sum(ex_own, axis=0)
+    if OVERLAP:
+        ex_prev = tl.exp(gate_prev - mx[None, :])
+        total += tl.sum(ex_prev, axis=0)
+    pooled = tl.sum(round_to(kv_own * round_to(ex_own / total[None, :], dt), dt), axis=0)
+    if OVERLAP:
+        pooled += tl.sum(round_to(kv_prev * round_to(ex_prev / total[None, :], dt), dt), axis=0)
+    tl.store(pooled_ptr + b * DC + c, round_to(pooled, dt).to(dt), mask=c_ok)
+
+    tl.debug_barrier()  # every read of the record is done: write it
+    keep = (j < (n + 1) % M)[:, None] & (j < M - 1)[:, None] & c_ok[None, :]
+    row = (j < M - 1)[:, None] & c_ok[None, :]
+    tl.store(rec + j[:, None] * C + own[None, :], round_to(tl.where(keep, kv_own, 0.0), st).to(st), mask=row)
+    tl.store(rec + P + j[:, None] * C + own[None, :], round_to(tl.where(keep, graw_own, 0.0), st).to(st), mask=row)
+    if OVERLAP:
+        tl.store(rec + j[:, None] * C + c[None, :], round_to(tl.where(keep, kv_ca, 0.0), st).to(st), mask=row)
+        tl.store(rec + P + j[:, None] * C + c[None, :], round_to(tl.where(keep, graw_ca, 0.0), st).to(st), mask=row)
+        full = (n + 1) % M == 0  # complete: its own Ca goes on, else the one it read
+        bias_ca = tl.load(bias_ptr + j[:, None] * C + c[None, :], mask=(j < M)[:, None] & c_ok[None, :], other=0.0)
+        kv_next = tl.where(full, kv_ca, kv_prev)
+        gate_next = tl.where(full, graw_ca + bias_ca, gate_prev)
+        ca_ok = (j < M)[:, None] & c_ok[None, :]
+        tl.store(ca, round_to(kv_next, st).to(st), mask=ca_ok)
+        tl.store(ca + M * DC, round_to(gate_next, st).to(st), mask=ca_ok)
+
+
+def compress_decode(
+    kv: torch.Tensor,  # [B, C] this step's kv_proj(x), the model dtype
+    gate: torch.Tensor,  # [B, C] gate_proj(x)
+    states: torch.Tensor,  # [S, state_dim] the compressor's state region (advanced in place)
+    slots: torch.Tensor,  # [B] int64 state rows
+    positions: torch.Tensor,  # [B] int64 the new tokens' positions
+    position_bias: torch.Tensor,  # [m, C] float32
+    dim: int,  # Dc
+    overlap: bool,
+) -> torch.Tensor:
+    """The entries [B, Dc] (before kv_norm and rope) of each sequence's group, as `CompressedKV.update`
+    pools them in a decode step; `states` advanced in place."""
+    B, C = kv.shape
+    m = position_bias.shape[0]
+    want = 2 * (m - 1) * C + (2 * m * dim if overlap else 0)
+    if C != (2 * dim if overlap else dim) or states.shape[1] != want or states.stride(1) != 1:
+        raise ValueError(f"compress_decode: kv {tuple(kv.shape)}, states {tuple(states.shape)} for dim {dim}, rate {m}")
+    pooled = kv.new_empty(B, dim)
+    if B:
+        _compress_decode[(B, cdiv(dim, BLOCK_C))](
+            kv.contiguous(), gate.contiguous(), states, states.stride(0), slots, positions, position_bias.contiguous(),
+            pooled, M=m, MP=next_pow2(m), C=C, DC=dim, OVERLAP=overlap, BLOCK_C=BLOCK_C,
+        )  # fmt: skip
+    return pooled

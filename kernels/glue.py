@@ -1,0 +1,188 @@
+"""DeepSeek-V4's small per-layer ops, one kernel each, rounded where PyTorch rounds (as
+kernels/ref_glue.py computes them; 4-12 launches of PyTorch each otherwise):
+
+  - `rms_norm_rope`: RMSNorm of each row (V4RMSNorm with its float32 weight, or the unweighted
+    `layers.rms_norm`) and/or the interleaved rope of its trailing R dims, one program a row;
+  - `route`: the router after its GEMM: scores (sqrt-softplus or sigmoid), the top-k of scores +
+    bias (ties: the lowest expert id) or the hash table's row, the chosen scores normalized and
+    scaled, BLOCK_T tokens a program;
+  - `swiglu`: the shared expert's clamped SwiGLU.
+
+Legend: T tokens (rows), D features, R rope dims (trailing), E experts, k experts a token.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve_kernels._launch import cdiv, next_pow2
+
+ROUTE_T = 4  # tokens a router program
+SWIGLU_BLOCK = 1024
+
+
+@triton.jit
+def round_to(x, dt: tl.constexpr):
+    """float32 x rounded to dt's precision (to nearest, ties to even) and kept float32: the rounding
+    PyTorch does between ops. bf16 by integer arithmetic, which the interpreter (its casts truncate)
+    and the GPU compute alike."""
+    y = x
+    if dt == tl.bfloat16:
+        u = x.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        y = u.to(tl.float32, bitcast=True)
+    if dt == tl.float16:
+        y = x.to(tl.float16).to(tl.float32)
+    return y
+
+
+@triton.jit
+def _rms_norm_rope(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, stride_x, rows_per_token, eps, D: tl.constexpr,
+                   PAIRS: tl.constexpr, NORM: tl.constexpr, WEIGHT: tl.constexpr, ROPE_PAIRS: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, PAIRS)
+    j = tl.arange(0, 2)
+    col = i[:, None] * 2 + j[None, :]  # [PAIRS, 2]: the row as interleaved pairs
+    ok = col < D
+    dt = out_ptr.dtype.element_ty
+    y = tl.load(x_ptr + row * stride_x + col, mask=ok, other=0.0).to(tl.float32)
+    if NORM:
+        r = tl.rsqrt(tl.sum(tl.sum(y * y, axis=1), axis=0) / D + eps)
+        if WEIGHT:  # V4RMSNorm: weight * (x * r) in float32, then rounded
+            y = round_to(tl.load(w_ptr + col, mask=ok, other=0.0) * (y * r), dt)
+        else:  # layers.rms_norm: the scale rounded first, the product rounded
+            y = round_to(y * round_to(r, dt), dt)
+    if ROPE_PAIRS > 0:
+        p = i - (D // 2 - ROPE_PAIRS)  # the pair's index in cos / sin (< 0: not roped)
+        roped = (p >= 0) & (i < D // 2)
+        token = row // rows_per_token
+        c = tl.load(cos_ptr + token * ROPE_PAIRS + p, mask=roped, other=1.0)
+        s = tl.load(sin_ptr + token * ROPE_PAIRS + p, mask=roped, other=0.0)
+        y0 = tl.sum(tl.where(j[None, :] == 0, y, 0.0), axis=1)
+        y1 = tl.sum(tl.where(j[None, :] == 1, y, 0.0), axis=1)
+        o0 = tl.where(roped, y0 * c - y1 * s, y0)
+        o1 = tl.where(roped, y1 * c + y0 * s, y1)
+        y = tl.where(j[None, :] == 0, o0[:, None], o1[:, None])
+    tl.store(out_ptr + row * D + col, round_to(y, dt).to(dt), mask=ok)
+
+
+def rms_norm_rope(
+    x: torch.Tensor,  # [T, ..., D], last dim contiguous, D even
+    weight: torch.Tensor | None,  # [D] float32 (V4RMSNorm) or None (layers.rms_norm)
+    eps: float,
+    norm: bool = True,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # cos, sin [T, R/2] float32
+) -> torch.Tensor:
+    """A new tensor like x: each row RMSNorm'd (when `norm`), then its last R dims roped (when
+    `rope`), as ref_glue.rms_norm_ref / rope_tail_ref one after the other."""
+    D = x.shape[-1]
+    rows = x.reshape(-1, D)
+    if D % 2 or rows.stride(-1) != 1 or (rope is not None and 2 * rope[0].shape[-1] > D):
+        raise ValueError(f"rms_norm_rope: x {tuple(x.shape)} (stride {x.stride()}): want an even, contiguous last dim")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if rows.shape[0] == 0:
+        return out
+    cos, sin = (rope[0].contiguous(), rope[1].contiguous()) if rope is not None else (rows, rows)
+    per = rows.shape[0] // rope[0].shape[0] if rope is not None and rope[0].shape[0] else 1
+    w = weight if weight is not None else rows
+    _rms_norm_rope[(rows.shape[0],)](
+        rows, w, cos, sin, out, rows.stride(0), per, eps, D=D, PAIRS=next_pow2(D // 2), NORM=norm,
+        WEIGHT=weight is not None, ROPE_PAIRS=rope[0].shape[-1] if rope is not None else 0,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _route_topk(logits_ptr, bias_ptr, table_ptr, ids_in_ptr, w_ptr, ids_ptr, T, scaling, E: tl.constexpr,
+           EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr,
+           SQRT_SOFTPLUS: tl.constexpr, HASH: tl.constexpr):  # fmt: skip
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    e = tl.arange(0, EP)
+    kk = tl.arange(0, KP)
+    t_ok = t < T
+    dt = w_ptr.dtype.element_ty
+    logit = tl.load(logits_ptr + t[:, None] * E + e[None, :], mask=t_ok[:, None] & (e < E)[None, :], other=0.0)
+    logit = logit.to(tl.float32)
+    if SQRT_SOFTPLUS:  # softplus = log1p(exp(x)) (x itself above 20), rounded; then its sqrt, rounded
+        y = tl.exp(logit)
+        u = 1.0 + y
+        soft = tl.where(u == 1.0, y, tl.log(u) * (y / (u - 1.0)))  # log1p, accurate for small y
+        soft = round_to(tl.where(logit > 20.0, logit, soft), dt)
+        score = round_to(tl.sqrt(soft), dt)
+    else:
+        score = round_to(tl.sigmoid(logit), dt)
+    if HASH:
+        tok = tl.load(ids_in_ptr + t, mask=t_ok, other=0)
+    else:
+        bias = tl.load(bias_ptr + e, mask=e < E, other=0.0)
+        sel = tl.where((e < E)[None, :], score + bias[None, :], float("-inf"))
+    weights = tl.zeros((BLOCK_T, KP), tl.float32)
+    ids = tl.zeros((BLOCK_T, KP), tl.int64)
+    for j in tl.static_range(K):
+        if HASH:
+            pick = tl.load(table_ptr + tok * K + j, mask=t_ok, other=0)
+        else:
+            best = tl.max(sel, axis=1)
+            pick = tl.min(tl.where(sel == best[:, None], e[None, :], EP), axis=1)  # ties: the lowest id
+            sel = tl.where(e[None, :] == pick[:, None], float("-inf"), sel)
+        wj = tl.sum(tl.where(e[None, :] == pick[:, None], score, 0.0), axis=1)
+        weights = tl.where(kk[None, :] == j, wj[:, None], weights)
+        ids = tl.where(kk[None, :] == j, pick.to(tl.int64)[:, None], ids)
+    total = round_to(tl.sum(weights, axis=1), dt)
+    total = round_to(total + 1e-20, dt)
+    weights = round_to(weights / total[:, None], dt)
+    out = t[:, None] * K + kk[None, :]
+    ok = t_ok[:, None] & (kk < K)[None, :]
+    tl.store(w_ptr + out, round_to(weights * scaling, dt).to(dt), mask=ok)
+    tl.store(ids_ptr + out, ids, mask=ok)
+
+
+def route(
+    logits: torch.Tensor,  # [T, E] contiguous, the model dtype
+    top_k: int,
+    scoring: str,
+    scaling: float,
+    bias: torch.Tensor | None = None,  # [E] float32
+    table: torch.Tensor | None = None,  # [vocab, k] int64
+    input_ids: torch.Tensor | None = None,  # [T] int64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """weights [T, k] (logits' dtype), ids [T, k] int64, as ref_glue.route_ref (ids in the order
+    chosen: by descending score + bias; a hash row's order)."""
+    T, E = logits.shape
+    if scoring not in ("sqrtsoftplus", "sigmoid") or (table is None) == (bias is None) or top_k > E:
+        raise ValueError(f"route: scoring {scoring!r}, top_k {top_k} of {E}, and either a bias or a hash table")
+    weights = logits.new_empty(T, top_k)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    if T:
+        hashed = table is not None
+        _route_topk[(cdiv(T, ROUTE_T),)](
+            logits.contiguous(), bias if not hashed else logits, table if hashed else ids,
+            input_ids if hashed else ids, weights, ids, T, scaling, E=E, EP=next_pow2(E), K=top_k,
+            KP=next_pow2(top_k), BLOCK_T=ROUTE_T, SQRT_SOFTPLUS=scoring == "sqrtsoftplus", HASH=hashed,
+        )  # fmt: skip
+    return weights, ids
+
+
+@triton.jit
+def _swiglu_clamped(gate_ptr, up_ptr, out_ptr, n, limit, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    dt = out_ptr.dtype.element_ty
+    g = tl.minimum(tl.load(gate_ptr + i, mask=ok, other=0.0).to(tl.float32), limit)
+    u = tl.load(up_ptr + i, mask=ok, other=0.0).to(tl.float32)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    silu = round_to(g * tl.sigmoid(g), dt)
+    tl.store(out_ptr + i, round_to(silu * u, dt).to(dt), mask=ok)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """gate, up [..., I] (same shape and dtype) -> silu(min(gate, limit)) * clamp(up, +-limit)."""
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"swiglu: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype}")
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(gate)
+    if gate.numel():
+        _swiglu_clamped[(cdiv(gate.numel(), SWIGLU_BLOCK),)](gate, up, out, gate.numel(), limit, BLOCK=SWIGLU_BLOCK)
+    return out

@@ -1,0 +1,181 @@
+"""DeepSeek-V4's hyper-connections around a block, fused into three kernels (as `ref_glue.hc_pre_ref`
+and `hc_post_ref` compute them, ~20 launches of PyTorch a hyper-connection otherwise):
+
+  1. `_hc_project`: the streams' projection, split over K = N*D: each program sums x . fn and x . x
+     over its K slice for BLOCK_T tokens (one tl.dot, float32 IEEE) into partials [S, T, M];
+     the RMSNorm of the flattened streams is a per-token factor, applied in step 2.
+  2. `_hc_pre`: one program a token: the partials summed, the gates and Sinkhorn-Knopp (as
+     hyper.py's hc_mix), the streams collapsed by `pre` and, when given, the block's input
+     RMSNorm; writes post [T, N], comb [T, N, N] and the block input [T, D].
+  3. `_hc_post`: the new streams post * out + comb^T @ h, over (token block, D block) tiles, rounded
+     where PyTorch rounds (the products and the matmul in h's dtype, then their sum).
+
+Legend: T tokens, N streams (hc_mult, a power of two), D hidden, K = N*D, M rows of fn ((2+N)*N,
+or N for the head), S K-splits.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve_kernels._launch import cdiv, next_pow2
+from pdserve_kernels.glue import round_to
+
+BLOCK_T, BLOCK_K = 16, 64  # projection tile (tl.dot's smallest M is 16)
+PRE_D, PRE_WARPS = 1024, 8  # features a `_hc_pre` loop iteration: one program a token walks N x D twice
+BLOCK_D = 256  # a `_hc_post` tile's N x features
+POST_T = 4  # tokens a `_hc_post` tile
+PROGRAMS = 256  # projection programs to aim for (K splits x token blocks)
+
+
+@triton.jit
+def _hc_project(h_ptr, fn_ptr, dots_ptr, sq_ptr, T, K: tl.constexpr, K_SPLIT: tl.constexpr, M: tl.constexpr,
+             MP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    s = tl.program_id(1)
+    m = tl.arange(0, MP)
+    t_ok = t < T
+    acc = tl.zeros((BLOCK_T, MP), tl.float32)
+    sq = tl.zeros((BLOCK_T,), tl.float32)
+    for k0 in range(0, K_SPLIT, BLOCK_K):
+        k = s * K_SPLIT + k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        x = tl.load(h_ptr + t.to(tl.int64)[:, None] * K + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+        x = x.to(tl.float32)
+        w = tl.load(fn_ptr + m[None, :] * K + k[:, None], mask=(m < M)[None, :] & k_ok[:, None], other=0.0)
+        acc += tl.dot(x, w, input_precision="ieee")
+        sq += tl.sum(x * x, axis=1)
+    rows = s * T + t.to(tl.int64)
+    tl.store(dots_ptr + rows[:, None] * MP + m[None, :], acc, mask=t_ok[:, None])
+    tl.store(sq_ptr + rows, sq, mask=t_ok)
+
+
+@triton.jit
+def _hc_pre(h_ptr, dots_ptr, sq_ptr, base_ptr, scale_ptr, w_ptr, post_ptr, comb_ptr, x_ptr, T, S,
+         norm_eps, hc_eps, out_eps, N: tl.constexpr, D: tl.constexpr, MP: tl.constexpr, SP: tl.constexpr,
+         ITERS: tl.constexpr, BLOCK_D: tl.constexpr, HEAD: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, SP)
+    n = tl.arange(0, N)
+    s_ok = s < S
+    rows = dots_ptr + (s * T + t) * MP  # [SP] this token's partial rows
+    r = tl.rsqrt(tl.sum(tl.load(sq_ptr + s * T + t, mask=s_ok, other=0.0), axis=0) / (N * D) + norm_eps)
+    pre = tl.sum(tl.load(rows[:, None] + n[None, :], mask=s_ok[:, None], other=0.0), axis=0) * r
+    pre = tl.sigmoid(pre * tl.load(scale_ptr) + tl.load(base_ptr + n)) + hc_eps  # [N]
+    if not HEAD:
+        post = tl.sum(tl.load(rows[:, None] + N + n[None, :], mask=s_ok[:, None], other=0.0), axis=0) * r
+        post = 2.0 * tl.sigmoid(post * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + n))
+        tl.store(post_ptr + t * N + n, post)
+        ij = n[:, None] * N + n[None, :]  # [N, N]: row i, column j
+        c = tl.sum(tl.load(rows[:, None, None] + 2 * N + ij[None, :, :], mask=s_ok[:, None, None], other=0.0), axis=0)
+        c = c * r * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * N + ij)
+        c = tl.exp(c - tl.max(c, axis=1)[:, None])
+        comb = c / tl.sum(c, axis=1)[:, None] + hc_eps  # softmax over j, + eps
+        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)  # columns
+        for _ in range(ITERS - 1):
+            comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)  # rows
+            comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)  # columns
+        tl.store(comb_ptr + t * N * N + ij, comb)
+    dt = x_ptr.dtype.element_ty
+    hrow = h_ptr + t * N * D + n[:, None] * D  # [N, 1]
+    ss = tl.zeros((BLOCK_D,), tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        hv = tl.load(hrow + d[None, :], mask=(d < D)[None, :], other=0.0).to(tl.float32)
+        xv = round_to(tl.sum(pre[:, None] * hv, axis=0), dt)  # [BLOCK_D], rounded as `.to(h.dtype)`
+        if NORM:
+            ss += xv * xv
+        else:
+            tl.store(x_ptr + t * D + d, xv.to(dt), mask=d < D)
+    if NORM:  # V4RMSNorm of the collapsed streams: the same sums again, scaled
+        rr = tl.rsqrt(tl.sum(ss, axis=0) / D + out_eps)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            hv = tl.load(hrow + d[None, :], mask=(d < D)[None, :], other=0.0).to(tl.float32)
+            xv = round_to(tl.sum(pre[:, None] * hv, axis=0), dt)
+            w = tl.load(w_ptr + d, mask=d < D, other=0.0)
+            tl.store(x_ptr + t * D + d, round_to(w * (xv * rr), dt).to(dt), mask=d < D)
+
+
+@triton.jit
+def _hc_post(h_ptr, out_ptr, post_ptr, comb_ptr, new_ptr, T, N: tl.constexpr, D: tl.constexpr,
+          BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    n = tl.arange(0, N)
+    t64 = t.to(tl.int64)
+    ok = (t < T)[:, None] & (d < D)[None, :]  # [BT, BD]
+    dt = new_ptr.dtype.element_ty
+    o = tl.load(out_ptr + t64[:, None] * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
+    p = tl.load(post_ptr + t64[:, None] * N + n[None, :], mask=(t < T)[:, None], other=0.0)
+    p = round_to(p, dt)
+    spread = round_to(p[:, :, None] * o[:, None, :], dt)  # [BT, N, BD]
+    mixed = tl.zeros((BLOCK_T, N, BLOCK_D), tl.float32)
+    for m in tl.static_range(N):  # comb^T @ h: new stream j gets sum_m comb[m, j] h[m]
+        hm = tl.load(h_ptr + t64[:, None] * (N * D) + m * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
+        cm = tl.load(comb_ptr + t64[:, None] * (N * N) + m * N + n[None, :], mask=(t < T)[:, None], other=0.0)
+        mixed += round_to(cm, dt)[:, :, None] * hm[:, None, :]
+    new = round_to(spread + round_to(mixed, dt), dt)
+    dst = new_ptr + t64[:, None, None] * (N * D) + n[None, :, None] * D + d[None, None, :]
+    tl.store(dst, new.to(dt), mask=ok[:, None, :])
+
+
+def hc_pre(
+    h: torch.Tensor,  # [T, N, D] contiguous
+    fn: torch.Tensor,  # [M, N*D] float32 contiguous: M = (2+N)*N (a hyper-connection) or N (the head)
+    base: torch.Tensor,  # [M] float32
+    scale: torch.Tensor,  # [3] float32 (the head: [1])
+    iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    norm_weight: torch.Tensor | None = None,  # [D] float32
+    out_eps: float = 0.0,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """post [T, N], comb [T, N, N] (float32; None for the head) and the block input [T, D] in
+    h's dtype, as `ref_glue.hc_pre_ref`."""
+    T, N, D = h.shape
+    M, K = fn.shape
+    head = M == N
+    if N & (N - 1) or K != N * D or M not in (N, (2 + N) * N) or not h.is_contiguous() or not fn.is_contiguous():
+        raise ValueError(f"hc_pre: h {tuple(h.shape)} (contiguous, N a power of two) and fn {tuple(fn.shape)}")
+    MP = max(16, next_pow2(M))
+    tblocks = cdiv(max(T, 1), BLOCK_T)
+    splits = max(1, min(cdiv(K, BLOCK_K), PROGRAMS // tblocks))
+    k_split = cdiv(cdiv(K, splits), BLOCK_K) * BLOCK_K
+    splits = cdiv(K, k_split)
+    dots = h.new_empty(splits, T, MP, dtype=torch.float32)
+    sq = h.new_empty(splits, T, dtype=torch.float32)
+    post = None if head else h.new_empty(T, N, dtype=torch.float32)
+    comb = None if head else h.new_empty(T, N, N, dtype=torch.float32)
+    x = h.new_empty(T, D)
+    if T == 0:
+        return post, comb, x
+    _hc_project[(tblocks, splits)](
+        h, fn, dots, sq, T, K=K, K_SPLIT=k_split, M=M, MP=MP, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K
+    )
+    norm = norm_weight is not None
+    _hc_pre[(T,)](
+        h, dots, sq, base, scale, norm_weight if norm else base, post if post is not None else sq,
+        comb if comb is not None else sq, x, T, splits, norm_eps, hc_eps, out_eps, N=N, D=D, MP=MP,
+        SP=next_pow2(splits), ITERS=max(iters, 1), BLOCK_D=min(PRE_D, next_pow2(D)), HEAD=head, NORM=norm,
+        num_warps=PRE_WARPS,
+    )  # fmt: skip
+    return post, comb, x
+
+
+def hc_post(h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """h [T, N, D], out [T, D] (h's dtype), post [T, N], comb [T, N, N] float32, all contiguous ->
+    the new streams [T, N, D], as `ref_glue.hc_post_ref`."""
+    T, N, D = h.shape
+    if out.shape != (T, D) or out.dtype != h.dtype or not (h.is_contiguous() and out.is_contiguous()):
+        raise ValueError(
+            f"hc_post: h {tuple(h.shape)} {h.dtype}, out {tuple(out.shape)} {out.dtype}: want contiguous [T, D], h's dtype"
+        )
+    new = torch.empty_like(h)
+    if T:
+        bd = min(BLOCK_D // N, next_pow2(D))
+        grid = (cdiv(T, POST_T), cdiv(D, bd))
+        _hc_post[grid](h, out, post.contiguous(), comb.contiguous(), new, T, N=N, D=D, BLOCK_T=POST_T, BLOCK_D=bd)
+    return new

@@ -1,0 +1,188 @@
+"""DeepSeek-V4's fused glue on a GPU: each kernel against the PyTorch code the model runs on the
+CPU (kernels/ref_glue.py), at V4-Flash's shapes (hidden 4096, 4 streams, 256 experts, top-6, 64
+heads of 512, bf16), with the time of each in a CUDA graph (kernel vs torch).
+
+    python scripts/gpu_v4_glue_check.py [--tokens 1,16,64,128] [--out DIR]
+
+Low-precision outputs must be within one unit in the last place and at least 99% equal bit for
+bit (98% for a compressor's entries; the bars of tests/kernels/test_kernels_v4_glue.py and
+test_kernels_v4_compress.py); the router must choose the same experts (ties
+aside). Writes v4_glue_check.json to --out (default $OUT or the working directory); exit status 1
+if a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from pdserve.model import ops
+from pdserve.model.deepseek_v4.compressor import CompressedKV
+from pdserve.model.deepseek_v4.step import decode_group_plan
+from pdserve_kernels import ref_glue as ref
+from pdserve_kernels.glue import rms_norm_rope, route, swiglu
+from pdserve_kernels.mhc import hc_post, hc_pre
+
+D, N, ITERS, E, K, HEADS, HEAD_DIM, R, Q = 4096, 4, 20, 256, 6, 64, 512, 64, 1024
+ULP = {torch.bfloat16: 2**-7, torch.float32: 1e-5}
+
+
+def graph_us(fn, reps: int = 50) -> float:
+    """Microseconds a call of fn, replayed `reps` times in one CUDA graph (launch gaps included)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return 1e3 * start.elapsed_time(end) / (5 * reps)
+
+
+def compare(name: str, got, want, dtype, share: float = 0.01) -> dict:
+    got, want = got.float(), want.float()
+    ok = not got.isnan().any() and torch.allclose(got, want, rtol=ULP[dtype], atol=1e-5)  # -inf gates in states
+    differ = (got != want).float().mean().item()
+    ok = ok and (dtype == torch.float32 or differ <= share)
+    return {"check": name, "ok": ok, "max_abs": (got - want).abs().max().item(), "share_differing": differ}
+
+
+def compressor_case(T: int, g: torch.Generator, dev: str, dim: int, m: int, overlap: bool):
+    """(kernel call, torch call): a V4-Flash compressor's decode update on the Triton path
+    (compress_decode) and on the torch path, each on its own copy of the pool; both return the
+    entries written and the state records."""
+    comp = CompressedKV(D, dim, m, overlap, 1e-6)
+    with torch.no_grad():
+        for p in comp.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.02 if p.dim() > 1 and p.shape[-1] == D else 1.0))
+    comp = comp.to(dev, torch.bfloat16)
+    comp.position_bias.data, comp.kv_norm.weight.data = (
+        comp.position_bias.data.float(),
+        comp.kv_norm.weight.data.float(),
+    )
+    C = 2 * dim if overlap else dim
+    state_dim = 2 * (m - 1) * C + (2 * m * dim if overlap else 0)
+    starts = torch.randint(0, 4096, (T,), generator=g)
+    starts[: min(T, 4)] = torch.tensor([0, m - 1, m, 2 * m + 1])[: min(T, 4)]
+    x = torch.randn(T, D, generator=g).to(dev, torch.bfloat16)
+    states = torch.randn(T + 3, state_dim, generator=g).to(dev, torch.bfloat16)
+    slots = torch.randperm(T + 3, generator=g)[:T].to(dev)
+    table = (torch.arange(T * 80).view(T, 80) + 1).to(dev, torch.int32)
+    page = max(64 // m, 1)
+    cs = torch.randn(T, R // 2, generator=g).to(dev)
+    batch = SimpleNamespace(starts=starts.to(dev), decode_rows=torch.arange(T, device=dev))
+    ix = SimpleNamespace(groups=decode_group_plan(batch, m, table, page, lambda p: (cs, cs.flip(0))))
+    entries = torch.zeros(T * 80 * page + page, dim, device=dev, dtype=torch.bfloat16)
+    rows = ix.groups.slot.long()
+
+    def run(backend: str):
+        st, en = states.clone(), entries.clone()
+        ops.set_backend(backend)
+        try:
+            with torch.no_grad():
+                comp.update(x, ix, slots, en, st)
+        finally:
+            ops.set_backend(None)
+        return en[rows], st[slots]
+
+    return lambda: run("triton"), lambda: run("torch")
+
+
+def cases(T: int, g: torch.Generator, dev: str):
+    """(name, kernel call, torch call, compare(out_kernel, out_torch) -> [checks])."""
+    bf = torch.bfloat16
+    M = (2 + N) * N
+    h = torch.randn(T, N, D, generator=g).to(dev, bf)
+    fn, base = (0.02 * torch.randn(M, N * D, generator=g)).to(dev), (0.5 * torch.randn(M, generator=g)).to(dev)
+    scale, w = (1 + torch.rand(3, generator=g)).to(dev), (1 + 0.2 * torch.randn(D, generator=g)).to(dev)
+    out, post = torch.randn(T, D, generator=g).to(dev, bf), (2 * torch.rand(T, N, generator=g)).to(dev)
+    comb = torch.rand(T, N, N, generator=g).to(dev)
+    q = (3 * torch.randn(T, HEADS, HEAD_DIM, generator=g)).to(dev, bf)
+    cos, sin = torch.randn(T, R // 2, generator=g).to(dev), torch.randn(T, R // 2, generator=g).to(dev)
+    qa, wq = torch.randn(T, Q, generator=g).to(dev, bf), (1 + 0.2 * torch.randn(Q, generator=g)).to(dev)
+    logits, bias = (3 * torch.randn(T, E, generator=g)).to(dev, bf), (0.3 * torch.randn(E, generator=g)).to(dev)
+    table, ids = torch.randint(E, (1000, K), generator=g).to(dev), torch.randint(1000, (T,), generator=g).to(dev)
+    gate, up = (6 * torch.randn(T, 2048, generator=g)).to(dev, bf), (6 * torch.randn(T, 2048, generator=g)).to(dev, bf)
+    pre_args = (h, fn, base, scale, ITERS, 1e-6, 1e-6, w, 1e-6)
+
+    def pre_cmp(a, b):
+        return [
+            compare(f"hc_pre.{n}", x, y, dt)
+            for n, x, y, dt in zip(("post", "comb", "input"), a, b, (torch.float32, torch.float32, bf))
+        ]
+
+    def route_cmp(a, b):
+        same = torch.equal(a[1].sort(1).values, b[1].sort(1).values)
+        checks = [{"check": "route.ids", "ok": same}]
+        wa, wb = a[0].gather(1, a[1].argsort(1)), b[0].gather(1, b[1].argsort(1))
+        return checks + [compare("route.weights", wa, wb, bf)]
+
+    one = lambda n: lambda a, b: [compare(n, a, b, bf)]  # noqa: E731
+
+    def comp_cmp(a, b):
+        return [compare("compressor.entries", a[0], b[0], bf, 0.02), compare("compressor.states", a[1], b[1], bf)]
+
+    return [
+        ("hc_pre (mHC pre-mix + input RMSNorm)", lambda: hc_pre(*pre_args), lambda: ref.hc_pre_ref(*pre_args), pre_cmp),
+        ("hc_post (mHC post-mix residual)", lambda: hc_post(h, out, post, comb), lambda: ref.hc_post_ref(h, out, post, comb), one("hc_post")),
+        ("rms_norm (q heads, unweighted) + rope", lambda: rms_norm_rope(q, None, 1e-6, rope=(cos, sin)),
+         lambda: ref.rope_tail_ref(ref.rms_norm_ref(q, None, 1e-6), cos, sin), one("rms_norm_rope")),
+        ("rms_norm (q_a_norm, weighted)", lambda: rms_norm_rope(qa, wq, 1e-6), lambda: ref.rms_norm_ref(qa, wq, 1e-6), one("rms_norm")),
+        ("rope (attention output, undo)", lambda: rms_norm_rope(q, None, 0.0, norm=False, rope=(cos, sin)),
+         lambda: ref.rope_tail_ref(q, cos, sin), one("rope")),
+        ("router top-k (sqrt-softplus + bias)", lambda: route(logits, K, "sqrtsoftplus", 1.5, bias=bias),
+         lambda: ref.route_ref(logits, K, "sqrtsoftplus", 1.5, bias=bias), route_cmp),
+        ("router hash", lambda: route(logits, K, "sqrtsoftplus", 1.5, table=table, input_ids=ids),
+         lambda: ref.route_ref(logits, K, "sqrtsoftplus", 1.5, table=table, input_ids=ids), route_cmp),
+        ("swiglu (shared expert)", lambda: swiglu(gate, up, 10.0), lambda: ref.swiglu_ref(gate, up, 10.0), one("swiglu")),
+        ("CSA compressor decode (Dc 512, rate 4)", *compressor_case(T, g, dev, 512, 4, True), comp_cmp),
+        ("HCA compressor decode (Dc 512, rate 128)", *compressor_case(T, g, dev, 512, 128, False), comp_cmp),
+    ]  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="1,16,64,128")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--device", default="cuda", help="cpu: the checks only, under TRITON_INTERPRET=1 (a smoke test)")
+    args = ap.parse_args()
+    gpu = args.device != "cpu"
+    device = torch.cuda.get_device_name() if gpu else "cpu (interpreter)"
+    rows, failed = [], 0
+    print(f"{device}: V4-Flash glue, fused kernel vs torch (us a call in a CUDA graph)")
+    print("| T | op | kernel us | torch us | checks |")
+    print("| ---: | --- | ---: | ---: | --- |")
+    for T in [int(t) for t in args.tokens.split(",")]:
+        for name, kernel, torch_fn, cmp in cases(T, torch.Generator().manual_seed(T), args.device):
+            checks = cmp(kernel(), torch_fn())
+            failed += sum(not c["ok"] for c in checks)
+            us = (graph_us(kernel), graph_us(torch_fn)) if gpu else (0.0, 0.0)
+            row = {"T": T, "op": name, "kernel_us": us[0], "torch_us": us[1], "checks": checks}
+            rows.append(row)
+            verdict = ", ".join(f"{c['check']} {'ok' if c['ok'] else 'FAILED'}" for c in checks)
+            print(f"| {T} | {name} | {row['kernel_us']:.1f} | {row['torch_us']:.1f} | {verdict} |", flush=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "v4_glue_check.json").write_text(json.dumps({"device": device, "rows": rows}, indent=1))
+    print(f"{failed} checks failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

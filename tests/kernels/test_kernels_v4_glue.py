@@ -1,0 +1,208 @@
+"""DeepSeek-V4's fused per-layer glue (kernels/mhc.py, kernels/glue.py) against the PyTorch code the
+model ran before them (kernels/ref_glue.py, itself checked against transformers' modules here and in
+test_kernels_hyper.py), on seeded random inputs of odd sizes, outputs poisoned with NaN.
+
+The kernels round where PyTorch rounds (a bf16 model's scores, norm scales, products): low-precision
+outputs are within one unit in the last place and at least 99% of them equal bit for bit (the rest
+are float32 values that exp, rsqrt or another summation order put across a rounding boundary).
+
+Runs under the Triton interpreter without CUDA; see test_kernels_sparse_mla.py for why
+TRITON_INTERPRET is set here, before the first triton import.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+from pdserve_kernels import ref_glue as ref  # noqa: E402
+from pdserve_kernels.glue import rms_norm_rope, route, swiglu  # noqa: E402
+from pdserve_kernels.mhc import hc_post, hc_pre  # noqa: E402
+from tests.helpers.kernels import DEVICE, require_interpreter, seed_of  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+require_interpreter()
+LOW = [torch.bfloat16, torch.float16]
+ULP = {
+    torch.float32: 1e-5,
+    torch.bfloat16: 2**-7,
+    torch.float16: 2**-10,
+}  # relative: one unit in the last place  # float32: sums in another order
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Outputs the wrappers allocate start as NaN (ints: a sentinel): an element a kernel does not
+    write fails the test."""
+    new_empty, empty, empty_like = torch.Tensor.new_empty, torch.empty, torch.empty_like
+
+    def fill(t):
+        return t.fill_(float("nan") if t.is_floating_point() else 2**30 - 1)
+
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **kw: fill(new_empty(self, *a, **kw)))
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: fill(empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: fill(empty_like(*a, **kw)))
+
+
+def _gen(*parts) -> torch.Generator:
+    return torch.Generator().manual_seed(seed_of(*parts))
+
+
+def _dev(*ts):
+    return [t.to(DEVICE) if t is not None else None for t in ts]
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, name: str) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape, name
+    assert not got.isnan().any(), f"{name}: an element was not written"
+    torch.testing.assert_close(got.cpu().double(), want.double(), rtol=ULP[dtype], atol=1e-5, msg=name)
+
+
+def _mostly_equal(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Rounded where PyTorch rounds: equal bits but where exp / rsqrt / a sum order differ in
+    float32 just across a rounding boundary (each such element is within one ulp: `_close`)."""
+    if got.dtype != torch.float32:
+        assert (got != want).float().mean() <= 0.01, "more than 1% of the elements differ"
+
+
+@pytest.mark.parametrize("T,N,D", [(1, 4, 72), (19, 4, 200), (33, 2, 37), (5, 8, 24)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", [False, True])
+def test_hc_pre_matches_the_module(T, N, D, dtype, norm, poisoned):
+    g = _gen("hc_pre", T, N, D, dtype, norm)
+    M = (2 + N) * N
+    h = torch.randn(T, N, D, generator=g).to(dtype)
+    fn, base = 0.2 * torch.randn(M, N * D, generator=g), 0.5 * torch.randn(M, generator=g)
+    scale, w = 1 + torch.rand(3, generator=g), (1 + 0.2 * torch.randn(D, generator=g)) if norm else None
+    got = hc_pre(*_dev(h, fn, base, scale), 20, 1e-6, 1e-6, *_dev(w), 1e-5)
+    want = ref.hc_pre_ref(h, fn, base, scale, 20, 1e-6, 1e-6, w, 1e-5)
+    for name, a, b in zip(("post", "comb", "input"), got, want):
+        _close(a, b, b.dtype if name == "input" else torch.float32, name)
+
+
+@pytest.mark.parametrize("T,N,D", [(1, 4, 64), (7, 4, 45)])
+def test_hc_pre_of_the_head_has_pre_gates_only(T, N, D, poisoned):
+    g = _gen("head", T, N, D)
+    h, fn = torch.randn(T, N, D, generator=g), 0.2 * torch.randn(N, N * D, generator=g)
+    base, scale, w = torch.randn(N, generator=g), torch.rand(1, generator=g), 1 + torch.rand(D, generator=g)
+    post, comb, x = hc_pre(*_dev(h, fn, base, scale), 0, 1e-6, 1e-6, *_dev(w), 1e-6)
+    assert post is None and comb is None
+    _close(x, ref.hc_pre_ref(h, fn, base, scale, 0, 1e-6, 1e-6, w, 1e-6)[2], torch.float32, "head")
+
+
+@pytest.mark.parametrize("T,N,D", [(1, 4, 64), (6, 4, 301), (9, 2, 37), (3, 8, 40)])
+@pytest.mark.parametrize("dtype", [torch.float32, *LOW])
+def test_hc_post_matches_the_residual(T, N, D, dtype, poisoned):
+    g = _gen("hc_post", T, N, D, dtype)
+    h, out = torch.randn(T, N, D, generator=g).to(dtype), torch.randn(T, D, generator=g).to(dtype)
+    post, comb = 2 * torch.rand(T, N, generator=g), torch.rand(T, N, N, generator=g)
+    got = hc_post(*_dev(h, out, post, comb)).cpu()
+    want = ref.hc_post_ref(h, out, post, comb)
+    _close(got, want, dtype, "streams")
+    _mostly_equal(got, want)  # rounded where PyTorch rounds: the products, the matmul, their sum
+
+
+@pytest.mark.parametrize("shape,R", [((3, 5, 38), 16), ((7, 74), 8), ((1, 3, 512), 64), ((4, 2, 6), 6)])
+@pytest.mark.parametrize("dtype", [torch.float32, *LOW])
+@pytest.mark.parametrize("what", ["norm", "weighted", "rope", "weighted+rope"])
+def test_rms_norm_rope_matches_the_modules(shape, R, dtype, what, poisoned):
+    g = _gen("norm_rope", shape, R, dtype, what)
+    x = (3 * torch.randn(*shape, generator=g)).to(dtype)
+    cos, sin = torch.randn(shape[0], R // 2, generator=g), torch.randn(shape[0], R // 2, generator=g)
+    w = 1 + 0.3 * torch.randn(shape[-1], generator=g) if "weighted" in what else None
+    rope = (cos, sin) if "rope" in what else None
+    got = rms_norm_rope(*_dev(x, w), 1e-6, norm=what != "rope", rope=_dev(*rope) if rope else None).cpu()
+    want = x if what == "rope" else ref.rms_norm_ref(x, w, 1e-6)
+    want = ref.rope_tail_ref(want, cos, sin) if rope else want
+    _close(got, want, dtype, what)
+    _mostly_equal(got, want)
+
+
+def test_rms_norm_rope_reads_a_strided_row():
+    g = _gen("strided")
+    buf = torch.randn(5, 3, 40, generator=g)
+    x = buf[:, :, :32]  # rows of 32 in a buffer of 40
+    cos, sin = torch.randn(5, 4, generator=g), torch.randn(5, 4, generator=g)
+    got = rms_norm_rope(*_dev(x), None, 1e-6, rope=_dev(cos, sin)).cpu()
+    torch.testing.assert_close(got, ref.rope_tail_ref(ref.rms_norm_ref(x, None, 1e-6), cos, sin), rtol=2e-6, atol=1e-6)
+
+
+def _logits(g, T, E, dtype):
+    x = 3 * torch.randn(T, E, generator=g)
+    x[0, :3] = torch.tensor([25.0, -30.0, -90.0])  # softplus past its threshold, and its tiny tail
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("T,E,k", [(1, 8, 2), (7, 37, 3), (9, 256, 6)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid"])
+def test_route_topk_matches_the_router(T, E, k, dtype, scoring, poisoned):
+    g = _gen("route", T, E, k, dtype, scoring)
+    logits, bias = _logits(g, T, E, dtype), 0.3 * torch.randn(E, generator=g)
+    w, ids = route(*_dev(logits), k, scoring, 2.5, bias=bias.to(DEVICE))
+    want_w, want_ids = ref.route_ref(logits, k, scoring, 2.5, bias=bias)
+    ids, w = ids.cpu(), w.cpu()
+    assert ids.dtype == torch.int64 and w.dtype == dtype
+    order, want_order = ids.argsort(1), want_ids.argsort(1)
+    assert torch.equal(ids.gather(1, order), want_ids.gather(1, want_order)), "the same experts"
+    torch.testing.assert_close(w.gather(1, order), want_w.gather(1, want_order), rtol=ULP[dtype], atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_ties_pick_the_lowest_expert_ids(dtype):
+    """Equal scores + bias: the kernel takes the lowest ids (torch.topk leaves the choice open),
+    in descending order of score + bias; the weights are those of any valid choice."""
+    T, E, k = 4, 40, 6
+    logits = torch.zeros(T, E)
+    logits[1, 10:20] = 1.0  # ten tied at the top
+    logits[2, ::3] = 2.0  # a tie across the whole row
+    logits[3, 30:] = 0.5
+    logits[3, 31] = 0.75
+    bias = torch.zeros(E)
+    bias[5] = 0.25  # row 0: one above, the rest tied
+    w, ids = route(logits.to(dtype).to(DEVICE), k, "sqrtsoftplus", 1.5, bias=bias.to(DEVICE))
+    scores = ref.route_ref(logits.to(dtype), k, "sqrtsoftplus", 1.5, bias=bias)[0]
+    key = ref.F.softplus(logits.to(dtype)).sqrt().float() + bias
+    stable = torch.sort(-key, dim=1, stable=True).indices[:, :k]  # descending, ties by lowest id
+    assert torch.equal(ids.cpu(), stable)
+    torch.testing.assert_close(w.cpu().sort(1).values, scores.sort(1).values, rtol=ULP[dtype], atol=0)
+
+
+@pytest.mark.parametrize("T,E,k", [(1, 8, 2), (11, 37, 3), (5, 256, 6)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_hash_matches_the_router(T, E, k, dtype, poisoned):
+    g = _gen("hash", T, E, k, dtype)
+    logits, vocab = _logits(g, T, E, dtype), 50
+    table = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(vocab)])
+    table[3] = table[3, :1].expand(k)  # a row naming one expert k times: its weight k times
+    input_ids = torch.randint(vocab, (T,), generator=g)
+    input_ids[0] = 3
+    w, ids = route(*_dev(logits), k, "sqrtsoftplus", 2.5, table=table.to(DEVICE), input_ids=input_ids.to(DEVICE))
+    want_w, want_ids = ref.route_ref(logits, k, "sqrtsoftplus", 2.5, table=table, input_ids=input_ids)
+    assert torch.equal(ids.cpu(), want_ids), "the table's rows, in their order"
+    torch.testing.assert_close(w.cpu(), want_w, rtol=ULP[dtype], atol=0)
+
+
+def test_route_refuses_what_it_cannot_do():
+    logits = torch.zeros(2, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="scoring"):
+        route(logits, 2, "softmax", 1.0, bias=torch.zeros(8, device=DEVICE))
+    with pytest.raises(ValueError, match="either a bias or a hash table"):
+        route(logits, 2, "sigmoid", 1.0)
+    with pytest.raises(ValueError, match="top_k 9 of 8"):
+        route(logits, 9, "sigmoid", 1.0, bias=torch.zeros(8, device=DEVICE))
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (7, 33), (3, 5, 1031)])
+@pytest.mark.parametrize("dtype", [torch.float32, *LOW])
+def test_swiglu_matches_the_shared_expert(shape, dtype, poisoned):
+    g = _gen("swiglu", shape, dtype)
+    gate, up = (6 * torch.randn(*shape, generator=g)).to(dtype), (6 * torch.randn(*shape, generator=g)).to(dtype)
+    got = swiglu(*_dev(gate, up), 4.0).cpu()
+    want = ref.swiglu_ref(gate, up, 4.0)
+    _close(got, want, dtype, "swiglu")
+    _mostly_equal(got, want)

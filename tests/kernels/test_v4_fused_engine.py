@@ -1,0 +1,69 @@
+"""The tiny DeepSeek-V4 through the engine on the GPU's paths (every `ops` call on its Triton kernel,
+interpreted on CPU: the fused glue, the compressor's decode kernel, attention, MoE) against the
+same engine on the torch paths the CPU tests check against transformers: the same greedy tokens
+over decodes that cross the compressors' group edges (rates 4 and 16), float32.
+
+TRITON_INTERPRET is set before triton's first import, as in the other kernel tests."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+from pdserve.model import ops  # noqa: E402
+from pdserve.tiny_model import make_tiny_model  # noqa: E402
+from tests.helpers.kernels import require_interpreter  # noqa: E402
+from tests.helpers.v4 import engine, greedy, run  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+require_interpreter()
+from pdserve.engine.request import Request  # noqa: E402
+
+
+def _tokens(tiny, prompts, backend: str) -> list[list[int]]:
+    ops.set_backend(backend)
+    try:
+        eng = engine(tiny, max_num_seqs=4)
+        reqs = [Request(request_id=str(i), prompt_token_ids=p, params=greedy(n)) for i, (p, n) in enumerate(prompts)]
+        done = run(eng, reqs)
+    finally:
+        ops.set_backend(None)
+    return [done[str(i)].outputs[0].token_ids for i in range(len(prompts))]
+
+
+def _counted(monkeypatch, module, name: str, calls: dict) -> None:
+    fn = getattr(module, name)
+
+    def wrapped(*a, **kw):
+        calls[name] = calls.get(name, 0) + 1
+        return fn(*a, **kw)
+
+    monkeypatch.setattr(module, name, wrapped)
+
+
+def test_greedy_tokens_equal_on_the_fused_paths(tmp_path, monkeypatch):
+    from pdserve_kernels import compress, glue, mhc
+
+    calls: dict = {}
+    for module, name in (
+        (mhc, "hc_pre"),
+        (mhc, "hc_post"),
+        (glue, "route"),
+        (glue, "rms_norm_rope"),
+        (glue, "swiglu"),
+        (compress, "compress_decode"),
+    ):
+        _counted(monkeypatch, module, name, calls)
+    tiny = make_tiny_model(tmp_path / "tiny", arch="deepseek_v4", seed=0)
+    g = torch.Generator().manual_seed(11)
+    # lengths around the rates: decodes cross 4-token groups and the 16-token HCA group
+    prompts = [(torch.randint(4, 800, (n,), generator=g).tolist(), new) for n, new in ((3, 9), (14, 6), (7, 5))]
+    want = _tokens(tiny, prompts, "torch")
+    assert not calls, "the torch paths call no kernel"
+    got = _tokens(tiny, prompts, "triton")
+    assert set(calls) == {"hc_pre", "hc_post", "route", "rms_norm_rope", "swiglu", "compress_decode"}, calls
+    assert got == want
