@@ -32,7 +32,7 @@ from pdserve.model import ops
 from pdserve.model.config import ModelConfig
 from pdserve.model.deepseek_v4.compressor import CSACompressor, HCACompressor, Indexer
 from pdserve.model.deepseek_v4.config import CSA, HCA, SLIDING
-from pdserve.model.deepseek_v4.layers import V4RMSNorm, rms_norm, rope_tail, store_records
+from pdserve.model.deepseek_v4.layers import V4RMSNorm, rope_tail, store_records
 from pdserve.model.deepseek_v4.step import V4Step
 from pdserve.model.fp8 import Block, fp8_params, linear, shard_scales
 from pdserve.model.kv_cache import KVCache
@@ -136,8 +136,7 @@ class V4Attention(nn.Module):
         T = x.shape[0]
         cos, sin = step.rope[self.rope_kind]
         q_res = self.q_a_norm(self.q_a_proj(x))  # [T, Q]
-        q = rms_norm(self.q_b_proj(q_res).view(T, self.heads, self.head_dim), self.eps)
-        q = rope_tail(q, cos, sin)  # [T, H, D]
+        q = ops.rms_norm(self.q_b_proj(q_res).view(T, self.heads, self.head_dim), None, self.eps, rope=(cos, sin))
         kv = self._kv(x, cos, sin)  # [T, D]
         window = _region(kv_cache, "window", layer)  # [Nw, D] values, or fp8_ds_v4 pages
         new = kv if step.window_src is None else kv[step.window_src]
@@ -156,7 +155,7 @@ class V4Attention(nn.Module):
 
     def _kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> the step's K = V records [T, D] (normed, roped)."""
-        return rope_tail(self.kv_norm(self.kv_proj(x)), cos, sin)
+        return self.kv_norm(self.kv_proj(x), rope=(cos, sin))  # normed and roped in one kernel on a GPU
 
     def _attend_fp8(self, q, kv, window: torch.Tensor, step: V4Step, extra) -> torch.Tensor:
         """The attention over fp8_ds_v4 records: the records each query reads, gathered from both
