@@ -163,7 +163,9 @@ def fp8_gemv(
         raise ValueError(f"fp8_gemv takes at most 16 rows, got {M}")
     cfg = config or configs.fp8_gemv_config(capability(x.device), 1, x.dtype)  # the tile does not depend on M
     fp32 = x.dtype == torch.float32
-    mode = FMA if cfg.fma else IEEE if fp32 else FP8_ACT if cfg.fp8_act else X_DOT
+    # float32 x: always the IEEE dot. The FMA form's broadcast-multiply-sum is rewritten by Triton
+    # into a tl.dot (TF32 for float32 operands) where the tile allows it (BM 16: seen on an H100)
+    mode = IEEE if fp32 else FMA if cfg.fma else FP8_ACT if cfg.fp8_act else X_DOT
     block_k = bk if mode == FP8_ACT else min(cfg.block_k, bk)  # one scale per K step; fp8: one act group
     block_m = next_pow2(M) if mode == FMA else 16
     R = N // G

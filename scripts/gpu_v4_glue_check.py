@@ -30,7 +30,10 @@ from pdserve_kernels.glue import rms_norm_rope, route, swiglu
 from pdserve_kernels.mhc import hc_post, hc_pre
 
 D, N, ITERS, E, K, HEADS, HEAD_DIM, R, Q = 4096, 4, 20, 256, 6, 64, 512, 64, 1024
-ULP = {torch.bfloat16: 2**-7, torch.float32: 1e-5}
+# bf16: two units in the last place. The torch path rounds some intermediates to bf16 (e.g. the
+# norm's x * rsqrt(ms) before its weight) where a kernel keeps float32, so a rare element sits
+# two ulps away (first H100 run: at most 0.05% of elements, only from T = 64)
+ULP = {torch.bfloat16: 2**-6, torch.float32: 1e-5}
 
 
 def graph_us(fn, reps: int = 50) -> float:
