@@ -12,12 +12,17 @@ at most ceil(window_tokens / bs) + 1 window blocks between steps, however long i
 
 Models with per-sequence state (DeepSeek-V4's compressors) have a third, the state space: one
 slot per sequence (`state_slot`), taken with its first blocks and returned with them.
+
+With prefix caching (prefix_root given) the token space is a PrefixCache (prefix_cache.py): a
+sequence's first blocks may come from the cache (`lookup`, then `allocate(..., hit)`), and its
+computed full blocks are kept by hash after it frees them (`cache_computed`).
 """
 
 from __future__ import annotations
 
 from collections import deque
 
+from pdserve.engine.prefix_cache import NO_HIT, CacheHit, PrefixCache
 from pdserve.engine.sequence import Sequence
 
 FREED = -1  # a window-table entry with no block (out of the window, or not yet written)
@@ -60,9 +65,11 @@ class BlockManager:
         window_tokens: int | None = None,
         num_window_blocks: int = 0,
         num_state_slots: int = 0,
+        prefix_root: bytes | None = None,
     ) -> None:
         """window_tokens: the window regions' last_tokens (None: the pool has no window space).
-        num_state_slots: slots of the state space (0: none)."""
+        num_state_slots: slots of the state space (0: none). prefix_root: the prefix cache's
+        hash root (prefix_cache.root_hash; None: no prefix caching)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
         if window_tokens is not None and num_window_blocks < self.window_blocks_per_seq(window_tokens, block_size):
@@ -72,7 +79,8 @@ class BlockManager:
             )
         self.block_size = block_size
         self.num_total_blocks = num_blocks
-        self._pool = BlockPool(num_blocks)
+        self.prefix_cache = PrefixCache(num_blocks, block_size, prefix_root) if prefix_root is not None else None
+        self._pool = self.prefix_cache or BlockPool(num_blocks)
         self.window_tokens = window_tokens
         self._window = BlockPool(num_window_blocks) if window_tokens is not None else None
         self._states = BlockPool(num_state_slots) if num_state_slots else None
@@ -91,6 +99,11 @@ class BlockManager:
     @property
     def num_used_blocks(self) -> int:
         return self._pool.num_used
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Cached blocks no sequence holds (in num_free_blocks, apart from num_used_blocks)."""
+        return 0 if self.prefix_cache is None else self.prefix_cache.num_cached
 
     @property
     def num_total_window_blocks(self) -> int:
@@ -115,10 +128,22 @@ class BlockManager:
         """Extra blocks seq needs so its table covers num_tokens tokens."""
         return max(0, self.blocks_for(num_tokens) - len(seq.block_table))
 
-    def can_allocate(self, seq: Sequence, num_tokens: int, step_end: int | None = None) -> bool:
+    def lookup(self, seq: Sequence) -> CacheHit:
+        """The cached blocks a sequence with no blocks yet may start from (NO_HIT: none, or no cache)."""
+        if self.prefix_cache is None or seq.block_table or seq.num_computed_tokens:
+            return NO_HIT
+        return self.prefix_cache.lookup(seq)
+
+    def cache_computed(self, seq: Sequence) -> None:
+        """Make seq's computed full blocks findable by later sequences (after each step)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.register(seq)
+
+    def can_allocate(self, seq: Sequence, num_tokens: int, step_end: int | None = None, hit: CacheHit = NO_HIT) -> bool:
         """Blocks for num_tokens tokens, and window blocks for a step that computes the tokens
-        from seq.num_computed_tokens to step_end (default num_tokens)."""
-        if self.blocks_needed(seq, num_tokens) > self._pool.num_free:
+        from seq.num_computed_tokens to step_end (default num_tokens); hit: the cached blocks
+        seq starts from (they are no longer free once it holds them)."""
+        if self.blocks_needed(seq, num_tokens) - len(hit.blocks) > self._pool.num_free - hit.num_cached_free:
             return False
         if self._needs_state(seq) and self._states.num_free == 0:
             return False
@@ -127,9 +152,13 @@ class BlockManager:
         free_now = len(self._out_of_window(seq))
         return len(self._window_gaps(seq, step_end or num_tokens)) <= self._window.num_free + free_now
 
-    def allocate(self, seq: Sequence, num_tokens: int, step_end: int | None = None) -> None:
+    def allocate(self, seq: Sequence, num_tokens: int, step_end: int | None = None, hit: CacheHit = NO_HIT) -> None:
         """Grow seq's block table to cover num_tokens tokens and give it the window blocks the
-        step up to step_end writes (callers check can_allocate first)."""
+        step up to step_end writes (callers check can_allocate first). hit: from lookup(seq),
+        its blocks become seq's first ones, computed."""
+        if self.prefix_cache is not None and hit.num_queried:
+            self.prefix_cache.share(seq, hit)
+            self.prefix_cache.count(seq, hit)
         need = self.blocks_needed(seq, num_tokens)
         if need > self._pool.num_free:
             raise RuntimeError(f"{seq.request_id}: needs {need} blocks, {self._pool.num_free} free")
@@ -162,6 +191,7 @@ class BlockManager:
         for block in reversed(seq.block_table):
             self._pool.give_back(block, seq.request_id)
         seq.block_table = []
+        seq.num_registered_blocks = 0
         for block in reversed(seq.window_table):
             if block != FREED:
                 self._window.give_back(block, seq.request_id)

@@ -73,6 +73,9 @@ class EngineConfig(BaseModel):
     # weights kept as the checkpoint ships them (None), FP8 ("fp8"), or dequantized ("none"); the
     # KV layout does not depend on it, so it is not part of the KV compatibility hash
     quantization: Quantization | None = None
+    # automatic prefix caching (vLLM's name): full KV blocks kept by a hash of their tokens and
+    # reused by later requests with the same prefix (engine/prefix_cache.py)
+    enable_prefix_caching: bool = True
 
     @field_validator("device")
     @classmethod

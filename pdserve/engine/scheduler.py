@@ -160,13 +160,14 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed_tokens, budget)
+            hit = self.block_manager.lookup(seq)  # prefix caching: cached blocks it starts from
+            n = min(seq.num_uncomputed_tokens - hit.num_tokens, budget)
             # blocks for all its tokens up front, so a long prompt is not preempted between chunks
             # (window blocks only for this chunk: earlier chunks' fall out of the window)
-            step_end = seq.num_computed_tokens + n
-            if not self.block_manager.can_allocate(seq, seq.num_tokens, step_end):
+            step_end = seq.num_computed_tokens + hit.num_tokens + n
+            if not self.block_manager.can_allocate(seq, seq.num_tokens, step_end, hit):
                 break
-            self.block_manager.allocate(seq, seq.num_tokens, step_end)
+            self.block_manager.allocate(seq, seq.num_tokens, step_end, hit)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
