@@ -103,7 +103,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     w(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
-        help="reuse the KV blocks of earlier prompts' shared prefixes (default on; DeepSeek-V4: not cached yet)",
+        help="reuse the KV blocks of earlier prompts' shared prefixes (default on)",
     )
     w(
         "--quantization",

@@ -89,6 +89,7 @@ class LLMEngine:
             num_window_blocks=self.runner.num_window_blocks,
             num_state_slots=self.runner.num_state_slots,
             prefix_root=self._prefix_root(),
+            num_checkpoints=self.runner.num_checkpoints,
         )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.connector = connector
@@ -107,9 +108,10 @@ class LLMEngine:
 
     def _prefix_root(self) -> bytes | None:
         """The prefix cache's hash root; None when caching is off, and for pools with a window or
-        state space (DeepSeek-V4: a hit would also need the window and the compressors' state)."""
+        state space that keep no checkpoints (prefix_checkpoints.checkpoint_capacity)."""
         r = self.runner
-        if not self.config.enable_prefix_caching or r.window_tokens is not None or r.num_state_slots:
+        side = r.window_tokens is not None or r.num_state_slots
+        if not self.config.enable_prefix_caching or (side and not r.num_checkpoints):
             return None
         return root_hash(*model_identity(self.config))
 
@@ -205,6 +207,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         self.last_schedule = sched
         if not sched.is_empty:
+            self.runner.copy_records(self.block_manager.take_copies())
             sampled = self.runner.run(sched, self._while_step_runs(outputs))
             self._postprocess(sched, sampled, outputs)
         return list(outputs.values())

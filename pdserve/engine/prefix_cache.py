@@ -30,6 +30,7 @@ import os
 import sys
 from array import array
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -79,6 +80,8 @@ class CacheHit:
     num_tokens: int = 0  # tokens they hold (len(blocks) * bs)
     num_cached_free: int = 0  # of them, blocks no sequence holds now (counted as free until shared)
     num_queried: int = 0  # tokens looked up (0: no lookup was made)
+    num_window_blocks: int = 0  # window blocks its checkpoint needs (prefix_checkpoints.py)
+    num_matched_tokens: int = 0  # tokens of the cached blocks found, before cut back to a usable one
 
 
 NO_HIT = CacheHit()
@@ -138,9 +141,10 @@ class PrefixCache:
             self._free.appendleft(block)
 
     # -- hits --
-    def lookup(self, seq: Sequence) -> CacheHit:
+    def lookup(self, seq: Sequence, usable: Callable[[bytes], bool] | None = None) -> CacheHit:
         """The longest run of cached blocks at the start of seq's tokens, leaving its last token
-        to compute. Changes nothing (commit with share())."""
+        to compute, cut back to the deepest block whose hash is `usable` (None: any). Changes
+        nothing (commit with share())."""
         limit = (seq.num_tokens - 1) // self.block_size
         hashes = self.hashes(seq, limit)
         blocks = []
@@ -149,8 +153,11 @@ class PrefixCache:
             if block is None:
                 break
             blocks.append(block)
+        matched = len(blocks) * self.block_size
+        while usable is not None and blocks and not usable(hashes[len(blocks) - 1]):
+            blocks.pop()
         cached_free = sum(1 for b in blocks if b not in self._ref)
-        return CacheHit(blocks, len(blocks) * self.block_size, cached_free, seq.num_tokens)
+        return CacheHit(blocks, len(blocks) * self.block_size, cached_free, seq.num_tokens, 0, matched)
 
     def share(self, seq: Sequence, hit: CacheHit) -> None:
         """seq takes the hit's blocks (a reference each) as its first blocks, computed."""
@@ -163,6 +170,7 @@ class PrefixCache:
         seq.block_table.extend(hit.blocks)
         seq.num_computed_tokens = hit.num_tokens
         seq.num_registered_blocks = len(hit.blocks)
+        seq.prefix_junction = hit.num_matched_tokens
 
     def count(self, seq: Sequence, hit: CacheHit) -> None:
         """Count a committed lookup; the request's first one is what it reports."""

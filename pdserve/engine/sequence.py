@@ -62,10 +62,12 @@ class Sequence:
         self.state_slot = -1  # state-space slot (block_manager.py), -1: none
         self.num_computed_tokens = 0
         # prefix caching (prefix_cache.py): hashes of its full blocks, how many of its blocks are
-        # findable, and the prompt tokens its first admission found cached (None: not admitted yet)
+        # findable, the prompt tokens its first admission found cached (None: not admitted yet), and
+        # where its cached blocks ended past the hit (a prefill chunk ends there: prefix_checkpoints.py)
         self.block_hashes: list[bytes] = []
         self.num_registered_blocks = 0
         self.num_cached_tokens: int | None = None
+        self.prefix_junction = 0
         self.arrival = arrival  # admission order key: larger = younger
         # output state
         self.text = ""
