@@ -15,7 +15,8 @@ import pytest
 import torch
 import transformers
 
-from pdserve.engine.request import Request
+from pdserve.disagg.fake_connector import FakeConnector, FakeFabric
+from pdserve.engine.request import FirstToken, Request
 from pdserve.tiny_model import make_tiny_model
 from tests.helpers.v4 import engine, greedy, run
 
@@ -92,3 +93,32 @@ def test_v4_preemption_with_shared_checkpoints(tiny, oracle):
 def test_v4_blocks_that_the_hca_rate_does_not_divide_stay_uncached(tiny):
     eng = engine(tiny, kv_block_size=8)
     assert eng.block_manager.prefix_cache is None and eng.runner.num_checkpoints == 0
+
+
+def test_v4_pd_hand_off_after_a_prefill_hit(tiny):
+    """A prefill worker whose prompt hit its cache (entries shared, window and state restored from a
+    checkpoint) hands the KV to a decode worker, which continues as a cold colocated engine does."""
+    fabric = FakeFabric()
+    conns = [FakeConnector(e, model_id="tiny", fabric=fabric, lease_margin_s=0.0) for e in ("P", "D")]
+    prefill = engine(tiny, conns[0], kv_block_size=BS)
+    decode = engine(tiny, conns[1], kv_block_size=BS)
+    g = torch.Generator().manual_seed(13)
+    p = torch.randint(4, 800, (45,), generator=g).tolist()
+    _one(prefill, "warm", p[:40])
+    first = run(prefill, [Request(request_id="a", prompt_token_ids=p, params=greedy(NEW), hold_kv=True)])["a"]
+    assert first.num_cached_tokens == 32 and prefill.has_held_kv()
+    handoff = Request(
+        request_id="a",
+        prompt_token_ids=p,
+        params=greedy(NEW),
+        kv_handle=first.kv_handle,
+        first_token=FirstToken(token_id=first.outputs[0].token_ids[0]),
+    )
+    final = run(decode, [handoff])["a"]
+    prefill.step()  # takes the release
+    cold = _one(engine(tiny, kv_block_size=BS, enable_prefix_caching=False), "a", p)
+    assert final.outputs[0].token_ids == cold.outputs[0].token_ids
+    for e in (prefill, decode):
+        s = e.get_stats()
+        assert s.kv_blocks_used == 0 and s.kv_window_blocks_used == 0 and s.kv_state_slots_used == 0
+    assert not prefill.has_held_kv()
