@@ -43,7 +43,7 @@ from pdserve.disagg.base import KVHandle, TransferFailure
 from pdserve.engine.request import REQUEST_ID_PATTERN, FirstToken, Request
 from pdserve.outputs import TokenLogprobs
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 SECRET_HEADER = "x-pdserve-cluster-secret"
 
 Role = Literal["prefill", "decode", "colocated"]

@@ -76,13 +76,18 @@ def test_v4_hits_give_the_cold_tokens(tiny, oracle, budget):
     assert stats.kv_blocks_used == 0 and stats.kv_window_blocks_used == 0 and stats.kv_state_slots_used == 0
 
 
-def test_v4_preemption_with_shared_checkpoints(tiny, oracle):
+def test_v4_preemption_and_abort_with_shared_checkpoints(tiny, oracle):
     g = torch.Generator().manual_seed(12)
     p = torch.randint(4, 800, (40,), generator=g).tolist()
     prompts = [p[:33] + [5 + i] * (2 + i) for i in range(5)]
     eng = engine(tiny, kv_block_size=BS, num_kv_blocks=8, max_num_batched_tokens=40)
     _one(eng, "warm", p[:33])
+    eng.add_request(Request(request_id="gone", prompt_token_ids=p[:33] + [9] * 4, params=greedy(3 * NEW)))
+    for _ in range(3):
+        eng.step()
+    eng.abort_request("gone")  # aborted while it holds shared blocks and restored window / state
     outs = run(eng, [Request(request_id=str(i), prompt_token_ids=q, params=greedy(NEW)) for i, q in enumerate(prompts)])
+    assert outs["gone"].outputs[0].finish_reason == "abort" and outs["gone"].num_cached_tokens == 32
     for i, q in enumerate(prompts):
         assert outs[str(i)].outputs[0].token_ids == oracle(q), f"prompt {i}"
     stats = eng.get_stats()
