@@ -69,14 +69,9 @@ class Checkpoints:
         self._states = states
         self._by_hash: OrderedDict[bytes, Checkpoint] = OrderedDict()  # least recently used first
         self.copies: list[tuple[str, int, int]] = []
-
-    @property
-    def num_window_blocks(self) -> int:
-        return sum(len(c.window_blocks) for c in self._by_hash.values())
-
-    @property
-    def num_state_slots(self) -> int:
-        return len(self._by_hash)
+        # what the checkpoints hold (counters: stats are read from other threads while steps run)
+        self.num_window_blocks = 0
+        self.num_state_slots = 0
 
     def _span(self, boundary: int) -> range:
         """Window-table indices holding positions [boundary - K, boundary)."""
@@ -101,6 +96,8 @@ class Checkpoints:
         self.copies += [(WINDOW, seq.window_table[i], b) for i, b in zip(span, ckpt.window_blocks)]
         self.copies.append((STATE, seq.state_slot, ckpt.state_slot))
         self._by_hash[h] = ckpt
+        self.num_window_blocks += len(ckpt.window_blocks)
+        self.num_state_slots += 1
 
     def restore(self, seq: Sequence, block_hash: bytes, boundary: int) -> None:
         """seq, whose first boundary // bs blocks are a hit ending at this checkpoint and which
@@ -123,6 +120,8 @@ class Checkpoints:
 
     def _evict(self) -> None:
         _, ckpt = self._by_hash.popitem(last=False)
+        self.num_window_blocks -= len(ckpt.window_blocks)
+        self.num_state_slots -= 1
         for b in ckpt.window_blocks:
             self._window.give_back(b, "prefix checkpoint")
         self._states.give_back(ckpt.state_slot, "prefix checkpoint")
