@@ -130,6 +130,7 @@ class WorkerConfig(_Strict):
     max_num_batched_tokens: int | None = Field(None, ge=1)
     max_model_len: int | None = Field(None, ge=2)
     enforce_eager: bool = False  # no CUDA graphs for decode steps
+    enable_prefix_caching: bool = True  # reuse cached KV blocks of earlier prompts (docs/prefix-caching.md)
     kv_cache_dtype: KVCacheDType = "auto"  # fp8: FP8 latent records (V3 / V3.2); part of the KV compatibility hash
     quantization: Quantization | None = (
         None  # weights: unset follows the checkpoint (FP8 kept FP8); none dequantizes at load
@@ -219,6 +220,7 @@ class WorkerConfig(_Strict):
             max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len,
             enforce_eager=self.enforce_eager,
+            enable_prefix_caching=self.enable_prefix_caching,
             kv_cache_dtype=self.kv_cache_dtype,
             quantization=self.quantization,
             fp4_moe_backend=self.fp4_moe_backend,

@@ -74,3 +74,6 @@ class RequestOutput(BaseModel):
     prefill_text_offset: int | None = None
     error: str | None = None  # finish_reason "error": what went wrong
     transfer_error: TransferFailure | None = None  # decode role: the KV load that failed, as data
+    # prompt tokens whose KV came from the prefix cache at the request's first admission (vLLM's
+    # name; None before it is admitted here, 0 on a decode worker that loaded the prompt's KV)
+    num_cached_tokens: int | None = None

@@ -41,6 +41,7 @@ WORKER_FLAGS = {
     "max_open_requests": "worker.max_open_requests", "stall_timeout": "worker.stall_timeout", "peer": "peers",
     "enforce_eager": "worker.enforce_eager", "cuda_graph_max_bs": "worker.cuda_graph_max_bs", "kv_cache_dtype": "worker.kv_cache_dtype",
     "quantization": "worker.quantization", "fp4_moe_backend": "worker.fp4_moe_backend",
+    "enable_prefix_caching": "worker.enable_prefix_caching",
     "transfer_backend": "transfer.backend", "transfer_timeout": "transfer.timeout",
     "metadata_timeout": "transfer.metadata_timeout", "kv_load_failure_policy": "transfer.kv_load_failure_policy",
     "handoff_timeout": "transfer.handoff_timeout",
@@ -103,6 +104,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     w("--max-num-batched-tokens")
     w("--enforce-eager", action="store_true", help="no CUDA graphs: run every decode step eagerly")
     w("--kv-cache-dtype", help="auto (the model dtype) | fp8 (FP8 latent records, V3 / V3.2)")
+    w(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        help="reuse the KV blocks of earlier prompts' shared prefixes (default on)",
+    )
     w(
         "--quantization",
         "-q",

@@ -12,12 +12,20 @@ at most ceil(window_tokens / bs) + 1 window blocks between steps, however long i
 
 Models with per-sequence state (DeepSeek-V4's compressors) have a third, the state space: one
 slot per sequence (`state_slot`), taken with its first blocks and returned with them.
+
+With prefix caching (prefix_root given) the token space is a PrefixCache (prefix_cache.py): a
+sequence's first blocks may come from the cache (`lookup`, then `allocate(..., hit)`), and its
+computed full blocks are kept by hash after it frees them (`cache_computed`). With a window or
+state space too (DeepSeek-V4), a hit also needs a checkpoint of both at its end
+(prefix_checkpoints.py): num_checkpoints of them, in window blocks and state slots reserved for them.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
+from pdserve.engine.prefix_cache import NO_HIT, CacheHit, PrefixCache
+from pdserve.engine.prefix_checkpoints import Checkpoints
 from pdserve.engine.sequence import Sequence
 
 FREED = -1  # a window-table entry with no block (out of the window, or not yet written)
@@ -60,9 +68,12 @@ class BlockManager:
         window_tokens: int | None = None,
         num_window_blocks: int = 0,
         num_state_slots: int = 0,
+        prefix_root: bytes | None = None,
+        num_checkpoints: int = 0,
     ) -> None:
         """window_tokens: the window regions' last_tokens (None: the pool has no window space).
-        num_state_slots: slots of the state space (0: none)."""
+        num_state_slots: slots of the state space (0: none). prefix_root: the prefix cache's
+        hash root (prefix_cache.root_hash; None: no prefix caching)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
         if window_tokens is not None and num_window_blocks < self.window_blocks_per_seq(window_tokens, block_size):
@@ -72,10 +83,14 @@ class BlockManager:
             )
         self.block_size = block_size
         self.num_total_blocks = num_blocks
-        self._pool = BlockPool(num_blocks)
+        self.prefix_cache = PrefixCache(num_blocks, block_size, prefix_root) if prefix_root is not None else None
+        self._pool = self.prefix_cache or BlockPool(num_blocks)
         self.window_tokens = window_tokens
         self._window = BlockPool(num_window_blocks) if window_tokens is not None else None
         self._states = BlockPool(num_state_slots) if num_state_slots else None
+        self.checkpoints: Checkpoints | None = None
+        if self.prefix_cache is not None and num_checkpoints:
+            self.checkpoints = Checkpoints(num_checkpoints, window_tokens or 0, block_size, self._window, self._states)
 
     @staticmethod
     def window_blocks_per_seq(window_tokens: int, block_size: int) -> int:
@@ -93,12 +108,19 @@ class BlockManager:
         return self._pool.num_used
 
     @property
+    def num_cached_blocks(self) -> int:
+        """Cached blocks no sequence holds (in num_free_blocks, apart from num_used_blocks)."""
+        return 0 if self.prefix_cache is None else self.prefix_cache.num_cached
+
+    @property
     def num_total_window_blocks(self) -> int:
         return 0 if self._window is None else self._window.num_total_blocks
 
     @property
     def num_used_window_blocks(self) -> int:
-        return 0 if self._window is None else self._window.num_used
+        """Window blocks sequences hold (not prefix checkpoints')."""
+        held = self.checkpoints.num_window_blocks if self.checkpoints is not None else 0
+        return 0 if self._window is None else self._window.num_used - held
 
     @property
     def num_total_state_slots(self) -> int:
@@ -106,7 +128,8 @@ class BlockManager:
 
     @property
     def num_used_state_slots(self) -> int:
-        return 0 if self._states is None else self._states.num_used
+        held = self.checkpoints.num_state_slots if self.checkpoints is not None else 0
+        return 0 if self._states is None else self._states.num_used - held
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -115,21 +138,60 @@ class BlockManager:
         """Extra blocks seq needs so its table covers num_tokens tokens."""
         return max(0, self.blocks_for(num_tokens) - len(seq.block_table))
 
-    def can_allocate(self, seq: Sequence, num_tokens: int, step_end: int | None = None) -> bool:
+    def lookup(self, seq: Sequence) -> CacheHit:
+        """The cached blocks a sequence with no blocks yet may start from (NO_HIT: none, or no cache)."""
+        if self.prefix_cache is None or seq.block_table or seq.num_computed_tokens:
+            return NO_HIT
+        ckpts = self.checkpoints
+        if ckpts is None:
+            return self.prefix_cache.lookup(seq)
+        hit = self.prefix_cache.lookup(seq, ckpts.has)
+        return CacheHit(**{**vars(hit), "num_window_blocks": ckpts.window_blocks_for(hit.num_tokens)})
+
+    def cache_computed(self, seq: Sequence) -> None:
+        """Make seq's computed full blocks findable by later sequences (after each step)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.register(seq)
+        if self.checkpoints is not None:
+            self.checkpoints.save(seq)
+
+    def cut(self, seq: Sequence, start: int, n: int, junction: int = 0) -> int:
+        """A chunk of n tokens from start, ended where a checkpoint is wanted when it crosses one:
+        the junction (where its cached blocks end; default seq.prefix_junction) or the prompt's
+        last full block."""
+        if self.checkpoints is None:
+            return n
+        last = (seq.num_prompt_tokens - 1) // self.block_size * self.block_size
+        for boundary in (junction or seq.prefix_junction, last):
+            if start < boundary < start + n:
+                return boundary - start
+        return n
+
+    def take_copies(self) -> list[tuple[str, int, int]]:
+        """Record copies (space, src, dst) to do before the next forward (prefix checkpoints)."""
+        return self.checkpoints.take_copies() if self.checkpoints is not None else []
+
+    def can_allocate(self, seq: Sequence, num_tokens: int, step_end: int | None = None, hit: CacheHit = NO_HIT) -> bool:
         """Blocks for num_tokens tokens, and window blocks for a step that computes the tokens
-        from seq.num_computed_tokens to step_end (default num_tokens)."""
-        if self.blocks_needed(seq, num_tokens) > self._pool.num_free:
+        from seq.num_computed_tokens to step_end (default num_tokens); hit: the cached blocks
+        seq starts from (they are no longer free once it holds them)."""
+        if self.blocks_needed(seq, num_tokens) - len(hit.blocks) > self._pool.num_free - hit.num_cached_free:
             return False
         if self._needs_state(seq) and self._states.num_free == 0:
             return False
         if self._window is None:
             return True
         free_now = len(self._out_of_window(seq))
-        return len(self._window_gaps(seq, step_end or num_tokens)) <= self._window.num_free + free_now
+        need = len(self._window_gaps(seq, step_end or num_tokens)) + hit.num_window_blocks
+        return need <= self._window.num_free + free_now
 
-    def allocate(self, seq: Sequence, num_tokens: int, step_end: int | None = None) -> None:
+    def allocate(self, seq: Sequence, num_tokens: int, step_end: int | None = None, hit: CacheHit = NO_HIT) -> None:
         """Grow seq's block table to cover num_tokens tokens and give it the window blocks the
-        step up to step_end writes (callers check can_allocate first)."""
+        step up to step_end writes (callers check can_allocate first). hit: from lookup(seq),
+        its blocks become seq's first ones, computed."""
+        if self.prefix_cache is not None and hit.num_queried:
+            self.prefix_cache.share(seq, hit)
+            self.prefix_cache.count(seq, hit)
         need = self.blocks_needed(seq, num_tokens)
         if need > self._pool.num_free:
             raise RuntimeError(f"{seq.request_id}: needs {need} blocks, {self._pool.num_free} free")
@@ -149,6 +211,8 @@ class BlockManager:
             table.extend([FREED] * (self.blocks_for(step_end or num_tokens) - len(table)))
             for i in gaps:
                 table[i] = self._window.take()
+        if hit.num_tokens and self.checkpoints is not None:
+            self.checkpoints.restore(seq, seq.block_hashes[len(hit.blocks) - 1], hit.num_tokens)
 
     def trim_window(self, seq: Sequence) -> None:
         """Free the window blocks that no later step of seq reads (all their positions are
@@ -162,6 +226,7 @@ class BlockManager:
         for block in reversed(seq.block_table):
             self._pool.give_back(block, seq.request_id)
         seq.block_table = []
+        seq.num_registered_blocks = 0
         for block in reversed(seq.window_table):
             if block != FREED:
                 self._window.give_back(block, seq.request_id)

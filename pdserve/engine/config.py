@@ -78,6 +78,9 @@ class EngineConfig(BaseModel):
     quantization: Quantization | None = None
     # the kernel path of FP4 routed experts (Fp4MoEBackend; docs/kernels.md says which GPU runs which)
     fp4_moe_backend: Fp4MoEBackend = "auto"
+    # automatic prefix caching (vLLM's name): full KV blocks kept by a hash of their tokens and
+    # reused by later requests with the same prefix (engine/prefix_cache.py)
+    enable_prefix_caching: bool = True
 
     @field_validator("device")
     @classmethod

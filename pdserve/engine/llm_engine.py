@@ -24,6 +24,7 @@ from pdserve.disagg.stats import TransferStats
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, KVLoadFailurePolicy
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.prefix_cache import model_identity, root_hash
 from pdserve.engine.remote_kv import DEFAULT_HANDOFF_TIMEOUT_S, RemoteEvents, RemoteKV, handoff_problem
 from pdserve.engine.request import Handoff, Request
 from pdserve.engine.sampler import SampledToken
@@ -50,6 +51,9 @@ class EngineStats:
     kv_window_blocks_total: int = 0
     kv_state_slots_used: int = 0  # per-sequence state space (DeepSeek-V4's compressors)
     kv_state_slots_total: int = 0
+    kv_blocks_cached: int = 0  # prefix cache: blocks no request holds, kept for a hit (not in kv_blocks_used)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (vLLM's counters)
+    prefix_cache_hits: int = 0  # of them, found cached
 
 
 class LLMEngine:
@@ -84,6 +88,8 @@ class LLMEngine:
             window_tokens=self.runner.window_tokens,
             num_window_blocks=self.runner.num_window_blocks,
             num_state_slots=self.runner.num_state_slots,
+            prefix_root=self._prefix_root(),
+            num_checkpoints=self.runner.num_checkpoints,
         )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.connector = connector
@@ -99,6 +105,15 @@ class LLMEngine:
         self._aborts: list[str] = []  # abort requests since the last step (taken after the new ones)
         self._ids: set[str] = set()  # every request not yet fully gone (finished ones leave)
         self._arrival = itertools.count()
+
+    def _prefix_root(self) -> bytes | None:
+        """The prefix cache's hash root; None when caching is off, and for pools with a window or
+        state space that keep no checkpoints (prefix_checkpoints.checkpoint_capacity)."""
+        r = self.runner
+        side = r.window_tokens is not None or r.num_state_slots
+        if not self.config.enable_prefix_caching or (side and not r.num_checkpoints):
+            return None
+        return root_hash(*model_identity(self.config))
 
     @property
     def kv_cache(self):
@@ -192,6 +207,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         self.last_schedule = sched
         if not sched.is_empty:
+            self.runner.copy_records(self.block_manager.take_copies())
             sampled = self.runner.run(sched, self._while_step_runs(outputs))
             self._postprocess(sched, sampled, outputs)
         return list(outputs.values())
@@ -213,6 +229,8 @@ class LLMEngine:
             seq = s.seq
             seq.num_computed_tokens += s.num_tokens
             self.block_manager.trim_window(seq)
+            if seq.request.role != "decode":  # decode-side reuse of loaded KV is not built
+                self.block_manager.cache_computed(seq)
             if not s.samples:
                 continue
             status = self._append(seq, next(tokens))
@@ -276,6 +294,7 @@ class LLMEngine:
             prefill_text_offset=seq.first_token.text_offset if seq.first_token is not None else None,
             error=seq.error,
             transfer_error=seq.transfer_error,
+            num_cached_tokens=seq.num_cached_tokens,
         )
 
     # -- admission, aborts and PD --
@@ -351,6 +370,7 @@ class LLMEngine:
         c = self.scheduler.counts()
         remote = self.remote_kv
         awaiting = remote.num_awaiting if remote is not None else 0
+        cache = self.block_manager.prefix_cache
         return EngineStats(
             num_running=c.running,
             num_waiting=c.waiting + awaiting,
@@ -365,4 +385,7 @@ class LLMEngine:
             kv_window_blocks_total=self.block_manager.num_total_window_blocks,
             kv_state_slots_used=self.block_manager.num_used_state_slots,
             kv_state_slots_total=self.block_manager.num_total_state_slots,
+            kv_blocks_cached=self.block_manager.num_cached_blocks,
+            prefix_cache_queries=cache.queries if cache is not None else 0,
+            prefix_cache_hits=cache.hits if cache is not None else 0,
         )

@@ -29,6 +29,7 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import DEFAULT_CPU_KV_GB, EngineConfig
 from pdserve.engine.cuda_graphs import CudaGraphRunner
 from pdserve.engine.memory import MemoryFigures, measure_figures, plan_kv_pool, profile_peak
+from pdserve.engine.prefix_checkpoints import checkpoint_capacity, window_blocks_per_checkpoint
 from pdserve.engine.sampler import SampledToken, Sampler
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence
@@ -105,6 +106,12 @@ class ModelRunner:
         self.window_tokens, self.num_window_blocks, self.num_state_slots = _side_spaces(
             specs, config.max_num_seqs, self.block_size
         )
+        self.num_checkpoints = checkpoint_capacity(config, specs)  # prefix caching's (DeepSeek-V4)
+        if self.num_checkpoints:
+            self.num_window_blocks += self.num_checkpoints * window_blocks_per_checkpoint(
+                self.window_tokens, self.block_size
+            )
+            self.num_state_slots += self.num_checkpoints
         side_bytes = sum(
             n * KVCache.bytes_per_block(specs, model.num_layers, self.block_size, self.dtype, space)
             for n, space in ((self.num_window_blocks, WINDOW), (self.num_state_slots, STATE))
@@ -253,6 +260,15 @@ class ModelRunner:
             state_slots=torch.tensor([s.seq.state_slot for s in chunks], dtype=torch.int64),
         )
         return step, [s.seq for s in chunks if s.samples]
+
+    @torch.inference_mode()
+    def copy_records(self, copies: list[tuple[str, int, int]]) -> None:
+        """Copy whole blocks (window space) and slots (state space), (space, src, dst) in order:
+        prefix checkpoints taken and restored (engine/prefix_checkpoints.py), before a forward."""
+        for space, src, dst in copies:
+            for name, region in self.kv_cache.regions.items():
+                if self.kv_cache.specs[name].space == space:
+                    region[:, dst] = region[:, src]
 
     @torch.inference_mode()
     def on_kv_loaded(self, block_ids: list[int], window_block_ids: list[int], state_slot: int) -> None:

@@ -124,7 +124,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
                 continue
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = self.block_manager.cut(seq, seq.num_computed_tokens, min(seq.num_uncomputed_tokens, budget))
             if self._make_room(seq, seq.num_computed_tokens + n, out):
                 self.block_manager.allocate(seq, seq.num_computed_tokens + n)
                 out.scheduled.append(ScheduledSeq.of(seq, n))
@@ -160,13 +160,16 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed_tokens, budget)
+            hit = self.block_manager.lookup(seq)  # prefix caching: cached blocks it starts from
+            start = seq.num_computed_tokens + hit.num_tokens
+            n = min(seq.num_uncomputed_tokens - hit.num_tokens, budget)
+            n = self.block_manager.cut(seq, start, n, hit.num_matched_tokens)
             # blocks for all its tokens up front, so a long prompt is not preempted between chunks
             # (window blocks only for this chunk: earlier chunks' fall out of the window)
-            step_end = seq.num_computed_tokens + n
-            if not self.block_manager.can_allocate(seq, seq.num_tokens, step_end):
+            step_end = start + n
+            if not self.block_manager.can_allocate(seq, seq.num_tokens, step_end, hit):
                 break
-            self.block_manager.allocate(seq, seq.num_tokens, step_end)
+            self.block_manager.allocate(seq, seq.num_tokens, step_end, hit)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival)

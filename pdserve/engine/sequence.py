@@ -61,6 +61,13 @@ class Sequence:
         self.window_table: list[int] = []  # window-space blocks (block_manager.py), -1 where freed
         self.state_slot = -1  # state-space slot (block_manager.py), -1: none
         self.num_computed_tokens = 0
+        # prefix caching (prefix_cache.py): hashes of its full blocks, how many of its blocks are
+        # findable, the prompt tokens its first admission found cached (None: not admitted yet), and
+        # where its cached blocks ended past the hit (a prefill chunk ends there: prefix_checkpoints.py)
+        self.block_hashes: list[bytes] = []
+        self.num_registered_blocks = 0
+        self.num_cached_tokens: int | None = None
+        self.prefix_junction = 0
         self.arrival = arrival  # admission order key: larger = younger
         # output state
         self.text = ""

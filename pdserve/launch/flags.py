@@ -32,6 +32,7 @@ FLAGS: dict[str, tuple[str, str]] = {
     "gpu_memory_utilization": ("workers", "gpu_memory_utilization"),
     "kv_cache_dtype": ("workers", "kv_cache_dtype"),
     "enforce_eager": ("workers", "enforce_eager"),
+    "enable_prefix_caching": ("workers", "enable_prefix_caching"),
 }
 ROLE_PORTS = {"prefill_port": "prefill", "decode_port": "decode", "colocated_port": "colocated"}
 WORKER_LISTS = tuple(ROLE_PORTS.values())
@@ -97,6 +98,12 @@ def add_launch_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), help=f"{w} kv_cache_dtype")
     p.add_argument("--enforce-eager", action="store_true", default=None, help=f"{w} enforce_eager (no CUDA graphs)")
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=f"{w} enable_prefix_caching (on by default)",
+    )
 
 
 def apply_flags(cfg: ClusterConfig, args: argparse.Namespace) -> ClusterConfig:

@@ -224,10 +224,15 @@ class CompletionTokensDetails(BaseModel):
     reasoning_tokens: int = 0  # tokens generated while the answer was in its reasoning
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
     completion_tokens_details: CompletionTokensDetails | None = None  # chat with a reasoning parser
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
 
-from pdserve.chat.parsers import OutputParser, OutputSpec, Parsed
+from pdserve.chat.parsers import OutputSpec, Parsed
+from pdserve.router.choices import ChoiceState
 from pdserve.router.openai_protocol import (
     AssistantMessage,
     ChatChoice,
@@ -29,6 +29,7 @@ from pdserve.router.openai_protocol import (
     DeltaFunction,
     DeltaMessage,
     DeltaToolCall,
+    PromptTokensDetails,
     ResponseFunction,
     ResponseToolCall,
     TopLogprob,
@@ -65,53 +66,6 @@ def sse_error(err: OpenAIError) -> bytes:
     return sse({"error": err.info().model_dump()})
 
 
-@dataclass
-class ChoiceState:
-    """Everything one choice has produced so far; with a parser (chat), its text read as
-    reasoning, content and tool calls as it comes (`parsed`: all of it, `last`: the last chunk's)."""
-
-    prompt_token_ids: list[int]
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    parser: OutputParser | None = None
-    parsed: Parsed = field(default_factory=Parsed)
-    last: Parsed = field(default_factory=Parsed)
-    reasoning_tokens: int = 0
-    role_sent: bool = False  # streaming: the first delta sent carries the role
-
-    def add(self, c: GenerateChunk) -> None:
-        self.text += c.text
-        self.token_ids += c.token_ids
-        self.logprobs += c.logprobs or []
-        if c.finish_reason is not None:
-            self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
-        if self.parser is not None:
-            self._parse(c)
-
-    def _parse(self, c: GenerateChunk) -> None:
-        p = self.parser
-        reasoning = p.in_reasoning
-        new = p.feed(c.text)
-        if c.finish_reason is not None:
-            end = p.finish()
-            new = Parsed(new.reasoning + end.reasoning, new.content + end.content, new.calls + end.calls)
-        if reasoning or p.in_reasoning:
-            self.reasoning_tokens += len(c.token_ids)
-        self.last = new
-        self.parsed.reasoning += new.reasoning
-        self.parsed.content += new.content
-        self.parsed.calls += new.calls
-
-    def reason(self, finish_reason: str | None) -> str | None:
-        """A natural end after tool calls is OpenAI's "tool_calls"."""
-        if finish_reason == "stop" and self.parser is not None and self.parser.n_calls:
-            return "tool_calls"
-        return finish_reason
-
-
 class Formatter:
     """Shared by both endpoints: ids, usage, token texts."""
 
@@ -138,7 +92,8 @@ class Formatter:
     def usage(self) -> UsageInfo:
         p = sum(len(c.prompt_token_ids) for c in self.choices)
         n = sum(len(c.token_ids) for c in self.choices)
-        return UsageInfo(prompt_tokens=p, completion_tokens=n, total_tokens=p + n)
+        cached = PromptTokensDetails(cached_tokens=sum(c.cached_tokens for c in self.choices))
+        return UsageInfo(prompt_tokens=p, completion_tokens=n, total_tokens=p + n, prompt_tokens_details=cached)
 
     def token_text(self, token_id: int, text: str | None) -> str:
         return text if text is not None else self.tokenizer.decode([token_id], skip_special_tokens=False)

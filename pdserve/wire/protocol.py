@@ -43,7 +43,7 @@ from pdserve.disagg.base import KVHandle, TransferFailure
 from pdserve.engine.request import REQUEST_ID_PATTERN, FirstToken, Request
 from pdserve.outputs import TokenLogprobs
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 SECRET_HEADER = "x-pdserve-cluster-secret"
 
 Role = Literal["prefill", "decode", "colocated"]
@@ -105,6 +105,9 @@ class GenerateChunk(_Message):
     error: str | None = None  # finish_reason "error": why
     transfer_error: TransferFailure | None = None  # finish_reason "error" from a failed KV load
     num_prompt_tokens: int = 0
+    # prompt tokens this worker served from its prefix cache (usage.prompt_tokens_details.cached_tokens;
+    # under PD the prefill worker's number: a decode worker that loaded the prompt's KV sends 0)
+    num_cached_tokens: int = 0
     timing: RequestTiming | None = None  # on the chunk with this worker's first new token
 
 
@@ -146,6 +149,7 @@ class WorkerHealth(BaseModel):
     num_requests_waiting: int = 0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+    kv_blocks_cached: int = 0  # prefix cache: blocks no request holds, kept for a hit (not in kv_blocks_used)
     kv_window_blocks_used: int = 0  # sliding-window block space (0 of 0 for models without one)
     kv_window_blocks_total: int = 0
 

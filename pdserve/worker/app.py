@@ -70,6 +70,7 @@ def build_worker_app(state: WorkerState, cluster_secret: str | None) -> FastAPI:
             num_requests_waiting=stats.num_waiting,
             kv_blocks_used=stats.kv_blocks_used,
             kv_blocks_total=stats.kv_blocks_total,
+            kv_blocks_cached=stats.kv_blocks_cached,
             kv_window_blocks_used=stats.kv_window_blocks_used,
             kv_window_blocks_total=stats.kv_window_blocks_total,
         )
@@ -191,4 +192,5 @@ def _delta(out: RequestOutput, req: Request, sent_tokens: int, sent_text: int) -
         error=out.error,
         transfer_error=out.transfer_error,
         num_prompt_tokens=len(req.prompt_token_ids),
+        num_cached_tokens=out.num_cached_tokens or 0,
     )

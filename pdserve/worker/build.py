@@ -41,7 +41,11 @@ log = logging.getLogger("pdserve.worker")
 def build_worker(cfg: WorkerServeConfig) -> FastAPI:
     w, t = cfg.worker, cfg.transfer
     # the connector's arenas are made after the pool is sized: keep them out of its budget
-    engine_config = w.engine_config(cfg.model).model_copy(update={"reserved_memory_mib": arena_mib(cfg)})
+    # a decode worker loads its prompts' KV and caches none of it (no decode-side prefix reuse yet):
+    # prefix caching there would only reserve room (V4's checkpoints) and hash
+    caching = w.enable_prefix_caching and cfg.role != "decode"
+    update = {"reserved_memory_mib": arena_mib(cfg), "enable_prefix_caching": caching}
+    engine_config = w.engine_config(cfg.model).model_copy(update=update)
     connector = _connector(cfg) if cfg.role != "colocated" else None
     log.info("loading %s on %s for role %s", cfg.model, w.device, cfg.role)
     engine = LLMEngine(

@@ -3,6 +3,8 @@
 pdserve_num_requests_running / _waiting / _holding_kv   pdserve_kv_transfer_bytes_total
 pdserve_kv_blocks_used / pdserve_kv_blocks_total        pdserve_kv_transfer_seconds
 pdserve_kv_window_blocks_used / _total (sliding-window block space, DeepSeek-V4)
+pdserve_kv_blocks_cached (prefix cache: blocks no request holds, kept for a hit; not in _used)
+pdserve_prefix_cache_queries_total / _hits_total (prompt tokens looked up / found cached, vLLM's)
 pdserve_prefill_step_seconds, pdserve_decode_step_seconds  pdserve_kv_transfer_failures_total
 pdserve_decode_batch_size                               pdserve_kv_lease_expirations_total
 pdserve_prompt_tokens_total, pdserve_generation_tokens_total  pdserve_kv_load_recomputes_total
@@ -29,6 +31,13 @@ class WorkerMetrics:
         )
         self.blocks_used = Gauge("pdserve_kv_blocks_used", "KV cache blocks in use", registry=r)
         self.blocks_total = Gauge("pdserve_kv_blocks_total", "KV cache blocks in the pool", registry=r)
+        self.blocks_cached = Gauge(
+            "pdserve_kv_blocks_cached", "Prefix-cached KV blocks no request holds (evictable)", registry=r
+        )
+        self.prefix_queries = Counter(
+            "pdserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r
+        )
+        self.prefix_hits = Counter("pdserve_prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r)
         self.window_blocks_used = Gauge("pdserve_kv_window_blocks_used", "Sliding-window KV blocks in use", registry=r)
         self.window_blocks_total = Gauge(
             "pdserve_kv_window_blocks_total", "Sliding-window KV blocks in the pool", registry=r
@@ -80,6 +89,7 @@ class WorkerMetrics:
         )
         self._seen = TransferStats()  # what has been exported of the connector's counters
         self._seen_recomputes = 0
+        self._seen_prefix = (0, 0)  # prefix-cache (queries, hits) exported so far
 
     def observe_step(self, seconds: float, is_prefill: bool, batch_size: int) -> None:
         if is_prefill:
@@ -87,6 +97,12 @@ class WorkerMetrics:
         else:
             self.decode_step.observe(seconds)
             self.decode_batch.observe(batch_size)
+
+    def sync_prefix_cache(self, blocks_cached: int, queries: int, hits: int) -> None:
+        self.blocks_cached.set(blocks_cached)
+        self.prefix_queries.inc(queries - self._seen_prefix[0])
+        self.prefix_hits.inc(hits - self._seen_prefix[1])
+        self._seen_prefix = (queries, hits)
 
     def sync_recomputes(self, total: int) -> None:
         self.recomputes.inc(total - self._seen_recomputes)
