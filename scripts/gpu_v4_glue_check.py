@@ -61,7 +61,11 @@ def graph_us(fn, reps: int = 50) -> float:
 
 def compare(name: str, got, want, dtype, share: float = 0.01) -> dict:
     got, want = got.float(), want.float()
-    ok = not got.isnan().any() and torch.allclose(got, want, rtol=ULP[dtype], atol=1e-5)  # -inf gates in states
+    # atol: a sum with cancellation (the compressors' gated pooling) can land near 0 where a relative
+    # bound means nothing, so an element may also be off by ULP of the output's largest magnitude
+    finite = want[want.isfinite()]
+    atol = max(1e-5, ULP[dtype] * finite.abs().max().item()) if dtype != torch.float32 and finite.numel() else 1e-5
+    ok = not got.isnan().any() and torch.allclose(got, want, rtol=ULP[dtype], atol=atol)  # -inf gates in states
     differ = (got != want).float().mean().item()
     ok = ok and (dtype == torch.float32 or differ <= share)
     return {"check": name, "ok": ok, "max_abs": (got - want).abs().max().item(), "share_differing": differ}
