@@ -66,15 +66,24 @@ def dsml_tool_grammar(
     fns = pick(tools, name)
     dsml = mark(DSML, ids)
     lines = ["%llguidance {}"]
-    head = f"REASON {mark(END_THINK, ids)} " if thinking else ""
+    head, reason = reasoning(ids, DSML) if thinking else ("", [])
     lines.append(f'start: {head}"\\n\\n" "<" {dsml} "{block}>" "\\n" calls "\\n" "</" {dsml} "{block}>"')
     lines.append("calls: call" if single or name is not None else 'calls: call ("\\n" call)*')
     lines.append("call: " + " | ".join(f"f{i}" for i in range(len(fns))))
-    if thinking:
-        lines.append(f"REASON: /(?s:.*)/ & {_NO_DSML}")
+    lines += reason
     for i, fn in enumerate(fns):
         lines += _invoke(f"f{i}", fn, dsml, json_layout or {})
     return "\n".join(lines) + "\n"
+
+
+def reasoning(ids: Ids, markup: str) -> tuple[str, list[str]]:
+    """A thinking-mode answer's reasoning, up to and with </think>: (the start rule's head, the
+    rule of its terminal). It holds neither </think> nor `markup` (a literal text) before its end."""
+    no = f"{markup}|<\\/think>"
+    if ids.get(END_THINK) is not None:
+        return f"REASON <[{ids[END_THINK]}]> ", [f"REASON: /(?s:.*)/ & ~/(?s:.*)({no})(?s:.*)/"]
+    # </think> as text: one terminal with it, else the reasoning's terminal would run over it
+    return "REASON ", [f"REASON: /(?s:.*)<\\/think>/ & ~/(?s:.*)({no})(?s:.+)/"]
 
 
 def pick(tools: list[dict], name: str | None) -> list[dict]:

@@ -20,13 +20,12 @@ import json
 from typing import Any
 
 from pdserve.chat.dsv4 import END_THINK
-from pdserve.chat.tool_grammar import Ids, ToolGrammarError, json_value, lark_literal, mark, parameters, pick
+from pdserve.chat.tool_grammar import Ids, ToolGrammarError, json_value, lark_literal, mark, parameters, pick, reasoning
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 MARKERS = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP, END_THINK)
 MARKUP = "<｜tool▁"  # what every marker of the block starts with
-_NO_MARKUP = "~/(?s:.*)(<｜tool▁|<\\/think>)(?s:.*)/"
 
 
 def v3_tool_grammar(
@@ -46,13 +45,12 @@ def v3_tool_grammar(
     fns, layout = pick(tools, name), json_layout or {}
     m = {text: mark(text, ids) for text in MARKERS}
     lines = ["%llguidance {}"]
-    head = f"REASON {m[END_THINK]} " if thinking else ""
+    head, reason = reasoning(ids, MARKUP) if thinking else ("", [])
     lines.append(f"start: {head}{m[CALLS_BEGIN]} calls {m[CALLS_END]}")
     between = '"\\n" ' if dialect == "deepseek_v3" else ""
     lines.append("calls: call" if single or name is not None else f"calls: call ({between}call)*")
     lines.append("call: " + " | ".join(f"f{i}" for i in range(len(fns))))
-    if thinking:
-        lines.append(f"REASON: /(?s:.*)/ & {_NO_MARKUP}")
+    lines += reason
     for i, fn in enumerate(fns):
         rule, tool = f"f{i}", fn["name"]
         args, more = _arguments(rule, fn, layout)

@@ -178,6 +178,8 @@ class RequestValidator:
                 code="unsupported_parameter",
             )
         ids = {t: self.tokenizer.token_to_id(t) for t in (DSML, END_THINK, *V3_MARKERS)}
+        if fmt in ("deepseek_v4", "deepseek_v32") and ids[DSML] is None:
+            raise OpenAIError(400, f"tool_choice: the tokenizer has no {DSML} token", param="tool_choice")
         kw = dict(name=name, single=parallel is False, thinking=thinking, json_layout=JSON_OPTIONS)
         try:
             if fmt in ("deepseek_v3", "deepseek_v31"):

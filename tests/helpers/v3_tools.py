@@ -47,8 +47,7 @@ _TAIL = (
     "{% endif %}{% endfor %}"
 )
 V3_TEMPLATE = (
-    _HEAD
-    + "\nTo call tools, write <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n"
+    _HEAD + "\nTo call tools, write <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n"
     "ARGUMENTS\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>{% endif %}"
     + _TAIL.replace("CALL_SEP", "'\n'").replace(
         "CALL",
@@ -57,8 +56,7 @@ V3_TEMPLATE = (
     + "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"
 )
 V31_TEMPLATE = (
-    _HEAD
-    + "\nTo call tools, write <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGUMENTS"
+    _HEAD + "\nTo call tools, write <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGUMENTS"
     "<｜tool▁call▁end｜><｜tool▁calls▁end｜>{% endif %}"
     + _TAIL.replace("CALL_SEP", "''").replace(
         "CALL", "{{ c['function']['name'] + '<｜tool▁sep｜>' + c['function']['arguments'] }}"
