@@ -283,3 +283,19 @@ def test_thinking_mode_reasons_first_then_calls(llm, validator):
         assert finish == "stop" and calls and not failures
         called.append(reasoning)
     assert len(called) >= 2 and any(called)
+
+
+def test_v32_function_calls_block(tok, validator):
+    """deepseek_v32's calls: the same invokes in a <DSML function_calls> block."""
+    calls = [call("get_weather", city="x", days=2), call("ping")]
+    text = dsv4.dsml_tool_calls(calls).replace("tool_calls>", "function_calls>")
+    g = grammar(tok, block="function_calls")
+    assert matches(tok, g, text) and not matches(tok, grammar(tok), text)
+    parser = OutputSpec(None, "deepseek_v32", tool_names(TOOLS)).parser()
+    parts = [parser.feed(text), parser.finish()]
+    assert [c.call.name for p in parts for c in p.calls] == ["get_weather", "ping"] and not parser.failures
+    validator.tool_parser = "deepseek_v32"
+    try:
+        assert prepare(validator, tools=TOOLS, tool_choice="required").params[0].structured_outputs.grammar == g
+    finally:
+        validator.tool_parser = "deepseek_v4"

@@ -151,6 +151,13 @@ def test_request_rules(v3):
     if dialect == "deepseek_v31":  # V3.1's template opens <think> with thinking on
         prep = prepare(tools=TOOLS, tool_choice="required", chat_template_kwargs={"thinking": True})
         assert prep.thinking and prep.params[0].structured_outputs.grammar == grammar(v3, thinking=True)
+    validator.tool_parser = "deepseek_v32"  # DSML calls need the DSML token, which V3's tokenizer lacks
+    try:
+        with pytest.raises(OpenAIError, match="DSML") as e:
+            prepare(tools=TOOLS, tool_choice="required")
+        assert e.value.status == 400 and e.value.param == "tool_choice"
+    finally:
+        validator.tool_parser = dialect
     bad = {"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": {"type": "foo"}}}}}
     with pytest.raises(OpenAIError) as e:
         prepare(tools=[bad], tool_choice="required")
