@@ -15,10 +15,11 @@ pattern through patternProperties (llguidance has no propertyNames).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 ANY = "pdserve_markup_free_any"  # the $defs entry of an unconstrained value
-_SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else")
+_SUBSCHEMA = ("items", "additionalItems", "contains", "then", "else")  # not `not` / `if`: narrowing them widens
 _SUBSCHEMAS = ("prefixItems", "anyOf", "oneOf", "allOf")
 _NOTES = {"description", "title", "default", "examples", "$schema", "$id", "$comment"}
 _META = set("\\.+*?()|[]{}^$#&-~")
@@ -153,7 +154,7 @@ class _Rewriter:
         if "patternProperties" in s or "propertyNames" in s:
             raise MarkupSchemaError("patternProperties / propertyNames cannot be combined with the markup's exclusion")
         for key in ("enum", "const"):
-            if key in s and self.text in repr(s[key]):
+            if key in s and self.text in json.dumps(s[key], ensure_ascii=False):
                 raise MarkupSchemaError(f"{key} holds {self.text!r}")
         if "$ref" in s or "enum" in s or "const" in s:
             return out  # the target is rewritten; fixed values were checked
