@@ -38,7 +38,7 @@ Ids = dict[str, "int | None"]  # a marker's text -> its token id (None: not one 
 
 
 class ToolGrammarError(ValueError):
-    """A tool whose parameters the DSML form cannot express; str(e) names the tool and why."""
+    """A tool whose parameters the call format cannot express; str(e) names the tool and why."""
 
 
 def mark(text: str, ids: Ids) -> str:
