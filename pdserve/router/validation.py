@@ -5,7 +5,7 @@ model name (404), options pdserve does not implement (400), prompt and completio
 max_model_len (400, code context_length_exceeded), token ids against the vocabulary (400), the
 chat template rendering (400). Constraints become SamplingParams.structured_outputs: the structured
 outputs fields (both endpoints), and tool_choice required / a named function as the grammar of the
-model's tool-call block (pdserve/chat/tool_grammar.py).
+model's tool-call block (pdserve/chat/tool_grammar.py, tool_grammar_v3.py).
 
 Tokenizing holds the GIL (a multi-MB prompt stalls the router for seconds), so text that cannot
 fit the context whatever it tokenizes to is refused before it is tokenized: no token spans more
@@ -25,6 +25,8 @@ from pdserve import structured
 from pdserve.chat import controls
 from pdserve.chat.dsv4 import DSML, END_THINK, THINK
 from pdserve.chat.tool_grammar import ToolGrammarError, dsml_tool_grammar
+from pdserve.chat.tool_grammar_v3 import MARKERS as V3_MARKERS
+from pdserve.chat.tool_grammar_v3 import v3_tool_grammar
 from pdserve.router.chat_fields import NamedToolChoice
 from pdserve.router.openai_protocol import INT64_MAX, ChatCompletionRequest, CompletionRequest, _Request
 from pdserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -32,6 +34,7 @@ from pdserve.structured.compiler import JSON_OPTIONS
 from pdserve.tokenizer import Tokenizer
 from pdserve.wire.errors import OpenAIError
 
+FORCED_FORMATS = ("deepseek_v4", "deepseek_v32", "deepseek_v31", "deepseek_v3")  # forced calls' grammars
 NORMALIZER_SLACK = 4  # Unicode composition merges at most 3 characters into 1
 
 
@@ -164,26 +167,26 @@ class RequestValidator:
         self, tools: list[dict], name: str | None, parallel: bool | None, thinking: bool
     ) -> StructuredOutputsParams:
         """The grammar of forced tool calls (tool_choice required, or `name`): one or more calls
-        in the model's DSML markup, each tool's arguments as its schema says."""
-        what = "tool_choice 'required'" if name is None else "a named tool_choice"
-        dsml, end = self.tokenizer.token_to_id(DSML), self.tokenizer.token_to_id(END_THINK)
-        if self.tool_parser != "deepseek_v4" or dsml is None or (thinking and end is None):
+        in the tool-call parser's format, each tool's arguments as its schema says."""
+        fmt = self.tool_parser
+        if fmt not in FORCED_FORMATS:
             raise OpenAIError(
                 400,
-                f"{what} is enforced in DeepSeek-V4's tool-call format (tool-call parser deepseek_v4, a {DSML} "
-                f"token); this server's tool-call parser is {self.tool_parser or 'none'}",
+                f"{'a named tool_choice' if name else repr('required') + ' tool_choice'} needs a tool-call "
+                f"parser ({', '.join(FORCED_FORMATS)}); this server's is {fmt or 'none'}",
                 param="tool_choice",
                 code="unsupported_parameter",
             )
+        ids = {t: self.tokenizer.token_to_id(t) for t in (DSML, END_THINK, *V3_MARKERS)}
+        if fmt in ("deepseek_v4", "deepseek_v32") and ids[DSML] is None:
+            raise OpenAIError(400, f"tool_choice: the tokenizer has no {DSML} token", param="tool_choice")
+        kw = dict(name=name, single=parallel is False, thinking=thinking, json_layout=JSON_OPTIONS)
         try:
-            grammar = dsml_tool_grammar(
-                tools,
-                dsml_id=dsml,
-                name=name,
-                single=parallel is False,
-                end_think_id=end if thinking else None,
-                json_layout=JSON_OPTIONS,
-            )
+            if fmt in ("deepseek_v3", "deepseek_v31"):
+                grammar = v3_tool_grammar(tools, dialect=fmt, ids=ids, **kw)
+            else:
+                block = "function_calls" if fmt == "deepseek_v32" else "tool_calls"
+                grammar = dsml_tool_grammar(tools, ids=ids, block=block, **kw)
             params = StructuredOutputsParams(grammar=grammar)
             structured.check(params, self.tokenizer)
         except ToolGrammarError as e:

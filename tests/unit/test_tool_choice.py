@@ -87,7 +87,8 @@ def matches(tok: Tokenizer, grammar: str, text: str) -> bool:
 
 
 def grammar(tok: Tokenizer, tools=TOOLS, **kw) -> str:
-    return dsml_tool_grammar(tools, dsml_id=tok.token_to_id(dsv4.DSML), json_layout=JSON_OPTIONS, **kw)
+    ids = {t: tok.token_to_id(t) for t in (dsv4.DSML, dsv4.END_THINK)}
+    return dsml_tool_grammar(tools, ids=ids, json_layout=JSON_OPTIONS, **kw)
 
 
 def test_the_grammar_takes_what_the_encoder_writes(tok):
@@ -98,6 +99,7 @@ def test_the_grammar_takes_what_the_encoder_writes(tok):
         call("code"),
         call("get_weather", city="Oslo ünï"),
         call("extra", c="ab", n=3),
+        call("get_weather", city="x", opts={"a": [1], "note": "a</b> ｜DSM", "more": {"k": ["｜"]}}),
     ]
     # llguidance reads the tokenizer as Tokenizer.backend has it, V4's added tokens included
     added = {t["content"] for t in json.loads(tok.backend.to_str())["added_tokens"]}
@@ -109,7 +111,7 @@ def test_the_grammar_takes_what_the_encoder_writes(tok):
     # a pattern-bound string is a JSON string (string="false"), which the parser decodes as one
     y = dsv4.dsml_tool_calls([call("code", y="abc")]).replace('string="true">abc<', 'string="false">"abc"<')
     assert matches(tok, g, y)
-    thinking = grammar(tok, end_think_id=tok.token_to_id(dsv4.END_THINK))
+    thinking = grammar(tok, thinking=True)
     assert matches(tok, thinking, "First think.\n" + dsv4.END_THINK + dsv4.dsml_tool_calls(calls[:2]))
     assert not matches(tok, thinking, dsv4.dsml_tool_calls(calls[:2]))  # thinking mode: </think> first
 
@@ -123,6 +125,10 @@ def test_the_grammar_takes_what_the_encoder_writes(tok):
         ([call("get_weather", city="x" * 21)], {}),  # longer than maxLength
         ([call("get_weather", city="x", unit="k")], {}),  # not in the enum
         ([call("get_weather", city="a｜DSML｜b")], {}),  # markup inside a raw value
+        # markup inside a string="false" value's strings (values and keys, at any depth)
+        ([call("get_weather", city="x", opts={"a": [1], "note": "</｜DSML｜parameter>"})], {}),
+        ([call("get_weather", city="x", opts={"more": [{"k": "x</｜DSML｜invoke>"}]})], {}),
+        ([call("get_weather", city="x", opts={"</｜DSML｜invoke>": 1})], {}),
         ([call("other")], {}),
         ([call("extra", c="abcdef", n=3)], {}),  # an enum value longer than maxLength
         ([call("extra", c="ab", n="3")], {}),  # an extra parameter against additionalProperties
@@ -176,8 +182,7 @@ def test_request_rules(validator, tok):
     prep = prepare(validator, tools=TOOLS, tool_choice=named, parallel_tool_calls=False)
     assert prep.params[0].structured_outputs.grammar == grammar(tok, name="ping")
     prep = prepare(validator, tools=TOOLS, tool_choice="required", thinking={"type": "enabled"})
-    end = tok.token_to_id(dsv4.END_THINK)
-    assert prep.thinking and prep.params[0].structured_outputs.grammar == grammar(tok, end_think_id=end)
+    assert prep.thinking and prep.params[0].structured_outputs.grammar == grammar(tok, thinking=True)
     assert prep.params[0].structured_outputs.start_after_token_id is None  # the reasoning is in the grammar
     assert prepare(validator, tools=TOOLS, tool_choice="none", parallel_tool_calls=False).tool_choice == "none"
     e = refusal(validator, tools=TOOLS, tool_choice={**named, "function": {"name": "x"}})
@@ -193,11 +198,11 @@ def test_request_rules(validator, tok):
     assert e.param == "tools" and "oneOf" in e.message
 
 
-def test_other_tool_formats_keep_their_400(validator):
-    validator.tool_parser = "deepseek_v31"
+def test_no_tool_parser_keeps_its_400(validator):
+    validator.tool_parser = None
     try:
         e = refusal(validator, tools=TOOLS, tool_choice="required")
-        assert e.param == "tool_choice" and "deepseek_v4" in e.message
+        assert e.param == "tool_choice" and "deepseek_v4" in e.message and "none" in e.message
     finally:
         validator.tool_parser = "deepseek_v4"
 
@@ -278,3 +283,19 @@ def test_thinking_mode_reasons_first_then_calls(llm, validator):
         assert finish == "stop" and calls and not failures
         called.append(reasoning)
     assert len(called) >= 2 and any(called)
+
+
+def test_v32_function_calls_block(tok, validator):
+    """deepseek_v32's calls: the same invokes in a <DSML function_calls> block."""
+    calls = [call("get_weather", city="x", days=2), call("ping")]
+    text = dsv4.dsml_tool_calls(calls).replace("tool_calls>", "function_calls>")
+    g = grammar(tok, block="function_calls")
+    assert matches(tok, g, text) and not matches(tok, grammar(tok), text)
+    parser = OutputSpec(None, "deepseek_v32", tool_names(TOOLS)).parser()
+    parts = [parser.feed(text), parser.finish()]
+    assert [c.call.name for p in parts for c in p.calls] == ["get_weather", "ping"] and not parser.failures
+    validator.tool_parser = "deepseek_v32"
+    try:
+        assert prepare(validator, tools=TOOLS, tool_choice="required").params[0].structured_outputs.grammar == g
+    finally:
+        validator.tool_parser = "deepseek_v4"
