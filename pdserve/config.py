@@ -31,6 +31,7 @@ from pdserve.engine.config import (
     Quantization,
     check_device,
 )
+from pdserve.engine.spec_decode.config import SPEC_ON_PD, SpeculativeConfig
 
 # configs/ sits beside the package in the source tree (the repo is installed editable).
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -122,6 +123,7 @@ class WorkerConfig(_Strict):
         None  # weights: unset follows the checkpoint (FP8 kept FP8); none dequantizes at load
     )
     cuda_graph_max_bs: int | None = Field(None, ge=1)  # largest decode batch captured (default min(max_num_seqs, 256))
+    speculative_config: SpeculativeConfig | None = None  # vLLM's: {"method": "ngram", "num_speculative_tokens": k, ...}
     lease_seconds: float = Field(60.0, gt=0)  # prefill keeps KV this long for decode to pull
     engine_id: str | None = None  # default: "<role>-<index>-<port>" (launch), "<role>-<port>" (serve)
     max_open_requests: int | None = Field(
@@ -208,6 +210,7 @@ class WorkerConfig(_Strict):
             kv_cache_dtype=self.kv_cache_dtype,
             quantization=self.quantization,
             cuda_graph_max_bs=self.cuda_graph_max_bs,
+            speculative_config=self.speculative_config,
             **({"max_num_batched_tokens": self.max_num_batched_tokens} if self.max_num_batched_tokens else {}),
         )
 
@@ -273,6 +276,8 @@ class ClusterConfig(_Strict):
             raise ValueError("no workers: list prefill + decode workers, colocated workers, or both")
         seen: dict[int, str] = {self.router.port: "router"}
         for name, w in self.named_workers():
+            if w.speculative_config is not None and not name.startswith("colocated"):
+                raise ValueError(f"{name}: {SPEC_ON_PD}")
             if w.device.startswith("cuda") and not w.gpus:
                 raise ValueError(f"{name}: a cuda worker needs gpus, e.g. gpus: [0] (launch gives it exactly those)")
             if w.port in seen:

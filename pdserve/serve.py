@@ -40,7 +40,7 @@ WORKER_FLAGS = {
     "engine_id": "worker.engine_id", "advertise_host": "worker.advertise_host", "lease_seconds": "worker.lease_seconds",
     "max_open_requests": "worker.max_open_requests", "stall_timeout": "worker.stall_timeout", "peer": "peers",
     "enforce_eager": "worker.enforce_eager", "cuda_graph_max_bs": "worker.cuda_graph_max_bs", "kv_cache_dtype": "worker.kv_cache_dtype",
-    "quantization": "worker.quantization",
+    "quantization": "worker.quantization", "speculative_config": "worker.speculative_config",
     "transfer_backend": "transfer.backend", "transfer_timeout": "transfer.timeout",
     "metadata_timeout": "transfer.metadata_timeout", "kv_load_failure_policy": "transfer.kv_load_failure_policy",
     "handoff_timeout": "transfer.handoff_timeout",
@@ -106,6 +106,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="weights: unset follows the checkpoint (FP8 block-scaled: kept FP8) | fp8 (require FP8) | none (dequantize at load)",
     )
     w("--cuda-graph-max-bs", help="largest decode batch captured as a CUDA graph (default min(max-num-seqs, 256))")
+    w(
+        "--speculative-config",
+        type=json_object,
+        metavar="JSON",
+        help='speculative decoding, vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\' (colocated, V3 / V3.2)',
+    )
     w("--engine-id", help="transfer agent name (default <role>-<port>)")
     w(
         "--advertise-host",
@@ -141,7 +147,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     r("--api-key", help="clients must send Authorization: Bearer <key>")
     r(
         "--default-chat-template-kwargs",
-        type=_json_object,
+        type=json_object,
         metavar="JSON",
         help="chat_template_kwargs a chat request gets unless it sets them, e.g. '{\"thinking\": true}'",
     )
@@ -166,7 +172,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _json_object(text: str) -> dict:
+def json_object(text: str) -> dict:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:

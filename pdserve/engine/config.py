@@ -8,6 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pdserve.engine.spec_decode.config import SpeculativeConfig
+
 DType = Literal["float32", "bfloat16", "float16", "auto"]
 # decode: what a failed KV load does (vLLM's name): fail the request, or compute the prompt here
 KVLoadFailurePolicy = Literal["fail", "recompute"]
@@ -73,6 +75,9 @@ class EngineConfig(BaseModel):
     # weights kept as the checkpoint ships them (None), FP8 ("fp8"), or dequantized ("none"); the
     # KV layout does not depend on it, so it is not part of the KV compatibility hash
     quantization: Quantization | None = None
+    # speculative decoding (vLLM's name and shape): {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_min": .., "prompt_lookup_max": ..}; engine/spec_decode/
+    speculative_config: SpeculativeConfig | None = None
 
     @field_validator("device")
     @classmethod

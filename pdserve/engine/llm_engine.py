@@ -29,6 +29,7 @@ from pdserve.engine.request import Handoff, Request
 from pdserve.engine.sampler import SampledToken
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.spec_decode.decoder import SpecDecoder, refuse_unsupported
 from pdserve.engine.stop import check_stop, visible_text
 from pdserve.outputs import CompletionOutput, Logprob, RequestOutput, from_entries
 from pdserve.sampling_params import SamplingParams
@@ -86,6 +87,10 @@ class LLMEngine:
             num_state_slots=self.runner.num_state_slots,
         )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.spec: SpecDecoder | None = None
+        if config.speculative_config is not None:
+            refuse_unsupported(self.runner, connector)
+            self.spec = SpecDecoder(config.speculative_config, self.max_model_len)
         self.connector = connector
         self.remote_kv: RemoteKV | None = None
         if connector is not None:
@@ -194,6 +199,8 @@ class LLMEngine:
         if not sched.is_empty:
             sampled = self.runner.run(sched, self._while_step_runs(outputs))
             self._postprocess(sched, sampled, outputs)
+            if self.spec is not None:
+                self.spec.propose(sched)
         return list(outputs.values())
 
     def _while_step_runs(self, outputs: dict[str, RequestOutput]) -> Callable[[], None] | None:
@@ -211,11 +218,20 @@ class LLMEngine:
         tokens = iter(sampled)
         for s in sched.scheduled:
             seq = s.seq
-            seq.num_computed_tokens += s.num_tokens
+            tok = next(tokens) if s.samples else None
+            # a verify chunk computed its drafts' KV too; only accepted ones (tok.more) count
+            accepted = len(tok.more) if tok is not None else 0
+            seq.num_computed_tokens += s.num_tokens - s.num_spec + accepted
             self.block_manager.trim_window(seq)
-            if not s.samples:
+            if tok is None:
                 continue
-            status = self._append(seq, next(tokens))
+            if self.spec is not None:
+                self.spec.observe(s, accepted)
+            status = self._append(seq, tok)
+            for token_id in tok.more:
+                if status is not None:
+                    break
+                status = self._push_token(seq, token_id)
             if status is None and seq.hold_kv:
                 status = SequenceStatus.FINISHED_REMOTE_DECODE
             if status is not None:

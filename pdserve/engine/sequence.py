@@ -61,6 +61,7 @@ class Sequence:
         self.window_table: list[int] = []  # window-space blocks (block_manager.py), -1 where freed
         self.state_slot = -1  # state-space slot (block_manager.py), -1: none
         self.num_computed_tokens = 0
+        self.spec_token_ids: list[int] = []  # drafts to verify after the last token (spec_decode/)
         self.arrival = arrival  # admission order key: larger = younger
         # output state
         self.text = ""
@@ -107,6 +108,11 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Drafts the next step verifies: only while the sequence decodes (one token uncomputed)."""
+        return len(self.spec_token_ids) if self.num_uncomputed_tokens == 1 else 0
 
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from pdserve.config import DEFAULT_CONFIG, ClusterConfig, ConfigError, find_config, parse_config
+from pdserve.serve import json_object
 
 # flag dest -> (section, key): "router" is the router's section, "workers" every worker's, "" the top level
 FLAGS: dict[str, tuple[str, str]] = {
@@ -32,6 +33,7 @@ FLAGS: dict[str, tuple[str, str]] = {
     "gpu_memory_utilization": ("workers", "gpu_memory_utilization"),
     "kv_cache_dtype": ("workers", "kv_cache_dtype"),
     "enforce_eager": ("workers", "enforce_eager"),
+    "speculative_config": ("workers", "speculative_config"),
 }
 ROLE_PORTS = {"prefill_port": "prefill", "decode_port": "decode", "colocated_port": "colocated"}
 WORKER_LISTS = tuple(ROLE_PORTS.values())
@@ -97,6 +99,12 @@ def add_launch_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), help=f"{w} kv_cache_dtype")
     p.add_argument("--enforce-eager", action="store_true", default=None, help=f"{w} enforce_eager (no CUDA graphs)")
+    p.add_argument(
+        "--speculative-config",
+        type=json_object,
+        metavar="JSON",
+        help=f"{w} speculative_config (vLLM's JSON; colocated workers only)",
+    )
 
 
 def apply_flags(cfg: ClusterConfig, args: argparse.Namespace) -> ClusterConfig:

@@ -1,0 +1,79 @@
+"""The runner's side of a verify step: logits for every position of a chunk with drafts, and the
+tokens each sequence emits.
+
+A sequence that verifies k drafts was scheduled as one chunk [last token, d_1 .. d_k]: the hidden
+rows of all k + 1 give logits (row j scores the token after d_j, d_0 the last token). Sequences
+without drafts in the same step are sampled exactly as a plain step samples them (grammar,
+penalties, seeds, logprobs), so mixing them with verifying ones changes none of their tokens.
+
+Legend: N sequences that sample, R logits rows (N + all drafts), K most drafts, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.sampler import SampledToken, Sampler
+from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.spec_decode.rejection import accept_drafts
+
+
+def draft_counts(sched: SchedulerOutput) -> list[int] | None:
+    """Drafts each sampling sequence verifies, in sampling order; None when none does."""
+    counts = [s.num_spec for s in sched.scheduled if s.samples]
+    return counts if any(counts) else None
+
+
+def logits_rows(last_rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The hidden rows that give logits: for each sequence its last row and the `count` before it, [R]."""
+    c = torch.tensor(counts, dtype=torch.int64, device=last_rows.device)
+    first = torch.repeat_interleave(last_rows - c, c + 1)
+    offsets = torch.arange(len(first), device=last_rows.device) - torch.repeat_interleave(
+        torch.cumsum(c + 1, 0) - c - 1, c + 1
+    )
+    return first + offsets
+
+
+def sample(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], counts: list[int]) -> list[SampledToken]:
+    """logits [R, V] (logits_rows' order) -> one SampledToken per sequence, its `more` the tokens
+    after the first that the step emitted too."""
+    c = torch.tensor(counts, dtype=torch.int64)
+    first_row = (torch.cumsum(c + 1, 0) - c - 1).tolist()
+    plain = [i for i, n in enumerate(counts) if n == 0]
+    spec = [i for i, n in enumerate(counts) if n > 0]
+    out: list[SampledToken | None] = [None] * len(seqs)
+    if plain:
+        rows = logits[[first_row[i] for i in plain]]
+        group = [seqs[i] for i in plain]
+        for i, tok in zip(plain, sampler(rows, group)):
+            out[i] = tok
+    if spec:
+        for i, tok in zip(
+            spec,
+            _verify(sampler, logits, [seqs[i] for i in spec], [first_row[i] for i in spec], [counts[i] for i in spec]),
+        ):
+            out[i] = tok
+    return out
+
+
+def _verify(
+    sampler: Sampler, logits, seqs: list[Sequence], first_rows: list[int], counts: list[int]
+) -> list[SampledToken]:
+    N, K, V = len(seqs), max(counts), logits.shape[1]
+    dev = logits.device
+    rows = torch.cat([torch.arange(r, r + n + 1) for r, n in zip(first_rows, counts)]).to(dev)
+    x = sampler.process(logits[rows], [s for s, n in zip(seqs, counts) for _ in range(n + 1)])  # [R', V]
+    padded = x.new_zeros(N, K + 1, V)
+    pos = torch.cat([torch.arange(n + 1) for n in counts]).to(dev)
+    seq = torch.repeat_interleave(torch.arange(N), torch.tensor(counts) + 1).to(dev)
+    padded[seq, pos] = x
+    drafts = torch.tensor(
+        [s.spec_token_ids[:n] + [0] * (K - n) for s, n in zip(seqs, counts)], dtype=torch.int64, device=dev
+    )
+    greedy = torch.tensor([s.params.greedy for s in seqs], device=dev)
+    tokens, accepted = accept_drafts(padded, drafts, torch.tensor(counts, device=dev), greedy, sampler.generator)
+    out = []
+    for row, a in zip(tokens.tolist(), accepted.tolist()):
+        out.append(SampledToken(row[0], more=row[1 : a + 1]))
+    return out
