@@ -31,7 +31,7 @@ from pdserve.engine.config import (
     Quantization,
     check_device,
 )
-from pdserve.engine.spec_decode.config import SPEC_ON_PD, SpeculativeConfig
+from pdserve.engine.spec_decode.config import SPEC_ON_PREFILL, SpeculativeConfig
 
 # configs/ sits beside the package in the source tree (the repo is installed editable).
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -276,8 +276,8 @@ class ClusterConfig(_Strict):
             raise ValueError("no workers: list prefill + decode workers, colocated workers, or both")
         seen: dict[int, str] = {self.router.port: "router"}
         for name, w in self.named_workers():
-            if w.speculative_config is not None and not name.startswith("colocated"):
-                raise ValueError(f"{name}: {SPEC_ON_PD}")
+            if w.speculative_config is not None and name.startswith("prefill"):
+                raise ValueError(f"{name}: {SPEC_ON_PREFILL}")
             if w.device.startswith("cuda") and not w.gpus:
                 raise ValueError(f"{name}: a cuda worker needs gpus, e.g. gpus: [0] (launch gives it exactly those)")
             if w.port in seen:

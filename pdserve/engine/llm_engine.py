@@ -89,7 +89,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.spec: SpecDecoder | None = None
         if config.speculative_config is not None:
-            refuse_unsupported(self.runner, connector)
+            refuse_unsupported(self.runner)
             self.spec = SpecDecoder(config.speculative_config, self.max_model_len)
         self.connector = connector
         self.remote_kv: RemoteKV | None = None

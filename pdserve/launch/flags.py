@@ -103,7 +103,7 @@ def add_launch_flags(p: argparse.ArgumentParser) -> None:
         "--speculative-config",
         type=json_object,
         metavar="JSON",
-        help=f"{w} speculative_config (vLLM's JSON; colocated workers only)",
+        help=f"{w} speculative_config (vLLM's JSON; refused on prefill workers)",
     )
 
 

@@ -1,7 +1,8 @@
 """Speculative decoding through `pdserve serve` and the router, with the official openai client:
-a colocated worker with n-gram drafts answers greedy completions with the same tokens as one
-without, its /metrics count the drafts, and no KV block stays used. A prefill worker given
---speculative-config refuses to start, naming what is unsupported."""
+a colocated worker with n-gram drafts, and a PD pair (NIXL) whose decode worker drafts, answer
+greedy completions with the same tokens as a colocated worker without, their /metrics count the
+drafts, and no KV block stays used. A prefill worker given
+--speculative-config refuses to start, saying why."""
 
 from __future__ import annotations
 
@@ -26,8 +27,11 @@ def cluster(tmp_path_factory):
     with Cluster(make_tiny_model(root / "tiny"), root / "logs") as c:
         c.plain = c.worker("colocated")
         c.spec = c.worker("colocated", "--speculative-config", SPEC)
+        c.prefill = c.worker("prefill")
+        c.decode = c.worker("decode", "--speculative-config", SPEC, peers=[c.prefill])
         c.plain_router = c.router(colocated=[c.plain])
         c.spec_router = c.router(colocated=[c.spec])
+        c.pd_router = c.router(prefill=[c.prefill], decode=[c.decode])
         c.wait_healthy()
         yield c
 
@@ -61,4 +65,11 @@ def test_a_prefill_worker_with_speculation_refuses_to_start(tmp_path):
         [sys.executable, "-m", "pdserve", "serve", *args], capture_output=True, text=True, timeout=120
     )
     assert done.returncode != 0
-    assert "speculative_config is not yet supported on PD workers" in done.stderr + done.stdout
+    assert "speculative_config has nothing to do on a prefill worker" in done.stderr + done.stdout
+
+
+def test_pd_with_a_speculating_decode_worker_equals_colocated(cluster):
+    for prompt in PROMPTS:
+        assert _tokens(cluster.pd_router, prompt) == _tokens(cluster.plain_router, prompt)
+    assert scrape(cluster.decode.url)["pdserve_spec_decode_num_drafts_total"] > 0
+    assert not any(wait_blocks_free([cluster.prefill, cluster.decode]).values())

@@ -1,12 +1,12 @@
 """speculative_config: validation (vLLM's fields; unknown methods and fields are clear errors),
-the n-gram lookup, and the start-up refusals of what speculation does not run on yet."""
+serve's flag and the cluster YAML key, the n-gram lookup, the start-up refusals (V4; a prefill
+worker), and the counters on a worker's /metrics."""
 
 from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
 
-from pdserve.disagg.fake_connector import FakeConnector, FakeFabric
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.spec_decode.config import SpeculativeConfig
@@ -62,13 +62,6 @@ def test_v4_is_refused_at_start(tmp_path):
         LLMEngine(_config(path))
 
 
-def test_pd_workers_are_refused_at_start(tmp_path):
-    path = make_tiny_model(tmp_path / "v3", "deepseek_v3")
-    connector = FakeConnector("d", model_id="tiny", fabric=FakeFabric())
-    with pytest.raises(ValueError, match="not yet supported on PD workers"):
-        LLMEngine(_config(path), connector)
-
-
 def test_the_counters_reach_the_workers_metrics():
     from prometheus_client import generate_latest
 
@@ -100,7 +93,7 @@ def _serve(*argv: str):
     return config_from_args(p.parse_args(list(argv)))
 
 
-def test_serve_takes_the_flag_as_json_and_refuses_it_on_pd_roles(tmp_path):
+def test_serve_takes_the_flag_as_json_and_refuses_it_on_prefill_workers(tmp_path):
     spec = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}'
     cfg = _serve("--role", "colocated", "--model", "m", "--speculative-config", spec)
     assert cfg.worker.speculative_config == SpeculativeConfig(
@@ -110,15 +103,17 @@ def test_serve_takes_the_flag_as_json_and_refuses_it_on_pd_roles(tmp_path):
         cfg.worker.engine_config(str(make_tiny_model(tmp_path, "deepseek_v3"))).speculative_config
         == cfg.worker.speculative_config
     )
-    with pytest.raises(ValueError, match="not yet supported on PD workers"):
+    with pytest.raises(ValueError, match="nothing to do on a prefill worker"):
         _serve("--role", "prefill", "--model", "m", "--speculative-config", spec)
+    decode = _serve("--role", "decode", "--model", "m", "--peer", "http://p:1", "--speculative-config", spec)
+    assert decode.worker.speculative_config.num_speculative_tokens == 2
     with pytest.raises(ValueError, match="speculative_config.*Extra inputs|extra"):
         _serve("--role", "colocated", "--model", "m", "--speculative-config", '{"method": "ngram", "k": 2}')
     with pytest.raises(SystemExit):  # argparse: not a JSON object
         _serve("--role", "colocated", "--model", "m", "--speculative-config", "ngram")
 
 
-def test_a_cluster_refuses_it_on_pd_workers_and_takes_it_on_colocated_ones():
+def test_a_cluster_refuses_it_on_prefill_workers_only():
     from pdserve.config import ClusterConfig, ConfigError, parse_config
 
     spec = {"method": "ngram", "num_speculative_tokens": 2}
@@ -129,5 +124,7 @@ def test_a_cluster_refuses_it_on_pd_workers_and_takes_it_on_colocated_ones():
         "prefill": [{"port": 30000}],
         "decode": [{"port": 30001, "speculative_config": spec}],
     }
-    with pytest.raises(ConfigError, match="decode-0: speculative_config is not yet supported on PD workers"):
+    assert parse_config(pd, "t").decode[0].speculative_config.num_speculative_tokens == 2
+    pd["prefill"][0]["speculative_config"] = spec
+    with pytest.raises(ConfigError, match="prefill-0: speculative_config has nothing to do on a prefill worker"):
         parse_config(pd, "t")

@@ -9,9 +9,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 MAX_SPECULATIVE_TOKENS = 8
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's n-gram window when neither bound is given
 # methods pdserve knows the name of but does not run yet: refused with this reason
-SPEC_ON_PD = (
-    "speculative_config is not yet supported on PD workers (prefill / decode roles); "
-    "use it on a colocated worker or the offline LLM"
+# a prefill worker samples one token a request and hands the rest to a decode worker
+SPEC_ON_PREFILL = (
+    "speculative_config has nothing to do on a prefill worker: give it to the decode (or colocated) workers"
 )
 NOT_YET = {"mtp": "MTP drafting (DeepSeek's multi-token-prediction layer) is not yet supported; use method 'ngram'"}
 

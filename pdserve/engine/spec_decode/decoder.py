@@ -14,7 +14,7 @@ from typing import Protocol
 
 from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pdserve.engine.sequence import Sequence, SequenceStatus
-from pdserve.engine.spec_decode.config import SPEC_ON_PD, SpeculativeConfig
+from pdserve.engine.spec_decode.config import SpeculativeConfig
 from pdserve.engine.spec_decode.metrics import SpecDecodeStats
 from pdserve.engine.spec_decode.ngram import NgramProposer
 
@@ -69,14 +69,12 @@ class SpecDecoder:
         return min(self.k, left - 1)
 
 
-def refuse_unsupported(runner, connector) -> None:
+def refuse_unsupported(runner) -> None:
     """ValueError naming what speculation does not run on yet: models with a sliding window or
     per-sequence state (DeepSeek-V4: rejected drafts would have to leave its window, compressed
-    entries and compressor state untouched), and PD workers (the hand-off carries no draft)."""
+    entries and compressor state untouched)."""
     if runner.window_tokens is not None or runner.num_state_slots:
         raise ValueError(
             "speculative_config is not yet supported for DeepSeek-V4 (sliding window and compressor state); "
             "it runs on DeepSeek-V3 / V3.2"
         )
-    if connector is not None:
-        raise ValueError(SPEC_ON_PD)
