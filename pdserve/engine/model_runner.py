@@ -171,6 +171,7 @@ class ModelRunner:
             max_model_len=max_len,
             max_num_seqs=c.max_num_seqs,
             graph_bs=graph_bs,
+            num_speculative_tokens=c.speculative_config.num_speculative_tokens if c.speculative_config else 0,
         )
         side_bytes += block_bytes if graph_bs is not None else 0  # the graphs' scratch block
         figures = self.memory_figures = measure_figures(

@@ -128,3 +128,14 @@ def test_a_cluster_refuses_it_on_prefill_workers_only():
     pd["prefill"][0]["speculative_config"] = spec
     with pytest.raises(ConfigError, match="prefill-0: speculative_config has nothing to do on a prefill worker"):
         parse_config(pd, "t")
+
+
+def test_the_memory_profile_runs_a_verify_step(tmp_path):
+    """The start-up profile's verify step (chunks of k + 1 tokens, logits at every position) runs
+    with the engine's own model and pool; off CUDA it measures nothing."""
+    from pdserve.engine.memory import profile_peak
+
+    runner = LLMEngine(_config(make_tiny_model(tmp_path / "v3", "deepseek_v3"))).runner
+    specs = runner.model.kv_cache_specs("auto")
+    kw = dict(block_size=4, dtype=runner.dtype, device=runner.device, max_num_batched_tokens=24, max_model_len=64)
+    assert profile_peak(runner.model, specs, **kw, max_num_seqs=8, graph_bs=None, num_speculative_tokens=2) == 0

@@ -38,8 +38,9 @@ def accept_drafts(
     safe = drafts.clamp(0, V - 1)
     target = logits.argmax(dim=-1)  # [N, K+1]
     ok = valid & (safe == target[:, :K])  # greedy acceptance
-    probs = logits.softmax(dim=-1)  # [N, K+1, V]
-    if not bool(greedy.all()):
+    all_greedy = bool(greedy.all())
+    probs = None if all_greedy else logits.softmax(dim=-1)  # [N, K+1, V]
+    if not all_greedy:
         p_draft = probs[:, :K].gather(2, safe[..., None])[..., 0]  # [N, K]
         q_draft = torch.ones_like(p_draft) if draft_probs is None else draft_probs.gather(2, safe[..., None])[..., 0]
         u = torch.rand(p_draft.shape, generator=generator, device=logits.device)
@@ -55,7 +56,7 @@ def accept_drafts(
 
 def _last_token(probs, target, drafts, accepted, num_drafts, greedy, generator, draft_probs) -> torch.Tensor:
     """The target's token at each row's first rejected position (or after its last draft): [N]."""
-    rows = torch.arange(probs.shape[0], device=probs.device)
+    rows = torch.arange(target.shape[0], device=target.device)
     if bool(greedy.all()):
         return target[rows, accepted]
     p = probs[rows, accepted]  # [N, V] the target at that position
