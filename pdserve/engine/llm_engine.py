@@ -228,10 +228,10 @@ class LLMEngine:
             if self.spec is not None:
                 self.spec.observe(s, accepted)
             status = self._append(seq, tok)
-            for token_id in tok.more:
+            for extra in tok.more:
                 if status is not None:
                     break
-                status = self._push_token(seq, token_id)
+                status = self._append(seq, extra)
             if status is None and seq.hold_kv:
                 status = SequenceStatus.FINISHED_REMOTE_DECODE
             if status is not None:

@@ -45,7 +45,7 @@ class SampledToken:
     logprobs: list[tuple[int, float, int]] | None = None
     # speculative decoding: the tokens after token_id this step also emitted (accepted drafts and
     # the target's token after them; spec_decode/verify.py)
-    more: list[int] = field(default_factory=list)
+    more: list[SampledToken] = field(default_factory=list)
 
 
 class Sampler:

@@ -150,8 +150,9 @@ def test_abort_while_drafts_wait(model):
 
 
 def test_requests_that_do_not_draft_sample_as_without_speculation(model):
-    """A seeded random request and a logprobs request beside drafting ones: their tokens (and
-    logprobs, up to the float noise of another batch) are those of a run without speculation."""
+    """A seeded random request (it never drafts) and a greedy logprobs request (it drafts) beside
+    drafting ones: their tokens, and the logprobs (up to the float noise of another batch), are
+    those of a run without speculation."""
     path, prompts, expected = model
     extra = [
         SamplingParams(temperature=0.9, seed=7, max_tokens=10, ignore_eos=True),
@@ -179,3 +180,22 @@ def test_random_sampling_with_drafts_runs_and_frees_everything(model):
     assert all(len(o.outputs[0].token_ids) == 12 and all(0 <= t < vocab for t in o.outputs[0].token_ids) for o in outs)
     assert llm.engine.spec.stats.num_drafts > 0
     assert llm.engine.get_stats().kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_logprobs_of_accepted_drafts_are_those_of_plain_decoding(model, mode):
+    path, prompts, expected = model
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS[0], ignore_eos=True, logprobs=3)
+    (plain,) = _llm(path, logprobs_mode=mode).generate(prompt_token_ids=[prompts[0]], sampling_params=params)
+    llm = _oracle_llm(path, prompts, expected, 3, logprobs_mode=mode)
+    (spec,) = llm.generate(prompt_token_ids=[prompts[0]], sampling_params=params)
+    s = llm.engine.spec.stats
+    assert s.num_accepted_tokens == s.num_draft_tokens > 0
+    assert spec.outputs[0].token_ids == plain.outputs[0].token_ids == expected[0]
+    assert len(spec.outputs[0].logprobs) == MAX_TOKENS[0]
+    for a, b in zip(spec.outputs[0].logprobs, plain.outputs[0].logprobs):
+        assert a.keys() == b.keys()
+        assert [(x.logprob, x.rank) for x in a.values()] == [
+            (pytest.approx(y.logprob, abs=1e-4), y.rank) for y in b.values()
+        ]
+    assert spec.outputs[0].cumulative_logprob == pytest.approx(plain.outputs[0].cumulative_logprob, abs=1e-3)

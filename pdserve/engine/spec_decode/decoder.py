@@ -3,7 +3,7 @@ will decode next; the counters of what was verified.
 
 A sequence drafts only where a verify step is exact for it without per-position state in the
 sampler: no structured-outputs grammar, no repetition / frequency / presence penalty, min_tokens
-already reached, no logprobs, and no seed on a random request (a seeded request draws from its
+already reached, and no seed on a random request (a seeded request draws from its
 own generator per output index; verify steps would draw differently). Those decode one token a
 step as before. Drafts never reach past max_tokens or max_model_len.
 """
@@ -31,7 +31,6 @@ def may_draft(seq: Sequence) -> bool:
         and p.frequency_penalty == 0.0
         and p.presence_penalty == 0.0
         and seq.num_output_tokens >= p.min_tokens
-        and p.logprobs is None
         and (p.greedy or p.seed is None)
     )
 

@@ -5,6 +5,7 @@ A sequence that verifies k drafts was scheduled as one chunk [last token, d_1 ..
 rows of all k + 1 give logits (row j scores the token after d_j, d_0 the last token). Sequences
 without drafts in the same step are sampled exactly as a plain step samples them (grammar,
 penalties, seeds, logprobs), so mixing them with verifying ones changes none of their tokens.
+A verifying sequence's logprobs come from each emitted token's own position.
 
 Legend: N sequences that sample, R logits rows (N + all drafts), K most drafts, V vocabulary.
 """
@@ -37,7 +38,7 @@ def logits_rows(last_rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
 
 def sample(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], counts: list[int]) -> list[SampledToken]:
     """logits [R, V] (logits_rows' order) -> one SampledToken per sequence, its `more` the tokens
-    after the first that the step emitted too."""
+    after the first that the step emitted too (each with its logprobs where asked)."""
     c = torch.tensor(counts, dtype=torch.int64)
     first_row = (torch.cumsum(c + 1, 0) - c - 1).tolist()
     plain = [i for i, n in enumerate(counts) if n == 0]
@@ -73,7 +74,21 @@ def _verify(
     )
     greedy = torch.tensor([s.params.greedy for s in seqs], device=dev)
     tokens, accepted = accept_drafts(padded, drafts, torch.tensor(counts, device=dev), greedy, sampler.generator)
-    out = []
-    for row, a in zip(tokens.tolist(), accepted.tolist()):
-        out.append(SampledToken(row[0], more=row[1 : a + 1]))
+    emitted = [row[: a + 1] for row, a in zip(tokens.tolist(), accepted.tolist())]
+    out = [SampledToken(e[0], more=[SampledToken(t) for t in e[1:]]) for e in emitted]
+    _logprobs(sampler, logits[rows] if sampler.logprobs_mode == "raw_logprobs" else x, seqs, counts, emitted, out)
     return out
+
+
+def _logprobs(sampler, source, seqs, counts, emitted, out) -> None:
+    """Logprobs of every emitted token where asked, each from its own position's row of `source`
+    ([R', V]: raw or processed logits, chunk after chunk), as a plain step computes them."""
+    want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    if not want:
+        return
+    starts = [sum(n + 1 for n in counts[:i]) for i in range(len(counts))]
+    where = [(i, j) for i in want for j in range(len(emitted[i]))]
+    tokens = torch.tensor([emitted[i][j] for i, j in where], device=source.device)
+    rows = torch.tensor([starts[i] + j for i, j in where], device=source.device)
+    for (i, j), tok in zip(where, sampler.read(tokens, source[rows], [seqs[i] for i, _ in where])):
+        (out[i] if j == 0 else out[i].more[j - 1]).logprobs = tok.logprobs
