@@ -199,3 +199,33 @@ def test_logprobs_of_accepted_drafts_are_those_of_plain_decoding(model, mode):
             (pytest.approx(y.logprob, abs=1e-4), y.rank) for y in b.values()
         ]
     assert spec.outputs[0].cumulative_logprob == pytest.approx(plain.outputs[0].cumulative_logprob, abs=1e-3)
+
+
+def test_penalties_and_min_tokens_count_the_drafts_before_each_position(model):
+    """Repetition / frequency / presence penalties and min_tokens depend on the outputs so far:
+    each verify position is processed with the drafts before it counted as outputs, so greedy
+    tokens equal plain decoding's (drafts forced right, always wrong, and n-gram)."""
+    path, prompts, expected = model
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, repetition_penalty=1.4, frequency_penalty=0.6,
+                       presence_penalty=0.4, ignore_eos=True)
+        for n in MAX_TOKENS
+    ]  # fmt: skip
+    plain = [o.outputs[0].token_ids for o in _llm(path).generate(prompt_token_ids=prompts, sampling_params=params)]
+    # min_tokens holds back a stop token plain greedy decoding emits third
+    held = SamplingParams(temperature=0, max_tokens=12, min_tokens=6, stop_token_ids=[expected[0][2]])
+    (held_plain,) = _llm(path).generate(prompt_token_ids=[prompts[0]], sampling_params=held)
+    assert len(held_plain.outputs[0].token_ids) >= 6 and held_plain.outputs[0].token_ids[2] != expected[0][2]
+    for right in (True, False):
+        llm = _oracle_llm(path, prompts, plain, 3, right=right)
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        assert [o.outputs[0].token_ids for o in outs] == plain
+        s = llm.engine.spec.stats
+        assert s.num_drafts > 0 and (s.num_accepted_tokens > 0) == right
+        vocab = llm.engine.runner.model.config.vocab_size
+        llm.engine.spec.proposer = Oracle([prompts[0]], [held_plain.outputs[0].token_ids], vocab, right)
+        (got,) = llm.generate(prompt_token_ids=[prompts[0]], sampling_params=held)
+        assert got.outputs[0].token_ids == held_plain.outputs[0].token_ids
+    llm = _llm(path, NGRAM)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)] == plain
+    assert llm.engine.get_stats().kv_blocks_used == 0

@@ -1,11 +1,10 @@
 """The engine's side of speculative decoding: after each step, drafts for the sequences that
 will decode next; the counters of what was verified.
 
-A sequence drafts only where a verify step is exact for it without per-position state in the
-sampler: no structured-outputs grammar, no repetition / frequency / presence penalty, min_tokens
-already reached, and no seed on a random request (a seeded request draws from its
-own generator per output index; verify steps would draw differently). Those decode one token a
-step as before. Drafts never reach past max_tokens or max_model_len.
+A sequence drafts unless it has a structured-outputs grammar (its matcher would have to be
+rolled back past rejected drafts) or is a seeded random request (it draws from its own generator
+per output index; verify steps would draw differently). Those decode one token a step as before.
+Drafts never reach past max_tokens or max_model_len.
 """
 
 from __future__ import annotations
@@ -24,15 +23,7 @@ class Proposer(Protocol):
 
 
 def may_draft(seq: Sequence) -> bool:
-    p = seq.params
-    return (
-        seq.grammar is None
-        and p.repetition_penalty == 1.0
-        and p.frequency_penalty == 0.0
-        and p.presence_penalty == 0.0
-        and seq.num_output_tokens >= p.min_tokens
-        and (p.greedy or p.seed is None)
-    )
+    return seq.grammar is None and (seq.params.greedy or seq.params.seed is None)
 
 
 class SpecDecoder:

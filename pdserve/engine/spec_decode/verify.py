@@ -2,9 +2,11 @@
 tokens each sequence emits.
 
 A sequence that verifies k drafts was scheduled as one chunk [last token, d_1 .. d_k]: the hidden
-rows of all k + 1 give logits (row j scores the token after d_j, d_0 the last token). Sequences
-without drafts in the same step are sampled exactly as a plain step samples them (grammar,
-penalties, seeds, logprobs), so mixing them with verifying ones changes none of their tokens.
+rows of all k + 1 give logits (row j scores the token after d_j, d_0 the last token). Each position's
+logits are processed as a plain step would process them there (`Ahead`: penalties and min_tokens
+count the drafts before it). Sequences without drafts in the same step are sampled exactly as a
+plain step samples them (grammar, seeds, logprobs), so mixing them with verifying ones changes
+none of their tokens.
 A verifying sequence's logprobs come from each emitted token's own position.
 
 Legend: N sequences that sample, R logits rows (N + all drafts), K most drafts, V vocabulary.
@@ -58,13 +60,31 @@ def sample(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], counts:
     return out
 
 
+class Ahead:
+    """A sequence as the sampler sees it at a verify chunk's position j: its first j drafts taken
+    as output, so penalties and min_tokens at each position are those a plain step there would
+    apply (the row matters only if those drafts are accepted). Grammars never draft."""
+
+    def __init__(self, seq: Sequence, j: int) -> None:
+        self.params, self.grammar = seq.params, None
+        self.output_token_ids = seq.output_token_ids + seq.spec_token_ids[:j]
+        self._prompt = seq.prompt_token_ids
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def token_ids(self) -> list[int]:
+        return self._prompt + self.output_token_ids
+
+
 def _verify(
     sampler: Sampler, logits, seqs: list[Sequence], first_rows: list[int], counts: list[int]
 ) -> list[SampledToken]:
     N, K, V = len(seqs), max(counts), logits.shape[1]
     dev = logits.device
     rows = torch.cat([torch.arange(r, r + n + 1) for r, n in zip(first_rows, counts)]).to(dev)
-    x = sampler.process(logits[rows], [s for s, n in zip(seqs, counts) for _ in range(n + 1)])  # [R', V]
+    x = sampler.process(logits[rows], [Ahead(s, j) for s, n in zip(seqs, counts) for j in range(n + 1)])  # [R', V]
     padded = x.new_zeros(N, K + 1, V)
     pos = torch.cat([torch.arange(n + 1) for n in counts]).to(dev)
     seq = torch.repeat_interleave(torch.arange(N), torch.tensor(counts) + 1).to(dev)
