@@ -6,6 +6,7 @@ drafts, and no KV block stays used. A prefill worker given
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -73,3 +74,26 @@ def test_pd_with_a_speculating_decode_worker_equals_colocated(cluster):
         assert _tokens(cluster.pd_router, prompt) == _tokens(cluster.plain_router, prompt)
     assert scrape(cluster.decode.url)["pdserve_spec_decode_num_drafts_total"] > 0
     assert not any(wait_blocks_free([cluster.prefill, cluster.decode]).values())
+
+
+@pytest.mark.usefixtures("restore_torch_threads")
+def test_tensor_parallel_verify_steps_equal_tp1(tmp_path):
+    """TP2 on CPU (gloo rank processes): a verify chunk is an ordinary chunk to rank 1; greedy
+    tokens with n-gram drafts equal TP1's without them."""
+    from pdserve import LLM, SamplingParams
+
+    model = str(make_tiny_model(tmp_path / "tiny"))
+    engine = dict(
+        cpu_threads=1, kv_block_size=4, num_kv_blocks=128, max_num_batched_tokens=16, skip_tokenizer_init=True
+    )
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = [
+        o.outputs[0].token_ids for o in LLM(model, **engine).generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    ]
+    llm = LLM(model, tensor_parallel_size=2, speculative_config=json.loads(SPEC), **engine)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)]
+        assert got == want and llm.engine.spec.stats.num_drafts > 0
+        assert llm.engine.get_stats().kv_blocks_used == 0
+    finally:
+        llm.engine.shutdown()
