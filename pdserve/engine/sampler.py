@@ -30,7 +30,7 @@ from pdserve.engine.sequence import Sequence
 _MASK64 = (1 << 64) - 1
 
 
-def _row_seed(seed: int, index: int) -> int:
+def row_seed(seed: int, index: int) -> int:
     """splitmix64 of (seed, index): distinct, well-mixed generator seeds per output position."""
     z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
@@ -172,7 +172,7 @@ class Sampler:
         q = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, s in enumerate(seqs):
             if s.params.seed is not None and not s.params.greedy:
-                g = torch.Generator(device=x.device).manual_seed(_row_seed(s.params.seed, s.num_output_tokens))
+                g = torch.Generator(device=x.device).manual_seed(row_seed(s.params.seed, s.num_output_tokens))
                 q[i] = torch.empty_like(probs[i]).exponential_(generator=g)
         # q = 0 would turn a filtered token's 0 / 0 into NaN, which argmax would pick
         q.clamp_(min=torch.finfo(q.dtype).tiny)

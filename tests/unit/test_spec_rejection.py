@@ -74,12 +74,12 @@ def _sample(x: torch.Tensor, drafts: list[int], seed: int, draft_probs=None) -> 
     return tokens, d
 
 
-def _check_positions(x: torch.Tensor, tokens: torch.Tensor, drafts: torch.Tensor) -> None:
+def _check_positions(x: torch.Tensor, tokens: torch.Tensor, drafts: torch.Tensor, min_rows: int = 2_000) -> None:
     p = x.softmax(-1)
     assert chi_square_p(torch.bincount(tokens[:, 0], minlength=V), p[0]) > ALPHA
     for j in range(1, K + 1):  # position j given the tokens before it were the drafts
         prefix = (tokens[:, :j] == drafts[:, :j]).all(dim=1)
-        assert int(prefix.sum()) > 2_000
+        assert int(prefix.sum()) > min_rows
         assert chi_square_p(torch.bincount(tokens[prefix, j], minlength=V), p[j]) > ALPHA
 
 
@@ -125,3 +125,20 @@ def test_mixed_greedy_and_random_rows_and_no_drafts():
     assert tokens[0].tolist() == target[0].tolist() and int(accepted[0]) == 2
     assert tokens[1].tolist() == [int(target[1, 0]), -1, -1] and int(accepted[1]) == 0
     assert int(accepted[3]) == 0 and tokens[3, 1:].tolist() == [-1, -1] and 0 <= int(tokens[3, 0]) < V
+
+
+def test_seeded_rows_keep_the_distribution_and_depend_on_their_seed_alone():
+    g = torch.Generator().manual_seed(seed_of("seeded"))
+    x = processed(torch.randn(K + 1, V, generator=g) * 1.5, temperature=0.9, top_k=5)
+    rows = 20_000
+    logits = x[None].expand(rows, -1, -1)
+    drafts = torch.tensor([int(x[0].argmax()), int(x[1].argmax())])[None].expand(rows, -1).contiguous()
+    num, greedy = torch.full((rows,), K), torch.zeros(rows, dtype=torch.bool)
+    seeds = [(1000 + n, 3) for n in range(rows)]  # distinct seeds: independent rows
+    tokens, _ = accept_drafts(logits, drafts, num, greedy, torch.Generator().manual_seed(1), seeds=seeds)
+    _check_positions(x, tokens, drafts, min_rows=1_000)
+    # the same seeds give the same tokens whatever the shared generator and the other rows do
+    again, _ = accept_drafts(
+        logits[:50], drafts[:50], num[:50], greedy[:50], torch.Generator().manual_seed(2), seeds=seeds[:50]
+    )
+    assert torch.equal(again, tokens[:50])

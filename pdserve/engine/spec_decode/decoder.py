@@ -2,9 +2,8 @@
 will decode next; the counters of what was verified.
 
 A sequence drafts unless it has a structured-outputs grammar (its matcher would have to be
-rolled back past rejected drafts) or is a seeded random request (it draws from its own generator
-per output index; verify steps would draw differently). Those decode one token a step as before.
-Drafts never reach past max_tokens or max_model_len.
+rolled back past rejected drafts); those decode one token a step as before. Drafts never reach
+past max_tokens or max_model_len.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ class Proposer(Protocol):
 
 
 def may_draft(seq: Sequence) -> bool:
-    return seq.grammar is None and (seq.params.greedy or seq.params.seed is None)
+    return seq.grammar is None
 
 
 class SpecDecoder:

@@ -20,6 +20,14 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.engine.sampler import row_seed
+
+_UNIFORM_SALT = 0x5EC0DE  # a seeded row's acceptance uniforms: a stream apart from its races
+
+
+def _seeded(seed: int, index: int, device: torch.device) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(row_seed(seed, index))
+
 
 def accept_drafts(
     logits: torch.Tensor,  # [N, K+1, V] processed target logits (-inf: filtered); row j scores position j
@@ -28,9 +36,13 @@ def accept_drafts(
     greedy: torch.Tensor,  # [N] bool
     generator: torch.Generator | None,
     draft_probs: torch.Tensor | None = None,  # [N, K, V] q; None: one-hot at the drafts
+    seeds: list[tuple[int, int] | None] | None = None,  # per row: (request seed, its next output index)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [N, K+1] int64, -1 past each row's end; num_accepted [N] int64). Row n emits its
-    first num_accepted[n] drafts and then one token from the target: num_accepted[n] + 1 tokens."""
+    first num_accepted[n] drafts and then one token from the target: num_accepted[n] + 1 tokens.
+    A seeded row draws from its own generators instead of `generator`: its acceptance uniforms
+    from (seed, output index) salted, its last token's exponential race from (seed, that token's
+    output index), the stream a plain step at that index draws from (sampler.py)."""
     N, K1, V = logits.shape
     K = K1 - 1
     pos = torch.arange(K, device=logits.device)
@@ -44,9 +56,12 @@ def accept_drafts(
         p_draft = probs[:, :K].gather(2, safe[..., None])[..., 0]  # [N, K]
         q_draft = torch.ones_like(p_draft) if draft_probs is None else draft_probs.gather(2, safe[..., None])[..., 0]
         u = torch.rand(p_draft.shape, generator=generator, device=logits.device)
+        for n, s in enumerate(seeds or []):
+            if s is not None:
+                u[n] = torch.rand(K, generator=_seeded(s[0] ^ _UNIFORM_SALT, s[1], u.device), device=u.device)
         ok = torch.where(greedy[:, None], ok, valid & (u * q_draft < p_draft))
     accepted = ok.long().cumprod(dim=1).sum(dim=1)  # [N] drafts before the first rejection
-    last = _last_token(probs, target, safe, accepted, num_drafts, greedy, generator, draft_probs)  # [N]
+    last = _last_token(probs, target, safe, accepted, num_drafts, greedy, generator, draft_probs, seeds)  # [N]
     idx = torch.arange(K1, device=logits.device)[None, :]
     tokens = torch.cat([safe, torch.zeros_like(safe[:, :1])], dim=1)
     tokens = torch.where(idx < accepted[:, None], tokens, -1)
@@ -54,7 +69,7 @@ def accept_drafts(
     return tokens, accepted
 
 
-def _last_token(probs, target, drafts, accepted, num_drafts, greedy, generator, draft_probs) -> torch.Tensor:
+def _last_token(probs, target, drafts, accepted, num_drafts, greedy, generator, draft_probs, seeds) -> torch.Tensor:
     """The target's token at each row's first rejected position (or after its last draft): [N]."""
     rows = torch.arange(target.shape[0], device=target.device)
     if bool(greedy.all()):
@@ -72,6 +87,12 @@ def _last_token(probs, target, drafts, accepted, num_drafts, greedy, generator, 
     # p == q leaves no residual, but then the draft is never rejected; guard the 0 / 0 anyway
     residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p)
     dist = torch.where(rejected[:, None], residual, p)
-    e = torch.empty_like(dist).exponential_(generator=generator).clamp_(min=torch.finfo(dist.dtype).tiny)
+    e = torch.empty_like(dist).exponential_(generator=generator)
+    if seeds and any(s is not None for s in seeds):
+        at_index = accepted.tolist()
+        for n, s in enumerate(seeds):
+            if s is not None:
+                e[n] = torch.empty_like(e[n]).exponential_(generator=_seeded(s[0], s[1] + at_index[n], e.device))
+    e.clamp_(min=torch.finfo(dist.dtype).tiny)
     drawn = (dist / e).argmax(dim=-1)  # the exponential race draws from dist (unnormalized is fine)
     return torch.where(greedy, target[rows, accepted], drawn)

@@ -93,7 +93,13 @@ def _verify(
         [s.spec_token_ids[:n] + [0] * (K - n) for s, n in zip(seqs, counts)], dtype=torch.int64, device=dev
     )
     greedy = torch.tensor([s.params.greedy for s in seqs], device=dev)
-    tokens, accepted = accept_drafts(padded, drafts, torch.tensor(counts, device=dev), greedy, sampler.generator)
+    seeds = [
+        (s.params.seed, s.num_output_tokens) if s.params.seed is not None and not s.params.greedy else None
+        for s in seqs
+    ]
+    tokens, accepted = accept_drafts(
+        padded, drafts, torch.tensor(counts, device=dev), greedy, sampler.generator, seeds=seeds
+    )
     emitted = [row[: a + 1] for row, a in zip(tokens.tolist(), accepted.tolist())]
     out = [SampledToken(e[0], more=[SampledToken(t) for t in e[1:]]) for e in emitted]
     _logprobs(sampler, logits[rows] if sampler.logprobs_mode == "raw_logprobs" else x, seqs, counts, emitted, out)
