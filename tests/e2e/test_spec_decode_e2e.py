@@ -1,8 +1,9 @@
 """Speculative decoding through `pdserve serve` and the router, with the official openai client:
 a colocated worker with n-gram drafts, and a PD pair (NIXL) whose decode worker drafts, answer
 greedy completions with the same tokens as a colocated worker without, their /metrics count the
-drafts, and no KV block stays used. A prefill worker given
---speculative-config refuses to start, saying why."""
+drafts, and no KV block stays used. A prefill worker given --speculative-config refuses to
+start, saying why. TP2 verify steps equal TP1; `pdserve launch --speculative-config` reaches its
+workers."""
 
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ def cluster(tmp_path_factory):
         yield c
 
 
-def _tokens(router, prompt: list[int]) -> list[int]:
-    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0, timeout=120)
+def _tokens(url: str, prompt: list[int]) -> list[int]:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
     out = client.completions.create(
         model="tiny",
         prompt=prompt,
@@ -51,7 +52,7 @@ def _tokens(router, prompt: list[int]) -> list[int]:
 
 def test_greedy_completions_equal_the_worker_without_speculation(cluster):
     for prompt in PROMPTS:
-        assert _tokens(cluster.spec_router, prompt) == _tokens(cluster.plain_router, prompt)
+        assert _tokens(cluster.spec_router.url, prompt) == _tokens(cluster.plain_router.url, prompt)
     m = scrape(cluster.spec.url)
     assert m["pdserve_spec_decode_num_drafts_total"] > 0
     assert m["pdserve_spec_decode_num_draft_tokens_total"] >= m["pdserve_spec_decode_num_drafts_total"]
@@ -71,7 +72,7 @@ def test_a_prefill_worker_with_speculation_refuses_to_start(tmp_path):
 
 def test_pd_with_a_speculating_decode_worker_equals_colocated(cluster):
     for prompt in PROMPTS:
-        assert _tokens(cluster.pd_router, prompt) == _tokens(cluster.plain_router, prompt)
+        assert _tokens(cluster.pd_router.url, prompt) == _tokens(cluster.plain_router.url, prompt)
     assert scrape(cluster.decode.url)["pdserve_spec_decode_num_drafts_total"] > 0
     assert not any(wait_blocks_free([cluster.prefill, cluster.decode]).values())
 
@@ -97,3 +98,29 @@ def test_tensor_parallel_verify_steps_equal_tp1(tmp_path):
         assert llm.engine.get_stats().kv_blocks_used == 0
     finally:
         llm.engine.shutdown()
+
+
+def test_launch_takes_the_flag_for_its_workers(tmp_path):
+    """`pdserve launch --speculative-config` over a colocated-only cluster: the worker's serve
+    file holds it, completions come back, the worker counts drafts."""
+    import yaml
+
+    from tests.helpers.launch import free_ports, start_launch, stop_group, wait_up
+
+    ports = free_ports(2)
+    config = tmp_path / "colocated.yaml"
+    worker = {"port": ports[1], "kv_block_size": 16, "num_kv_blocks": 64, "max_num_seqs": 4}
+    config.write_text(yaml.safe_dump({
+        "model": "tiny:deepseek_v3", "served_model_name": "tiny", "router": {"port": ports[0], "health_interval": 0.5}, "colocated": [worker],
+        "log_dir": str(tmp_path / "logs"), "stop_grace_seconds": 5,
+    }))  # fmt: skip
+    proc, out = start_launch(config, tmp_path, None, "--speculative-config", SPEC)
+    try:
+        wait_up(proc, out)
+        served = json.loads((tmp_path / "logs" / "colocated-0.json").read_text())
+        assert served["worker"]["speculative_config"] == {**json.loads(SPEC)}
+        for prompt in PROMPTS:
+            assert len(_tokens(f"http://127.0.0.1:{ports[0]}", prompt)) == 24
+        assert scrape(f"http://127.0.0.1:{ports[1]}")["pdserve_spec_decode_num_drafts_total"] > 0
+    finally:
+        stop_group(proc)
