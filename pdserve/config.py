@@ -32,6 +32,7 @@ from pdserve.engine.config import (
     Quantization,
     check_device,
 )
+from pdserve.engine.spec_decode.config import SPEC_ON_PREFILL, SpeculativeConfig
 
 # configs/ sits beside the package in the source tree (the repo is installed editable).
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -137,6 +138,7 @@ class WorkerConfig(_Strict):
     )
     fp4_moe_backend: Fp4MoEBackend = "auto"  # FP4 experts' kernel path (engine/config.py)
     cuda_graph_max_bs: int | None = Field(None, ge=1)  # largest decode batch captured (default min(max_num_seqs, 256))
+    speculative_config: SpeculativeConfig | None = None  # vLLM's: {"method": "ngram", "num_speculative_tokens": k, ...}
     lease_seconds: float = Field(60.0, gt=0)  # prefill keeps KV this long for decode to pull
     engine_id: str | None = None  # default: "<role>-<index>-<port>" (launch), "<role>-<port>" (serve)
     max_open_requests: int | None = Field(
@@ -225,6 +227,7 @@ class WorkerConfig(_Strict):
             quantization=self.quantization,
             fp4_moe_backend=self.fp4_moe_backend,
             cuda_graph_max_bs=self.cuda_graph_max_bs,
+            speculative_config=self.speculative_config,
             **({"max_num_batched_tokens": self.max_num_batched_tokens} if self.max_num_batched_tokens else {}),
         )
 
@@ -290,6 +293,8 @@ class ClusterConfig(_Strict):
             raise ValueError("no workers: list prefill + decode workers, colocated workers, or both")
         seen: dict[int, str] = {self.router.port: "router"}
         for name, w in self.named_workers():
+            if w.speculative_config is not None and name.startswith("prefill"):
+                raise ValueError(f"{name}: {SPEC_ON_PREFILL}")
             if w.device.startswith("cuda") and not w.gpus:
                 raise ValueError(f"{name}: a cuda worker needs gpus, e.g. gpus: [0] (launch gives it exactly those)")
             if w.port in seen:

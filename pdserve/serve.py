@@ -41,7 +41,7 @@ WORKER_FLAGS = {
     "max_open_requests": "worker.max_open_requests", "stall_timeout": "worker.stall_timeout", "peer": "peers",
     "enforce_eager": "worker.enforce_eager", "cuda_graph_max_bs": "worker.cuda_graph_max_bs", "kv_cache_dtype": "worker.kv_cache_dtype",
     "quantization": "worker.quantization", "fp4_moe_backend": "worker.fp4_moe_backend",
-    "enable_prefix_caching": "worker.enable_prefix_caching",
+    "enable_prefix_caching": "worker.enable_prefix_caching", "speculative_config": "worker.speculative_config",
     "transfer_backend": "transfer.backend", "transfer_timeout": "transfer.timeout",
     "metadata_timeout": "transfer.metadata_timeout", "kv_load_failure_policy": "transfer.kv_load_failure_policy",
     "handoff_timeout": "transfer.handoff_timeout",
@@ -119,6 +119,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="FP4 experts (V4): auto (per GPU, docs/kernels.md) | w4a16 | mxfp8 (MXFP8 activations, block-scaled e4m3 MMAs)",
     )
     w("--cuda-graph-max-bs", help="largest decode batch captured as a CUDA graph (default min(max-num-seqs, 256))")
+    w(
+        "--speculative-config",
+        type=json_object,
+        metavar="JSON",
+        help='speculative decoding, vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\' (colocated or decode worker, V3 / V3.2)',
+    )
     w("--engine-id", help="transfer agent name (default <role>-<port>)")
     w(
         "--advertise-host",
@@ -164,7 +170,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     r("--api-key", help="clients must send Authorization: Bearer <key>")
     r(
         "--default-chat-template-kwargs",
-        type=_json_object,
+        type=json_object,
         metavar="JSON",
         help="chat_template_kwargs a chat request gets unless it sets them, e.g. '{\"thinking\": true}'",
     )
@@ -189,7 +195,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _json_object(text: str) -> dict:
+def json_object(text: str) -> dict:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:

@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from pdserve.config import LOOPBACK, RouterConfig, TransferConfig, WorkerConfig, WorkerRole, _Strict
+from pdserve.engine.spec_decode.config import SPEC_ON_PREFILL
 
 
 class WorkerServeConfig(_Strict):
@@ -32,6 +33,8 @@ class WorkerServeConfig(_Strict):
             raise ValueError(
                 "a decode worker reads KV only from configured peers: pass --peer URL for each prefill worker"
             )
+        if self.role == "prefill" and self.worker.speculative_config is not None:
+            raise ValueError(SPEC_ON_PREFILL)
         return self
 
     @property

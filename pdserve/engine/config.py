@@ -8,6 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pdserve.engine.spec_decode.config import SpeculativeConfig
+
 DType = Literal["float32", "bfloat16", "float16", "auto"]
 # decode: what a failed KV load does (vLLM's name): fail the request, or compute the prompt here
 KVLoadFailurePolicy = Literal["fail", "recompute"]
@@ -81,6 +83,9 @@ class EngineConfig(BaseModel):
     # automatic prefix caching (vLLM's name): full KV blocks kept by a hash of their tokens and
     # reused by later requests with the same prefix (engine/prefix_cache.py)
     enable_prefix_caching: bool = True
+    # speculative decoding (vLLM's name and shape): {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_min": .., "prompt_lookup_max": ..}; engine/spec_decode/
+    speculative_config: SpeculativeConfig | None = None
 
     @field_validator("device")
     @classmethod

@@ -4,11 +4,9 @@ add_request and abort_request may be called from any thread: a Request is valida
 input raises ValueError in the caller) and takes effect at the start of the next step(). step()
 itself must be called from one thread at a time.
 
-With a KV connector (PD disaggregation) the engine owns a RemoteKV (remote_kv.py): KV held for a
-decode worker, hand-offs and loads, polled at the start of each step and, on a decode worker with
-hand-offs awaited or loads outstanding, again while the device computes the step
-(ModelRunner.run's while_busy), so a hand-off that lands mid-step has its KV read by the step's
-end and runs in the next step.
+With a KV connector (PD) the engine owns a RemoteKV (remote_kv.py): held KV, hand-offs and loads,
+polled at each step's start and, on a decode worker waiting for some, while the device computes
+(ModelRunner.run's while_busy): a hand-off landing mid-step runs in the next step.
 """
 
 from __future__ import annotations
@@ -24,12 +22,13 @@ from pdserve.disagg.stats import TransferStats
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, KVLoadFailurePolicy
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.prefix_cache import model_identity, root_hash
+from pdserve.engine.prefix_cache import engine_root
 from pdserve.engine.remote_kv import DEFAULT_HANDOFF_TIMEOUT_S, RemoteEvents, RemoteKV, handoff_problem
 from pdserve.engine.request import Handoff, Request
 from pdserve.engine.sampler import SampledToken
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.spec_decode.decoder import SpecDecoder, refuse_unsupported
 from pdserve.engine.stop import check_stop, visible_text
 from pdserve.outputs import CompletionOutput, Logprob, RequestOutput, from_entries
 from pdserve.sampling_params import SamplingParams
@@ -88,10 +87,14 @@ class LLMEngine:
             window_tokens=self.runner.window_tokens,
             num_window_blocks=self.runner.num_window_blocks,
             num_state_slots=self.runner.num_state_slots,
-            prefix_root=self._prefix_root(),
+            prefix_root=engine_root(self.config, self.runner),
             num_checkpoints=self.runner.num_checkpoints,
         )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.spec: SpecDecoder | None = None
+        if config.speculative_config is not None:
+            refuse_unsupported(self.runner)
+            self.spec = SpecDecoder(config.speculative_config, self.max_model_len)
         self.connector = connector
         self.remote_kv: RemoteKV | None = None
         if connector is not None:
@@ -105,15 +108,6 @@ class LLMEngine:
         self._aborts: list[str] = []  # abort requests since the last step (taken after the new ones)
         self._ids: set[str] = set()  # every request not yet fully gone (finished ones leave)
         self._arrival = itertools.count()
-
-    def _prefix_root(self) -> bytes | None:
-        """The prefix cache's hash root; None when caching is off, and for pools with a window or
-        state space that keep no checkpoints (prefix_checkpoints.checkpoint_capacity)."""
-        r = self.runner
-        side = r.window_tokens is not None or r.num_state_slots
-        if not self.config.enable_prefix_caching or (side and not r.num_checkpoints):
-            return None
-        return root_hash(*model_identity(self.config))
 
     @property
     def kv_cache(self):
@@ -210,6 +204,8 @@ class LLMEngine:
             self.runner.copy_records(self.block_manager.take_copies())
             sampled = self.runner.run(sched, self._while_step_runs(outputs))
             self._postprocess(sched, sampled, outputs)
+            if self.spec is not None:
+                self.spec.propose(sched)
         return list(outputs.values())
 
     def _while_step_runs(self, outputs: dict[str, RequestOutput]) -> Callable[[], None] | None:
@@ -227,18 +223,31 @@ class LLMEngine:
         tokens = iter(sampled)
         for s in sched.scheduled:
             seq = s.seq
-            seq.num_computed_tokens += s.num_tokens
+            tok = next(tokens) if s.samples else None
+            # a verify chunk computed its drafts' KV too; only accepted ones (tok.more) count
+            accepted = len(tok.more) if tok is not None else 0
+            seq.num_computed_tokens += s.num_tokens - s.num_spec + accepted
             self.block_manager.trim_window(seq)
-            if seq.request.role != "decode":  # decode-side reuse of loaded KV is not built
-                self.block_manager.cache_computed(seq)
-            if not s.samples:
+            if tok is None:
+                self._cache_blocks(seq)
                 continue
-            status = self._append(seq, next(tokens))
+            if self.spec is not None:
+                self.spec.observe(s, accepted)
+            status = self._append(seq, tok)
+            for extra in tok.more:
+                if status is not None:
+                    break
+                status = self._append(seq, extra)
+            self._cache_blocks(seq)  # after accepted drafts joined token_ids: a block hashes its own tokens
             if status is None and seq.hold_kv:
                 status = SequenceStatus.FINISHED_REMOTE_DECODE
             if status is not None:
                 self._finish(seq, status)
             outputs[seq.request_id] = self._output(seq)
+
+    def _cache_blocks(self, seq: Sequence) -> None:
+        if seq.request.role != "decode":  # decode-side reuse of loaded KV is not built
+            self.block_manager.cache_computed(seq)
 
     def _append(self, seq: Sequence, tok: SampledToken) -> SequenceStatus | None:
         if tok.logprobs is not None:

@@ -150,16 +150,24 @@ def profile_peak(
     max_model_len: int,
     max_num_seqs: int,
     graph_bs: int | None,
+    num_speculative_tokens: int = 0,
 ) -> int:
     """Peak activation bytes (CUDA; 0 elsewhere, where the forwards still run) of the steps this
     engine may take: prefill chunks filling max_num_batched_tokens, and min(max_num_seqs,
     max_num_batched_tokens) one-token decodes; with CUDA graphs, the largest captured batch's
-    activations are held in the graphs' own pool besides, so they count once more."""
+    activations are held in the graphs' own pool besides, so they count once more. With
+    speculative decoding (k drafts) also a verify step: chunks of k + 1 tokens, logits and the
+    acceptance's working copies at every position."""
     chunk = min(max_num_batched_tokens, max_model_len)
     full, rest = divmod(max_num_batched_tokens, chunk)
     prefill = [chunk] * full + ([rest] if rest else [])
     decode = min(max_num_seqs, max_num_batched_tokens)
     peaks = [_peak_of(model, specs, lens, block_size, dtype, device) for lens in (prefill, [1] * decode)]
+    k = num_speculative_tokens
+    if k:
+        verify = min(max_num_seqs, max_num_batched_tokens // (k + 1))
+        if verify:
+            peaks.append(_peak_of(model, specs, [k + 1] * verify, block_size, dtype, device, every_row=True))
     held = 0
     if graph_bs is not None:
         held = peaks[1] if graph_bs == decode else _peak_of(model, specs, [1] * graph_bs, block_size, dtype, device)
@@ -173,9 +181,12 @@ def _peak_of(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device,
+    every_row: bool = False,
 ) -> int:
     """One dummy step of fresh sequences of `lens` tokens over a pool just big enough for it:
-    the forward, the logits of each sequence's last token and their log-softmax (the sampler's)."""
+    the forward, the logits of each sequence's last token and their log-softmax (the sampler's).
+    every_row: logits at every token and three more copies of them held at once (a verify
+    step's: the processed logits, their padded copy and probabilities, spec_decode/verify.py)."""
     blocks = [math.ceil(n / block_size) for n in lens]
     num_blocks = sum(blocks)
     has_window = any(s.space == WINDOW for s in specs)
@@ -212,9 +223,11 @@ def _peak_of(
         torch.cuda.reset_peak_memory_stats(device)
     batch = ForwardBatch.build(step, block_size)
     hidden = model.forward(batch.to(device), cache)  # [T, hidden]
-    logits = model.compute_logits(hidden[batch.logits_indices.to(device)])  # [B, V]
+    rows = torch.arange(len(step.input_ids)) if every_row else batch.logits_indices
+    logits = model.compute_logits(hidden[rows.to(device)])  # [B, V] (every_row: [T, V])
+    held = [logits.float().clone(), logits.float().clone(), logits.float().softmax(dim=-1)] if every_row else []
     torch.log_softmax(logits.float(), dim=-1)
-    del hidden, logits
+    del hidden, logits, held
     if not cuda:
         return 0
     torch.cuda.synchronize(device)

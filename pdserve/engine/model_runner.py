@@ -33,6 +33,7 @@ from pdserve.engine.prefix_checkpoints import checkpoint_capacity, window_blocks
 from pdserve.engine.sampler import SampledToken, Sampler
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.spec_decode import verify
 from pdserve.model.batch import ForwardBatch, StepInputs
 from pdserve.model.kv_cache import STATE, WINDOW, KVCache, KVRegionSpec
 
@@ -177,6 +178,7 @@ class ModelRunner:
             max_model_len=max_len,
             max_num_seqs=c.max_num_seqs,
             graph_bs=graph_bs,
+            num_speculative_tokens=c.speculative_config.num_speculative_tokens if c.speculative_config else 0,
         )
         side_bytes += block_bytes if graph_bs is not None else 0  # the graphs' scratch block
         figures = self.memory_figures = measure_figures(
@@ -225,6 +227,12 @@ class ModelRunner:
         hidden = self.model.forward(batch.to(self.device), self.kv_cache)  # [T, hidden]
         if not sampling:
             return []
+        counts = verify.draft_counts(sched)
+        if counts is not None:  # drafts to verify: logits at each of their positions
+            logits = self.model.compute_logits(hidden[verify.logits_rows(batch.logits_indices, counts).to(self.device)])
+            if while_busy is not None:
+                while_busy()
+            return verify.sample(self.sampler, logits, sampling, counts)
         logits = self.model.compute_logits(hidden[batch.logits_indices.to(self.device)])  # [N, V]
         return self._sample(logits, sampling, while_busy)
 
@@ -246,8 +254,9 @@ class ModelRunner:
         chunks = sched.scheduled
         width = max(len(s.seq.block_table) for s in chunks)
         input_ids: list[int] = []
-        for s in chunks:
-            input_ids.extend(s.seq.tokens_between(s.start, s.start + s.num_tokens))
+        for s in chunks:  # a verify chunk's last num_spec tokens are its drafts
+            input_ids.extend(s.seq.tokens_between(s.start, s.start + s.num_tokens - s.num_spec))
+            input_ids.extend(s.seq.spec_token_ids[: s.num_spec])
         step = StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64),
             lens=torch.tensor([s.num_tokens for s in chunks], dtype=torch.int64),

@@ -56,6 +56,15 @@ def model_identity(config: EngineConfig) -> tuple:
     )  # fmt: skip
 
 
+def engine_root(config: EngineConfig, runner) -> bytes | None:
+    """An engine's hash root; None when caching is off, and for pools with a window or state space
+    that keep no checkpoints (prefix_checkpoints.checkpoint_capacity)."""
+    side = runner.window_tokens is not None or runner.num_state_slots
+    if not config.enable_prefix_caching or (side and not runner.num_checkpoints):
+        return None
+    return root_hash(*model_identity(config))
+
+
 def chain_hash(parent: bytes, tokens: list[int]) -> bytes:
     """The hash of a block holding `tokens` after the block hashed `parent` (or the root)."""
     ids = array("q", tokens)

@@ -21,7 +21,7 @@ Legend: N rows (sequences that sample this step), V vocabulary.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,7 +30,7 @@ from pdserve.engine.sequence import Sequence
 _MASK64 = (1 << 64) - 1
 
 
-def _row_seed(seed: int, index: int) -> int:
+def row_seed(seed: int, index: int) -> int:
     """splitmix64 of (seed, index): distinct, well-mixed generator seeds per output position."""
     z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
@@ -43,6 +43,9 @@ class SampledToken:
     token_id: int
     # (token id, logprob, 1-based rank): the sampled token first, then the top-N; None if not asked
     logprobs: list[tuple[int, float, int]] | None = None
+    # speculative decoding: the tokens after token_id this step also emitted (accepted drafts and
+    # the target's token after them; spec_decode/verify.py)
+    more: list[SampledToken] = field(default_factory=list)
 
 
 class Sampler:
@@ -65,22 +68,30 @@ class Sampler:
     def draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """The sampled token ids [N] and the logits their logprobs come from, still on the device
         (queued, not waited for: `read` is where the host waits for the step)."""
-        # logits: [N, V] float32
+        x = self.process(logits, seqs)
+        if all(s.params.greedy for s in seqs):
+            tokens = x.argmax(dim=-1)  # [N]
+        else:
+            greedy = torch.tensor([s.params.greedy for s in seqs], device=x.device)
+            tokens = torch.where(greedy, x.argmax(dim=-1), self._random(x, seqs))  # [N]
+        lp_source = logits if self.logprobs_mode == "raw_logprobs" else x
+        return tokens, lp_source
+
+    def process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The logits a row's token is drawn from [N, V] float32 (a copy): masks and penalties,
+        then, on random rows only, temperature and the filters (-inf where filtered). Greedy rows
+        take the argmax of theirs; speculative decoding's rejection sampling uses the same rows."""
+        # logits: [N, V]
         x = logits.float().clone()
         self._grammar_mask(x, seqs)
         self._min_tokens(x, seqs)
         self._penalties(x, seqs)
         if all(s.params.greedy for s in seqs):  # greedy rows are never filtered or scaled
-            tokens = x.argmax(dim=-1)  # [N]
-        else:
-            greedy = torch.tensor([s.params.greedy for s in seqs], device=x.device)
-            temps = torch.tensor([1.0 if s.params.greedy else s.params.temperature for s in seqs], device=x.device)
-            x = x / temps[:, None]
-            x = self._min_p(x, seqs)
-            x = self._top_k_top_p(x, seqs)
-            tokens = torch.where(greedy, x.argmax(dim=-1), self._random(x, seqs))  # [N]
-        lp_source = logits if self.logprobs_mode == "raw_logprobs" else x
-        return tokens, lp_source
+            return x
+        temps = torch.tensor([1.0 if s.params.greedy else s.params.temperature for s in seqs], device=x.device)
+        x = x / temps[:, None]
+        x = self._min_p(x, seqs)
+        return self._top_k_top_p(x, seqs)
 
     def read(self, tokens: torch.Tensor, lp_source: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
         """draw's tokens (and logprobs where asked) on the host."""
@@ -161,7 +172,7 @@ class Sampler:
         q = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, s in enumerate(seqs):
             if s.params.seed is not None and not s.params.greedy:
-                g = torch.Generator(device=x.device).manual_seed(_row_seed(s.params.seed, s.num_output_tokens))
+                g = torch.Generator(device=x.device).manual_seed(row_seed(s.params.seed, s.num_output_tokens))
                 q[i] = torch.empty_like(probs[i]).exponential_(generator=g)
         # q = 0 would turn a filtered token's 0 / 0 into NaN, which argmax would pick
         q.clamp_(min=torch.finfo(q.dtype).tiny)

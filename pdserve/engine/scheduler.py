@@ -33,15 +33,17 @@ class ScheduledSeq:
     start: int  # seq.num_computed_tokens when scheduled: this step computes tokens [start, start + num_tokens)
     num_tokens: int
     samples: bool = False  # the chunk reaches the sequence's last token: its logits give the next token
+    num_spec: int = 0  # draft tokens after the last token, verified in this chunk (spec_decode/)
 
     @classmethod
     def of(cls, seq: Sequence, num_tokens: int) -> ScheduledSeq:
         start = seq.num_computed_tokens
-        return cls(seq, start, num_tokens, start + num_tokens == seq.num_tokens)
+        end = start + num_tokens
+        return cls(seq, start, num_tokens, end >= seq.num_tokens, max(0, end - seq.num_tokens))
 
     @property
     def is_prefill(self) -> bool:
-        return not (self.num_tokens == 1 and self.start > 0 and self.samples)
+        return not (self.num_tokens - self.num_spec == 1 and self.start > 0 and self.samples)
 
 
 @dataclass
@@ -124,7 +126,8 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
                 continue
-            n = self.block_manager.cut(seq, seq.num_computed_tokens, min(seq.num_uncomputed_tokens, budget))
+            n = min(seq.num_uncomputed_tokens + seq.num_draft_tokens, budget)  # + its drafts: a verify chunk
+            n = self.block_manager.cut(seq, seq.num_computed_tokens, n)  # a prefix checkpoint ends a chunk
             if self._make_room(seq, seq.num_computed_tokens + n, out):
                 self.block_manager.allocate(seq, seq.num_computed_tokens + n)
                 out.scheduled.append(ScheduledSeq.of(seq, n))

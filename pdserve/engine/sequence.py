@@ -68,6 +68,7 @@ class Sequence:
         self.num_registered_blocks = 0
         self.num_cached_tokens: int | None = None
         self.prefix_junction = 0
+        self.spec_token_ids: list[int] = []  # drafts to verify after the last token (spec_decode/)
         self.arrival = arrival  # admission order key: larger = younger
         # output state
         self.text = ""
@@ -114,6 +115,11 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Drafts the next step verifies: only while the sequence decodes (one token uncomputed)."""
+        return len(self.spec_token_ids) if self.num_uncomputed_tokens == 1 else 0
 
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from pdserve.config import DEFAULT_CONFIG, ClusterConfig, ConfigError, find_config, parse_config
+from pdserve.serve import json_object
 
 # flag dest -> (section, key): "router" is the router's section, "workers" every worker's, "" the top level
 FLAGS: dict[str, tuple[str, str]] = {
@@ -33,6 +34,7 @@ FLAGS: dict[str, tuple[str, str]] = {
     "kv_cache_dtype": ("workers", "kv_cache_dtype"),
     "enforce_eager": ("workers", "enforce_eager"),
     "enable_prefix_caching": ("workers", "enable_prefix_caching"),
+    "speculative_config": ("workers", "speculative_config"),
 }
 ROLE_PORTS = {"prefill_port": "prefill", "decode_port": "decode", "colocated_port": "colocated"}
 WORKER_LISTS = tuple(ROLE_PORTS.values())
@@ -103,6 +105,12 @@ def add_launch_flags(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help=f"{w} enable_prefix_caching (on by default)",
+    )
+    p.add_argument(
+        "--speculative-config",
+        type=json_object,
+        metavar="JSON",
+        help=f"{w} speculative_config (vLLM's JSON; refused on prefill workers)",
     )
 
 

@@ -236,6 +236,8 @@ class AsyncEngine:
         m.window_blocks_total.set(stats.kv_window_blocks_total)
         m.sync_recomputes(stats.num_kv_load_recomputes)
         m.sync_prefix_cache(stats.kv_blocks_cached, stats.prefix_cache_queries, stats.prefix_cache_hits)
+        if self.engine.spec is not None:
+            m.sync_spec_decode(self.engine.spec.stats)
         transfer = self.engine.transfer_stats()
         if transfer is not None:
             m.sync_transfer(transfer)

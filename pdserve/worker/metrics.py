@@ -11,6 +11,8 @@ pdserve_prompt_tokens_total, pdserve_generation_tokens_total  pdserve_kv_load_re
 pdserve_request_success_total{finish_reason}            pdserve_kv_transfer_staged_total{side,result}
                                                         pdserve_kv_transfer_path_total{path}
                                  pdserve_kv_verified_loads_total, pdserve_kv_verify_failures_total
+pdserve_spec_decode_num_drafts_total, _num_draft_tokens_total, _num_accepted_tokens_total,
+_num_accepted_tokens_per_pos_total{position} (speculative decoding, vLLM's names)
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.disagg.stats import TransferStats
+from pdserve.engine.spec_decode.metrics import SpecDecodeStats
 from pdserve.wire.metrics import BATCH_BUCKETS, STEP_BUCKETS
 
 
@@ -87,6 +90,18 @@ class WorkerMetrics:
         self.verify_failures = Counter(
             "pdserve_kv_verify_failures", "KV reads whose blocks did not match prefill's checksums", registry=r
         )
+        self.spec_drafts = Counter(
+            "pdserve_spec_decode_num_drafts", "Verify chunks (drafts of one sequence)", registry=r
+        )
+        self.spec_draft_tokens = Counter("pdserve_spec_decode_num_draft_tokens", "Draft tokens verified", registry=r)
+        self.spec_accepted = Counter("pdserve_spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.spec_accepted_pos = Counter(
+            "pdserve_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each position of the drafts",
+            ["position"],
+            registry=r,
+        )
+        self._seen_spec = SpecDecodeStats(0)
         self._seen = TransferStats()  # what has been exported of the connector's counters
         self._seen_recomputes = 0
         self._seen_prefix = (0, 0)  # prefix-cache (queries, hits) exported so far
@@ -103,6 +118,18 @@ class WorkerMetrics:
         self.prefix_queries.inc(queries - self._seen_prefix[0])
         self.prefix_hits.inc(hits - self._seen_prefix[1])
         self._seen_prefix = (queries, hits)
+
+    def sync_spec_decode(self, stats: SpecDecodeStats) -> None:
+        """Export what speculation counted since the last call (the engine loop's thread)."""
+        seen = self._seen_spec
+        self.spec_drafts.inc(stats.num_drafts - seen.num_drafts)
+        self.spec_draft_tokens.inc(stats.num_draft_tokens - seen.num_draft_tokens)
+        self.spec_accepted.inc(stats.num_accepted_tokens - seen.num_accepted_tokens)
+        before = seen.accepted_per_pos + [0] * (len(stats.accepted_per_pos) - len(seen.accepted_per_pos))
+        for pos, (n, old) in enumerate(zip(stats.accepted_per_pos, before)):
+            self.spec_accepted_pos.labels(position=str(pos)).inc(n - old)
+        seen.num_drafts, seen.num_draft_tokens = stats.num_drafts, stats.num_draft_tokens
+        seen.num_accepted_tokens, seen.accepted_per_pos = stats.num_accepted_tokens, list(stats.accepted_per_pos)
 
     def sync_recomputes(self, total: int) -> None:
         self.recomputes.inc(total - self._seen_recomputes)

@@ -118,6 +118,7 @@ def test_expanded_prefill_gives_the_absorbed_logits(tiny_v3, monkeypatch):
 
     def run(expanded: bool) -> list[torch.Tensor]:
         monkeypatch.setattr(MLA, "expand_prefill", expanded)
+        monkeypatch.setattr(MLA, "absorb_chunks_up_to", 1)  # even short chunks expanded
         h = PagedHarness(tiny_v3, num_blocks=32, block_size=4, seed=1)
         seqs, out = [Seq(), Seq()], [[], []]
         plan = [[(0, prompts[0][:5]), (1, prompts[1])], [(0, prompts[0][5:10]), (1, [17])], [(0, prompts[0][10:])]]

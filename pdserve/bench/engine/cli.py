@@ -1,7 +1,7 @@
 """`pdserve bench-engine`: decode steps of the engine on one device against their floor.
 
     pdserve bench-engine --model v4-flash [--num-layers N] [--batch-sizes 1,16,64,128]
-        [--context 4096] [--long-context 131072] [--out FILE]
+        [--context 4096] [--long-context 131072] [--verify-k 1,2,3] [--out FILE]
 
 Random weights at the real layer dimensions (`load_format dummy`: models.py), as many layers as
 fit (or --num-layers), a pool of random KV (decode.py), per row: warm-up steps, timed steps
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.bench.engine import ceilings, plan, profile
+from pdserve.bench.engine import ceilings, plan, profile, verify
 from pdserve.bench.engine.floor import step_cost
 from pdserve.bench.engine.models import MODELS, bench_config, engine_quantization, write_config
 from pdserve.bench.engine.report import format_baseline, format_header, format_row
@@ -79,6 +79,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--gpu-memory-utilization", type=float, default=0.9, help="share of free GPU memory the layers + KV may take"
     )
+    p.add_argument(
+        "--verify-k",
+        default="",
+        help="comma-separated draft counts k: also time speculative decoding's verify steps of k drafts per row (V3.2)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the JSON report here")
 
@@ -107,12 +112,22 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype}: auto (the weights' dtype) or fp8")
     if args.tp_shard < 1 or (args.tp_shard > 1 and not args.num_layers):
         raise ValueError("--tp-shard must be >= 1, and a shard needs --num-layers (layers are fitted unsharded)")
+    if verify_ks(args) and MODELS[args.model]()["model_type"] == "deepseek_v4":
+        raise ValueError(
+            "--verify-k: speculative decoding is not yet supported for DeepSeek-V4 (use v3.2 or tiny-v3.2)"
+        )
+    if any(k < 1 for k in verify_ks(args)):
+        raise ValueError("--verify-k: draft counts must be >= 1")
     if min(batch_sizes(args)) < 1 or args.context < 1 or args.long_context < 0 or args.steps < 1 or args.warmup < 0:
         raise ValueError("batch sizes, --context and --steps must be >= 1; --long-context and --warmup >= 0")
 
 
 def batch_sizes(args: argparse.Namespace) -> list[int]:
     return [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+
+
+def verify_ks(args: argparse.Namespace) -> list[int]:
+    return [int(k) for k in args.verify_k.split(",") if k.strip()]
 
 
 def rows_of(args: argparse.Namespace) -> list[tuple[int, int]]:
@@ -128,6 +143,8 @@ def run(args: argparse.Namespace) -> dict:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     rows = rows_of(args)
     extra = args.warmup + args.steps + 1 + args.profile_steps + args.baseline_steps + 1
+    if verify_ks(args):  # plain steps of the verify table, then room for the drafts
+        extra += args.warmup + args.steps + max(verify_ks(args))
     blocks = plan.pool_blocks(rows, args.kv_block_size, extra)
     roof = ceilings.measure(device, dtype)
     if device.type == "cuda":
@@ -208,6 +225,8 @@ def _row(bench, args, batch: int, context: int, roof: dict) -> dict:
                 bench.step(seqs)
                 base = 1e3 * statistics.median(bench.timed_steps(seqs, args.baseline_steps))
             row["baseline"] = {"what": "the same step, eager, on the torch reference kernels", "step_ms": base}
+        if verify_ks(args) and context == args.context:
+            row["verify"] = verify.measure(bench, seqs, verify_ks(args), args.warmup, args.steps)
     except (RuntimeError, ValueError) as e:  # torch's out-of-memory is a RuntimeError
         row["error"] = f"{type(e).__name__}: {e}"[:500]
         row["where"] = traceback.format_exc(limit=-4)[-1500:]
@@ -255,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pdserve bench-engine: {e}", file=sys.stderr)
         return 2
     print(format_baseline(report))
+    if verify_ks(args):
+        print(verify.format_verify(report))
     if args.out:
         print(f"wrote {args.out}")
     return 0

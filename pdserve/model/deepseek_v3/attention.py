@@ -16,7 +16,9 @@ prefix + the chunk) are expanded through kv_b_proj into per-head K_nope [S, H, D
 FlashAttention kernel (pdserve_kernels.mla_prefill) attends: 3.4x fewer flops than the absorbed
 form and tensor-core tiles of many queries, instead of one query at a time. Sparse layers (V3.2)
 run absorbed over the indexer's top-k for every token. `MLA.expand_prefill = False` runs prefill
-absorbed too (tests compare the two).
+absorbed too (tests compare the two). A step whose chunks are all short (at most
+`absorb_chunks_up_to` tokens: speculative decoding's verify chunks) runs absorbed as well: each
+query over its own positions 0..p through the block table, as a decode token.
 
 Tensor parallelism splits the heads: q_proj/q_b_proj and kv_b_proj are column-parallel by head
 (H below is this rank's H/tp heads), o_proj is row-parallel (one all-reduce). q_a_proj,
@@ -43,6 +45,9 @@ from pdserve.model.rope import apply_rope, softmax_scale
 
 class MLA(nn.Module):
     expand_prefill = True  # prefill chunks in the non-absorbed form (dense MLA)
+    # a step whose chunks are all this short (speculative decoding's verify chunks: the last token
+    # and its drafts) runs absorbed: expanding a chunk's whole context for a few queries costs more
+    absorb_chunks_up_to = 9
 
     def __init__(self, config: ModelConfig, layer_idx: int, tp: TPGroup | None = None) -> None:
         super().__init__()
@@ -88,7 +93,7 @@ class MLA(nn.Module):
             k_idx = kv_cache.layer("index_k", self.layer_idx)
             indices = self.indexer(x, q_resid, cos, sin, batch, k_idx)  # [T, K] slots
             out = self._absorbed(q_nope, q_pe, kv, batch, indices=indices)
-        elif batch.prefill is None or not self.expand_prefill:
+        elif batch.prefill is None or not self.expand_prefill or batch.prefill.max_q <= self.absorb_chunks_up_to:
             out = self._absorbed(q_nope, q_pe, kv, batch)
         else:
             out = q_nope.new_empty(T, H, self.v_dim)

@@ -1,0 +1,71 @@
+"""Speculative decoding's verify steps against plain decode steps, on the same batch and context.
+
+A verify step runs every sequence's last token and k random drafts as one chunk (the engine's
+`ScheduledSeq` with `num_spec = k`: logits at the k + 1 positions, acceptance on the device,
+the tokens read back) and leaves the sequences as they were: the drafts' KV lies past their
+computed tokens, as rejected drafts' does in the engine. Random weights accept nothing, so the
+speed-up at an accept length L (tokens a verify step emits on average, 1 <= L <= k + 1) is
+computed, not measured: L x plain step / verify step.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from pdserve.bench.engine.ceilings import sync
+from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
+from pdserve.engine.sequence import Sequence
+
+ACCEPT_LENGTHS = (1.5, 2.0, 2.5)
+
+
+def verify_step(bench, seqs: list[Sequence], k: int) -> float:
+    """Seconds of one `ModelRunner.run` verifying k drafts of every sequence."""
+    for seq in seqs:
+        seq.spec_token_ids = torch.randint(bench.vocab, (k,), generator=bench.gen).tolist()
+        bench.blocks.allocate(seq, seq.num_tokens + k, seq.num_computed_tokens + 1 + k)
+    sync(bench.device)
+    t0 = time.perf_counter()
+    bench.runner.run(SchedulerOutput(scheduled=[ScheduledSeq.of(s, 1 + k) for s in seqs]))
+    sync(bench.device)
+    seconds = time.perf_counter() - t0
+    for seq in seqs:
+        seq.spec_token_ids = []
+    return seconds
+
+
+def measure(bench, seqs: list[Sequence], ks: list[int], warmup: int, steps: int) -> dict:
+    """Median plain and verify step times (ms), their ratios, and the computed speed-ups."""
+    for _ in range(warmup):
+        bench.step(seqs)
+    plain = 1e3 * statistics.median(bench.timed_steps(seqs, steps))
+    out: dict = {"plain_ms": plain, "verify_ms": {}, "ratio": {}, "speedup": {}}
+    for k in ks:
+        for _ in range(warmup):
+            verify_step(bench, seqs, k)
+        ms = 1e3 * statistics.median(verify_step(bench, seqs, k) for _ in range(steps))
+        out["verify_ms"][k], out["ratio"][k] = ms, ms / plain
+        out["speedup"][k] = {L: L * plain / ms for L in ACCEPT_LENGTHS if L <= k + 1}
+    return out
+
+
+def format_verify(report: dict) -> str:
+    rows = [r for r in report["rows"] if "verify" in r]
+    if not rows:
+        return ""
+    ks = sorted({int(k) for r in rows for k in r["verify"]["verify_ms"]})
+    head = "| batch | context | plain ms | " + " | ".join(f"k={k} ms (x plain)" for k in ks)
+    head += " | " + " | ".join(f"speed-up at L={L} (k)" for L in ACCEPT_LENGTHS) + " |"
+    lines = ["", "verify steps (speculative decoding; speed-ups computed: L x plain / verify)", head,
+             "| ---: " * (3 + len(ks) + len(ACCEPT_LENGTHS)) + "|"]  # fmt: skip
+    for r in rows:
+        v = r["verify"]
+        cells = [f"{v['verify_ms'][k]:.2f} ({v['ratio'][k]:.2f}x)" for k in ks]
+        for L in ACCEPT_LENGTHS:
+            best = max(((s[L], k) for k, s in v["speedup"].items() if L in s), default=None)
+            cells.append(f"{best[0]:.2f}x ({best[1]})" if best else "-")
+        lines.append(f"| {r['batch']} | {r['context']} | {v['plain_ms']:.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

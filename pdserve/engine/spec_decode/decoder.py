@@ -1,0 +1,69 @@
+"""The engine's side of speculative decoding: after each step, drafts for the sequences that
+will decode next; the counters of what was verified.
+
+A sequence drafts unless it has a structured-outputs grammar (its matcher would have to be
+rolled back past rejected drafts); those decode one token a step as before. Drafts never reach
+past max_tokens or max_model_len.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
+from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.spec_decode.config import SpeculativeConfig
+from pdserve.engine.spec_decode.metrics import SpecDecodeStats
+from pdserve.engine.spec_decode.ngram import NgramProposer
+
+
+class Proposer(Protocol):
+    def propose(self, seq: Sequence, limit: int) -> list[int]: ...
+
+
+def may_draft(seq: Sequence) -> bool:
+    return seq.grammar is None
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer: Proposer | None = None) -> None:
+        """proposer: tests pass their own; by default the config's method's."""
+        self.k = config.num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.stats = SpecDecodeStats(self.k)
+
+    def observe(self, s: ScheduledSeq, num_accepted: int) -> None:
+        if s.num_spec:
+            self.stats.observe(s.num_spec, num_accepted)
+
+    def propose(self, sched: SchedulerOutput) -> None:
+        """Drafts for the step's sequences that decode next (stale ones dropped everywhere else)."""
+        for seq in sched.preempted:
+            seq.spec_token_ids = []
+        for s in sched.scheduled:
+            seq = s.seq
+            seq.spec_token_ids = []
+            if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1 or not may_draft(seq):
+                continue
+            limit = self._limit(seq)
+            if limit > 0:
+                seq.spec_token_ids = list(self.proposer.propose(seq, limit))[:limit]
+
+    def _limit(self, seq: Sequence) -> int:
+        """Drafts that could all be emitted: one token more than the drafts ends the step."""
+        left = self.max_model_len - seq.num_tokens
+        if seq.params.max_tokens is not None:
+            left = min(left, seq.params.max_tokens - seq.num_output_tokens)
+        return min(self.k, left - 1)
+
+
+def refuse_unsupported(runner) -> None:
+    """ValueError naming what speculation does not run on yet: models with a sliding window or
+    per-sequence state (DeepSeek-V4: rejected drafts would have to leave its window, compressed
+    entries and compressor state untouched)."""
+    if runner.window_tokens is not None or runner.num_state_slots:
+        raise ValueError(
+            "speculative_config is not yet supported for DeepSeek-V4 (sliding window and compressor state); "
+            "it runs on DeepSeek-V3 / V3.2"
+        )
