@@ -259,6 +259,7 @@ def test_classify_kernel_names():
     assert classify("_mla_split_kernel") == "attention" and classify("_index_scores_kernel") == "attention"
     assert classify("_w13_kernel") == "moe" and classify("_align_kernel") == "moe"
     assert classify("nvjet_tst_128x64_64x8") == "gemm" and classify("aten::mm") == "gemm"
+    assert classify("_fp8_gemv_kernel") == "gemm" and classify("_fp8_gemm_kernel") == "gemm"
     assert classify("Memcpy HtoD (Pageable -> Device)") == "copy"
     assert classify("triton_red_fused_rms_norm_0") == "norms/rope/other"
 

@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 CLASSES = (
     ("attention", re.compile(r"sparse_mla|_mla_|_index_scores|indexer|flash|fmha|sdpa|scaled_dot_product", re.I)),
     ("moe", re.compile(r"moe|_align_kernel|_w13_|_w2_|_swiglu_kernel", re.I)),
-    ("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|matmul|aten::(mm|addmm|bmm|linear|einsum|baddbmm)$", re.I)),
+    ("gemm", re.compile(r"gemm|gemv|cutlass|xmma|nvjet|matmul|aten::(mm|addmm|bmm|linear|einsum|baddbmm)$", re.I)),
     ("copy", re.compile(r"memcpy|memset|aten::(copy_|to|_to_copy|index_put_|index_copy_)$", re.I)),
 )
 OTHER, GAPS = "norms/rope/other", "launch gaps"
