@@ -24,23 +24,7 @@ LOGS=${LOGS:-/tmp/pd_gpu_bench_logs}
 mkdir -p "$OUT" "$LOGS"
 
 wait_healthy() {  # $1: launcher pid
-    "$PY" - "$1" "$ROUTER" "${STARTUP_S:-300}" <<'EOF'
-import os, sys, time, httpx
-pid, url, limit = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
-t0 = time.monotonic()
-while time.monotonic() - t0 < limit:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        sys.exit("the launcher exited")
-    try:
-        if httpx.get(url + "/health", timeout=2).status_code == 200:
-            print(f"healthy after {time.monotonic() - t0:.0f} s"); sys.exit(0)
-    except httpx.HTTPError:
-        pass
-    time.sleep(1)
-sys.exit(f"not healthy after {limit:.0f} s")
-EOF
+    "$PY" -m benchmarks.pd.wait_healthy "$1" "$ROUTER" "${STARTUP_S:-300}"
 }
 
 run() {  # $1: name, $2: config, $3: worker metrics URLs
