@@ -14,7 +14,7 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from pdserve.tiny_model import make_tiny_model
 from tests.helpers.cluster import Cluster, wait_blocks_free
-from tests.helpers.tools import assert_valid_call, random_tool_sets
+from tests.helpers.tools import ask_all, assert_valid_call, random_tool_sets
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -39,17 +39,7 @@ def _client(router) -> openai.AsyncOpenAI:
 
 
 async def _ask(router, bodies: list[dict]) -> list:
-    client = _client(router)
-    sem = asyncio.Semaphore(32)
-
-    async def one(body):
-        async with sem:
-            return (await client.chat.completions.create(model="tiny", messages=MESSAGES, **body)).choices[0]
-
-    try:
-        return await asyncio.gather(*(one(b) for b in bodies))
-    finally:
-        await client.close()
+    return await ask_all(router.url, bodies, MESSAGES, 32)
 
 
 def test_required_always_yields_valid_calls(cluster):

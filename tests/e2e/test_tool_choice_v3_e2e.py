@@ -14,7 +14,7 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from tests.helpers.cluster import Cluster, wait_blocks_free
-from tests.helpers.tools import assert_valid_call, random_tool_sets
+from tests.helpers.tools import ask_all, assert_valid_call, random_tool_sets
 from tests.helpers.v3_tools import make_tiny_v3_tools
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -34,17 +34,7 @@ def served(request, tmp_path_factory):
 
 
 async def _ask(router, bodies: list[dict]) -> list:
-    client = openai.AsyncOpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0, timeout=600)
-    sem = asyncio.Semaphore(16)
-
-    async def one(body):
-        async with sem:
-            return (await client.chat.completions.create(model="tiny", messages=MESSAGES, **body)).choices[0]
-
-    try:
-        return await asyncio.gather(*(one(b) for b in bodies))
-    finally:
-        await client.close()
+    return await ask_all(router.url, bodies, MESSAGES, 16)
 
 
 def test_forced_calls_parse_and_validate(served):

@@ -4,11 +4,13 @@ one of them with arguments that validate (jsonschema)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 from typing import Any
 
 import jsonschema
+import openai
 
 from tests.helpers.schemas import random_schema
 
@@ -40,3 +42,19 @@ def assert_valid_call(name: str, arguments: str, tools: list[dict[str, Any]]) ->
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
     assert name in schemas, name
     jsonschema.validate(json.loads(arguments), schemas[name])
+
+
+async def ask_all(url: str, bodies: list[dict], messages: list[dict], concurrency: int) -> list:
+    """Each body's chat completion (its first choice) through the official async openai client
+    against the router at url, at most `concurrency` in flight, in the bodies' order."""
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(body):
+        async with sem:
+            return (await client.chat.completions.create(model="tiny", messages=messages, **body)).choices[0]
+
+    try:
+        return await asyncio.gather(*(one(b) for b in bodies))
+    finally:
+        await client.close()
