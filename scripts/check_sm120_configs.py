@@ -66,6 +66,7 @@ FAMILIES = (
     "moe_fp4",
     "moe_fp4_dot_scaled",
     "moe_fp4_tiled",
+    "moe_fp4_frag",
     "moe_fp4_mx8",
     "fp8_gemm",
     "fp8_gemv",
@@ -390,6 +391,17 @@ def cases(families):
                 fused_moe_fp4(_e(T, hidden), w13, w2, None, None, *routed(T), swiglu_limit=10.0)
 
             out.append(("moe_fp4_tiled", f"fp4 tiled {tag}", tiled))
+        if "moe_fp4_frag" in families:  # the fragment layout (`ref_fp4.frag_fp4`)
+            from pdserve_kernels import ref_fp4
+
+            def frag(T=T, fb=ref_fp4.FRAG_BYTES, sb=ref_fp4.FRAG_SCALE_BYTES, u8=torch.uint8):
+                nb13, kb13 = inter // ref_fp4.FRAG_N, hidden // ref_fp4.FRAG_K
+                nb2, kb2 = hidden // ref_fp4.FRAG_N, inter // ref_fp4.FRAG_K
+                v13, s13 = _e(E, 2, nb13, kb13, fb, dtype=u8), _e(E, 2, nb13, kb13, sb, dtype=u8)
+                v2, s2 = _e(E, nb2, kb2, fb, dtype=u8), _e(E, nb2, kb2, sb, dtype=u8)
+                fused_moe_fp4(_e(T, hidden), v13, v2, s13, s2, *routed(T), swiglu_limit=10.0)
+
+            out.append(("moe_fp4_frag", f"fp4 frag {tag}", frag))
         if "moe_fp4_mx8" in families:  # the checkpoint layout, both operands MXFP8-shaped e4m3
             from pdserve_kernels.fused_moe_fp4_mx8 import fused_moe_fp4_mx8
 

@@ -33,7 +33,7 @@ import torch
 
 from benchmarks.kernels.bench_util import graph_ms, kernel_profile, poisoned_empty, rel_err
 from pdserve_kernels import configs, ref_fp4
-from pdserve_kernels.fused_moe_fp4 import fused_moe_fp4, tile_experts
+from pdserve_kernels.fused_moe_fp4 import frag_experts, fused_moe_fp4, tile_experts
 from pdserve_kernels.fused_moe_fp4_mx8 import fused_moe_fp4_mx8
 from pdserve_kernels.mxfp8 import quant_mxfp8
 
@@ -44,6 +44,11 @@ TILED_SWEEP = [  # (label, layout, config); the default is timed as "tiled"
     ("tiled split 2", "tiled", M(16, 64, 128, 4, 3, split_k=2)),
     ("tiled TK256", "tiled256", M(16, 64, 256, 4, 3)),
     ("tiled TK256 2 stages", "tiled256", M(16, 64, 256, 4, 2)),
+    ("frag 4 stages", "frag", M(16, 64, 128, 4, 4, 128)),
+    ("frag w2x1", "frag", M(16, 64, 128, 4, 3, 64)),
+    ("frag w2x4", "frag", M(16, 64, 128, 4, 3, 256)),
+    ("frag w2x4 4 stages", "frag", M(16, 64, 128, 4, 4, 256)),
+    ("frag split 3", "frag", M(16, 64, 128, 4, 3, 128, split_k=3)),
 ]
 V4_LIMIT = 10.0  # DeepSeek-V4-Flash's swiglu_limit
 MAX_REL_ERR = 1e-2  # bf16 output against the float32 reference of the same numerics
@@ -87,6 +92,7 @@ def variants(T, top_k, E, sweep):
         ("checkpoint", "checkpoint", None),
         ("checkpoint dot_scaled", "checkpoint", dataclasses.replace(default, dot_scaled=True)),
         ("tiled", "tiled", None),
+        ("frag", "frag", None),
         ("mx8", "mx8", None),
     ]
     return out + (TILED_SWEEP if sweep else [])
@@ -114,6 +120,7 @@ def run(args) -> dict:
     q2, s2 = random_fp4(E, hidden, inter, dev, g, -6 if inter >= 1024 else -3)
     weights = {"checkpoint": (q13, q2, s13, s2), "tiled": (*tile_experts(q13, q2, s13, s2), None, None)}
     weights["mx8"] = weights["checkpoint"]
+    weights["frag"] = frag_experts(q13, q2, s13, s2)
     if not args.no_sweep and not args.smoke:
         weights["tiled256"] = (*tile_experts(q13, q2, s13, s2, tile_k=256), None, None)
     dt = torch.float16 if args.smoke else torch.bfloat16
@@ -160,8 +167,8 @@ def run(args) -> dict:
                 f"x{t / floor:5.2f}  rel {err:.1e}{cost}{'  NaN!' if row['nan'] else ''}",
                 flush=True,
             )
-        if dev == "cuda" and T in (1, 64):
-            for label, layout, cfg in picked[:4]:  # the variants before the sweep
+        if dev == "cuda" and T in (1, 64, 128):
+            for label, layout, cfg in picked[:5]:  # the variants before the sweep
                 w, fn = weights[layout], fused_moe_fp4_mx8 if layout == "mx8" else fused_moe_fp4
                 run1 = lambda w=w, fn=fn, c=cfg: fn(x, w[0], w[1], w[2], w[3], tw, ids, swiglu_limit=V4_LIMIT, config=c)  # noqa: E731
                 prof += kernel_profile(run1, f"{label} T={T}", top=4)
