@@ -123,9 +123,9 @@ def swiglu(h: torch.Tensor, inter: int, limit: float | None) -> torch.Tensor:
 
 def fused_moe_fp4_ref(
     x: torch.Tensor,  # [T, hidden] bf16/fp16/fp32 (float64: oracle math)
-    w13: torch.Tensor,  # [E, 2I, hidden/2] packed e2m1, gate rows then up rows (or fragment / tiled)
-    w2: torch.Tensor,  # [E, hidden, I/2] packed e2m1 (or fragment / tiled)
-    w13_scale: torch.Tensor | None,  # [E, 2I, ceil(hidden/32)] ue8m0 (fragment: [.., 256]; None: tiled)
+    w13: torch.Tensor,  # [E, 2I, hidden/2] packed e2m1, gate rows then up rows (or fragment)
+    w2: torch.Tensor,  # [E, hidden, I/2] packed e2m1 (or fragment)
+    w13_scale: torch.Tensor | None,  # [E, 2I, ceil(hidden/32)] ue8m0 (fragment: [.., 256])
     w2_scale: torch.Tensor | None,  # [E, hidden, ceil(I/32)] ue8m0
     topk_weights: torch.Tensor,  # [T, k] float
     topk_ids: torch.Tensor,  # [T, k] int
@@ -136,10 +136,8 @@ def fused_moe_fp4_ref(
     """y[t] = sum_j w[t,j] * W2_e @ act_dtype(silu(clamp(G_e x[t])) * clamp(U_e x[t])), with W the
     dequantized FP4 weights; activations are not quantized (the kernel multiplies x's dtype),
     unless mxfp8_act: then x[t] and the activation are rounded through MXFP8 per token instead."""
-    if w13.dim() == 5 and w13_scale is not None:  # the fragment layout (`frag_experts`), I padded
+    if w13.dim() == 5:  # the fragment layout (`frag_experts`): back to the checkpoint's, I padded
         w13, w2, w13_scale, w2_scale = unfrag_experts(w13, w2, w13_scale, w2_scale, x.shape[1], w13.shape[2] * FRAG_N)
-    elif w13.dim() == 5:  # the tiled layout (`tile_experts`): back to the checkpoint's, I padded
-        w13, w2, w13_scale, w2_scale = untile_experts(w13, w2, x.shape[1], w13.shape[2] * TILE_N)
     math = torch.float64 if x.dtype == torch.float64 else torch.float32
     act_dtype = act_dtype or x.dtype
     T, hidden = x.shape
@@ -155,85 +153,6 @@ def fused_moe_fp4_ref(
         out = act @ dequant_fp4(w2[e], w2_scale[e], math).t()  # [n, hidden]
         y.index_add_(0, tok, out * topk_weights[tok, slot, None].to(math))
     return y.to(x.dtype)
-
-
-# --- the tiled layout `fused_moe_fp4` reads fastest (made once at load by `tile_fp4`) ---------
-# A weight [N, K] is cut into tiles of TILE_N rows x TILE_K values; tile (nb, kb) is TILE_BYTES
-# contiguous bytes: TILE_N x TILE_K/2 value bytes, then TILE_N x TILE_K/32 scale bytes (row r,
-# group g). Value byte (r, j), j = 16 g + i, holds a = code[r, 32 g + i] and b = code[r, 32 g + 16 + i]
-# (k counted from the tile's first column; both share a scale) as bits [a's 3 magnitude bits |
-# b's 3 magnitude bits | a's sign | b's sign] (`tile_byte`): the kernel's bf16 bit patterns are
-# then a shift and a mask away. Rows and columns past N / K are zero codes with scale 127.
-# w13 [E, 2I, hidden] becomes [E, 2, NB, KB, TILE_BYTES] (gate, up: each of I rows padded alone),
-# w2 [E, hidden, I] [E, NB, KB, TILE_BYTES].
-TILE_N, TILE_K = 64, 128  # TILE_K: the default; 256 also works (`tile_bytes`)
-
-
-def tile_bytes(tile_k: int = TILE_K) -> int:
-    return TILE_N * tile_k // 2 + TILE_N * tile_k // GROUP
-
-
-def tile_k_of(nbytes: int) -> int:
-    """The TILE_K of a tile of `nbytes` bytes (the tiled tensors' last dim)."""
-    return nbytes * 2 * GROUP // (TILE_N * (GROUP + 2))
-
-
-TILE_BYTES = tile_bytes()
-
-
-def tile_byte(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Two e2m1 codes (uint8 in [0, 16)) -> the tiled layout's byte: a & 7 | (b & 7) << 3 |
-    (a >> 3) << 6 | (b >> 3) << 7."""
-    return (a & 7) | ((b & 7) << 3) | ((a & 8) << 3) | ((b & 8) << 4)
-
-
-def tile_codes(byte: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of `tile_byte`: (a, b)."""
-    return (byte & 7) | ((byte >> 3) & 8), ((byte >> 3) & 7) | ((byte >> 4) & 8)
-
-
-def tile_fp4(packed: torch.Tensor, scale: torch.Tensor, tile_k: int = TILE_K) -> torch.Tensor:
-    """packed [..., N, K/2] + scale [..., N, ceil(K/32)] (checkpoint layout) -> tiles
-    [..., NB, KB, tile_bytes(tile_k)] uint8 (layout above, TILE_K = tile_k)."""
-    TILE_K = tile_k  # noqa: N806
-    *lead, N, half = packed.shape
-    NB, KB = -(-N // TILE_N), -(-2 * half // TILE_K)
-    codes = F.pad(unpack_fp4(packed), (0, KB * TILE_K - 2 * half, 0, NB * TILE_N - N))
-    codes = codes.reshape(*lead, NB, TILE_N, KB, TILE_K // GROUP, 2, 16).movedim(-4, -5)  # [.., NB, KB, TN, G, 2, 16]
-    values = tile_byte(codes[..., 0, :], codes[..., 1, :])  # [.., NB, KB, TN, G, 16]
-    s = scale.view(torch.uint8)
-    s = F.pad(s, (0, KB * TILE_K // GROUP - s.shape[-1], 0, NB * TILE_N - N), value=127)
-    s = s.reshape(*lead, NB, TILE_N, KB, TILE_K // GROUP).movedim(-2, -3)  # [.., NB, KB, TN, TK/32]
-    return torch.cat([values.flatten(-3), s.flatten(-2)], -1).contiguous()
-
-
-def untile_fp4(tiles: torch.Tensor, N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of `tile_fp4`: tiles [..., NB, KB, TILE_BYTES] -> (packed [..., N, K/2], scale
-    [..., N, ceil(K/32)]), the checkpoint's bytes."""
-    *lead, NB, KB, nbytes = tiles.shape
-    TILE_K = tile_k_of(nbytes)  # noqa: N806
-    nv = TILE_N * TILE_K // 2
-    values = tiles[..., :nv].reshape(*lead, NB, KB, TILE_N, TILE_K // GROUP, 16)
-    codes = torch.stack(tile_codes(values), -2)  # [.., NB, KB, TN, G, 2, 16]
-    codes = codes.movedim(-5, -4).reshape(*lead, NB * TILE_N, KB * TILE_K)[..., :N, :K]
-    s = tiles[..., nv:].reshape(*lead, NB, KB, TILE_N, TILE_K // GROUP).movedim(-3, -2)
-    s = s.reshape(*lead, NB * TILE_N, KB * TILE_K // GROUP)[..., :N, : -(-K // GROUP)]
-    return pack_fp4(codes).contiguous(), s.contiguous()
-
-
-def tile_experts(w13, w13_scale, w2, w2_scale, tile_k: int = TILE_K) -> tuple[torch.Tensor, torch.Tensor]:
-    """Checkpoint experts -> (w13 tiles [E, 2, NB, KB, bytes], w2 tiles [E, NB, KB, bytes])."""
-    inter = w13.shape[1] // 2
-    g = tile_fp4(w13[:, :inter], w13_scale[:, :inter], tile_k)
-    u = tile_fp4(w13[:, inter:], w13_scale[:, inter:], tile_k)
-    return torch.stack([g, u], 1), tile_fp4(w2, w2_scale, tile_k)
-
-
-def untile_experts(t13, t2, hidden: int, inter: int):
-    """Inverse of `tile_experts`: (w13, w2, w13_scale, w2_scale) in the checkpoint layout."""
-    (g, gs), (u, us) = untile_fp4(t13[:, 0], inter, hidden), untile_fp4(t13[:, 1], inter, hidden)
-    w2, s2 = untile_fp4(t2, hidden, inter)
-    return torch.cat([g, u], 1), w2, torch.cat([gs, us], 1), s2
 
 
 # --- the fragment layout (`frag_fp4`, made once at load): a thread's bytes are its MMA operand --

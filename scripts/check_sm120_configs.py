@@ -65,7 +65,6 @@ FAMILIES = (
     "moe_fp8",
     "moe_fp4",
     "moe_fp4_dot_scaled",
-    "moe_fp4_tiled",
     "moe_fp4_frag",
     "moe_fp4_mx8",
     "fp8_gemm",
@@ -382,15 +381,6 @@ def cases(families):
                 )
 
             out.append((fam, f"fp4{' dot_scaled' if dot_scaled else ''} {tag}", call))
-        if "moe_fp4_tiled" in families:  # the tiled layout the engine re-lays V4's experts into
-            from pdserve_kernels import ref_fp4
-
-            def tiled(T=T, tb=ref_fp4.TILE_BYTES, u8=torch.uint8):
-                w13 = _e(E, 2, inter // ref_fp4.TILE_N, hidden // ref_fp4.TILE_K, tb, dtype=u8)
-                w2 = _e(E, hidden // ref_fp4.TILE_N, inter // ref_fp4.TILE_K, tb, dtype=u8)
-                fused_moe_fp4(_e(T, hidden), w13, w2, None, None, *routed(T), swiglu_limit=10.0)
-
-            out.append(("moe_fp4_tiled", f"fp4 tiled {tag}", tiled))
         if "moe_fp4_frag" in families:  # the fragment layout (`ref_fp4.frag_fp4`)
             from pdserve_kernels import ref_fp4
 

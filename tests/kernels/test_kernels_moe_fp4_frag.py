@@ -60,7 +60,11 @@ def test_frag_codes_sit_where_the_mma_fragment_wants_them():
     got = sum(((word >> bits[..., j]) & 1) << j for j in range(4))
     assert torch.equal(got, codes.long())
     g = torch.arange(4)
-    at = 8 * (8 * (torch.arange(64) // 16) + torch.arange(64) % 8)[:, None] + 2 * g + ((torch.arange(64) % 16) // 8)[:, None]
+    at = (
+        8 * (8 * (torch.arange(64) // 16) + torch.arange(64) % 8)[:, None]
+        + 2 * g
+        + ((torch.arange(64) % 16) // 8)[:, None]
+    )
     assert torch.equal(scales[at], scale.long())
 
 
