@@ -194,22 +194,27 @@ MOE_FP4 = {
     CPU: {10**9: MoEConfig(16, 32, 64, 4, 1)},
 }
 MOE_FP4_FP32 = MoEConfig(16, 32, 32, 4, 2)  # float32 x (parity checks only)
-# FP4 MoE on the tiled layout (ref_fp4.tile_fp4): the weight tile is the layout's (64 x 128 by
-# default), so block_n / block_k are not read; block_m, warps, stages and split_k are. sm_90
-# (docs/kernels.md): 3 stages and 4 warps beat 2-5 stages and 8 warps at T = 1-128; BM 32 is slower
-# there (1-3 rows an expert); the 64 and larger buckets are untimed guesses.
-MOE_FP4_TILED = {
-    90: {16: MoEConfig(16, 64, 128, 4, 3), 64: MoEConfig(32, 64, 128, 4, 3), 10**9: MoEConfig(64, 64, 128, 4, 3)},
-    120: {16: MoEConfig(16, 64, 128, 4, 3), 64: MoEConfig(32, 64, 128, 4, 3), 10**9: MoEConfig(32, 64, 128, 4, 2)},
-    CPU: {10**9: MoEConfig(16, 64, 128, 4, 1)},
+# FP4 MoE, fragment layout (`ref_fp4.frag_fp4`): the tile is the layout's 64 x 128; block_m, warps
+# (4: a warpgroup owns its 64 rows), stages, split_k and block_n2 (w2's rows a program: 1, 2 or 4
+# tiles sharing an activation tile) are free. sm_90: docs/kernels.md; 4 stages from 1 row an expert
+_F = MoEConfig(16, 64, 128, 4, 3, 128)
+MOE_FP4_FRAG = {
+    90: {
+        1: _F,
+        16: MoEConfig(16, 64, 128, 4, 4, 128),
+        64: MoEConfig(32, 64, 128, 4, 3, 128),
+        10**9: MoEConfig(64, 64, 128, 4, 3, 128),
+    },
+    120: {16: _F, 64: MoEConfig(32, 64, 128, 4, 3, 128), 10**9: MoEConfig(32, 64, 128, 4, 2, 64)},
+    CPU: {10**9: MoEConfig(16, 64, 128, 4, 1, 128)},
 }
-MOE_FP4_TILED_FP32 = MoEConfig(16, 64, 128, 4, 2)
+MOE_FP4_FRAG_FP32 = MoEConfig(16, 64, 128, 4, 2, 128)
 # FP4 weights x MXFP8 activations (`fused_moe_fp4_mx8`: e4m3 x e4m3 `tl.dot_scaled`, sm_120's
 # block-scaled MMA); block_n / block_k multiples of 32. sm_120 entries: the largest that
 # scripts/check_sm120_configs.py compiles under 99 KB to kind::mxf8f6f4, not timed on that card;
 # sm_90 (where Triton upcasts dot_scaled to bf16): the same tiles, for correctness runs, untimed.
 # which FP4 MoE path fp4_moe_backend "auto" runs (engine/config.py; docs/kernels.md): W4A16 (the
-# tiled kernels) everywhere until the MXFP8 path is measured faster on an sm_120 card
+# fragment-layout kernels) everywhere until the MXFP8 path is measured faster on an sm_120 card
 FP4_MOE_BACKEND = {90: "w4a16", 120: "w4a16", CPU: "w4a16"}
 MOE_FP4_MX8 = {
     90: {16: MoEConfig(16, 64, 128, 4, 3), 64: MoEConfig(32, 64, 64, 4, 3), 10**9: MoEConfig(64, 64, 128, 4, 3)},
@@ -299,10 +304,10 @@ def moe_fp4_config(cc: int, rows_per_expert: float, fp32: bool = False) -> MoECo
     return table[min(k for k in table if rows_per_expert <= k)]
 
 
-def moe_fp4_tiled_config(cc: int, rows_per_expert: float, fp32: bool = False) -> MoEConfig:
+def moe_fp4_frag_config(cc: int, rows_per_expert: float, fp32: bool = False) -> MoEConfig:
     if fp32 and cc != CPU:
-        return MOE_FP4_TILED_FP32
-    table = MOE_FP4_TILED[_family(cc)]
+        return MOE_FP4_FRAG_FP32
+    table = MOE_FP4_FRAG[_family(cc)]
     return table[min(k for k in table if rows_per_expert <= k)]
 
 

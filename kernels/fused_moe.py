@@ -53,7 +53,7 @@ def _align_kernel(
     ids_ptr,
     pairs_ptr,
     bexp_ptr,
-    starts_ptr,
+    scratch_ptr,
     P,
     E,
     R,
@@ -61,36 +61,37 @@ def _align_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    CHUNK: tl.constexpr,
     BLOCK_R: tl.constexpr,
     R_CHUNKS: tl.constexpr,
-    BLOCK_B: tl.constexpr,
     B_CHUNKS: tl.constexpr,
+    J_BLOCKS: tl.constexpr,
 ):
-    """`moe_align` in one program (decode sizes): a launch instead of ~25 small torch ops."""
+    """`moe_align` in one program (decode sizes): a launch instead of ~25 small torch ops, and no
+    serial loop over pairs or blocks (each step of one would wait on the memory system).
+    scratch [2 * BLOCK_E] int32: each expert's first row, then its pairs' rank offset."""
     offs_p = tl.arange(0, BLOCK_P)
     ids = tl.load(ids_ptr + offs_p, mask=offs_p < P, other=BLOCK_E - 1).to(tl.int32)
     offs_e = tl.arange(0, BLOCK_E)
     counts = tl.where(offs_e < E, tl.histogram(ids, BLOCK_E), 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, 0)
-    tl.store(starts_ptr + offs_e, ends - padded)
+    starts = tl.cumsum(padded, 0) - padded
+    tl.store(scratch_ptr + offs_e, starts)
+    tl.store(scratch_ptr + BLOCK_E + offs_e, tl.cumsum(counts, 0) - counts)  # pairs of lower experts
     for c in range(0, R_CHUNKS):
         offs_r = c * BLOCK_R + tl.arange(0, BLOCK_R)
         tl.store(pairs_ptr + offs_r, tl.zeros([BLOCK_R], tl.int32) + P, mask=offs_r < R)
     for c in range(0, B_CHUNKS):
-        offs_b = c * BLOCK_B + tl.arange(0, BLOCK_B)
-        e = tl.sum((ends[None, :] <= (offs_b * BLOCK_M)[:, None]).to(tl.int32), 1)
-        tl.store(bexp_ptr + offs_b, tl.where(e < E, e, -1), mask=offs_b < NB)
-    tl.debug_barrier()  # sentinels and expert starts are visible to every thread below
-    for c in range(0, BLOCK_P // CHUNK):
-        offs_c = c * CHUNK + tl.arange(0, CHUNK)
-        c_ok = offs_c < P
-        ids_c = tl.load(ids_ptr + offs_c, mask=c_ok, other=-1).to(tl.int32)
-        earlier = (ids_c[:, None] == ids[None, :]) & (offs_p[None, :] < offs_c[:, None])
-        rank = tl.sum(earlier.to(tl.int32), 1)
-        dest = tl.load(starts_ptr + tl.maximum(ids_c, 0), mask=c_ok, other=0) + rank
-        tl.store(pairs_ptr + dest, offs_c, mask=c_ok)
+        offs_b = c * BLOCK_R + tl.arange(0, BLOCK_R)
+        tl.store(bexp_ptr + offs_b, tl.zeros([BLOCK_R], tl.int32) - 1, mask=offs_b < NB)
+    tl.debug_barrier()  # the sentinels and scratch are written before anything below reads or overwrites them
+    for j in range(0, J_BLOCKS):  # an expert's j-th block (stores only: nothing waits)
+        tl.store(bexp_ptr + starts // BLOCK_M + j, offs_e, mask=(j * BLOCK_M < counts) & (offs_e < E))
+    key = tl.sort(ids * BLOCK_P + offs_p)  # by expert, then pair: the order `moe_align` keeps
+    e, p = key // BLOCK_P, key % BLOCK_P
+    ok = p < P
+    rank = offs_p - tl.load(scratch_ptr + BLOCK_E + e, mask=ok, other=0)  # sorted position - lower experts' pairs
+    dest = tl.load(scratch_ptr + e, mask=ok, other=0) + rank
+    tl.store(pairs_ptr + dest, p, mask=ok)
 
 
 MAX_KERNEL_ALIGN_PAIRS = 1024  # above this the torch ops cost little next to the GEMMs
@@ -105,28 +106,13 @@ def moe_align_fast(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     pairs = torch.empty(rows, dtype=torch.int32, device=flat.device)
     bexp = torch.empty(nb, dtype=torch.int32, device=flat.device)
     block_e = next_pow2(num_experts + 1)
-    starts = torch.empty(block_e, dtype=torch.int32, device=flat.device)
-    block_p = max(16, next_pow2(P))
-    block_r, block_b = 1024, 16
+    scratch = torch.empty(2 * block_e, dtype=torch.int32, device=flat.device)
+    block_p, block_r = max(16, next_pow2(P)), 1024
     _align_kernel[(1,)](
-        flat,
-        pairs,
-        bexp,
-        starts,
-        P,
-        num_experts,
-        rows,
-        nb,
-        BLOCK_P=block_p,
-        BLOCK_E=block_e,
-        BLOCK_M=block_m,
-        CHUNK=max(1, min(8, block_p, 8192 // block_p)),
-        BLOCK_R=block_r,
-        R_CHUNKS=cdiv(rows, block_r),
-        BLOCK_B=block_b,
-        B_CHUNKS=cdiv(nb, block_b),
-        num_warps=4,
-    )
+        flat, pairs, bexp, scratch, P, num_experts, rows, nb,
+        BLOCK_P=block_p, BLOCK_E=block_e, BLOCK_M=block_m, BLOCK_R=block_r,
+        R_CHUNKS=cdiv(rows, block_r), B_CHUNKS=cdiv(nb, block_r), J_BLOCKS=cdiv(block_p, block_m), num_warps=4,
+    )  # fmt: skip
     return pairs, bexp
 
 

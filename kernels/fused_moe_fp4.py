@@ -1,16 +1,16 @@
 """Fused MoE with FP4 (e2m1) expert weights and ue8m0 scales per 32 values: DeepSeek-V4's routed
 experts. Activations stay in x's dtype (bf16/fp16; fp32 for tests): the weights are dequantized
 in registers, since sm_90 has no FP4 tensor cores. The wrapper, its argument checks and the
-launch plan (tile config, split-K); the Triton kernels are in `fused_moe_fp4_tiled.py` (weights in
-the tiled layout) and `fused_moe_fp4_kernels.py` (the checkpoint's layout).
+launch plan (tile config, split-K); the Triton kernels are in `fused_moe_fp4_frag.py` (weights in
+the fragment layout) and `fused_moe_fp4_kernels.py` (the checkpoint's layout).
 
 Legend: T tokens, k experts per token, P = T * k pairs, E experts, I expert intermediate size,
 hidden model width, BK K values per loop step (a multiple of the 32-value scale group),
 G = ceil(K / 32) scale groups of a weight row.
 
 Two weight layouts (both in `ref_fp4.py`), told apart by rank:
-- tiled (`tile_experts`, once at load; the fast one, docs/kernels.md): w13 [E, 2, NB, KB, bytes]
-  (gate, up), w2 [E, NB, KB, bytes], scales inside the tiles (w13_scale / w2_scale None);
+- fragment (`frag_experts`, once at load; the fast one, docs/kernels.md): w13 [E, 2, NB, KB, 4096]
+  (gate, up), w2 [E, NB, KB, 4096], scales [.., 256] beside them: a thread's bytes its MMA operand;
 - checkpoint: w13 [E, 2I, hidden/2] and w2 [E, hidden, I/2] packed two e2m1 codes a byte along K
   (even element in the low nibble), scales [E, 2I, G] / [E, hidden, G] uint8 exponents
   (2**(b - 127)).
@@ -33,20 +33,20 @@ import torch
 from pdserve_kernels import configs, ref_fp4
 from pdserve_kernels._launch import capability, cdiv, interpreting, next_pow2, sm_count
 from pdserve_kernels.fused_moe import MAX_KERNEL_ALIGN_PAIRS, moe_align, moe_align_fast
+from pdserve_kernels.fused_moe_fp4_frag import _w2_frag_kernel, _w13_frag_kernel
 from pdserve_kernels.fused_moe_fp4_kernels import _swiglu_kernel, _w2_fp4_kernel, _w13_fp4_kernel
-from pdserve_kernels.fused_moe_fp4_tiled import _w2_tiled_kernel, _w13_tiled_kernel
 
 GROUP = 32  # values per ue8m0 scale
-MAX_TILED_SCALE = 128  # largest ue8m0 byte the tiled bf16 path takes (2**(b - 1) must fit bf16)
+MAX_FRAG_SCALE = 128  # largest ue8m0 byte the fragment layout's bf16 path takes (2**(b - 1) must fit bf16)
 _FP4_DTYPES = tuple(d for d in (torch.uint8, torch.int8, getattr(torch, "float4_e2m1fn_x2", None)) if d)
 _SCALE_DTYPES = tuple(d for d in (torch.uint8, getattr(torch, "float8_e8m0fnu", None)) if d)
 
 
-def split_k(programs: int, K: int, block_k: int, cfg: configs.MoEConfig, device) -> tuple[int, int]:
+def split_k(programs: int, K: int, block_k: int, cfg: configs.MoEConfig, device, per_sm: int = 4) -> tuple[int, int]:
     """(splits, K per split, a multiple of block_k). Auto (cfg.split_k == 0): split only when the
-    grid is under 2 programs per SM (decode at small T), aiming at 4 per SM, at most 8 splits."""
+    grid is under 2 programs per SM (decode at small T), aiming at `per_sm` per SM, at most 8 splits."""
     sms = sm_count(device)
-    want = cfg.split_k or (1 if programs >= 2 * sms else min(8, cdiv(4 * sms, programs)))
+    want = cfg.split_k or (1 if programs >= 2 * sms else min(8, cdiv(per_sm * sms, programs)))
     k_split = cdiv(cdiv(K, max(1, want)), block_k) * block_k
     return cdiv(K, k_split), k_split
 
@@ -94,10 +94,10 @@ def fused_moe_fp4(
     config: configs.MoEConfig | None = None,  # tile override (benchmark sweeps)
 ) -> torch.Tensor:
     """y [T, hidden] in x's dtype; same contract as `ref_fp4.fused_moe_fp4_ref`. w13 / w2 in the
-    tiled layout (`tile_experts`; the scales inside, w13_scale / w2_scale None) take the tiled
-    kernels."""
+    fragment layout (`frag_experts`: values [E, 2, NB, KB, 4096] / [E, NB, KB, 4096], their scales
+    [.., 256]) take the fragment kernels."""
     if w13.dim() == 5:
-        return _fused_moe_tiled(x, w13, w2, topk_weights, topk_ids, swiglu_limit, config)
+        return _fused_moe_frag(x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, swiglu_limit, config)
     _check(x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids)
     T, hidden = x.shape
     E, two_i, _ = w13.shape
@@ -205,75 +205,88 @@ def fused_moe_fp4(
     return y.to(x.dtype)
 
 
-def tile_experts(w13, w2, w13_scale, w2_scale, tile_k: int = ref_fp4.TILE_K) -> tuple[torch.Tensor, torch.Tensor]:
-    """Checkpoint-layout experts -> (w13, w2) in the tiled layout `fused_moe_fp4` reads fastest
-    (`ref_fp4.tile_experts`; once, at load: it reads the scales back, a host sync). ValueError if
-    a scale exceeds 2 (ue8m0 byte > 128): the bf16 path folds 2**126 into it."""
-    _check_bytes(w13, w2, w13_scale, w2_scale)
-    top = max(int(w13_scale.view(torch.uint8).max()), int(w2_scale.view(torch.uint8).max()))
-    if top > MAX_TILED_SCALE:
-        raise ValueError(f"a ue8m0 scale byte is {top} (> {MAX_TILED_SCALE}: scale > 2): keep the checkpoint layout")
-    b13, b2 = w13.view(torch.uint8), w2.view(torch.uint8)
-    return ref_fp4.tile_experts(b13, w13_scale.view(torch.uint8), b2, w2_scale.view(torch.uint8), tile_k)
-
-
 def _check_bytes(w13, w2, w13_scale, w2_scale):
     for name, t in (("w13", w13), ("w2", w2), ("w13_scale", w13_scale), ("w2_scale", w2_scale)):
         if t.dim() != 3 or t.dtype not in _FP4_DTYPES + _SCALE_DTYPES:
             raise ValueError(f"{name} must be a 3-D checkpoint-layout byte tensor, got {tuple(t.shape)} {t.dtype}")
 
 
-def _check_tiled(x, w13, w2, topk_weights, topk_ids):
+def frag_experts(w13, w2, w13_scale, w2_scale) -> tuple[torch.Tensor, ...]:
+    """Checkpoint-layout experts -> (w13, w2, w13_scale, w2_scale) in the fragment layout
+    (`ref_fp4.frag_experts`; once, at load: it reads the scales back, a host sync). ValueError if
+    a scale exceeds 2 (ue8m0 byte > 128): the bf16 path folds 2**126 into it."""
+    _check_bytes(w13, w2, w13_scale, w2_scale)
+    top = max(int(w13_scale.view(torch.uint8).max()), int(w2_scale.view(torch.uint8).max()))
+    if top > MAX_FRAG_SCALE:
+        raise ValueError(f"a ue8m0 scale byte is {top} (> {MAX_FRAG_SCALE}: scale > 2): keep the checkpoint layout")
+    v13, v2, s13, s2 = ref_fp4.frag_experts(
+        w13.view(torch.uint8), w13_scale.view(torch.uint8), w2.view(torch.uint8), w2_scale.view(torch.uint8)
+    )
+    return v13, v2, s13, s2
+
+
+def _check_frag(x, w13, w2, s13, s2, topk_weights, topk_ids):
     T, hidden = x.shape
-    TN, TB = ref_fp4.TILE_N, w13.shape[-1]
-    TK = ref_fp4.tile_k_of(TB)
-    if TK not in (128, 256) or ref_fp4.tile_bytes(TK) != TB:
-        raise ValueError(f"tiled weights: a tile of {TB} bytes is not one of the layout's (TILE_K 128 or 256)")
-    if w13.dim() != 5 or w2.dim() != 4 or w13.dtype != torch.uint8 or w2.dtype != torch.uint8:
-        raise ValueError("tiled weights: w13 [E, 2, NB, KB, TILE_BYTES] and w2 [E, NB, KB, TILE_BYTES] uint8")
-    E, two, nb13, kb13, tb = w13.shape
-    inter_pad = nb13 * TN
-    want2 = (E, cdiv(hidden, TN), cdiv(inter_pad, TK), TB)
-    if two != 2 or tb != TB or kb13 != cdiv(hidden, TK) or w2.shape[:2] != want2[:2] or w2.shape[3] != TB:
-        raise ValueError(f"tiled shapes disagree: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
-    if w2.shape[2] * TK < inter_pad or not (w13.is_contiguous() and w2.is_contiguous()):
-        raise ValueError(f"w2 tiles {tuple(w2.shape)} must cover I = {inter_pad} columns, both contiguous")
+    FB, SB = ref_fp4.FRAG_BYTES, ref_fp4.FRAG_SCALE_BYTES
+    if w13.dim() != 5 or w2.dim() != 4 or w13.shape[1] != 2 or w13.shape[-1] != FB or w2.shape[-1] != FB:
+        raise ValueError(
+            f"fragment layout: w13 [E, 2, NB, KB, {FB}], w2 [E, NB, KB, {FB}] uint8, got {tuple(w13.shape)}, {tuple(w2.shape)}"
+        )
+    E, _, nb13, kb13, _ = w13.shape
+    inter_pad = nb13 * ref_fp4.FRAG_N
+    if (
+        kb13 != cdiv(hidden, ref_fp4.FRAG_K)
+        or tuple(w2.shape[:2]) != (E, cdiv(hidden, ref_fp4.FRAG_N))
+        or w2.shape[2] * ref_fp4.FRAG_K < inter_pad
+    ):
+        raise ValueError(f"fragment shapes disagree: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
+    if (
+        s13 is None
+        or s2 is None
+        or tuple(s13.shape) != (*w13.shape[:-1], SB)
+        or tuple(s2.shape) != (*w2.shape[:-1], SB)
+    ):
+        raise ValueError(
+            f"fragment scales must be [..., {SB}] beside their values, got {None if s13 is None else tuple(s13.shape)}, {None if s2 is None else tuple(s2.shape)}"
+        )
+    for t in (w13, w2, s13, s2):
+        if t.dtype != torch.uint8 or not t.is_contiguous():
+            raise ValueError("fragment values and scales are contiguous uint8")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or x.stride(-1) != 1:
         raise ValueError(f"x must be bf16, fp16 or fp32 with a contiguous last dim, got {x.dtype}")
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != T:
         raise ValueError(f"topk_ids and topk_weights must both be [T={T}, k]")
-    return inter_pad, TK
+    return inter_pad
 
 
-def _fused_moe_tiled(x, w13, w2, topk_weights, topk_ids, swiglu_limit, config):
-    inter, TK = _check_tiled(x, w13, w2, topk_weights, topk_ids)  # I padded to whole tiles
+def _fused_moe_frag(x, w13, w2, s13, s2, topk_weights, topk_ids, swiglu_limit, config):
+    inter = _check_frag(x, w13, w2, s13, s2, topk_weights, topk_ids)  # I padded to whole tiles
     T, hidden = x.shape
-    E, top_k = w13.shape[0], topk_ids.shape[1]
+    E, top_k, TK = w13.shape[0], topk_ids.shape[1], ref_fp4.FRAG_K
     P = T * top_k
     if P == 0:
         return torch.zeros(T, hidden, dtype=x.dtype, device=x.device)
     interp = interpreting()
     fp32 = x.dtype == torch.float32
-    cfg = config or configs.moe_fp4_tiled_config(capability(x.device), P / E, fp32)
+    cfg = config or configs.moe_fp4_frag_config(capability(x.device), P / E, fp32)
     align = moe_align_fast if P <= MAX_KERNEL_ALIGN_PAIRS else moe_align
     pairs, bexp = align(topk_ids, E, cfg.block_m)
     blocks = bexp.numel()
-    n13, n2 = w13.shape[2], w2.shape[1]
-    sp13, ks13 = split_k(blocks * n13, hidden, TK, cfg, x.device)
-    sp2, ks2 = split_k(blocks * n2, inter, TK, cfg, x.device)
+    tiles2 = max(t for t in (1, 2, 4) if t * ref_fp4.FRAG_N <= cfg.w2_block_n and w2.shape[1] % t == 0)
+    n13, n2 = w13.shape[2], w2.shape[1] // tiles2  # a w2 program takes `tiles2` row blocks
+    sp13, ks13 = split_k(blocks * n13, hidden, TK, cfg, x.device, per_sm=2)
+    sp2, ks2 = split_k(blocks * n2, inter, TK, cfg, x.device, per_sm=2)
     act = torch.empty(P, inter, dtype=x.dtype, device=x.device)
     h13 = act if sp13 == 1 else torch.empty(sp13, P, 2 * inter, dtype=torch.float32, device=x.device)
     y_part = torch.empty(sp2, P, hidden, dtype=torch.float32, device=x.device)
     limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
     fast = x.dtype == torch.bfloat16 and not interp
-    common = dict(BLOCK_M=cfg.block_m, TILE_K=TK, FAST=fast, FP32_DOT=fp32, INTERPRET=interp)
+    common = dict(BLOCK_M=cfg.block_m, FAST=fast, FP32_DOT=fp32, INTERPRET=interp)
     common.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    s13 = (w13.stride(0), w13.stride(1), w13.stride(2))
-    even13, even2 = hidden % TK == 0 and ks13 % TK == 0, inter % TK == 0 and ks2 % TK == 0
-    _w13_tiled_kernel[(blocks, n13, sp13)](
-        x, w13, h13, pairs, bexp, P, hidden, ks13, limit, x.stride(0), *s13,
+    _w13_frag_kernel[(blocks, n13, sp13)](
+        x, w13, s13, h13, pairs, bexp, P, hidden, ks13, limit, x.stride(0), *w13.stride()[:3], *s13.stride()[:3],
         h13.stride(0) if sp13 > 1 else 0, h13.stride(-2),
-        TOP_K=top_k, EVEN_K=even13, SPLIT=sp13, HAS_LIMIT=swiglu_limit is not None, KS_C=ks13 if interp else 0, **common,
+        TOP_K=top_k, SPLIT=sp13, HAS_LIMIT=swiglu_limit is not None, KS_C=ks13 if interp else 0, **common,
     )  # fmt: skip
     if sp13 > 1:
         block = min(1024, next_pow2(inter))
@@ -281,10 +294,10 @@ def _fused_moe_tiled(x, w13, w2, topk_weights, topk_ids, swiglu_limit, config):
             h13, act, P, inter, limit, h13.stride(0), h13.stride(1), act.stride(0),
             SPLIT=sp13, HAS_LIMIT=swiglu_limit is not None, BLOCK=block, num_warps=4,
         )  # fmt: skip
-    _w2_tiled_kernel[(blocks, n2, sp2)](
-        act, w2, topk_weights.reshape(-1).contiguous(), y_part, pairs, bexp, P, hidden, inter, ks2,
-        act.stride(0), w2.stride(0), w2.stride(1), y_part.stride(0), y_part.stride(1),
-        EVEN_K=even2, KS_C=ks2 if interp else 0, **common,
+    _w2_frag_kernel[(blocks, n2, sp2)](
+        act, w2, s2, topk_weights.reshape(-1).contiguous(), y_part, pairs, bexp, P, hidden, inter, ks2,
+        act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y_part.stride(0),
+        N_TILES=tiles2, KS_C=ks2 if interp else 0, **common,
     )  # fmt: skip
     y = y_part[0].view(T, top_k, hidden).sum(1) if sp2 == 1 else y_part.view(sp2, T, top_k, hidden).sum((0, 2))
     return y.to(x.dtype)

@@ -123,9 +123,9 @@ def swiglu(h: torch.Tensor, inter: int, limit: float | None) -> torch.Tensor:
 
 def fused_moe_fp4_ref(
     x: torch.Tensor,  # [T, hidden] bf16/fp16/fp32 (float64: oracle math)
-    w13: torch.Tensor,  # [E, 2I, hidden/2] packed e2m1, gate rows then up rows (or tiled)
-    w2: torch.Tensor,  # [E, hidden, I/2] packed e2m1 (or tiled)
-    w13_scale: torch.Tensor | None,  # [E, 2I, ceil(hidden/32)] ue8m0 (None: tiled)
+    w13: torch.Tensor,  # [E, 2I, hidden/2] packed e2m1, gate rows then up rows (or fragment)
+    w2: torch.Tensor,  # [E, hidden, I/2] packed e2m1 (or fragment)
+    w13_scale: torch.Tensor | None,  # [E, 2I, ceil(hidden/32)] ue8m0 (fragment: [.., 256])
     w2_scale: torch.Tensor | None,  # [E, hidden, ceil(I/32)] ue8m0
     topk_weights: torch.Tensor,  # [T, k] float
     topk_ids: torch.Tensor,  # [T, k] int
@@ -136,8 +136,8 @@ def fused_moe_fp4_ref(
     """y[t] = sum_j w[t,j] * W2_e @ act_dtype(silu(clamp(G_e x[t])) * clamp(U_e x[t])), with W the
     dequantized FP4 weights; activations are not quantized (the kernel multiplies x's dtype),
     unless mxfp8_act: then x[t] and the activation are rounded through MXFP8 per token instead."""
-    if w13.dim() == 5:  # the tiled layout (`tile_experts`): back to the checkpoint's, I padded
-        w13, w2, w13_scale, w2_scale = untile_experts(w13, w2, x.shape[1], w13.shape[2] * TILE_N)
+    if w13.dim() == 5:  # the fragment layout (`frag_experts`): back to the checkpoint's, I padded
+        w13, w2, w13_scale, w2_scale = unfrag_experts(w13, w2, w13_scale, w2_scale, x.shape[1], w13.shape[2] * FRAG_N)
     math = torch.float64 if x.dtype == torch.float64 else torch.float32
     act_dtype = act_dtype or x.dtype
     T, hidden = x.shape
@@ -155,80 +155,97 @@ def fused_moe_fp4_ref(
     return y.to(x.dtype)
 
 
-# --- the tiled layout `fused_moe_fp4` reads fastest (made once at load by `tile_fp4`) ---------
-# A weight [N, K] is cut into tiles of TILE_N rows x TILE_K values; tile (nb, kb) is TILE_BYTES
-# contiguous bytes: TILE_N x TILE_K/2 value bytes, then TILE_N x TILE_K/32 scale bytes (row r,
-# group g). Value byte (r, j), j = 16 g + i, holds a = code[r, 32 g + i] and b = code[r, 32 g + 16 + i]
-# (k counted from the tile's first column; both share a scale) as bits [a's 3 magnitude bits |
-# b's 3 magnitude bits | a's sign | b's sign] (`tile_byte`): the kernel's bf16 bit patterns are
-# then a shift and a mask away. Rows and columns past N / K are zero codes with scale 127.
-# w13 [E, 2I, hidden] becomes [E, 2, NB, KB, TILE_BYTES] (gate, up: each of I rows padded alone),
-# w2 [E, hidden, I] [E, NB, KB, TILE_BYTES].
-TILE_N, TILE_K = 64, 128  # TILE_K: the default; 256 also works (`tile_bytes`)
+# --- the fragment layout (`frag_fp4`, made once at load): a thread's bytes are its MMA operand --
+# A weight [N, K] is cut into tiles of 64 rows x 128 K values, each 4,096 value bytes (values
+# [..., NB, KB, 4096]) and 256 scale bytes (scales [..., NB, KB, 256]). sm_90's warpgroup MMA
+# takes a [64, 16] bf16 A fragment from registers: thread t = 32 w + 4 g + q (warp w, lane 4 g + q)
+# holds rows 16 w + 8 h + g (h = 0, 1) and columns 8 c + 2 q + p (c, p = 0, 1) of every 16-column
+# step ks (col = 16 ks + 8 c + 2 q + p). Those 8 values of one step are one 32-bit word (`frag_word`),
+# element e = 4 c + 2 h + p; the tile's words are [2 (hf), 128 (t), 4 (kq)] (ks = 4 hf + kq), so
+# a thread's 16 bytes of one half are contiguous (one 16-byte load, a warp 512 contiguous bytes).
+# Scale bytes [4 (w), 8 (g), 4 (group r), 2 (h)]: a thread's 8 scales are one 8-byte load.
+# Rows and columns past N / K are zero codes with scale 127.
+FRAG_N, FRAG_K = 64, 128
+FRAG_BYTES, FRAG_SCALE_BYTES = FRAG_N * FRAG_K // 2, FRAG_N * FRAG_K // GROUP
+# where element e's code sits in its word: (first magnitude bit, second, third, sign); the kernel
+# makes bf16 bit patterns (magnitude at bits 6-8 / 22-24, sign at 15 / 31) of elements (0, 1) by
+# word & mask, (2, 3) by word << 3, (4, 5) by word << 6 and (6, 7) from three shifts (`_dq_frag`)
+FRAG_BITS = (
+    (6, 7, 8, 15),
+    (22, 23, 24, 31),
+    (3, 4, 5, 12),
+    (19, 20, 21, 28),
+    (0, 1, 2, 9),
+    (16, 17, 18, 25),
+    (10, 11, 13, 14),
+    (26, 27, 29, 30),
+)
 
 
-def tile_bytes(tile_k: int = TILE_K) -> int:
-    return TILE_N * tile_k // 2 + TILE_N * tile_k // GROUP
+def frag_word(codes: torch.Tensor) -> torch.Tensor:
+    """codes [..., 8] (uint8 in [0, 16), element order e) -> int64 [...]: the 32-bit word."""
+    word = torch.zeros(codes.shape[:-1], dtype=torch.int64, device=codes.device)
+    c = codes.to(torch.int64)
+    for e, bits in enumerate(FRAG_BITS):
+        for j, b in enumerate(bits):
+            word |= ((c[..., e] >> j) & 1) << b
+    return word
 
 
-def tile_k_of(nbytes: int) -> int:
-    """The TILE_K of a tile of `nbytes` bytes (the tiled tensors' last dim)."""
-    return nbytes * 2 * GROUP // (TILE_N * (GROUP + 2))
+def frag_codes(word: torch.Tensor) -> torch.Tensor:
+    """Inverse of `frag_word`: int64 [...] -> codes [..., 8] uint8."""
+    out = [sum(((word >> b) & 1) << j for j, b in enumerate(bits)) for bits in FRAG_BITS]
+    return torch.stack(out, -1).to(torch.uint8)
 
 
-TILE_BYTES = tile_bytes()
+_FRAG_ROWS, _FRAG_COLS = (4, 2, 8), (2, 4, 2, 4, 2)  # (w, h, g), (hf, kq, c, q, p)
 
 
-def tile_byte(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Two e2m1 codes (uint8 in [0, 16)) -> the tiled layout's byte: a & 7 | (b & 7) << 3 |
-    (a >> 3) << 6 | (b >> 3) << 7."""
-    return (a & 7) | ((b & 7) << 3) | ((a & 8) << 3) | ((b & 8) << 4)
-
-
-def tile_codes(byte: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of `tile_byte`: (a, b)."""
-    return (byte & 7) | ((byte >> 3) & 8), ((byte >> 3) & 7) | ((byte >> 4) & 8)
-
-
-def tile_fp4(packed: torch.Tensor, scale: torch.Tensor, tile_k: int = TILE_K) -> torch.Tensor:
-    """packed [..., N, K/2] + scale [..., N, ceil(K/32)] (checkpoint layout) -> tiles
-    [..., NB, KB, tile_bytes(tile_k)] uint8 (layout above, TILE_K = tile_k)."""
-    TILE_K = tile_k  # noqa: N806
+def frag_fp4(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """packed [..., N, K/2] + scale [..., N, ceil(K/32)] (checkpoint layout) -> (values [..., NB, KB,
+    FRAG_BYTES], scales [..., NB, KB, FRAG_SCALE_BYTES]) uint8 (layout above)."""
     *lead, N, half = packed.shape
-    NB, KB = -(-N // TILE_N), -(-2 * half // TILE_K)
-    codes = F.pad(unpack_fp4(packed), (0, KB * TILE_K - 2 * half, 0, NB * TILE_N - N))
-    codes = codes.reshape(*lead, NB, TILE_N, KB, TILE_K // GROUP, 2, 16).movedim(-4, -5)  # [.., NB, KB, TN, G, 2, 16]
-    values = tile_byte(codes[..., 0, :], codes[..., 1, :])  # [.., NB, KB, TN, G, 16]
+    NB, KB = -(-N // FRAG_N), -(-2 * half // FRAG_K)
+    n = len(lead)
+    codes = F.pad(unpack_fp4(packed), (0, KB * FRAG_K - 2 * half, 0, NB * FRAG_N - N))
+    codes = codes.reshape(*lead, NB, *_FRAG_ROWS, KB, *_FRAG_COLS)  # [.., NB, w, h, g, KB, hf, kq, c, q, p]
+    d = [n + i for i in (0, 4, 5, 1, 3, 8, 6, 7, 2, 9)]  # -> [.., NB, KB, hf, w, g, q, kq, c, h, p]
+    codes = codes.permute(*range(n), *d).reshape(*lead, NB, KB, -1, 8)
+    words = frag_word(codes)  # [.., NB, KB, 1024]
+    values = torch.stack([(words >> (8 * i)) & 0xFF for i in range(4)], -1).to(torch.uint8).flatten(-2)
     s = scale.view(torch.uint8)
-    s = F.pad(s, (0, KB * TILE_K // GROUP - s.shape[-1], 0, NB * TILE_N - N), value=127)
-    s = s.reshape(*lead, NB, TILE_N, KB, TILE_K // GROUP).movedim(-2, -3)  # [.., NB, KB, TN, TK/32]
-    return torch.cat([values.flatten(-3), s.flatten(-2)], -1).contiguous()
+    s = F.pad(s, (0, KB * FRAG_K // GROUP - s.shape[-1], 0, NB * FRAG_N - N), value=127)
+    s = s.reshape(*lead, NB, 4, 2, 8, KB, FRAG_K // GROUP)  # [.., NB, w, h, g, KB, r]
+    s = s.permute(*range(n), *[n + i for i in (0, 4, 1, 3, 5, 2)]).reshape(*lead, NB, KB, -1)
+    return values.contiguous(), s.contiguous()
 
 
-def untile_fp4(tiles: torch.Tensor, N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of `tile_fp4`: tiles [..., NB, KB, TILE_BYTES] -> (packed [..., N, K/2], scale
-    [..., N, ceil(K/32)]), the checkpoint's bytes."""
-    *lead, NB, KB, nbytes = tiles.shape
-    TILE_K = tile_k_of(nbytes)  # noqa: N806
-    nv = TILE_N * TILE_K // 2
-    values = tiles[..., :nv].reshape(*lead, NB, KB, TILE_N, TILE_K // GROUP, 16)
-    codes = torch.stack(tile_codes(values), -2)  # [.., NB, KB, TN, G, 2, 16]
-    codes = codes.movedim(-5, -4).reshape(*lead, NB * TILE_N, KB * TILE_K)[..., :N, :K]
-    s = tiles[..., nv:].reshape(*lead, NB, KB, TILE_N, TILE_K // GROUP).movedim(-3, -2)
-    s = s.reshape(*lead, NB * TILE_N, KB * TILE_K // GROUP)[..., :N, : -(-K // GROUP)]
+def unfrag_fp4(values: torch.Tensor, scales: torch.Tensor, N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `frag_fp4`: -> (packed [..., N, K/2], scale [..., N, ceil(K/32)])."""
+    *lead, NB, KB, _ = values.shape
+    n = len(lead)
+    b = values.reshape(*lead, NB, KB, -1, 4).to(torch.int64)
+    words = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+    codes = frag_codes(words).reshape(*lead, NB, KB, 2, 4, 8, 4, 4, 2, 2, 2)  # hf w g q kq c h p
+    d = [n + i for i in (0, 3, 8, 4, 1, 2, 6, 7, 5, 9)]  # -> [.., NB, w, h, g, KB, hf, kq, c, q, p]
+    codes = codes.permute(*range(n), *d).reshape(*lead, NB * FRAG_N, KB * FRAG_K)[..., :N, :K]
+    s = scales.reshape(*lead, NB, KB, 4, 8, FRAG_K // GROUP, 2)  # [.., NB, KB, w, g, r, h]
+    s = s.permute(*range(n), *[n + i for i in (0, 2, 5, 3, 1, 4)])
+    s = s.reshape(*lead, NB * FRAG_N, KB * FRAG_K // GROUP)[..., :N, : -(-K // GROUP)]
     return pack_fp4(codes).contiguous(), s.contiguous()
 
 
-def tile_experts(w13, w13_scale, w2, w2_scale, tile_k: int = TILE_K) -> tuple[torch.Tensor, torch.Tensor]:
-    """Checkpoint experts -> (w13 tiles [E, 2, NB, KB, bytes], w2 tiles [E, NB, KB, bytes])."""
+def frag_experts(w13, w13_scale, w2, w2_scale):
+    """Checkpoint experts -> (w13 values [E, 2, NB, KB, FRAG_BYTES], w2 values [E, NB, KB,
+    FRAG_BYTES], w13 scales [E, 2, NB, KB, FRAG_SCALE_BYTES], w2 scales [E, NB, KB, ...])."""
     inter = w13.shape[1] // 2
-    g = tile_fp4(w13[:, :inter], w13_scale[:, :inter], tile_k)
-    u = tile_fp4(w13[:, inter:], w13_scale[:, inter:], tile_k)
-    return torch.stack([g, u], 1), tile_fp4(w2, w2_scale, tile_k)
+    (g, gs), (u, us) = frag_fp4(w13[:, :inter], w13_scale[:, :inter]), frag_fp4(w13[:, inter:], w13_scale[:, inter:])
+    v2, s2 = frag_fp4(w2, w2_scale)
+    return torch.stack([g, u], 1), v2, torch.stack([gs, us], 1), s2
 
 
-def untile_experts(t13, t2, hidden: int, inter: int):
-    """Inverse of `tile_experts`: (w13, w2, w13_scale, w2_scale) in the checkpoint layout."""
-    (g, gs), (u, us) = untile_fp4(t13[:, 0], inter, hidden), untile_fp4(t13[:, 1], inter, hidden)
-    w2, s2 = untile_fp4(t2, hidden, inter)
-    return torch.cat([g, u], 1), w2, torch.cat([gs, us], 1), s2
+def unfrag_experts(v13, v2, s13, s2, hidden: int, inter: int):
+    """Inverse of `frag_experts`: (w13, w2, w13_scale, w2_scale) in the checkpoint layout."""
+    (g, gs), (u, us) = unfrag_fp4(v13[:, 0], s13[:, 0], inter, hidden), unfrag_fp4(v13[:, 1], s13[:, 1], inter, hidden)
+    w2, w2s = unfrag_fp4(v2, s2, hidden, inter)
+    return torch.cat([g, u], 1), w2, torch.cat([gs, us], 1), w2s

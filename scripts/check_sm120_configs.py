@@ -65,7 +65,7 @@ FAMILIES = (
     "moe_fp8",
     "moe_fp4",
     "moe_fp4_dot_scaled",
-    "moe_fp4_tiled",
+    "moe_fp4_frag",
     "moe_fp4_mx8",
     "fp8_gemm",
     "fp8_gemv",
@@ -381,15 +381,17 @@ def cases(families):
                 )
 
             out.append((fam, f"fp4{' dot_scaled' if dot_scaled else ''} {tag}", call))
-        if "moe_fp4_tiled" in families:  # the tiled layout the engine re-lays V4's experts into
+        if "moe_fp4_frag" in families:  # the fragment layout (`ref_fp4.frag_fp4`)
             from pdserve_kernels import ref_fp4
 
-            def tiled(T=T, tb=ref_fp4.TILE_BYTES, u8=torch.uint8):
-                w13 = _e(E, 2, inter // ref_fp4.TILE_N, hidden // ref_fp4.TILE_K, tb, dtype=u8)
-                w2 = _e(E, hidden // ref_fp4.TILE_N, inter // ref_fp4.TILE_K, tb, dtype=u8)
-                fused_moe_fp4(_e(T, hidden), w13, w2, None, None, *routed(T), swiglu_limit=10.0)
+            def frag(T=T, fb=ref_fp4.FRAG_BYTES, sb=ref_fp4.FRAG_SCALE_BYTES, u8=torch.uint8):
+                nb13, kb13 = inter // ref_fp4.FRAG_N, hidden // ref_fp4.FRAG_K
+                nb2, kb2 = hidden // ref_fp4.FRAG_N, inter // ref_fp4.FRAG_K
+                v13, s13 = _e(E, 2, nb13, kb13, fb, dtype=u8), _e(E, 2, nb13, kb13, sb, dtype=u8)
+                v2, s2 = _e(E, nb2, kb2, fb, dtype=u8), _e(E, nb2, kb2, sb, dtype=u8)
+                fused_moe_fp4(_e(T, hidden), v13, v2, s13, s2, *routed(T), swiglu_limit=10.0)
 
-            out.append(("moe_fp4_tiled", f"fp4 tiled {tag}", tiled))
+            out.append(("moe_fp4_frag", f"fp4 frag {tag}", frag))
         if "moe_fp4_mx8" in families:  # the checkpoint layout, both operands MXFP8-shaped e4m3
             from pdserve_kernels.fused_moe_fp4_mx8 import fused_moe_fp4_mx8
 

@@ -3,17 +3,17 @@ top-6, bf16 x, `swiglu_limit` 10): each variant checked against `ref_fp4.fused_m
 fresh random inputs, then timed against the weight-bytes floor of the experts it touches.
 
     python -m benchmarks.kernels.bench_moe_fp4 [--tokens 1 16 64 128] [--sets 4] [--no-sweep] [--out DIR]
-        [--variants tiled mx8 ...]
+        [--variants frag mx8 ...]
     python -m benchmarks.kernels.bench_moe_fp4 --smoke      # CPU, interpreter, tiny dims: the code path only
 
 Variants: `checkpoint` (the checkpoint layout, the register-dequant kernels, default config),
-`checkpoint dot_scaled` (the same weights through `tl.dot_scaled`), `tiled` (the same weights
-repacked once by `tile_experts`, the tiled kernels, default config), `mx8` (the checkpoint
+`checkpoint dot_scaled` (the same weights through `tl.dot_scaled`), `frag` (the same weights
+re-laid once by `frag_experts`, the fragment-layout kernels, default config), `mx8` (the checkpoint
 weights x MXFP8 activations, `fused_moe_fp4_mx8`: e4m3 x e4m3 `tl.dot_scaled`, sm_120's
 block-scaled MMA; checked against `fused_moe_fp4_ref(mxfp8_act=True)`, its rel err against the
 bf16-activation reference reported as the accuracy cost, and the MXFP8 quantizer's bits against
-`ref_fp4.quant_mxfp8` at [T, hidden]) and a small sweep of the tiled configs (`tiled TK256`: tiles
-of 256 K values); `--variants` picks some by label. Exits 1 when a variant's rel err exceeds
+`ref_fp4.quant_mxfp8` at [T, hidden]) and a small sweep of the fragment kernels' configs (stages,
+w2 row blocks a program, split K); `--variants` picks some by label. Exits 1 when a variant's rel err exceeds
 1e-2 against its reference, has a NaN, or the quantizer's bits differ. Times: median of CUDA-graph replays of `--sets` different routings per call (so the
 experts read are cold in L2). Floor: FP4 bytes + ue8m0 bytes of the distinct experts each routing
 reads, averaged over the sets, + activations, over the device-copy rate measured in the same run
@@ -33,17 +33,17 @@ import torch
 
 from benchmarks.kernels.bench_util import graph_ms, kernel_profile, poisoned_empty, rel_err
 from pdserve_kernels import configs, ref_fp4
-from pdserve_kernels.fused_moe_fp4 import fused_moe_fp4, tile_experts
+from pdserve_kernels.fused_moe_fp4 import frag_experts, fused_moe_fp4
 from pdserve_kernels.fused_moe_fp4_mx8 import fused_moe_fp4_mx8
 from pdserve_kernels.mxfp8 import quant_mxfp8
 
 M = configs.MoEConfig
-TILED_SWEEP = [  # (label, layout, config); the default is timed as "tiled"
-    ("tiled 2 stages", "tiled", M(16, 64, 128, 4, 2)),
-    ("tiled 4 stages", "tiled", M(16, 64, 128, 4, 4)),
-    ("tiled split 2", "tiled", M(16, 64, 128, 4, 3, split_k=2)),
-    ("tiled TK256", "tiled256", M(16, 64, 256, 4, 3)),
-    ("tiled TK256 2 stages", "tiled256", M(16, 64, 256, 4, 2)),
+SWEEP = [  # (label, layout, config); the default is timed as "frag"
+    ("frag 4 stages", "frag", M(16, 64, 128, 4, 4, 128)),
+    ("frag w2x1", "frag", M(16, 64, 128, 4, 3, 64)),
+    ("frag w2x4", "frag", M(16, 64, 128, 4, 3, 256)),
+    ("frag w2x4 4 stages", "frag", M(16, 64, 128, 4, 4, 256)),
+    ("frag split 3", "frag", M(16, 64, 128, 4, 3, 128, split_k=3)),
 ]
 V4_LIMIT = 10.0  # DeepSeek-V4-Flash's swiglu_limit
 MAX_REL_ERR = 1e-2  # bf16 output against the float32 reference of the same numerics
@@ -86,10 +86,10 @@ def variants(T, top_k, E, sweep):
     out = [
         ("checkpoint", "checkpoint", None),
         ("checkpoint dot_scaled", "checkpoint", dataclasses.replace(default, dot_scaled=True)),
-        ("tiled", "tiled", None),
+        ("frag", "frag", None),
         ("mx8", "mx8", None),
     ]
-    return out + (TILED_SWEEP if sweep else [])
+    return out + (SWEEP if sweep else [])
 
 
 def quantizer_exact(T, hidden, dev, g) -> bool:
@@ -112,10 +112,8 @@ def run(args) -> dict:
     # e2m1 values ~ 2.2 rms: scales 2**-7 / 2**-6 give weights of rms ~ hidden**-0.5 / I**-0.5
     q13, s13 = random_fp4(E, 2 * inter, hidden, dev, g, -7 if hidden >= 1024 else -3)
     q2, s2 = random_fp4(E, hidden, inter, dev, g, -6 if inter >= 1024 else -3)
-    weights = {"checkpoint": (q13, q2, s13, s2), "tiled": (*tile_experts(q13, q2, s13, s2), None, None)}
+    weights = {"checkpoint": (q13, q2, s13, s2), "frag": frag_experts(q13, q2, s13, s2)}
     weights["mx8"] = weights["checkpoint"]
-    if not args.no_sweep and not args.smoke:
-        weights["tiled256"] = (*tile_experts(q13, q2, s13, s2, tile_k=256), None, None)
     dt = torch.float16 if args.smoke else torch.bfloat16
     per_expert = 3 * inter * hidden // 2 + 3 * inter * hidden // 32
     rows, prof, failed = [], [], []
@@ -160,8 +158,8 @@ def run(args) -> dict:
                 f"x{t / floor:5.2f}  rel {err:.1e}{cost}{'  NaN!' if row['nan'] else ''}",
                 flush=True,
             )
-        if dev == "cuda" and T in (1, 64):
-            for label, layout, cfg in picked[:4]:  # the variants before the sweep
+        if dev == "cuda" and T in (1, 64, 128):
+            for label, layout, cfg in picked[:5]:  # the variants before the sweep
                 w, fn = weights[layout], fused_moe_fp4_mx8 if layout == "mx8" else fused_moe_fp4
                 run1 = lambda w=w, fn=fn, c=cfg: fn(x, w[0], w[1], w[2], w[3], tw, ids, swiglu_limit=V4_LIMIT, config=c)  # noqa: E731
                 prof += kernel_profile(run1, f"{label} T={T}", top=4)

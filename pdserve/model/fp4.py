@@ -8,8 +8,9 @@ float4_e2m1fn_x2; element 2j in the low nibble, 2j+1 in the high one), with one 
 Kept FP4 (the default for such a checkpoint: deepseek_v4/moe.py's Experts), the bytes and the
 scales go to the device as uint8 as they are (`packed_bytes`, `ue8m0_bytes`) and
 `ops.fused_moe_fp4` reads them (kernels/ref_fp4.py documents the same layout); on a GPU the
-experts are re-laid once into the tiles the kernel reads fastest (`tile_experts`); dequantized at
-load (`--quantization none`), `dequantize_fp4` makes floats of them.
+experts are re-laid once into the layout the kernel reads fastest (`frag_experts`: each thread's
+bytes its MMA operand); dequantized at load (`--quantization none`), `dequantize_fp4` makes floats
+of them.
 """
 
 from __future__ import annotations
@@ -91,30 +92,32 @@ def ue8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
     return b.to(torch.uint8)
 
 
-MAX_TILED_SCALE = 128  # kernels/fused_moe_fp4.py: the tiled bf16 path takes scales up to 2**1
-TILE_CHUNK = 16  # experts re-laid at a time (bounds the transient memory)
+MAX_FRAG_SCALE = 128  # kernels/fused_moe_fp4.py: the fragment-layout bf16 path takes scales up to 2**1
+FRAG_CHUNK = 16  # experts re-laid at a time (bounds the transient memory)
 
 
 @torch.no_grad()
-def tile_experts(w13, w2, w13_scale, w2_scale) -> tuple[torch.Tensor, torch.Tensor] | None:
+def frag_experts(w13, w2, w13_scale, w2_scale) -> tuple[torch.Tensor, ...] | None:
     """Stacked checkpoint-layout experts (gate_up_proj [E, 2I, hidden/2], down_proj [E, hidden, I/2]
-    and their ue8m0 scales) -> (w13, w2) in kernels/ref_fp4.py's tiled layout, made on their
-    device a few experts at a time; None when a scale exceeds 2 (the tiled bf16 path's range):
-    keep the checkpoint layout. Reads the scales back (a host sync): once, at load."""
+    and their ue8m0 scales) -> (w13, w2, w13_scale, w2_scale) in kernels/ref_fp4.py's fragment
+    layout (values [E, 2, NB, KB, 4096] / [E, NB, KB, 4096], scales [.., 256]), made on their
+    device a few experts at a time; None when a scale exceeds 2 (the bf16 path's range): keep the
+    checkpoint layout. Reads the scales back (a host sync): once, at load."""
     from pdserve_kernels import ref_fp4
 
     s13, s2 = ue8m0_bytes(w13_scale), ue8m0_bytes(w2_scale)
-    if max(int(s13.max()), int(s2.max())) > MAX_TILED_SCALE:
+    if max(int(s13.max()), int(s2.max())) > MAX_FRAG_SCALE:
         return None
     b13, b2, E = packed_bytes(w13), packed_bytes(w2), w13.shape[0]
-    t13 = t2 = None
-    for e in range(0, E, TILE_CHUNK):
-        c = slice(e, e + TILE_CHUNK)
-        a, b = ref_fp4.tile_experts(b13[c], s13[c], b2[c], s2[c])
-        if t13 is None:
-            t13, t2 = a.new_empty((E, *a.shape[1:])), b.new_empty((E, *b.shape[1:]))
-        t13[c], t2[c] = a, b
-    return t13, t2
+    out = None
+    for e in range(0, E, FRAG_CHUNK):
+        c = slice(e, e + FRAG_CHUNK)
+        part = ref_fp4.frag_experts(b13[c], s13[c], b2[c], s2[c])
+        if out is None:
+            out = tuple(t.new_empty((E, *t.shape[1:])) for t in part)
+        for dst, src in zip(out, part):
+            dst[c] = src
+    return out
 
 
 @torch.no_grad()

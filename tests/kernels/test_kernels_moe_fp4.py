@@ -1,6 +1,6 @@
 """FP4 (e2m1 + ue8m0 per 32 values) fused MoE against its float64 reference, and the format
-helpers (packing, scales, quantizer) it is defined by; both layouts: the checkpoint's and the
-tiled one `tile_experts` makes at load (round trips, then the tiled kernels on it).
+helpers (packing, scales, quantizer) it is defined by, on the checkpoint's layout (the fragment
+layout the engine re-lays it into: test_kernels_moe_fp4_frag.py).
 
 Runs under the Triton interpreter without CUDA (TRITON_INTERPRET is set before the first triton
 import: see test_kernels_sparse_mla.py); on a GPU the same tests run compiled, plus bf16 and the
@@ -20,7 +20,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from pdserve_kernels import configs, ref_fp4  # noqa: E402
-from pdserve_kernels.fused_moe_fp4 import fused_moe_fp4, tile_experts  # noqa: E402
+from pdserve_kernels.fused_moe_fp4 import fused_moe_fp4  # noqa: E402
 from pdserve_kernels.fused_moe_fp4_kernels import _e2m1_bits, _ue8m0_x2p14  # noqa: E402
 from tests.helpers.kernels import DEVICE, DTYPES, REL_TOL, poisoned_empty, rel_err, require_interpreter, seed_of  # noqa: E402
 
@@ -232,104 +232,3 @@ def test_rejects_bad_inputs():
         with pytest.raises(ValueError, match="dot_scaled"):
             cfg = dataclasses.replace(configs.MOE_FP4[configs.CPU][10**9], dot_scaled=True)
             fused_moe_fp4(x, q13, q2, s13, s2, tw, ids, config=cfg)
-
-
-# --- the tiled layout (`tile_experts`, made once at load) and its kernels ------------------------
-
-
-@pytest.mark.parametrize("tile_k", [128, 256])
-def test_tiled_layout_round_trips_to_the_checkpoint(tile_k):
-    """Any bytes and scales -> tiles -> the same bytes and scales, at sizes that pad both N and K
-    (N past 64, K past tile_k and not a multiple of 32)."""
-    gen = torch.Generator().manual_seed(tile_k)
-    for N, K in ((64, tile_k), (70, 200), (5, 40), (130, 2 * tile_k + 72)):
-        packed = torch.randint(0, 256, (3, N, K // 2), dtype=torch.uint8, generator=gen)
-        scale = torch.randint(0, 256, (3, N, -(-K // 32)), dtype=torch.uint8, generator=gen)
-        tiles = ref_fp4.tile_fp4(packed, scale, tile_k)
-        assert tiles.shape == (3, -(-N // 64), -(-K // tile_k), ref_fp4.tile_bytes(tile_k))
-        assert ref_fp4.tile_k_of(tiles.shape[-1]) == tile_k
-        back, back_scale = ref_fp4.untile_fp4(tiles, N, K)
-        assert torch.equal(back, packed) and torch.equal(back_scale, scale)
-
-
-def test_tiled_byte_holds_two_codes_and_sits_where_documented():
-    a, b = torch.meshgrid(ALL_CODES, ALL_CODES, indexing="ij")
-    byte = ref_fp4.tile_byte(a.flatten(), b.flatten())
-    assert torch.equal(byte.sort().values, torch.arange(256, dtype=torch.uint8))  # a bijection
-    back_a, back_b = ref_fp4.tile_codes(byte)
-    assert torch.equal(back_a, a.flatten()) and torch.equal(back_b, b.flatten())
-    # one nonzero code at (n, k) of a 70 x 300 weight: tile (n // 64, k // 128), row n % 64, byte
-    # 16 * (k % 128 // 32) + k % 16, the second code of that byte when k % 32 >= 16
-    for n, k in ((0, 0), (3, 17), (65, 130), (69, 299)):
-        codes = torch.zeros(70, 300, dtype=torch.uint8)
-        codes[n, k] = 13
-        tiles = ref_fp4.tile_fp4(ref_fp4.pack_fp4(codes), torch.full((70, 10), 127, dtype=torch.uint8))
-        tile = tiles[n // 64, k // 128]
-        j = (n % 64) * 64 + 16 * (k % 128 // 32) + k % 16
-        assert tile[: 64 * 64].nonzero().flatten().tolist() == [j]
-        got = ref_fp4.tile_codes(tile[j])[int(k % 32 >= 16)]
-        assert got.item() == 13
-        assert (tile[64 * 64 :] == 127).all()
-
-
-def test_tiled_experts_round_trip_and_scale_range():
-    gen = torch.Generator().manual_seed(4)
-    _, q13, q2, s13, s2, _, _ = make(2, 3, 2, 72, 40, torch.float32, gen)
-    t13, t2 = tile_experts(q13, q2, s13, s2)
-    assert t13.shape == (3, 2, 1, 1, ref_fp4.TILE_BYTES) and t2.shape == (3, 2, 1, ref_fp4.TILE_BYTES)
-    w13, w2, b13, b2 = ref_fp4.untile_experts(t13, t2, 72, 40)
-    assert all(torch.equal(u, v) for u, v in ((w13, q13), (w2, q2), (b13, s13), (b2, s2)))
-    with pytest.raises(ValueError, match="scale > 2"):
-        tile_experts(q13, q2, s13, torch.full_like(s2, 129))
-
-
-def check_tiled(x, q13, q2, s13, s2, weights, ids, limit=None, config=None, tile_k=128):
-    """The tiled kernels on `tile_experts` of the checkpoint weights vs the reference on those
-    (scales clamped to the tiled layout's range, 2**1: `tile_experts` refuses larger ones)."""
-    s13, s2 = s13.clamp(max=128), s2.clamp(max=128)
-    t13, t2 = tile_experts(q13, q2, s13, s2, tile_k=tile_k)
-    with poisoned_empty():
-        y = fused_moe_fp4(x, t13, t2, None, None, weights, ids, swiglu_limit=limit, config=config)
-    want = ref_fp4.fused_moe_fp4_ref(
-        x.double(), q13, q2, s13, s2, weights.double(), ids, swiglu_limit=limit, act_dtype=x.dtype
-    )
-    assert y.dtype == x.dtype and y.shape == x.shape
-    assert not y.isnan().any(), "NaN in the output: an element was not written"
-    err = rel_err(y, want)
-    assert err < REL_TOL[x.dtype], f"relative error {err:.2e} ({x.dtype})"
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", SHAPES)
-def test_tiled_matches_reference(shape, dtype):
-    gen = torch.Generator().manual_seed(seed_of("tiled", shape, str(dtype)))
-    check_tiled(*make(*shape, dtype, gen), limit=2.0)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_tiled_all_experts_empty_but_one(dtype):
-    gen = torch.Generator().manual_seed(9)
-    T, E = 37, 8
-    ids = torch.full((T, 1), 5)  # 3 blocks of 16 rows for expert 5; 7 experts hold nothing
-    check_tiled(*make(T, E, 1, 64, 32, dtype, gen, ids=ids))
-
-
-@pytest.mark.parametrize("splits, tile_k", [(1, 128), (2, 256), (3, 128)])
-def test_tiled_split_k_and_wide_tiles(splits, tile_k):
-    """Split K (uneven last split: hidden 328 = 2 x 128 + 72), partial tiles, 256-value tiles."""
-    gen = torch.Generator().manual_seed(30 + splits)
-    dtype = torch.float16 if splits == 2 else torch.float32
-    cfg = configs.MoEConfig(16, 64, tile_k, 4, 1, split_k=splits)
-    check_tiled(*make(5, 4, 2, 328, 96, dtype, gen), limit=0.5, config=cfg, tile_k=tile_k)
-
-
-def test_tiled_rejects_bad_inputs():
-    gen = torch.Generator().manual_seed(5)
-    x, q13, q2, s13, s2, tw, ids = make(2, 4, 2, 128, 64, torch.float32, gen)
-    t13, t2 = tile_experts(q13, q2, s13, s2)
-    with pytest.raises(ValueError, match="tiled shapes disagree"):
-        fused_moe_fp4(x[:, :64], t13, t2, None, None, tw, ids)
-    with pytest.raises(ValueError, match="TILE_K 128 or 256"):
-        fused_moe_fp4(x, t13[..., :-1], t2, None, None, tw, ids)
-    with pytest.raises(ValueError, match="uint8"):
-        fused_moe_fp4(x, t13, t2[0], None, None, tw, ids)

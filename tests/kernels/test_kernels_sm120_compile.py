@@ -38,7 +38,7 @@ def test_sm120_configs_compile_within_shared_memory(tmp_path):
         "moe",
         "moe_fp8",
         "moe_fp4",
-        "moe_fp4_tiled",
+        "moe_fp4_frag",
         "moe_fp4_mx8",
         "fp8_gemm",
         "fp8_gemv",

@@ -320,9 +320,10 @@ def test_fp8_records_filled_finite():
     assert torch.isfinite(kv).all() and kv[:, :512].abs().max() <= 1.0 and kv[:, :512].std() > 0.1
 
 
-def test_floor_counts_fp4_experts_once_tiled():
-    """On a GPU the FP4 experts are tiled at their first forward and the checkpoint layout freed:
-    the floor then counts the tiles (64 x 128 values: 4096 value bytes + 256 scale bytes each)."""
+def test_floor_counts_fp4_experts_once_relaid():
+    """On a GPU the FP4 experts are re-laid (fragment layout) at their first forward and the
+    checkpoint layout freed: the floor then counts the tiles (64 x 128 values: 4096 value bytes +
+    256 scale bytes each)."""
     from pdserve.model import registry
 
     config = ModelConfig.from_dict(bench_config("tiny-v4", 2, "fp4"))

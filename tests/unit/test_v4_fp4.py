@@ -120,6 +120,25 @@ def test_logits_match_dequantized_at_load_and_transformers(ckpt):
         assert _rel(kept, hf(IDS[None]).logits[0]) < 1e-4
 
 
+def test_experts_relaid_for_the_cuda_kernel_keep_the_logits(ckpt):
+    """What the first CUDA forward does (`Experts._tile`: the fragment layout the W4A16 kernel
+    reads, buffers the floor counts), done here on CPU: the bytes move, the logits stay."""
+    model = load_v4_model(ckpt[0], dtype=torch.float32)
+    kept = _logits(model)
+    for layer in model.model.layers:
+        layer.mlp.experts._tile()
+    ex = model.model.layers[3].mlp.experts
+    assert len(ex.tiles) == 4 and ex.tiles[0].dim() == 5 and ex.tiles[2].shape[-1] == 256
+    assert ex.gate_up_proj.numel() == 0  # the checkpoint layout is freed
+    assert {n.rsplit(".", 1)[-1] for n, _ in model.named_buffers() if ".experts." in n} == {
+        "w13_tiles",
+        "w2_tiles",
+        "w13_tile_scales",
+        "w2_tile_scales",
+    }
+    assert torch.equal(_logits(model), kept)
+
+
 def test_mxfp8_backend_quantizes_the_expert_activations(ckpt):
     """fp4_moe_backend mxfp8 (engine option): the experts run `fused_moe_fp4_ref(mxfp8_act=True)`
     on CPU (the MX8 kernel's oracle), on the checkpoint layout. The bounds are a little wider than

@@ -39,8 +39,8 @@ _EXPERTS = (
     "experts.down_proj_scale_inv",
 )
 _SCALE = "_scale_inv"
-# FP4 experts tiled for the kernel (buffers made at the first CUDA forward): 16 value bytes to 1 scale byte
-_TILES = ("experts.w13_tiles", "experts.w2_tiles")
+# FP4 experts re-laid for the kernel (buffers made at the first CUDA forward): 16 value bytes to 1 scale byte
+_TILES = ("experts.w13_tiles", "experts.w2_tiles", "experts.w13_tile_scales", "experts.w2_tile_scales")
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from torch import nn
 from pdserve.distributed.group import TPGroup
 from pdserve.model import ops
 from pdserve.model.config import ModelConfig
-from pdserve.model.fp4 import FP4_BLOCK, tile_experts
+from pdserve.model.fp4 import FP4_BLOCK, frag_experts
 from pdserve.model.fp8 import Block
 from pdserve.model.parallel import ColumnParallelLinear, RowParallelLinear, shard_expert, shard_stacked_experts
 
@@ -67,7 +67,7 @@ class Experts(nn.Module):
     down_proj_scale_inv [E, hidden, ceil(I/32)], all uint8, read by ops.fused_moe_fp4 (the Triton
     kernel on CUDA, which dequantizes in registers; the torch reference elsewhere). On CUDA the
     first forward (the engine's eager warm-up, before any graph capture) re-lays them once into
-    the kernel's tiles (`fp4.tile_experts`) and frees the checkpoint layout, unless the engine's
+    the kernel's fragment layout (`fp4.frag_experts`) and frees the checkpoint layout, unless the engine's
     fp4_moe_backend picks MXFP8 activations (`ops.fp4_moe_mxfp8`): that kernel reads the checkpoint layout.
     Under TP, down_proj's I columns split: a rank's share must hold whole 32-value scale groups."""
 
@@ -93,7 +93,7 @@ class Experts(nn.Module):
         def packed(*shape: int) -> nn.Parameter:
             return nn.Parameter(torch.zeros(*shape, dtype=torch.uint8), requires_grad=False)
 
-        self.tiles: tuple[torch.Tensor, torch.Tensor] | None = None  # (w13, w2) tiled, once on CUDA
+        self.tiles: tuple[torch.Tensor, ...] | None = None  # (w13, w2, w13_scale, w2_scale) re-laid, once on CUDA
         groups = -(-hidden // FP4_BLOCK), -(-I // FP4_BLOCK)
         self.gate_up_proj, self.gate_up_proj_scale_inv = packed(E, 2 * I, hidden // 2), packed(E, 2 * I, groups[0])
         self.down_proj, self.down_proj_scale_inv = packed(E, hidden, I // 2), packed(E, hidden, groups[1])
@@ -124,7 +124,7 @@ class Experts(nn.Module):
             if x.is_cuda and self.tiles is None:
                 self._tile()
             if self.tiles:
-                return ops.fused_moe_fp4(x, *self.tiles, None, None, weights, ids, swiglu_limit=self.limit)
+                return ops.fused_moe_fp4(x, *self.tiles, weights, ids, swiglu_limit=self.limit)
             w = self.gate_up_proj, self.down_proj, self.gate_up_proj_scale_inv, self.down_proj_scale_inv
             return ops.fused_moe_fp4(x, *w, weights, ids, swiglu_limit=self.limit)
         # one fused kernel on CUDA (no host sync: CUDA graphs can capture it), the reference elsewhere
@@ -132,19 +132,19 @@ class Experts(nn.Module):
 
     @torch.no_grad()
     def _tile(self) -> None:
-        """Checkpoint layout -> the kernel's tiles (once, outside graph capture); the packed
-        parameters are emptied. Scales over 2 keep the checkpoint layout (and the older kernel)."""
+        """Checkpoint layout -> the kernel's fragment layout (once, outside graph capture); the
+        packed parameters are emptied. Scales over 2 keep the checkpoint layout (and its kernel)."""
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("FP4 experts are tiled on their first CUDA forward: run one eagerly before capture")
+            raise RuntimeError("FP4 experts are re-laid on their first CUDA forward: run one eagerly before capture")
         w = self.gate_up_proj, self.down_proj, self.gate_up_proj_scale_inv, self.down_proj_scale_inv
-        tiles = tile_experts(*w)
-        if tiles is None:
+        frag = frag_experts(*w)
+        if frag is None:
             self.tiles = ()  # falsy: keep the checkpoint layout, do not try again
             return
         # buffers (not in the state dict): what the model holds, as bench-engine's floor counts it
-        self.register_buffer("w13_tiles", tiles[0], persistent=False)
-        self.register_buffer("w2_tiles", tiles[1], persistent=False)
-        self.tiles = (self.w13_tiles, self.w2_tiles)
+        for name, t in zip(("w13_tiles", "w2_tiles", "w13_tile_scales", "w2_tile_scales"), frag):
+            self.register_buffer(name, t, persistent=False)
+        self.tiles = (self.w13_tiles, self.w2_tiles, self.w13_tile_scales, self.w2_tile_scales)
         for name in ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv"):
             getattr(self, name).data = torch.empty(0, dtype=torch.uint8, device=self.tiles[0].device)
 
