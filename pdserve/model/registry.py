@@ -60,11 +60,14 @@ class ModelEntry:
 
     def load(
         self, model_dir: str | Path, dtype: torch.dtype, device: torch.device | str, *, tp: TPGroup | None = None,
-        quantization: str | None = None, progress: bool = True, fp4_moe_backend: str = "auto",
+        quantization: str | None = None, progress: bool = True, fp4_moe_backend: str = "auto", mtp: bool = False,
     ) -> nn.Module:  # fmt: skip
         """The checkpoint in model_dir (quantization: None follows it, "none" dequantizes at load;
-        fp4_moe_backend: the kernel path of FP4 experts, engine/config.py)."""
+        fp4_moe_backend: the kernel path of FP4 experts, engine/config.py; mtp: with its MTP layer,
+        for a model class with `supports_mtp`, else ValueError)."""
         load = getattr(self._module("loader"), self.loader_name)
+        if mtp and not getattr(self.model_class, "supports_mtp", False):
+            raise ValueError(f"speculative method 'mtp' is not yet supported for {self.architecture}")
         return load(
             model_dir,
             dtype,
@@ -73,6 +76,7 @@ class ModelEntry:
             quantization=quantization,
             progress=progress,
             fp4_moe_backend=fp4_moe_backend,
+            **({"mtp": True} if mtp else {}),
         )
 
     def materialize(self, model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
