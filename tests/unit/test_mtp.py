@@ -162,3 +162,33 @@ def test_mtp_is_refused_where_it_does_not_run_yet(tmp_path):
     decode = {"role": "decode", "model": "tiny:deepseek_v3", "peers": ["http://127.0.0.1:30000"]}
     with pytest.raises(ValueError, match="not yet supported on PD"):
         WorkerServeConfig.model_validate({**decode, "worker": {"port": 30001, "speculative_config": _spec(2)}})
+
+
+def test_an_fp8_checkpoint_keeps_its_mtp_layer_fp8(v3, tmp_path):
+    """The MTP layer's projections and experts quantized as DeepSeek ships the rest: kept FP8 at
+    load like the main layers', and greedy with MTP still equals plain decoding."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from pdserve_kernels.ref_fp8 import quant_block_fp8
+
+    path, _ = v3
+    block, skip = (32, 32), ("embed_tokens", "lm_head", "shared_head", "norm", "mlp.gate.weight", "eh_proj")
+    tensors = {}
+    for name, w in load_file(f"{path}/model.safetensors").items():
+        if w.dim() == 2 and name.endswith(".weight") and not any(s in name for s in skip):
+            tensors[name], tensors[name + "_scale_inv"] = quant_block_fp8(w, block)
+        else:
+            tensors[name] = w
+    out = tmp_path / "fp8"
+    out.mkdir()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads(open(f"{path}/config.json").read())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block)}
+    (out / "config.json").write_text(json.dumps(config))
+    llm = _llm(str(out), 2)
+    mtp = llm.engine.runner.model.mtp
+    assert mtp.self_attn.q_a_proj.weight.dtype == mtp.mlp.experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    assert _tokens(llm) == _tokens(_llm(str(out))) and llm.engine.spec.stats.num_drafts > 0
