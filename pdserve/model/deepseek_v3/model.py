@@ -75,7 +75,7 @@ class DeepseekForCausalLM(nn.Module):
     def add_mtp(self) -> None:
         """Append the MTP layer (built where the model is: on meta before a load)."""
         if self.mtp is None:
-            self.model.layers.append(mtp_layer(self.config, self.tp))
+            self.model.layers.append(mtp_layer(self.config, self.tp, DecoderLayer))
             self.num_layers = self.config.num_hidden_layers + 1
 
     @property

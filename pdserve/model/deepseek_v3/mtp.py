@@ -37,11 +37,10 @@ class SharedHead(nn.Module):
         self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
 
-def mtp_layer(config: ModelConfig, tp: TPGroup) -> nn.Module:
-    """The MTP layer at index num_hidden_layers: a DecoderLayer with the MTP modules beside it."""
-    from pdserve.model.deepseek_v3.model import DecoderLayer
-
-    layer = DecoderLayer(config, config.num_hidden_layers, tp)
+def mtp_layer(config: ModelConfig, tp: TPGroup, decoder_layer: type[nn.Module]) -> nn.Module:
+    """The MTP layer at index num_hidden_layers: a `decoder_layer` (model.py's DecoderLayer) with
+    the MTP modules beside it."""
+    layer = decoder_layer(config, config.num_hidden_layers, tp)
     H = config.hidden_size
     layer.enorm = RMSNorm(H, config.rms_norm_eps)
     layer.hnorm = RMSNorm(H, config.rms_norm_eps)
