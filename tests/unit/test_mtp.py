@@ -162,6 +162,16 @@ def test_mtp_is_refused_where_it_does_not_run_yet(tmp_path):
     decode = {"role": "decode", "model": "tiny:deepseek_v3", "peers": ["http://127.0.0.1:30000"]}
     with pytest.raises(ValueError, match="not yet supported on PD"):
         WorkerServeConfig.model_validate({**decode, "worker": {"port": 30001, "speculative_config": _spec(2)}})
+    from pdserve.config import ConfigError, parse_config
+
+    pd = {"model": "tiny:deepseek_v3", "prefill": [{"port": 30000}], "decode": [{"port": 30001}]}
+    pd["decode"][0]["speculative_config"] = _spec(2)
+    with pytest.raises(ConfigError, match="decode-0: speculative method 'mtp' is not yet supported on PD"):
+        parse_config(pd, "t")
+    ok = parse_config(
+        {"model": "tiny:deepseek_v3", "colocated": [{"port": 30002, "speculative_config": _spec(2)}]}, "t"
+    )
+    assert ok.colocated[0].speculative_config.method == "mtp"
 
 
 def test_an_fp8_checkpoint_keeps_its_mtp_layer_fp8(v3, tmp_path):

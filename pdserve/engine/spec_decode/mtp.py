@@ -47,15 +47,14 @@ class MTPDrafter:
 
     @torch.inference_mode()
     def propose_step(self, sched: SchedulerOutput, wanted: list[tuple[Sequence, int]]) -> None:
-        """The pass over the step's kept positions, then drafts for `wanted` (sequence, limit)."""
+        """The pass over the step's kept positions, then drafts for `wanted` (sequence, limit; their
+        spec_token_ids start empty)."""
         last = self._pass(sched)  # seq id -> g_{m-1} [H]
         drafting = [(seq, self._room(seq, limit)) for seq, limit in wanted if id(seq) in last]
         if not drafting:
             return
         g = torch.stack([last[id(seq)] for seq, _ in drafting])  # [D, H]
         tokens = self.model.compute_mtp_logits(g).argmax(dim=-1)  # [D] d_1
-        for seq, _ in drafting:
-            seq.spec_token_ids = []
         for j in range(1, max(n for _, n in drafting) + 1):
             ids = tokens.tolist()
             for (seq, _), t in zip(drafting, ids):
