@@ -3,8 +3,10 @@
 pdserve's engine runs one greedy request with speculative method "mtp" (k = 3; a 16-token step
 budget, so the 24-token prompt prefills in two chunks and the MTP pass crosses the chunk; 4-token
 blocks, so the chain grows the block table). After each step its drafts and draft logits are
-recorded, then replaced by the target's own continuation, so verify steps accept every draft and
-the next pass covers several positions. For each recorded state (tokens t_0..t_m) the oracle
+recorded; in one run they are then replaced by the target's own continuation, so verify steps
+accept every draft and the next pass covers several positions, in the other they are verified as
+they are (random weights: rejected), so the chain's records past the kept positions must leave no
+trace in later drafts. For each recorded state (tokens t_0..t_m) the oracle
 recomputes from scratch, through transformers only: the main model's last hidden states h_0..h_{m-1}
 (after the final norm), `MtpModel.forward_layer` over (h_i, t_{i+1}), the draft argmax of the last
 row's logits, then the same layer chained on its own output with each draft. Draft tokens must be
@@ -81,8 +83,9 @@ def _oracle(main, mtp, tokens: list[int], k: int) -> tuple[list[int], torch.Tens
     return drafts, torch.stack(logits)
 
 
+@pytest.mark.parametrize("forced", [True, False], ids=["accepted", "as_drafted"])
 @pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32"])
-def test_mtp_drafts_match_transformers(arch, tmp_path):
+def test_mtp_drafts_match_transformers(arch, forced, tmp_path):
     path = str(make_tiny_model(tmp_path / arch, arch))
     args = dict(dtype="float32", kv_block_size=4, max_num_batched_tokens=16, skip_tokenizer_init=True)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -111,7 +114,8 @@ def test_mtp_drafts_match_transformers(arch, tmp_path):
             if seq.spec_token_ids:
                 seen.append((seq.token_ids(), list(seq.spec_token_ids), torch.cat(logits_calls)))
                 n = seq.num_output_tokens
-                seq.spec_token_ids = expected[n : n + len(seq.spec_token_ids)]  # every draft accepted
+                if forced:  # every draft accepted
+                    seq.spec_token_ids = expected[n : n + len(seq.spec_token_ids)]
 
     engine.spec.propose = propose_and_force
     engine.add_request(Request(request_id="r", prompt_token_ids=PROMPT, params=params))
@@ -122,7 +126,7 @@ def test_mtp_drafts_match_transformers(arch, tmp_path):
     assert out.outputs[0].token_ids == expected
     assert engine.get_stats().kv_blocks_used == 0
     stats = engine.spec.stats
-    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+    assert stats.num_draft_tokens > 0 and (stats.num_accepted_tokens == stats.num_draft_tokens) == forced
 
     assert len(seen) >= 3 and seen[0][0] == PROMPT + expected[:1]  # drafting from the first decode step
     assert any(len(d) == K for _, d, _ in seen)
