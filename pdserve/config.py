@@ -32,7 +32,7 @@ from pdserve.engine.config import (
     Quantization,
     check_device,
 )
-from pdserve.engine.spec_decode.config import SPEC_ON_PREFILL, SpeculativeConfig
+from pdserve.engine.spec_decode.config import MTP_UNDER_PD, SPEC_ON_PREFILL, SpeculativeConfig
 
 # configs/ sits beside the package in the source tree (the repo is installed editable).
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -41,7 +41,7 @@ TINY_ARCHS = ("deepseek_v3", "deepseek_v32", "deepseek_v4")
 TINY_PREFIX = "tiny:"  # model "tiny:<arch>": the tiny random checkpoint, made in the cache on first use
 # What the tiny writer makes, stamped in each cached folder: a cached model of another format (an older
 # pdserve's, e.g. a V4 tokenizer without V4's chat tokens) is made anew on its next use.
-TINY_FORMAT = 2
+TINY_FORMAT = 3  # 3: V3 / V3.2 with their MTP layer
 TINY_STAMP = "pdserve_tiny.json"
 
 
@@ -295,6 +295,8 @@ class ClusterConfig(_Strict):
         for name, w in self.named_workers():
             if w.speculative_config is not None and name.startswith("prefill"):
                 raise ValueError(f"{name}: {SPEC_ON_PREFILL}")
+            if w.speculative_config is not None and w.speculative_config.method == "mtp" and name.startswith("decode"):
+                raise ValueError(f"{name}: {MTP_UNDER_PD}")
             if w.device.startswith("cuda") and not w.gpus:
                 raise ValueError(f"{name}: a cuda worker needs gpus, e.g. gpus: [0] (launch gives it exactly those)")
             if w.port in seen:

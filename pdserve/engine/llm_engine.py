@@ -28,7 +28,7 @@ from pdserve.engine.request import Handoff, Request
 from pdserve.engine.sampler import SampledToken
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.sequence import Sequence, SequenceStatus
-from pdserve.engine.spec_decode.decoder import SpecDecoder, refuse_unsupported
+from pdserve.engine.spec_decode.decoder import SpecDecoder, make_spec_decoder
 from pdserve.engine.stop import check_stop, visible_text
 from pdserve.outputs import CompletionOutput, Logprob, RequestOutput, from_entries
 from pdserve.sampling_params import SamplingParams
@@ -91,10 +91,7 @@ class LLMEngine:
             num_checkpoints=self.runner.num_checkpoints,
         )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.spec: SpecDecoder | None = None
-        if config.speculative_config is not None:
-            refuse_unsupported(self.runner)
-            self.spec = SpecDecoder(config.speculative_config, self.max_model_len)
+        self.spec: SpecDecoder | None = make_spec_decoder(config, self.runner, self.block_manager, connector)
         self.connector = connector
         self.remote_kv: RemoteKV | None = None
         if connector is not None:

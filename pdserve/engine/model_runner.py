@@ -65,6 +65,9 @@ def _ids(v: int | list[int] | None) -> set[int]:
 
 
 class ModelRunner:
+    keep_hidden = False  # keep each step's hidden states in last_hidden (MTP drafting sets it)
+    last_hidden: torch.Tensor | None = None
+
     def __init__(
         self, config: EngineConfig, model: torch.nn.Module | None = None, *, tp: TPGroup | None = None
     ) -> None:
@@ -219,12 +222,14 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # per thread: the engine loop's thread starts on cuda:0
         if self.graphs is not None and self.graphs.fits(step):  # decode only: every row samples
-            return self._sample(self.model.compute_logits(self.graphs.run(step)), sampling, while_busy)
+            hidden = self.last_hidden = self.graphs.run(step)
+            return self._sample(self.model.compute_logits(hidden), sampling, while_busy)
         if self.ranks is not None:
             self.ranks.check_alive()
             protocol.send_forward(self.tp, step)
         batch = ForwardBatch.build(step, self.block_size)
         hidden = self.model.forward(batch.to(self.device), self.kv_cache)  # [T, hidden]
+        self.last_hidden = hidden if self.keep_hidden else None  # MTP drafts read it (spec_decode/mtp.py)
         if not sampling:
             return []
         counts = verify.draft_counts(sched)
@@ -358,13 +363,14 @@ def _load(config: EngineConfig, dtype: torch.dtype, device: torch.device, tp: TP
     from pdserve.model.fp8 import model_config_for
 
     model_config = ModelConfig.from_model_dir(config.model)
+    mtp = config.speculative_config is not None and config.speculative_config.method == "mtp"
     if config.load_format == "dummy":
         build = model_config_for(model_config, config.quantization, dummy=True, fp4_moe_backend=config.fp4_moe_backend)
-        return dummy_model(build, dtype, device, tp, seed=config.seed)
+        return dummy_model(build, dtype, device, tp, seed=config.seed, mtp=mtp)
     entry = registry.entry(model_config)
     return entry.load(
         config.model, dtype, device, tp=tp, quantization=config.quantization, progress=tp.is_driver,
-        fp4_moe_backend=config.fp4_moe_backend,
+        fp4_moe_backend=config.fp4_moe_backend, mtp=mtp,
     )  # fmt: skip
 
 

@@ -57,6 +57,7 @@ class ModelConfig:
     index_head_dim: int = 0
     index_topk: int = 0
     quant: QuantConfig | None = None
+    num_nextn_predict_layers: int = 0  # MTP layers the checkpoint holds (V3 / V3.2; V4's are in v4)
     v4: V4Config | None = None  # DeepSeek-V4 only: deepseek_v4/config.py
 
     @property
@@ -74,7 +75,8 @@ class ModelConfig:
         return self.model_type == "deepseek_v32"
 
     def is_moe_layer(self, layer: int) -> bool:
-        return self.mlp_layer_types[layer] == "sparse"
+        """Layers past num_hidden_layers (the MTP layer) are MoE."""
+        return layer >= self.num_hidden_layers or self.mlp_layer_types[layer] == "sparse"
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:

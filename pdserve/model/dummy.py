@@ -26,13 +26,22 @@ from pdserve.model.fp4 import fill_random_fp4_
 
 
 def dummy_model(
-    config: ModelConfig, dtype: torch.dtype, device: torch.device | str, tp: TPGroup | None = None, seed: int = 0
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    tp: TPGroup | None = None,
+    seed: int = 0,
+    mtp: bool = False,
 ) -> nn.Module:
-    """The model of `config` (its registry entry's class), random weights."""
+    """The model of `config` (its registry entry's class), random weights; mtp: with its MTP layer."""
     device = torch.device(device)
     entry = registry.entry(config)
+    if mtp and not getattr(entry.model_class, "supports_mtp", False):
+        raise ValueError(f"speculative method 'mtp' is not yet supported for {entry.architecture}")
     with torch.device("meta"):
         model = entry.model_class(config, tp)
+        if mtp:
+            model.add_mtp()
     entry.materialize(model, dtype, device)
     fill_random(model, seed)
     return model.eval()

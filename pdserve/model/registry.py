@@ -11,7 +11,9 @@ package holds, by these names:
   - model.py: the causal LM class, `Class(config, tp)`, with the engine's model interface:
     `forward(batch, kv_cache)` -> hidden [T, hidden], `compute_logits(hidden)`,
     `kv_cache_specs(kv_cache_dtype)`, `num_layers`, `config`, `tie_weights()`, and
-    `supports_cuda_graphs` when its decode forward never syncs with the host;
+    `supports_cuda_graphs` when its decode forward never syncs with the host; `supports_mtp`
+    with `add_mtp()`, `forward_mtp(batch, kv_cache, prev_hidden)`, `compute_mtp_logits(hidden)`
+    when it drafts with its multi-token-prediction layer (its loader then takes `mtp=True`);
   - loader.py: the loader function named in the entry, `(model_dir, dtype, device, tp=,
     quantization=, progress=)` -> the model, and `materialize(model, dtype, device)` (meta
     parameters -> empty ones in their final dtype, as a load allocates them);
@@ -60,11 +62,14 @@ class ModelEntry:
 
     def load(
         self, model_dir: str | Path, dtype: torch.dtype, device: torch.device | str, *, tp: TPGroup | None = None,
-        quantization: str | None = None, progress: bool = True, fp4_moe_backend: str = "auto",
+        quantization: str | None = None, progress: bool = True, fp4_moe_backend: str = "auto", mtp: bool = False,
     ) -> nn.Module:  # fmt: skip
         """The checkpoint in model_dir (quantization: None follows it, "none" dequantizes at load;
-        fp4_moe_backend: the kernel path of FP4 experts, engine/config.py)."""
+        fp4_moe_backend: the kernel path of FP4 experts, engine/config.py; mtp: with its MTP layer,
+        for a model class with `supports_mtp`, else ValueError)."""
         load = getattr(self._module("loader"), self.loader_name)
+        if mtp and not getattr(self.model_class, "supports_mtp", False):
+            raise ValueError(f"speculative method 'mtp' is not yet supported for {self.architecture}")
         return load(
             model_dir,
             dtype,
@@ -73,6 +78,7 @@ class ModelEntry:
             quantization=quantization,
             progress=progress,
             fp4_moe_backend=fp4_moe_backend,
+            **({"mtp": True} if mtp else {}),
         )
 
     def materialize(self, model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:

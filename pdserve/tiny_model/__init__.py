@@ -3,7 +3,7 @@
 No weights can be downloaded where pdserve is tested, so this writes a checkpoint that
 both pdserve and transformers 5.24 load: config.json, model.safetensors (float32, named as
 transformers' save_pretrained names them, per-expert weights), tokenizer.json (byte-level
-BPE, so any UTF-8 text round-trips), tokenizer_config.json (special tokens and a
+BPE, so any UTF-8 text round-trips; V3 / V3.2 with their MTP layer, as DeepSeek ships it), tokenizer_config.json (special tokens and a
 DeepSeek-style chat template; deepseek_v4 has none, as its release), special_tokens_map.json
 and generation_config.json.
 
@@ -33,6 +33,7 @@ from pdserve.tiny_model.tokenizer import (
 from pdserve.tiny_model.weights import (
     quantize_tiny_v4,
     tiny_config,
+    tiny_mtp_weights,
     tiny_v4_config,
     tiny_v4_weights,
     tiny_weights,
@@ -44,7 +45,7 @@ VOCAB_MULTIPLE = 128  # config vocab_size is padded past the tokenizer, as DeepS
 
 __all__ = [
     "ARCHS", "ASSISTANT", "BOS", "CHAT_TEMPLATE", "EOS", "SPECIAL_TOKENS", "USER", "build_tokenizer", "make_tiny_model",
-    "quantize_tiny_v4", "tiny_config", "tiny_v4_config", "tiny_v4_weights", "tiny_weights",
+    "quantize_tiny_v4", "tiny_config", "tiny_mtp_weights", "tiny_v4_config", "tiny_v4_weights", "tiny_weights",
 ]  # fmt: skip
 
 
@@ -74,7 +75,12 @@ def make_tiny_model(
     if unknown:
         raise ValueError(f"unknown config keys for {arch}: {', '.join(unknown)}")
     config.update(overrides or {}, dtype=dtype)
-    weights = tiny_v4_weights(config, seed) if arch == "deepseek_v4" else tiny_weights(config, seed, device)
+    if arch == "deepseek_v4":
+        weights = tiny_v4_weights(config, seed)
+    else:
+        weights = tiny_weights(config, seed, device)
+        if config["num_nextn_predict_layers"]:
+            weights.update(tiny_mtp_weights(config, weights, seed, device))
     weights = {k: (v.to(getattr(torch, dtype)) if v.is_floating_point() else v).cpu() for k, v in weights.items()}
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n", encoding="utf-8")

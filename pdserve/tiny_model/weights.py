@@ -1,6 +1,6 @@
-"""The tiny checkpoints' config.json and random weights: DeepSeek-V3 / V3.2 (4 layers) and V4
-(5 layers), float32 and named as transformers 5.24 saves them; and the tiny V4 checkpoint in
-DeepSeek-V4-Flash's formats (`quantize_tiny_v4`: FP4 experts, FP8 projections)."""
+"""The tiny checkpoints' config.json and random weights: DeepSeek-V3 / V3.2 (4 layers and an MTP
+layer) and V4 (5 layers), float32 and named as transformers 5.24 saves them; and the tiny V4
+checkpoint in DeepSeek-V4-Flash's formats (`quantize_tiny_v4`: FP4 experts, FP8 projections)."""
 
 from __future__ import annotations
 
@@ -65,8 +65,9 @@ def tiny_config(arch: str, vocab_size: int) -> dict:
         },
         **_HF_COMMON,
     }
+    config["num_nextn_predict_layers"] = 1  # the MTP layer (tiny_mtp_weights), as DeepSeek ships it
     if arch == "deepseek_v3":
-        config.update(rope_interleave=True, num_nextn_predict_layers=0)
+        config.update(rope_interleave=True)
     else:
         # index_topk < typical test prompts, so the sparse path differs from dense attention.
         # 16 index heads: with few heads every ReLU'd head score is 0 for a noticeable share of
@@ -99,6 +100,36 @@ def tiny_weights(config: dict, seed: int, device: str = "cpu") -> dict[str, torc
             w.update({p + "mlp." + k: v for k, v in _moe(config, normal).items()})
     w["model.norm.weight"] = ones(hidden)
     w["lm_head.weight"] = normal(vocab, hidden)
+    return w
+
+
+# the MTP layer's weights are drawn from a generator of their own (seed + this), after the others,
+# so adding the layer left every main-model tensor as it was
+MTP_SEED_OFFSET = 0x3717
+
+
+def tiny_mtp_weights(config: dict, main: dict[str, torch.Tensor], seed: int, device: str = "cpu") -> dict:
+    """The MTP layer `model.layers.{num_hidden_layers}.*` for `config` under DeepSeek's names (a
+    decoder layer, always MoE, plus enorm, hnorm, eh_proj, shared_head and embed_tokens; the
+    last two copies of the main model's `lm_head` and embedding, as DeepSeek's releases store them)."""
+    gen = torch.Generator(device).manual_seed(seed + MTP_SEED_OFFSET)
+
+    def normal(*shape: int, scale: float = config["initializer_range"]) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float32, device=device) * scale
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=torch.float32, device=device)
+
+    hidden, p = config["hidden_size"], f"model.layers.{config['num_hidden_layers']}."
+    w = {p + "input_layernorm.weight": ones(hidden), p + "post_attention_layernorm.weight": ones(hidden)}
+    w.update({p + "self_attn." + k: v for k, v in _attention(config, normal, ones).items()})
+    w.update({p + "mlp." + k: v for k, v in _moe(config, normal).items()})
+    w[p + "enorm.weight"] = ones(hidden)
+    w[p + "hnorm.weight"] = ones(hidden)
+    w[p + "eh_proj.weight"] = normal(hidden, 2 * hidden)
+    w[p + "shared_head.norm.weight"] = ones(hidden)
+    w[p + "shared_head.head.weight"] = main["lm_head.weight"].clone()
+    w[p + "embed_tokens.weight"] = main["model.embed_tokens.weight"].clone()
     return w
 
 

@@ -31,7 +31,7 @@ def test_vllm_fields_and_defaults():
         ({"method": "ngram"}, "num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "exceed"),
-        ({"method": "mtp", "num_speculative_tokens": 1}, "not yet supported"),
+        ({"method": "mtp", "num_speculative_tokens": 9}, "num_speculative_tokens"),
     ],
 )
 def test_bad_configs_are_clear_errors(bad, words):

@@ -40,7 +40,11 @@ def _load(folder, **overrides):
 def test_transformers_loads_every_weight(tiny):
     arch, folder = tiny
     model, info = _load(folder)
-    assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
+    # the MTP layer (model.layers.{L}.*) is not part of transformers' causal LM: its MtpModel loads
+    # it (test_mtp_oracle.py)
+    mtp = f"model.layers.{model.config.num_hidden_layers}."
+    assert info["unexpected_keys"] and all(k.startswith(mtp) for k in info["unexpected_keys"])
+    assert info["missing_keys"] == set()
     assert info["mismatched_keys"] == set() and info["error_msgs"] == []
     assert model.config.model_type == arch
     expected = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}[arch]
@@ -50,7 +54,7 @@ def test_transformers_loads_every_weight(tiny):
         on_disk = set(f.keys())
         assert all(f.get_slice(k).get_dtype() == "F32" for k in on_disk)
     saved = _saved_names(model, folder.parent / f"{arch}-resaved")
-    assert on_disk == saved
+    assert {k for k in on_disk if not k.startswith(mtp)} == saved
 
 
 def _saved_names(model, out) -> set[str]:

@@ -8,12 +8,18 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_SPECULATIVE_TOKENS = 8
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's n-gram window when neither bound is given
-# methods pdserve knows the name of but does not run yet: refused with this reason
 # a prefill worker samples one token a request and hands the rest to a decode worker
 SPEC_ON_PREFILL = (
     "speculative_config has nothing to do on a prefill worker: give it to the decode (or colocated) workers"
 )
-NOT_YET = {"mtp": "MTP drafting (DeepSeek's multi-token-prediction layer) is not yet supported; use method 'ngram'"}
+# methods pdserve knows the name of but does not run yet: refused with this reason
+NOT_YET: dict[str, str] = {}
+# MTP's drafts start from the MTP layer's KV and hidden state over the prompt: not yet carried by the hand-off
+MTP_UNDER_PD = (
+    "speculative method 'mtp' is not yet supported on PD (prefill / decode) workers: it runs on colocated "
+    "workers; use method 'ngram' for PD"
+)
+MTP_UNDER_TP = "speculative method 'mtp' with tensor_parallel_size > 1 is not yet supported"
 
 
 class SpeculativeConfig(BaseModel):

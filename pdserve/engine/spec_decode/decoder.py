@@ -8,11 +8,11 @@ past max_tokens or max_model_len.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pdserve.engine.sequence import Sequence, SequenceStatus
-from pdserve.engine.spec_decode.config import SpeculativeConfig
+from pdserve.engine.spec_decode.config import MTP_UNDER_PD, SpeculativeConfig
 from pdserve.engine.spec_decode.metrics import SpecDecodeStats
 from pdserve.engine.spec_decode.ngram import NgramProposer
 
@@ -21,12 +21,22 @@ class Proposer(Protocol):
     def propose(self, seq: Sequence, limit: int) -> list[int]: ...
 
 
+@runtime_checkable
+class StepProposer(Protocol):
+    """A proposer that sees the whole step (MTP: mtp.py), setting the drafts of `wanted`
+    (sequence, limit) itself."""
+
+    def propose_step(self, sched: SchedulerOutput, wanted: list[tuple[Sequence, int]]) -> None: ...
+
+
 def may_draft(seq: Sequence) -> bool:
     return seq.grammar is None
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer: Proposer | None = None) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, max_model_len: int, proposer: Proposer | StepProposer | None = None
+    ) -> None:
         """proposer: tests pass their own; by default the config's method's."""
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
@@ -41,6 +51,7 @@ class SpecDecoder:
         """Drafts for the step's sequences that decode next (stale ones dropped everywhere else)."""
         for seq in sched.preempted:
             seq.spec_token_ids = []
+        wanted = []
         for s in sched.scheduled:
             seq = s.seq
             seq.spec_token_ids = []
@@ -48,7 +59,12 @@ class SpecDecoder:
                 continue
             limit = self._limit(seq)
             if limit > 0:
-                seq.spec_token_ids = list(self.proposer.propose(seq, limit))[:limit]
+                wanted.append((seq, limit))
+        if isinstance(self.proposer, StepProposer):
+            self.proposer.propose_step(sched, wanted)
+            return
+        for seq, limit in wanted:
+            seq.spec_token_ids = list(self.proposer.propose(seq, limit))[:limit]
 
     def _limit(self, seq: Sequence) -> int:
         """Drafts that could all be emitted: one token more than the drafts ends the step."""
@@ -56,6 +72,23 @@ class SpecDecoder:
         if seq.params.max_tokens is not None:
             left = min(left, seq.params.max_tokens - seq.num_output_tokens)
         return min(self.k, left - 1)
+
+
+def make_spec_decoder(config, runner, block_manager, connector=None) -> SpecDecoder | None:
+    """The engine's SpecDecoder for EngineConfig `config` (None without speculative_config);
+    connector: the engine's KV connector (PD), where MTP is refused."""
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    refuse_unsupported(runner)
+    proposer = None
+    if spec.method == "mtp":
+        if connector is not None:
+            raise ValueError(MTP_UNDER_PD)
+        from pdserve.engine.spec_decode.mtp import MTPDrafter
+
+        proposer = MTPDrafter(runner, block_manager)
+    return SpecDecoder(spec, runner.max_model_len, proposer)
 
 
 def refuse_unsupported(runner) -> None:

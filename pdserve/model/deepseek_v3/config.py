@@ -32,6 +32,7 @@ def parse(d: dict[str, Any], model_type: str, kw: dict[str, Any], source: str) -
     kw["rope_interleave"] = True if model_type == "deepseek_v32" else bool(d.get("rope_interleave", True))
     kw["eos_token_ids"] = eos_ids(d.get("eos_token_id", 1))
     kw["quant"] = parse_quant(d.get("quantization_config"), source)
+    kw["num_nextn_predict_layers"] = int(d.get("num_nextn_predict_layers") or 0)
     if model_type == "deepseek_v32":
         kw["index_n_heads"] = int(d.get("index_n_heads", 64))
         kw["index_head_dim"] = int(d.get("index_head_dim", 128))

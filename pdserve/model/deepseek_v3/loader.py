@@ -3,8 +3,9 @@
 Layouts: those of model/loader.py's weight_files. Accepted names: those transformers 5.24's
 save_pretrained writes and DeepSeek's released checkpoints use (the same scheme: per-expert
 `mlp.experts.{e}.{gate,up,down}_proj.weight`), plus transformers' in-memory fused expert names
-(`mlp.experts.gate_up_proj` [E, 2I, hidden], `mlp.experts.down_proj` [E, hidden, I]). MTP layers
-(layer index >= num_hidden_layers) are skipped. FP8 e4m3 weights with `weight_scale_inv` stay
+(`mlp.experts.gate_up_proj` [E, 2I, hidden], `mlp.experts.down_proj` [E, hidden, I]). The MTP
+layer (index num_hidden_layers, mtp.py) is loaded with `mtp=True` (speculative decoding's drafts),
+in the same formats as the rest; otherwise, as further MTP layers always, it is skipped. FP8 e4m3 weights with `weight_scale_inv` stay
 FP8 with their scales in the layers that keep them (model/fp8.py: every projection but kv_b_proj,
 and the experts), unless `quantization="none"`; the others (kv_b_proj, or all with "none") are
 dequantized at load into the model dtype.
@@ -50,9 +51,11 @@ def load_v3_model(
     tp: TPGroup | None = None,
     quantization: str | None = None,
     fp4_moe_backend: str = "auto",
+    mtp: bool = False,
 ) -> DeepseekForCausalLM:
     """quantization: None follows the checkpoint, "none" dequantizes FP8 at load (model/fp8.py);
-    fp4_moe_backend: checked, without effect (V3 has no FP4 experts)."""
+    fp4_moe_backend: checked, without effect (V3 has no FP4 experts); mtp: load the MTP layer
+    too (CheckpointError when the checkpoint has none)."""
     model_dir = Path(model_dir)
     config = ModelConfig.from_model_dir(model_dir)
     if config.v4 is not None:
@@ -61,15 +64,20 @@ def load_v3_model(
             "(or pdserve.model.loader.load_model, which picks the model's loader)"
         )
     files = weight_files(model_dir)
+    if mtp:
+        _check_mtp(model_dir, config, files)
     try:
         with torch.device("meta"):
             model = DeepseekForCausalLM(model_config_for(config, quantization, fp4_moe_backend=fp4_moe_backend), tp)
+            if mtp:
+                model.add_mtp()
     except ValueError as e:  # a quantization that cannot hold, FP8 blocks a shard would cut
         raise CheckpointError(f"{model_dir}: {e}") from e
     materialize(model, dtype, torch.device(device))
     sink = _WeightSink(model)
-    names = [n for n in files if not n.endswith(_SCALE_SUFFIX) and not _skipped(n, config)]
-    _check_scales(files, config)
+    layers = config.num_hidden_layers + (1 if mtp else 0)
+    names = [n for n in files if not n.endswith(_SCALE_SUFFIX) and not _skipped(n, config, layers)]
+    _check_scales(files, config, layers)
     with ExitStack() as stack:
         handles = {f: stack.enter_context(safe_open(str(f), framework="pt")) for f in sorted(set(files.values()))}
 
@@ -88,20 +96,32 @@ def load_v3_model(
                 tensor = _dequantize(name, tensor, files, read, config)
             sink.put(name, tensor, files[name])
     sink.check_complete(model_dir)
+    if mtp:
+        model.share_mtp_copies()
     return model.eval()
 
 
-def _skipped(name: str, config: ModelConfig) -> bool:
+def _check_mtp(model_dir: Path, config: ModelConfig, files: dict[str, Path]) -> None:
+    head = f"model.layers.{config.num_hidden_layers}.eh_proj.weight"
+    if config.num_nextn_predict_layers < 1 or head not in files:
+        raise CheckpointError(
+            f"speculative method 'mtp' needs the checkpoint's MTP layer, and {model_dir} has none "
+            f"(config.json num_nextn_predict_layers: {config.num_nextn_predict_layers}, {head} "
+            f"{'present' if head in files else 'absent'}); use method 'ngram' with this checkpoint"
+        )
+
+
+def _skipped(name: str, config: ModelConfig, layers: int) -> bool:
     m = _LAYER.match(name)
-    if m and int(m.group(1)) >= config.num_hidden_layers:
-        return True  # multi-token-prediction layers: not part of the base model
+    if m and int(m.group(1)) >= layers:
+        return True  # multi-token-prediction layers not asked for: not part of the base model
     if name == "lm_head.weight" and config.tie_word_embeddings:
         return True
     return name.endswith(_IGNORED_SUFFIXES)
 
 
-def _check_scales(files: dict[str, Path], config: ModelConfig) -> None:
-    scales = [n for n in files if n.endswith(_SCALE_SUFFIX) and not _skipped(n, config)]
+def _check_scales(files: dict[str, Path], config: ModelConfig, layers: int) -> None:
+    scales = [n for n in files if n.endswith(_SCALE_SUFFIX) and not _skipped(n, config, layers)]
     if scales and config.quant is None:
         raise CheckpointError(
             f"{scales[0]} in {files[scales[0]]}: scaled (quantized) weights but config.json has no quantization_config"

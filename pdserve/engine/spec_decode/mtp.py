@@ -1,0 +1,117 @@
+"""MTP drafts: DeepSeek's multi-token-prediction layer (model/deepseek_v3/mtp.py) run after each
+step, over what the step computed and kept, then chained into the next step's drafts.
+
+After a step (its tokens sampled, accepted drafts appended), a sequence the step ran has its KV
+computed for positions [start, m) (m = num_computed_tokens: rejected drafts excluded) and knows
+its tokens up to t_m. The pass: the MTP layer over rows i in [start, m), each the target's hidden
+state h_i with the token t_{i+1}, at position i; it writes the MTP layer's KV record of each
+position (one more layer of the paged pool) and gives g_i. A sequence that drafts next takes
+d_1 = argmax(head(g_{m-1})), then chains: row (g, d_{j-1}) at position m + j - 2 gives d_j, up to
+its limit. So every position below m holds the record of its true pair once the step ends, and
+the chain's records past m - 1 are rewritten by a later pass before any query reads them: a
+rejected draft leaves nothing that changes a later token (and verification keeps the target's
+tokens whatever the drafts are).
+
+Drafts are greedy (one-hot q for rejection sampling: `rejection.py`), as vLLM's MTP drafts are.
+The chain writes records up to position m + k - 2: the sequence's table is grown to cover them
+when blocks are free (the next verify chunk needs those blocks anyway), else its drafts stop
+where the table ends. Prefill chunks run the pass too, so drafting starts at the first decode
+step. Sequences with a grammar never draft and skip the pass.
+
+Legend: P rows of the pass, D sequences that draft, H hidden size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.model.batch import ForwardBatch, StepInputs
+
+
+def _may_draft(seq: Sequence) -> bool:
+    return seq.grammar is None
+
+
+class MTPDrafter:
+    """The `StepProposer` of method "mtp" (decoder.py): needs the runner's step hidden states."""
+
+    def __init__(self, runner, block_manager: BlockManager) -> None:
+        model = runner.model
+        if getattr(model, "mtp", None) is None:
+            raise ValueError("speculative method 'mtp' needs a model loaded with its MTP layer")
+        self.runner, self.model, self.bm = runner, model, block_manager
+        runner.keep_hidden = True  # the pass reads the step's hidden states
+
+    @torch.inference_mode()
+    def propose_step(self, sched: SchedulerOutput, wanted: list[tuple[Sequence, int]]) -> None:
+        """The pass over the step's kept positions, then drafts for `wanted` (sequence, limit; their
+        spec_token_ids start empty)."""
+        last = self._pass(sched)  # seq id -> g_{m-1} [H]
+        drafting = [(seq, self._room(seq, limit)) for seq, limit in wanted if id(seq) in last]
+        if not drafting:
+            return
+        g = torch.stack([last[id(seq)] for seq, _ in drafting])  # [D, H]
+        tokens = self.model.compute_mtp_logits(g).argmax(dim=-1)  # [D] d_1
+        for j in range(1, max(n for _, n in drafting) + 1):
+            ids = tokens.tolist()
+            for (seq, _), t in zip(drafting, ids):
+                seq.spec_token_ids.append(t)
+            keep = [i for i, (_, n) in enumerate(drafting) if n > j]
+            if not keep:
+                return
+            drafting = [drafting[i] for i in keep]
+            g, prev = g[keep], tokens[keep]
+            starts = [seq.num_computed_tokens + j - 1 for seq, _ in drafting]  # position of d_j's row
+            step = self._inputs([seq for seq, _ in drafting], prev.cpu(), starts, [1] * len(drafting))
+            g = self._forward(step, g)
+            tokens = self.model.compute_mtp_logits(g).argmax(dim=-1)
+
+    def _pass(self, sched: SchedulerOutput) -> dict[int, torch.Tensor]:
+        """The MTP layer over each sequence's rows this step kept; returns g at each one's last."""
+        hidden = self.runner.last_hidden  # [T, H] the step's target hidden states
+        seqs, starts, lens, rows, row = [], [], [], [], 0
+        for s in sched.scheduled:
+            seq, n = s.seq, s.seq.num_computed_tokens - s.start
+            if seq.status is SequenceStatus.RUNNING and n > 0 and _may_draft(seq):
+                seqs.append(seq)
+                starts.append(s.start)
+                lens.append(n)
+                rows.append(torch.arange(row, row + n))
+            row += s.num_tokens
+        if not seqs:
+            return {}
+        ids = torch.tensor([t for seq, a, n in zip(seqs, starts, lens) for t in seq.tokens_between(a + 1, a + n + 1)])
+        step = self._inputs(seqs, ids, starts, lens)
+        prev = hidden[torch.cat(rows).to(hidden.device)]  # [P, H]
+        g = self._forward(step, prev)  # [P, H]
+        ends = torch.cumsum(torch.tensor(lens), 0) - 1
+        return {id(seq): g[int(e)] for seq, e in zip(seqs, ends)}
+
+    def _forward(self, step: StepInputs, prev: torch.Tensor) -> torch.Tensor:
+        batch = ForwardBatch.build(step, self.bm.block_size).to(self.runner.device)
+        return self.model.forward_mtp(batch, self.runner.kv_cache, prev)
+
+    @staticmethod
+    def _inputs(seqs: list[Sequence], ids: torch.Tensor, starts: list[int], lens: list[int]) -> StepInputs:
+        width = max(len(seq.block_table) for seq in seqs)
+        return StepInputs(
+            input_ids=ids.to(torch.int64),
+            lens=torch.tensor(lens, dtype=torch.int64),
+            starts=torch.tensor(starts, dtype=torch.int64),
+            samples=torch.ones(len(seqs), dtype=torch.bool),
+            block_tables=torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs]),
+            window_tables=torch.full((len(seqs), width), -1, dtype=torch.int64),
+            state_slots=torch.full((len(seqs),), -1, dtype=torch.int64),
+        )
+
+    def _room(self, seq: Sequence, limit: int) -> int:
+        """Drafts whose chain records fit seq's table (grown when blocks are free): d_j's row
+        writes position m + j - 2, so k drafts need the table to cover m + k - 1 tokens."""
+        need = seq.num_computed_tokens + limit - 1
+        if self.bm.blocks_needed(seq, need) and self.bm.can_allocate(seq, need):
+            self.bm.allocate(seq, need)
+        covered = len(seq.block_table) * self.bm.block_size
+        return max(1, min(limit, covered - seq.num_computed_tokens + 1))
