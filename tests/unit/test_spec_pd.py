@@ -1,7 +1,8 @@
 """Speculative decoding on a PD decode engine (in-process FakeConnector, tiny V3 and V3.2 in
 float32): the decode engine takes the prompt's KV from a prefill engine and then verifies n-gram
-drafts, or drafts forced right / always wrong; its greedy tokens equal a colocated engine's
-without speculation, and both sides end with 0 blocks used."""
+drafts, or drafts forced right / always wrong, from its first step (the prompt and the first
+token are all they need); its greedy tokens equal a colocated engine's without speculation, and
+both sides end with 0 blocks used."""
 
 from __future__ import annotations
 
@@ -46,6 +47,16 @@ def requests(prompts, **kw) -> list[Request]:
     ]  # fmt: skip
 
 
+def drafted_from_the_first_step(max_tokens: int, k: int) -> int:
+    """Draft tokens a request verifies when every decode step, its first here included, drafts as
+    many as could all be emitted (min(k, tokens left - 1)) and accepts them all."""
+    left, drafts = max_tokens - 1, 0  # the first token came from prefill
+    while left > 0:
+        d = min(k, left - 1)
+        drafts, left = drafts + d, left - d - 1
+    return drafts
+
+
 @pytest.mark.parametrize("proposer", ["ngram", "right", "wrong"])
 def test_decode_engine_speculates_after_the_handoff(tiny, proposer):
     prompts = _prompts(0)
@@ -67,8 +78,11 @@ def test_decode_engine_speculates_after_the_handoff(tiny, proposer):
     assert {k: v.outputs[0].token_ids for k, v in final.items()} == colocated
     s = decode.spec.stats
     assert s.num_drafts > 0
-    if proposer == "right":
+    if proposer == "right":  # every decode step, the first included, verifies drafts and emits k + 1 tokens
         assert s.num_accepted_tokens == s.num_draft_tokens
+        assert s.num_draft_tokens == sum(
+            drafted_from_the_first_step(n, SPEC["num_speculative_tokens"]) for n in MAX_TOKENS
+        )
     if proposer == "wrong":
         assert s.num_accepted_tokens == 0
     for _ in range(3):  # the prefill side frees its held blocks once decode's release arrives

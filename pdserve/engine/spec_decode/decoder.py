@@ -1,13 +1,19 @@
 """The engine's side of speculative decoding: after each step, drafts for the sequences that
 will decode next; the counters of what was verified.
 
-A sequence drafts unless it has a structured-outputs grammar (its matcher would have to be
-rolled back past rejected drafts); those decode one token a step as before. Drafts never reach
-past max_tokens or max_model_len.
+A sequence with a structured-outputs grammar drafts too: its drafts are cut at the first token the
+grammar refuses (the matcher's state unchanged), and the verify step masks each position with
+the grammar's state after the drafts before it (verify.py's `Ahead`). Drafts never reach past
+max_tokens or max_model_len.
+
+A PD decode worker's request drafts from its first step here: once its KV has arrived it waits to
+be scheduled with its prompt and the prefill worker's first token, all a proposer that drafts
+from tokens alone (n-gram: `drafts_from_tokens`) needs (`propose_waiting`, before the schedule).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Protocol
 
 from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -19,10 +25,6 @@ from pdserve.engine.spec_decode.ngram import NgramProposer
 
 class Proposer(Protocol):
     def propose(self, seq: Sequence, limit: int) -> list[int]: ...
-
-
-def may_draft(seq: Sequence) -> bool:
-    return seq.grammar is None
 
 
 class SpecDecoder:
@@ -44,11 +46,26 @@ class SpecDecoder:
         for s in sched.scheduled:
             seq = s.seq
             seq.spec_token_ids = []
-            if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1 or not may_draft(seq):
-                continue
-            limit = self._limit(seq)
-            if limit > 0:
-                seq.spec_token_ids = list(self.proposer.propose(seq, limit))[:limit]
+            if seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1:
+                self._draft(seq)
+
+    def propose_waiting(self, waiting: Iterable[Sequence]) -> None:
+        """Drafts for waiting sequences that will decode at once: a PD decode worker's requests
+        whose KV arrived (one token, the first, left to compute); only from tokens alone."""
+        if not getattr(self.proposer, "drafts_from_tokens", False):
+            return
+        for seq in waiting:
+            if seq.num_uncomputed_tokens == 1 and seq.kv_handle is not None and not seq.spec_token_ids:
+                self._draft(seq)
+
+    def _draft(self, seq: Sequence) -> None:
+        limit = self._limit(seq)
+        if limit <= 0:
+            return
+        drafts = list(self.proposer.propose(seq, limit))[:limit]
+        if seq.grammar is not None:  # verified only as far as the grammar allows them
+            drafts = drafts[: seq.grammar.num_allowed(drafts)]
+        seq.spec_token_ids = drafts
 
     def _limit(self, seq: Sequence) -> int:
         """Drafts that could all be emitted: one token more than the drafts ends the step."""
