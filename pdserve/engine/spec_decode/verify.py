@@ -73,7 +73,7 @@ class Ahead:
 
     def __init__(self, seq: Sequence, j: int) -> None:
         self.params = seq.params
-        self.grammar = seq.grammar.ahead(seq.spec_token_ids[:j]) if seq.grammar is not None else None
+        self.grammar = seq.grammar.ahead(seq.spec_token_ids[:j]) if seq.grammar is not None and j else seq.grammar
         self.output_token_ids = seq.output_token_ids + seq.spec_token_ids[:j]
         self._prompt = seq.prompt_token_ids
 
