@@ -88,3 +88,32 @@ def test_decode_engine_speculates_after_the_handoff(tiny, proposer):
     for _ in range(3):  # the prefill side frees its held blocks once decode's release arrives
         prefill.step()
     assert decode.get_stats().kv_blocks_used == 0 and prefill.get_stats().kv_blocks_used == 0
+
+
+def test_drafts_without_room_in_the_pool_are_dropped_not_waited_for(tiny):
+    """Two handed-off requests fill the decode pool (15 tokens each in 4 blocks of 4): their
+    first-step drafts would need a fifth block each, so they decode one token instead of waiting
+    for room that only they could free; then preemption makes room as usual. Tokens as colocated."""
+    prompts = [list(range(20, 34)), list(range(40, 54))]  # 14 tokens + the first = 15
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    reqs = [Request(request_id=str(i), prompt_token_ids=p, params=params) for i, p in enumerate(prompts)]
+    colocated = {k: v.outputs[0].token_ids for k, v in generate(engine(tiny), reqs).items()}
+    fabric = FakeFabric()
+    pre_conn, dec_conn = (FakeConnector(e, model_id="tiny", fabric=fabric, lease_margin_s=0.0) for e in ("P", "D"))
+    prefill = engine(tiny, pre_conn)
+    firsts = generate(prefill, [r.model_copy(update={"hold_kv": True}) for r in reqs])
+    decode = engine(tiny, dec_conn, speculative_config=SPEC, num_kv_blocks=8)
+    expected = [colocated[str(i)] for i in range(len(prompts))]
+    decode.spec.proposer = Oracle(prompts, expected, decode.runner.model.config.vocab_size)
+    for r in reqs:
+        first = FirstToken(token_id=firsts[r.request_id].outputs[0].token_ids[0])
+        decode.add_request(r.model_copy(update={"kv_handle": firsts[r.request_id].kv_handle, "first_token": first}))
+    final = {}
+    for _ in range(200):  # a stall (both waiting for blocks they hold) would never finish
+        for o in decode.step():
+            if o.finished:
+                final[o.request_id] = o.outputs[0].token_ids
+        if not decode.has_unfinished_requests():
+            break
+    assert final == colocated
+    assert decode.spec.stats.num_accepted_tokens > 0 and decode.get_stats().kv_blocks_used == 0
