@@ -107,7 +107,8 @@ def _verify(
     tokens, accepted = accept_drafts(
         padded, drafts, torch.tensor(counts, device=dev), greedy, sampler.generator, seeds=seeds
     )
-    emitted = [row[: a + 1] for row, a in zip(tokens.tolist(), accepted.tolist())]
+    rows_and_counts = torch.cat([tokens, accepted[:, None]], dim=1).tolist()  # one read back: [N, K+2]
+    emitted = [row[: row[-1] + 1] for row in rows_and_counts]
     out = [SampledToken(e[0], more=[SampledToken(t) for t in e[1:]]) for e in emitted]
     _logprobs(sampler, logits[rows] if sampler.logprobs_mode == "raw_logprobs" else x, seqs, counts, emitted, out)
     return out
