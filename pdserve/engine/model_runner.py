@@ -27,7 +27,7 @@ from pdserve.distributed.group import TPGroup
 from pdserve.engine import tp_protocol as protocol
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import DEFAULT_CPU_KV_GB, EngineConfig
-from pdserve.engine.cuda_graphs import CudaGraphRunner, all_decode_rows, graph_sizes
+from pdserve.engine.cuda_graphs import CudaGraphRunner, all_decode_rows, graph_ladder
 from pdserve.engine.memory import MemoryFigures, measure_figures, plan_kv_pool, profile_peak
 from pdserve.engine.prefix_checkpoints import checkpoint_capacity, window_blocks_per_checkpoint
 from pdserve.engine.sampler import SampledToken, Sampler
@@ -124,12 +124,8 @@ class ModelRunner:
             and self.tp.size == 1
             and getattr(model, "supports_cuda_graphs", False)
         )
-        max_bs = config.cuda_graph_max_bs or min(config.max_num_seqs, 256)
-        spec = config.speculative_config
-        # verify chunks run as decode rows (eager and replayed) where the model's decode path is per token
-        verify_rows = spec is not None and getattr(model, "verify_as_decode_rows", False)
-        self.max_chunk = max_chunk = 1 + spec.num_speculative_tokens if verify_rows else 1
-        graph_rows = graph_sizes(max_bs, max_chunk, config.max_num_batched_tokens)[-1] if use_graphs else None
+        max_bs, self.max_chunk, sizes = graph_ladder(config, model)  # max_chunk > 1: verify steps as decode rows
+        graph_rows = sizes[-1] if use_graphs else None  # the largest graph: the memory plan counts its rows
         self.memory_figures: MemoryFigures | None = None  # the start-up plan's numbers (CUDA)
         if plans_memory(self.device):
             n = self._planned_blocks(specs, block_bytes, side_bytes, max_pos, graph_rows)
@@ -161,7 +157,7 @@ class ModelRunner:
                 scratch_block=self.num_kv_blocks,
                 scratch_window_block=self.num_window_blocks if self.num_window_blocks else -1,
                 scratch_state_slot=self.num_state_slots if self.num_state_slots else -1,
-                max_chunk=max_chunk,
+                max_chunk=self.max_chunk,
                 max_rows=config.max_num_batched_tokens,
             )
             self.graphs.capture()

@@ -11,7 +11,9 @@ import copy
 import pytest
 import torch
 
-from pdserve.engine.cuda_graphs import CudaGraphRunner, context_buckets, graph_sizes
+from pdserve.config import resolve_model
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.cuda_graphs import CudaGraphRunner, context_buckets, graph_ladder, graph_sizes
 from pdserve.model.batch import ForwardBatch, StepInputs
 from pdserve.model.kv_cache import KVCache
 from pdserve.model.loader import load_model
@@ -107,6 +109,21 @@ def test_verify_rows_give_the_eager_chunks_rows(model):
     plain = CudaGraphRunner(model, kv, max_bs=4, max_len=40, scratch_block=num_blocks)  # decode only
     assert not plain.fits(verify)
     assert not runner.fits(step([[1, 2, 3, 4, 5]], [3], [[0, 1]]))  # a chunk longer than 1 + k
+
+
+def test_the_ladder_and_the_memory_plan_cover_verify_graphs(model):
+    """What the runner captures and the memory plan counts (its largest graph's rows): with k
+    drafts, B (k + 1) rows for B up to cuda_graph_max_bs, capped by the step's token budget; a
+    model whose decode path is not per token keeps decode-only graphs."""
+    cfg = dict(model=resolve_model("tiny:deepseek_v3"), max_num_seqs=64)
+    assert graph_ladder(EngineConfig(**cfg), model)[1:] == (1, graph_sizes(64))
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    _, chunk, sizes = graph_ladder(EngineConfig(**cfg, speculative_config=spec), model)
+    assert chunk == 4 and sizes[-1] == 256 and {3, 12, 24, 128} <= set(sizes)
+    capped = EngineConfig(**cfg, speculative_config=spec, max_num_batched_tokens=100)
+    assert graph_ladder(capped, model)[2][-1] == 64
+    plain = type("DecodeOnly", (), {})()  # no verify_as_decode_rows
+    assert graph_ladder(EngineConfig(**cfg, speculative_config=spec), plain)[1:] == (1, graph_sizes(64))
 
 
 def test_what_runs_eagerly(model):
