@@ -1,6 +1,6 @@
 """CUDA graphs against eager decode on a GPU: the same greedy tokens, and the decode time of each.
 
-    python scripts/gpu_graphs_check.py [--device cuda:0] [--dtypes bfloat16,float32] [--out DIR]
+    python scripts/gpu_graphs_check.py [--device cuda:0] [--dtypes bfloat16,float32] [--verify-k 1,3] [--out DIR]
 
 For each tiny architecture (DeepSeek-V3, V3.2, V4) this writes the checkpoint, runs 8
 prompts x 32 greedy tokens (EOS ignored, one continuous batch) through `pdserve.LLM` twice, with
@@ -8,7 +8,12 @@ CUDA graphs (the default) and with `enforce_eager=True`, and prints per prompt t
 that differs, and the wall time of the generate call (after a warm-up generate on each engine);
 where a prompt differs, the eager run's gap between its two most likely tokens at that step (a
 near tie is what rounding flips; the median gap over all tokens for scale).
-Writes graphs_check.json to --out. Exit status 1 if a float32 run differs.
+With --verify-k, also for DeepSeek-V3 and V3.2 and each k: the same with speculative decoding
+(n-gram drafts, k a step), whose verify steps replay graphs too (a chunk's tokens as decode rows,
+engine/cuda_graphs.py): graphs against eager with drafts, and against eager without them; the
+row counts how many verify steps the graphs replayed (it must be > 0).
+Writes graphs_check.json to --out. Exit status 1 if a float32 run differs or a graphed run
+replayed no verify step.
 """
 
 from __future__ import annotations
@@ -42,7 +47,27 @@ def margins(out) -> list[float]:
     return gaps
 
 
-def run(path: str, device: str, dtype: str, eager: bool) -> tuple[list[list[int]], float, bool, list[list[float]]]:
+def ngram(k: int) -> dict:
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def count_verify_replays(llm) -> list[int]:
+    """Counts the runner's graph replays of steps with more rows than sequences (verify steps)."""
+    graphs, seen = llm.engine.runner.graphs, [0]
+    if graphs is not None:
+        run = graphs.run
+
+        def counted(step):
+            seen[0] += step.input_ids.numel() > step.lens.numel()
+            return run(step)
+
+        graphs.run = counted
+    return seen
+
+
+def run(
+    path: str, device: str, dtype: str, eager: bool, k: int = 0
+) -> tuple[list[list[int]], float, bool, list[list[float]], int]:
     llm = LLM(
         path,
         device=device,
@@ -51,7 +76,9 @@ def run(path: str, device: str, dtype: str, eager: bool) -> tuple[list[list[int]
         kv_cache_memory_gb=0.25,
         skip_tokenizer_init=True,
         enforce_eager=eager,
+        **({"speculative_config": ngram(k)} if k else {}),
     )
+    verify_replays = count_verify_replays(llm)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
     llm.generate(prompt_token_ids=prompts(), sampling_params=params)  # warm-up
     torch.cuda.synchronize()
@@ -63,7 +90,8 @@ def run(path: str, device: str, dtype: str, eager: bool) -> tuple[list[list[int]
     used = llm.engine.get_stats().kv_blocks_used
     if used:
         raise RuntimeError(f"{used} KV blocks still in use after every request finished")
-    return [list(o.outputs[0].token_ids) for o in outs], took, graphs, [margins(o) for o in outs]
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    return tokens, took, graphs, [margins(o) for o in outs], verify_replays[0]
 
 
 def main() -> None:
@@ -71,6 +99,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--archs", default="deepseek_v3,deepseek_v32,deepseek_v4")
+    ap.add_argument("--verify-k", default="", help="comma-separated k: also compare with n-gram speculation (V3, V3.2)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     rows, bad = [], False
@@ -78,8 +107,8 @@ def main() -> None:
         for arch in args.archs.split(","):
             path = str(make_tiny_model(os.path.join(root, arch), arch=arch, seed=0))
             for dt in args.dtypes.split(","):
-                g_tok, g_s, used_graphs, _ = run(path, args.device, dt, eager=False)
-                e_tok, e_s, _, e_gap = run(path, args.device, dt, eager=True)
+                g_tok, g_s, used_graphs, _, _ = run(path, args.device, dt, eager=False)
+                e_tok, e_s, _, e_gap, _ = run(path, args.device, dt, eager=True)
                 div = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(g_tok, e_tok)]
                 # where a run differs: how close eager's top two tokens were there (a near tie flips on rounding)
                 tie = [None if d is None else e_gap[p][d] for p, d in enumerate(div)]
@@ -111,6 +140,9 @@ def main() -> None:
                         f"(median gap over all tokens {rows[-1]['median_top2_gap']:.3f})",
                         flush=True,
                     )
+            if arch != "deepseek_v4":
+                for k in [int(k) for k in args.verify_k.split(",") if k.strip()]:
+                    bad |= check_verify(path, arch, args.device, k, args.dtypes.split(","), rows)
     doc = dict(
         device=torch.cuda.get_device_name(),
         torch=torch.__version__,
@@ -122,6 +154,27 @@ def main() -> None:
     with open(os.path.join(args.out, "graphs_check.json"), "w") as f:
         json.dump(doc, f, indent=1)
     sys.exit(1 if bad else 0)
+
+
+def check_verify(path: str, arch: str, device: str, k: int, dtypes: list[str], rows: list[dict]) -> bool:
+    """Graphs with drafts against eager with and without drafts; True when it failed."""
+    bad = False
+    for dt in dtypes:
+        g_tok, g_s, used_graphs, _, replays = run(path, device, dt, eager=False, k=k)
+        e_tok, e_s, _, _, _ = run(path, device, dt, eager=True, k=k)
+        plain, _, _, _, _ = run(path, device, dt, eager=True)
+        same = sum(a == b for a, b in zip(g_tok, e_tok))
+        same_plain = sum(a == b for a, b in zip(g_tok, plain))
+        bad |= not used_graphs or replays == 0 or dt == "float32" and (same != len(g_tok) or same_plain != len(g_tok))
+        rows.append(dict(arch=arch, dtype=dt, verify_k=k, graphs_used=used_graphs, verify_replays=replays,
+                         identical=same, identical_to_plain=same_plain, graphs_s=g_s, eager_s=e_s))  # fmt: skip
+        print(
+            f"{arch:<13} {dt:<9} k={k} graphs={used_graphs} verify replays {replays}: graphs == eager "
+            f"{same}/{len(g_tok)}, == no speculation {same_plain}/{len(g_tok)}; generate: graphs {g_s * 1e3:.0f} ms, "
+            f"eager {e_s * 1e3:.0f} ms",
+            flush=True,
+        )
+    return bad
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """Decode steps replayed as CUDA graphs (nano-vllm's and vLLM's scheme), so a decode step costs
 its kernels and not the Python and launches of every layer.
 
-One graph per (batch size, context bucket): batch sizes of a ladder (1, 2, 4, 8, then every 16 up
-to `cuda_graph_max_bs`), contexts 4K, 16K, 64K, ... (x4) up to max_model_len; all share one memory
-pool, captured largest first. A step of B one-token decodes whose longest context is C replays the
-graph of the smallest size >= B and the smallest bucket >= C; the graph reads its inputs from
+One graph per (rows, context bucket): row counts of a ladder (1, 2, 4, 8, then every 16 up to
+`cuda_graph_max_bs`), contexts 4K, 16K, 64K, ... (x4) up to max_model_len; all share one memory
+pool, captured largest first. A step of T decode rows whose longest context is C replays the
+graph of the smallest size >= T and the smallest bucket >= C; the graph reads its inputs from
 static buffers that the step fills first. The extra rows are padding: they attend to nothing
 (context length 0) and write their KV records into the pool's scratch block, one block past those
 the BlockManager hands out (and, for DeepSeek-V4, the scratch window block and state slot past
@@ -13,13 +13,20 @@ points there), so no sequence's record is touched. The paged kernels' grids (and
 [G, C] scores and top-k; V4's entry lists, C / m wide) are sized by the bucket, not by
 max_model_len, and each query stops at its own context.
 
+Speculative decoding's verify steps (`max_chunk` = k + 1, for a model whose decode path is per
+token: `verify_as_decode_rows`) replay the same graphs: a chunk [last token, d_1 .. d_k] is k + 1
+decode rows, each with its own position, slot and context (positions 0..p through its sequence's
+block table), so B sequences verifying k drafts are B (k + 1) rows. The ladder then also holds
+the row counts of B = 1, 2, 4, 8, 16 sequences with 1..k drafts each and of every batch size with
+k drafts (`graph_sizes`), capped at max_num_batched_tokens.
+
 Used when: CUDA, not `enforce_eager`, one engine rank (tensor parallelism runs eager), a model that
 declares `supports_cuda_graphs` (DeepSeek-V3/V3.2 and V4: its routed experts run in one fused
-kernel a layer), every chunk of the step one token that samples, B <= the largest size.
-Anything else runs eagerly, as before.
+kernel a layer), every chunk of the step samples and is at most `max_chunk` tokens, T <= the
+largest size. Anything else runs eagerly, as before.
 
-Legend: B decode tokens in the step, G rows of the graph replayed (>= B), W block-table width of
-max_model_len.
+Legend: B chunks (sequences) in the step, T decode rows (their tokens), G rows of the graph
+replayed (>= T), W block-table width of max_model_len.
 """
 
 from __future__ import annotations
@@ -42,10 +49,24 @@ def context_buckets(max_len: int, first: int = 4096) -> list[int]:
     return buckets + [max_len]
 
 
-def graph_sizes(max_bs: int) -> list[int]:
-    """Batch sizes captured: 1, 2, 4, 8, 16, 32, 48, ... up to max_bs (and max_bs itself)."""
-    sizes = [s for s in (1, 2, 4, 8) if s <= max_bs] + list(range(16, max_bs + 1, 16))
-    return sorted(set(sizes + [max_bs]))
+def graph_sizes(max_bs: int, max_chunk: int = 1, max_rows: int | None = None) -> list[int]:
+    """Row counts captured: 1, 2, 4, 8, 16, 32, 48, ... up to max_bs (and max_bs itself); with
+    verify chunks of up to max_chunk tokens also n * b rows for b <= 16 of those and n = 2..max_chunk,
+    and max_chunk * b for every b, at most max_rows (the step's token budget) of them."""
+    ladder = sorted(set([s for s in (1, 2, 4, 8) if s <= max_bs] + list(range(16, max_bs + 1, 16)) + [max_bs]))
+    verify = {n * b for b in ladder if b <= 16 for n in range(2, max_chunk + 1)} | {max_chunk * b for b in ladder}
+    return sorted(set(ladder) | {r for r in verify if max_rows is None or r <= max_rows})
+
+
+def graph_ladder(config, model: torch.nn.Module) -> tuple[int, int, list[int]]:
+    """An engine's (max_bs, max_chunk, sizes): the largest decode batch captured, the longest chunk
+    run as decode rows (1 + k with speculative decoding, for a model whose decode path is per token:
+    `verify_as_decode_rows`; else 1) and the row counts captured. config: an EngineConfig."""
+    max_bs = config.cuda_graph_max_bs or min(config.max_num_seqs, 256)
+    spec = config.speculative_config
+    rows = spec is not None and getattr(model, "verify_as_decode_rows", False)
+    max_chunk = 1 + spec.num_speculative_tokens if rows else 1
+    return max_bs, max_chunk, graph_sizes(max_bs, max_chunk, config.max_num_batched_tokens)
 
 
 class CudaGraphRunner:
@@ -59,10 +80,14 @@ class CudaGraphRunner:
         scratch_block: int,
         scratch_window_block: int = -1,
         scratch_state_slot: int = -1,
+        max_chunk: int = 1,
+        max_rows: int | None = None,
     ) -> None:
-        """scratch_*: the padding rows' block, window block and state slot (-1: the pool has no such space)."""
+        """scratch_*: the padding rows' block, window block and state slot (-1: the pool has no such
+        space). max_chunk: the longest chunk replayed as decode rows (1 + k drafts; 1: decode only)."""
         self.model, self.kv_cache = model, kv_cache
-        self.sizes = graph_sizes(max_bs)
+        self.max_chunk = max_chunk
+        self.sizes = graph_sizes(max_bs, max_chunk, max_rows)
         self.buckets = context_buckets(max_len)
         self.max_len = max_len
         self.block_size = bs = kv_cache.block_size
@@ -122,35 +147,36 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
 
     def fits(self, step: StepInputs) -> bool:
-        B = step.lens.numel()
-        if not 0 < B <= self.sizes[-1] or step.block_tables.shape[1] > self.width:
+        T = step.input_ids.numel()
+        if not 0 < T <= self.sizes[-1] or step.block_tables.shape[1] > self.width:
             return False
-        ok = (step.lens.numpy() == 1).all() and step.samples.numpy().all()  # numpy: no torch op per check
-        return bool(ok) and int(step.starts.numpy().max()) + 1 <= self.max_len
+        ends = step.starts.numpy() + step.lens.numpy()
+        return all_decode_rows(step, self.max_chunk) and int(ends.max()) <= self.max_len
 
     def run(self, step: StepInputs) -> torch.Tensor:
-        """hidden [B, hidden] of a step that `fits`: fill the buffers, replay the graph of G rows."""
+        """hidden [T, hidden] of a step that `fits`: fill the buffers, replay the graph of G rows."""
         key = self.fill(step)
         self.replay(key)
-        return self.outputs[key][: step.lens.numel()]
+        return self.outputs[key][: step.input_ids.numel()]
 
     def fill(self, step: StepInputs) -> tuple[int, int]:
         """Write the step into the static buffers; returns the graph's (rows G, context bucket).
         Host work is numpy on a pinned buffer; the device sees one copy in and 2-6 copies out
         (the step's inputs are on the host: the scheduler's lists)."""
-        B, bs = step.lens.numel(), self.block_size
-        g = self.sizes[bisect.bisect_left(self.sizes, B)]
-        pos, tables = step.starts.numpy(), step.block_tables.numpy()
+        B, T, bs = step.lens.numel(), step.input_ids.numel(), self.block_size
+        g = self.sizes[bisect.bisect_left(self.sizes, T)]
+        seq, pos = decode_rows(step.starts.numpy(), step.lens.numpy(), T)  # [T] each row's chunk and position
+        tables = step.block_tables.numpy()
         bucket = self.buckets[bisect.bisect_left(self.buckets, int(pos.max()) + 1)]
         w, v4 = tables.shape[1], self.scratch_window_block >= 0
         if self.copied is not None:
             self.copied.synchronize()  # the previous step's copy has read the pinned buffer
         rows = self.staged_host.numpy()[: 6 * g].reshape(6, g)
-        rows[:, B:] = np.array([0, 0, self.scratch_slot, self.scratch_state_slot, 0, 0])[:, None]  # padding rows:
-        rows[4] = np.arange(g)  # token 0 at position 0, no context, writes to the scratch; its own sequence
-        rows[0, :B], rows[1, :B], rows[5, :B] = step.input_ids.numpy(), pos, pos + 1
-        rows[2, :B] = tables[np.arange(B), pos // bs] * bs + pos % bs
-        rows[3, :B] = step.state_slots.numpy() if v4 else self.scratch_state_slot
+        rows[:, T:] = np.array([0, 0, self.scratch_slot, self.scratch_state_slot, 0, 0])[:, None]  # padding rows:
+        rows[4] = np.arange(g)  # token 0 at position 0, no context, writes to the scratch; its own table row (>= B)
+        rows[0, :T], rows[1, :T], rows[4, :T], rows[5, :T] = step.input_ids.numpy(), pos, seq, pos + 1
+        rows[2, :T] = tables[seq, pos // bs] * bs + pos % bs
+        rows[3, :T] = step.state_slots.numpy()[seq] if v4 else self.scratch_state_slot
         n = 6 * g + 2 * B * w
         both = self.staged_host.numpy()[6 * g : n].reshape(2, B, w)
         both[0], both[1] = tables, step.window_tables.numpy()
@@ -172,3 +198,17 @@ class CudaGraphRunner:
 
     def replay(self, key: tuple[int, int]) -> None:
         self.graphs[key].replay()
+
+
+def all_decode_rows(step: StepInputs, max_chunk: int) -> bool:
+    """Every chunk samples and is at most max_chunk tokens: the step runs as decode rows (numpy:
+    no torch op per check)."""
+    return bool((step.lens.numpy() <= max_chunk).all() and step.samples.numpy().all())
+
+
+def decode_rows(starts: np.ndarray, lens: np.ndarray, T: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each token's chunk [T] and position [T] (a chunk of n tokens: rows start .. start + n - 1)."""
+    if T == lens.size:  # plain decode: a row a chunk
+        return np.arange(T), starts
+    seq = np.repeat(np.arange(lens.size), lens)
+    return seq, starts[seq] + np.arange(T) - np.repeat(np.cumsum(lens) - lens, lens)

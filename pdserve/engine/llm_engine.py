@@ -122,7 +122,7 @@ class LLMEngine:
         grammar = self._grammar(request.params)
         seq = Sequence(request, arrival=next(self._arrival), peer=peer)
         seq.grammar = grammar
-        if self._detokenizes(request.params):
+        if self.tokenizer is not None and request.params.detokenize:
             from pdserve.tokenizer import IncrementalDetokenizer
 
             seq.detokenizer = IncrementalDetokenizer(
@@ -147,7 +147,7 @@ class LLMEngine:
         vocab = self.runner.model.config.vocab_size
         if any(not 0 <= t < vocab for t in req.prompt_token_ids):
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
-        if req.params.stop and not self._detokenizes(req.params):
+        if req.params.stop and not (self.tokenizer is not None and req.params.detokenize):
             raise ValueError("stop strings need detokenization (a tokenizer, and detokenize=True)")
         if req.role != "colocated" and self.connector is None:
             raise ValueError("hold_kv / kv_handle / kv_from need an engine with a KV connector")
@@ -168,9 +168,6 @@ class LLMEngine:
 
         compiler = compiler_for(self.tokenizer, self.runner.model.config.vocab_size, sorted(self.eos_token_ids))
         return RequestMatcher(compiler.compile(spec), spec)
-
-    def _detokenizes(self, params: SamplingParams) -> bool:
-        return self.tokenizer is not None and params.detokenize
 
     def deliver_handoff(self, handoff: Handoff) -> None:
         """A decode request's hand-off posted over HTTP (any thread); taken at the next step."""
@@ -195,6 +192,8 @@ class LLMEngine:
             self._abort(request_id, outputs)
         if self.remote_kv is not None:
             self._poll_remote(outputs)
+        if self.spec is not None:  # drafts for requests whose KV arrived: they verify at their first step
+            self.spec.propose_waiting(self.scheduler.waiting)
         sched = self.scheduler.schedule()
         self.last_schedule = sched
         if not sched.is_empty:

@@ -1,7 +1,7 @@
 """Device memory planned at start: how many KV blocks fit in this worker's share of the GPU.
 
     load weights -> profile_peak (a dummy prefill of max_num_batched_tokens, max_num_seqs one-token
-    decodes, and the largest captured decode batch) -> measure_figures -> plan_kv_pool -> the pool
+    decodes, and the largest captured graph's rows) -> measure_figures -> plan_kv_pool -> the pool
 
 `gpu_memory_utilization` is vLLM's flag with vLLM's meaning: the share of the WHOLE GPU this worker
 may use, so two workers on one GPU at 0.45 each take at most 90% of it between them. Memory that
@@ -149,13 +149,14 @@ def profile_peak(
     max_num_batched_tokens: int,
     max_model_len: int,
     max_num_seqs: int,
-    graph_bs: int | None,
+    graph_rows: int | None,
     num_speculative_tokens: int = 0,
 ) -> int:
     """Peak activation bytes (CUDA; 0 elsewhere, where the forwards still run) of the steps this
     engine may take: prefill chunks filling max_num_batched_tokens, and min(max_num_seqs,
-    max_num_batched_tokens) one-token decodes; with CUDA graphs, the largest captured batch's
-    activations are held in the graphs' own pool besides, so they count once more. With
+    max_num_batched_tokens) one-token decodes; with CUDA graphs, the largest captured graph's
+    activations (graph_rows decode rows: with speculative decoding, a verify step's B (k + 1)
+    rows, engine/cuda_graphs.py) are held in the graphs' own pool besides, so they count once more. With
     speculative decoding (k drafts) also a verify step: chunks of k + 1 tokens, logits and the
     acceptance's working copies at every position."""
     chunk = min(max_num_batched_tokens, max_model_len)
@@ -169,8 +170,8 @@ def profile_peak(
         if verify:
             peaks.append(_peak_of(model, specs, [k + 1] * verify, block_size, dtype, device, every_row=True))
     held = 0
-    if graph_bs is not None:
-        held = peaks[1] if graph_bs == decode else _peak_of(model, specs, [1] * graph_bs, block_size, dtype, device)
+    if graph_rows is not None:
+        held = peaks[1] if graph_rows == decode else _peak_of(model, specs, [1] * graph_rows, block_size, dtype, device)
     return max(peaks) + held
 
 

@@ -27,7 +27,7 @@ from pdserve.distributed.group import TPGroup
 from pdserve.engine import tp_protocol as protocol
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import DEFAULT_CPU_KV_GB, EngineConfig
-from pdserve.engine.cuda_graphs import CudaGraphRunner
+from pdserve.engine.cuda_graphs import CudaGraphRunner, all_decode_rows, graph_ladder
 from pdserve.engine.memory import MemoryFigures, measure_figures, plan_kv_pool, profile_peak
 from pdserve.engine.prefix_checkpoints import checkpoint_capacity, window_blocks_per_checkpoint
 from pdserve.engine.sampler import SampledToken, Sampler
@@ -127,10 +127,11 @@ class ModelRunner:
             and self.tp.size == 1
             and getattr(model, "supports_cuda_graphs", False)
         )
-        max_bs = config.cuda_graph_max_bs or min(config.max_num_seqs, 256)
+        max_bs, self.max_chunk, sizes = graph_ladder(config, model)  # max_chunk > 1: verify steps as decode rows
+        graph_rows = sizes[-1] if use_graphs else None  # the largest graph: the memory plan counts its rows
         self.memory_figures: MemoryFigures | None = None  # the start-up plan's numbers (CUDA)
         if plans_memory(self.device):
-            n = self._planned_blocks(specs, block_bytes, side_bytes, max_pos, max_bs if use_graphs else None)
+            n = self._planned_blocks(specs, block_bytes, side_bytes, max_pos, graph_rows)
         else:
             n = self._num_kv_blocks(block_bytes, config.max_model_len or max_pos, side_bytes)
         self.num_kv_blocks = self.tp.min_control(n)  # the block manager's blocks must exist on every rank
@@ -159,13 +160,15 @@ class ModelRunner:
                 scratch_block=self.num_kv_blocks,
                 scratch_window_block=self.num_window_blocks if self.num_window_blocks else -1,
                 scratch_state_slot=self.num_state_slots if self.num_state_slots else -1,
+                max_chunk=self.max_chunk,
+                max_rows=config.max_num_batched_tokens,
             )
             self.graphs.capture()
         self.eos_token_ids = set(model.config.eos_token_ids) | _ids(config.generation_config().get("eos_token_id"))
         self.sampler = Sampler(self.device, config.seed, sorted(self.eos_token_ids), config.logprobs_mode)
 
     def _planned_blocks(
-        self, specs: list[KVRegionSpec], block_bytes: int, side_bytes: int, max_pos: int, graph_bs: int | None
+        self, specs: list[KVRegionSpec], block_bytes: int, side_bytes: int, max_pos: int, graph_rows: int | None
     ) -> int:
         """CUDA: profile the peak activations, then plan the pool in this worker's share of the GPU
         (engine/memory.py); kv_cache_memory_gb asks for that many blocks."""
@@ -180,10 +183,10 @@ class ModelRunner:
             max_num_batched_tokens=c.max_num_batched_tokens,
             max_model_len=max_len,
             max_num_seqs=c.max_num_seqs,
-            graph_bs=graph_bs,
+            graph_rows=graph_rows,
             num_speculative_tokens=c.speculative_config.num_speculative_tokens if c.speculative_config else 0,
         )
-        side_bytes += block_bytes if graph_bs is not None else 0  # the graphs' scratch block
+        side_bytes += block_bytes if graph_rows is not None else 0  # the graphs' scratch block
         figures = self.memory_figures = measure_figures(
             self.device, peak, c.reserved_memory_mib, side_bytes, block_bytes
         )
@@ -221,25 +224,27 @@ class ModelRunner:
         step, sampling = self.prepare(sched)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # per thread: the engine loop's thread starts on cuda:0
-        if self.graphs is not None and self.graphs.fits(step):  # decode only: every row samples
-            hidden = self.last_hidden = self.graphs.run(step)
-            return self._sample(self.model.compute_logits(hidden), sampling, while_busy)
-        if self.ranks is not None:
-            self.ranks.check_alive()
-            protocol.send_forward(self.tp, step)
-        batch = ForwardBatch.build(step, self.block_size)
-        hidden = self.model.forward(batch.to(self.device), self.kv_cache)  # [T, hidden]
+        if self.graphs is not None and self.graphs.fits(step):  # decode and verify rows: every row samples
+            hidden, last = self.graphs.run(step), torch.cumsum(step.lens, 0) - 1  # [T, hidden], [N]
+        else:
+            if self.ranks is not None:
+                self.ranks.check_alive()
+                protocol.send_forward(self.tp, step)
+            batch = self._batch(step)
+            hidden, last = self.model.forward(batch.to(self.device), self.kv_cache), batch.logits_indices
         self.last_hidden = hidden if self.keep_hidden else None  # MTP drafts read it (spec_decode/mtp.py)
         if not sampling:
             return []
         counts = verify.draft_counts(sched)
         if counts is not None:  # drafts to verify: logits at each of their positions
-            logits = self.model.compute_logits(hidden[verify.logits_rows(batch.logits_indices, counts).to(self.device)])
-            if while_busy is not None:
-                while_busy()
-            return verify.sample(self.sampler, logits, sampling, counts)
-        logits = self.model.compute_logits(hidden[batch.logits_indices.to(self.device)])  # [N, V]
-        return self._sample(logits, sampling, while_busy)
+            logits = self.model.compute_logits(hidden[verify.logits_rows(last, counts).to(self.device)])
+            return verify.sample(self.sampler, logits, sampling, counts, while_busy)
+        hidden = hidden[last.to(self.device)] if len(last) < hidden.shape[0] else hidden  # [N, hidden]
+        return self._sample(self.model.compute_logits(hidden), sampling, while_busy)  # logits [N, V]
+
+    def _batch(self, step: StepInputs) -> ForwardBatch:
+        rows = self.max_chunk > 1 and all_decode_rows(step, self.max_chunk)  # verify steps: as graphs run them
+        return ForwardBatch.build(step, self.block_size, as_decode_rows=rows)
 
     def _sample(
         self, logits: torch.Tensor, seqs: list[Sequence], while_busy: Callable[[], None] | None
@@ -322,7 +327,7 @@ class ModelRunner:
             if msg.command is protocol.Command.SYNC_KV:
                 self._sync_kv(msg.ids)
                 continue
-            batch = ForwardBatch.build(msg.step, self.block_size)
+            batch = self._batch(msg.step)
             self.model.forward(batch.to(self.device), self.kv_cache)
 
     # -- lifecycle --

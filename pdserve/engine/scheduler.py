@@ -165,14 +165,19 @@ class Scheduler:
             seq = self.waiting[0]
             hit = self.block_manager.lookup(seq)  # prefix caching: cached blocks it starts from
             start = seq.num_computed_tokens + hit.num_tokens
-            n = min(seq.num_uncomputed_tokens - hit.num_tokens, budget)
+            # + drafts of a PD decode request whose KV arrived: its first step here verifies them,
+            # where there is room for their KV (else it decodes one token, as without drafts)
+            if seq.num_draft_tokens and not self.block_manager.can_allocate(seq, seq.num_tokens + seq.num_draft_tokens):
+                seq.spec_token_ids = []
+            n = min(seq.num_uncomputed_tokens - hit.num_tokens + seq.num_draft_tokens, budget)
             n = self.block_manager.cut(seq, start, n, hit.num_matched_tokens)
             # blocks for all its tokens up front, so a long prompt is not preempted between chunks
             # (window blocks only for this chunk: earlier chunks' fall out of the window)
             step_end = start + n
-            if not self.block_manager.can_allocate(seq, seq.num_tokens, step_end, hit):
+            end = max(seq.num_tokens, step_end)
+            if not self.block_manager.can_allocate(seq, end, step_end, hit):
                 break
-            self.block_manager.allocate(seq, seq.num_tokens, step_end, hit)
+            self.block_manager.allocate(seq, end, step_end, hit)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival)

@@ -81,8 +81,11 @@ class ForwardBatch:
     max_context: int  # longest context_lens entry (host int: sizes kernel grids without a sync)
 
     @classmethod
-    def build(cls, step: StepInputs, block_size: int) -> ForwardBatch:
-        """Positions, slots and the per-token context, with no per-token Python."""
+    def build(cls, step: StepInputs, block_size: int, as_decode_rows: bool = False) -> ForwardBatch:
+        """Positions, slots and the per-token context, with no per-token Python. as_decode_rows:
+        every token a decode row (no prefill chunks), as a CUDA graph runs a step of short chunks
+        (speculative decoding's verify chunks; engine/cuda_graphs.py), for a model whose decode
+        path is per token."""
         bs, lens, starts, tables = block_size, step.lens, step.starts, step.block_tables
         B = tables.shape[0]
         seq_idx = torch.repeat_interleave(torch.arange(B), lens)  # [T]
@@ -90,7 +93,7 @@ class ForwardBatch:
         positions = starts[seq_idx] + torch.arange(len(seq_idx)) - first_row[seq_idx]  # [T]
         slot_mapping = tables[seq_idx, positions // bs] * bs + positions % bs
         last_rows = first_row + lens - 1  # [B]
-        one = lens[seq_idx] == 1  # [T] tokens of one-token chunks
+        one = (lens[seq_idx] == 1) | as_decode_rows  # [T] tokens run as decode rows
         ends = starts + lens
         return cls(
             input_ids=step.input_ids,

@@ -1,16 +1,19 @@
 """Speculative decoding through `pdserve serve` and the router, with the official openai client:
 a colocated worker with n-gram drafts, and a PD pair (NIXL) whose decode worker drafts, answer
 greedy completions with the same tokens as a colocated worker without, their /metrics count the
-drafts, and no KV block stays used. A prefill worker given --speculative-config refuses to
+drafts, and no KV block stays used; so do structured-outputs requests (regex, JSON schema), whose
+answers are valid. A prefill worker given --speculative-config refuses to
 start, saying why. TP2 verify steps equal TP1; `pdserve launch --speculative-config` reaches its
 workers."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
+import jsonschema
 import openai
 import pytest
 
@@ -75,6 +78,31 @@ def test_pd_with_a_speculating_decode_worker_equals_colocated(cluster):
         assert _tokens(cluster.pd_router.url, prompt) == _tokens(cluster.plain_router.url, prompt)
     assert scrape(cluster.decode.url)["pdserve_spec_decode_num_drafts_total"] > 0
     assert not any(wait_blocks_free([cluster.prefill, cluster.decode]).values())
+
+
+def test_structured_outputs_with_drafts_equal_the_worker_without(cluster):
+    client = {
+        name: openai.OpenAI(base_url=f"{r.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        for name, r in (("plain", cluster.plain_router), ("spec", cluster.spec_router), ("pd", cluster.pd_router))
+    }
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 5}},
+              "required": ["a", "b"], "additionalProperties": False}  # fmt: skip
+    regex = "[a-c]{2,6}-[0-9]{1,3}"
+    for so, valid in (({"regex": regex}, None), ({"json": schema}, schema)):
+        got = {}
+        for name, c in client.items():
+            out = c.completions.create(
+                model="tiny", prompt="a b a b a b", max_tokens=24, temperature=0,
+                extra_body={"structured_outputs": so, "return_token_ids": True},
+            ).choices[0]  # fmt: skip
+            got[name] = (out.finish_reason, out.text, out.token_ids)
+        assert got["spec"] == got["plain"] == got["pd"]
+        finish, text, _ = got["plain"]
+        if finish == "stop" and valid is not None:
+            jsonschema.validate(json.loads(text), valid)
+        elif finish == "stop":
+            assert re.fullmatch(regex, text), text
+    assert not any(wait_blocks_free([cluster.spec, cluster.plain, cluster.prefill, cluster.decode]).values())
 
 
 @pytest.mark.usefixtures("restore_torch_threads")

@@ -11,7 +11,9 @@ import copy
 import pytest
 import torch
 
-from pdserve.engine.cuda_graphs import CudaGraphRunner, context_buckets, graph_sizes
+from pdserve.config import resolve_model
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.cuda_graphs import CudaGraphRunner, context_buckets, graph_ladder, graph_sizes
 from pdserve.model.batch import ForwardBatch, StepInputs
 from pdserve.model.kv_cache import KVCache
 from pdserve.model.loader import load_model
@@ -26,6 +28,9 @@ def test_graph_sizes():
     assert graph_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert context_buckets(4096) == [4096] and context_buckets(40) == [40]
     assert context_buckets(163840) == [4096, 16384, 65536, 163840]
+    # verify chunks of up to 3 tokens (k = 2): 1..16 sequences with 1 or 2 drafts each, every batch with 2
+    assert graph_sizes(20, 3) == [1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 48, 60]
+    assert graph_sizes(64, 4, max_rows=100)[-1] == 64 and 256 in graph_sizes(64, 4)
 
 
 @pytest.fixture(scope="module", params=["deepseek_v3", "deepseek_v32"])
@@ -71,6 +76,54 @@ def test_padded_static_batch_gives_the_eager_rows(model):
         torch.testing.assert_close(region, eager, rtol=0, atol=1e-5)  # (a batch of 4 rounds differently from 3)
         assert torch.equal(region[:, ~written], before[:, ~written])  # nothing else changed ...
         assert kv.regions[name][:, num_blocks].abs().sum() > 0  # ... but the scratch block, where the padding wrote
+
+
+def test_verify_rows_give_the_eager_chunks_rows(model):
+    """Speculative decoding's verify step (chunks of the last token and 0..3 drafts) replayed as
+    decode rows, each with its own position and context: its rows equal the eager step's, which
+    runs the chunks as chunks (ForwardBatch.build without as_decode_rows), and the pool's writes too."""
+    num_blocks = 12
+    kv = KVCache(model.kv_cache_specs(), model.num_layers, num_blocks + 1, BS, torch.float32, "cpu")
+    prompts, tables = [[5, 9, 13, 2, 7, 1], [3, 8, 8], [11, 4, 6, 10, 12]], [[7, 2, 4], [0, 1], [5, 9]]
+    model.forward(ForwardBatch.build(step(prompts, [0, 0, 0], tables), BS), kv)
+    verify = step([[21, 30, 31, 32], [22], [23, 40]], [6, 3, 5], tables)  # 3, 0 and 1 drafts: 7 rows
+    eager_kv = copy.deepcopy(kv)
+    chunks = ForwardBatch.build(verify, BS)
+    assert chunks.prefill is not None  # the eager step's chunk form
+    want = model.forward(chunks, eager_kv)  # [7, hidden]
+    rows = ForwardBatch.build(verify, BS, as_decode_rows=True)
+    assert rows.prefill is None and rows.decode_rows.tolist() == list(range(7))
+    torch.testing.assert_close(model.forward(rows, copy.deepcopy(kv)), want, rtol=0, atol=1e-5)
+
+    runner = CudaGraphRunner(model, kv, max_bs=4, max_len=40, scratch_block=num_blocks, max_chunk=4)
+    runner.buckets = [8, 16, 40]  # the longest context, 10, takes the second
+    runner.replay = lambda key: runner.outputs.__setitem__(key, model.forward(runner.static_batch(*key), kv))
+    assert runner.fits(verify)
+    got = runner.run(verify)  # 7 rows padded to a graph of 8
+    assert list(runner.outputs) == [(8, 16)]
+    assert runner.seq_ids[:8].tolist() == [0, 0, 0, 0, 1, 2, 2, 7]  # the padding row: its own (scratch) table
+    assert runner.positions[:7].tolist() == [6, 7, 8, 9, 3, 5, 6]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    for name, region in kv.regions.items():
+        torch.testing.assert_close(region[:, :num_blocks], eager_kv.regions[name][:, :num_blocks], rtol=0, atol=1e-5)
+    plain = CudaGraphRunner(model, kv, max_bs=4, max_len=40, scratch_block=num_blocks)  # decode only
+    assert not plain.fits(verify)
+    assert not runner.fits(step([[1, 2, 3, 4, 5]], [3], [[0, 1]]))  # a chunk longer than 1 + k
+
+
+def test_the_ladder_and_the_memory_plan_cover_verify_graphs(model):
+    """What the runner captures and the memory plan counts (its largest graph's rows): with k
+    drafts, B (k + 1) rows for B up to cuda_graph_max_bs, capped by the step's token budget; a
+    model whose decode path is not per token keeps decode-only graphs."""
+    cfg = dict(model=resolve_model("tiny:deepseek_v3"), max_num_seqs=64)
+    assert graph_ladder(EngineConfig(**cfg), model)[1:] == (1, graph_sizes(64))
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    _, chunk, sizes = graph_ladder(EngineConfig(**cfg, speculative_config=spec), model)
+    assert chunk == 4 and sizes[-1] == 256 and {3, 12, 24, 128} <= set(sizes)
+    capped = EngineConfig(**cfg, speculative_config=spec, max_num_batched_tokens=100)
+    assert graph_ladder(capped, model)[2][-1] == 64
+    plain = type("DecodeOnly", (), {})()  # no verify_as_decode_rows
+    assert graph_ladder(EngineConfig(**cfg, speculative_config=spec), plain)[1:] == (1, graph_sizes(64))
 
 
 def test_what_runs_eagerly(model):

@@ -22,6 +22,7 @@ def test_verify_rows_are_well_formed(tmp_path, capsys):
     for row in report["rows"]:
         v = row["verify"]
         assert v["plain_ms"] > 0 and set(v["verify_ms"]) == {"1", "3"}
+        assert v["graphed"] == {"1": False, "3": False}  # no CUDA graphs on CPU
         for k in ("1", "3"):
             assert v["ratio"][k] == pytest.approx(v["verify_ms"][k] / v["plain_ms"])
             lengths = [L for L in ACCEPT_LENGTHS if L <= int(k) + 1]
@@ -29,7 +30,7 @@ def test_verify_rows_are_well_formed(tmp_path, capsys):
             for L, s in v["speedup"][k].items():
                 assert s == pytest.approx(float(L) * v["plain_ms"] / v["verify_ms"][k])
     text = capsys.readouterr().out
-    assert "verify steps (speculative decoding" in text and "| 3 | 70 |" in text
+    assert "verify steps (speculative decoding" in text and "| 3 | 70 |" in text and "x, eager)" in text
 
 
 def test_verify_on_v4_is_refused(capsys):

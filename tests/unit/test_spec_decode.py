@@ -6,6 +6,8 @@ prefill (a 16-token step budget, which also truncates drafts), preemption under 
 and aborts, leaving 0 blocks used. Besides n-gram drafts (prompts that repeat themselves, so
 lookups hit), two test proposers fix the acceptance: one proposes the target's own greedy tokens
 (every verify step must emit k + 1 tokens), one always proposes a wrong token (every step emits 1).
+Verify chunks run as decode rows (ForwardBatch.build's as_decode_rows), eagerly and replayed
+through CudaGraphRunner (its replay run eagerly here), with the tokens of the chunk path.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ from __future__ import annotations
 import pytest
 
 from pdserve import LLM, SamplingParams
+from pdserve.engine.cuda_graphs import CudaGraphRunner
 from pdserve.engine.sequence import Sequence
+from pdserve.model.batch import ForwardBatch
+from pdserve.model.kv_cache import KVCache
 from pdserve.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.timeout(600)
@@ -47,6 +52,8 @@ def _params() -> list[SamplingParams]:
 
 class Oracle:
     """Test proposer: the target's own greedy continuation (right), or always a wrong token."""
+
+    drafts_from_tokens = True  # as n-gram: it may draft before a PD decode request's first step
 
     def __init__(self, prompts, expected, vocab: int, right: bool = True) -> None:
         self.expected = {tuple(p): e for p, e in zip(prompts, expected)}
@@ -228,3 +235,66 @@ def test_penalties_and_min_tokens_count_the_drafts_before_each_position(model):
     llm = _llm(path, NGRAM)
     assert [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)] == plain
     assert llm.engine.get_stats().kv_blocks_used == 0
+
+
+def cpu_graphs(llm, k: int, max_bs: int = 4) -> list[tuple[int, int, int]]:
+    """The engine's runner given a CudaGraphRunner whose replay runs the static batch eagerly, over
+    a pool with the scratch block; returns (chunks B, rows T, graph rows G) of each replay."""
+    r = llm.engine.runner
+    n = r.num_kv_blocks
+    r.kv_cache = KVCache(r.model.kv_cache_specs(), r.model.num_layers, n + 1, r.block_size, r.dtype, r.device)
+    graphs = CudaGraphRunner(r.model, r.kv_cache, max_bs=max_bs, max_len=r.max_model_len, scratch_block=n,
+                             max_chunk=k + 1, max_rows=llm.engine.config.max_num_batched_tokens)  # fmt: skip
+    replays, fill = [], graphs.fill
+
+    def filled(step):
+        key = fill(step)
+        replays.append((step.lens.numel(), step.input_ids.numel(), key[0]))
+        return key
+
+    def replay(key):
+        graphs.outputs[key] = r.model.forward(graphs.static_batch(*key), r.kv_cache)
+
+    graphs.fill, graphs.replay, r.graphs = filled, replay, graphs
+    return replays
+
+
+def test_replayed_verify_rows_give_plain_decodings_tokens(model):
+    """Verify steps replayed as decode rows (on CPU, each replay the static padded batch run
+    eagerly: capture needs a GPU; scripts/gpu_graphs_check.py compares graphs with eager there)."""
+    path, prompts, expected = model
+    k = 3
+    llm = _oracle_llm(path, prompts, expected, k, max_model_len=64, max_num_batched_tokens=64)
+    replays = cpu_graphs(llm, k)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=_params())
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    s = llm.engine.spec.stats
+    assert s.num_accepted_tokens == s.num_draft_tokens > 0
+    sizes = llm.engine.runner.graphs.sizes
+    assert any(T > B for B, T, _ in replays)  # verify steps replayed: a chunk's tokens as rows
+    assert all(T <= G and G in sizes for _, T, G in replays)
+    assert llm.engine.get_stats().kv_blocks_used == 0
+
+
+def test_eager_decode_rows_and_the_chunk_path_give_the_same_tokens(model, monkeypatch):
+    """Eager verify steps take the graphs' decode-row metadata (no prefill chunks); with it turned
+    off (max_chunk 1) they run as chunks: the same tokens, both plain decoding's."""
+    path, prompts, expected = model
+    built = []
+    build = ForwardBatch.build.__func__
+
+    def spy(cls, step, block_size, as_decode_rows=False):
+        built.append((bool((step.lens > 1).any()), as_decode_rows))
+        return build(cls, step, block_size, as_decode_rows)
+
+    monkeypatch.setattr(ForwardBatch, "build", classmethod(spy))
+    for rows in (True, False):
+        llm = _oracle_llm(path, prompts, expected, 2)
+        assert llm.engine.runner.max_chunk == 3  # verify chunks of the last token and up to 2 drafts
+        if not rows:
+            llm.engine.runner.max_chunk = 1
+        built.clear()
+        outs = llm.generate(prompt_token_ids=prompts[:2], sampling_params=_params()[:2])
+        assert [o.outputs[0].token_ids for o in outs] == expected[:2]
+        assert any(multi and as_rows for multi, as_rows in built) == rows
+        assert llm.engine.get_stats().kv_blocks_used == 0

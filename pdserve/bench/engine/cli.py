@@ -130,6 +130,12 @@ def verify_ks(args: argparse.Namespace) -> list[int]:
     return [int(k) for k in args.verify_k.split(",") if k.strip()]
 
 
+def _verify_config(args: argparse.Namespace) -> dict | None:
+    """--verify-k: the engine runs verify chunks of up to max k drafts (and captures their graphs)."""
+    ks = verify_ks(args)
+    return {"method": "ngram", "num_speculative_tokens": max(ks)} if ks else None
+
+
 def rows_of(args: argparse.Namespace) -> list[tuple[int, int]]:
     rows = [(b, args.context) for b in batch_sizes(args)]
     return rows + ([(1, args.long_context)] if args.long_context else [])
@@ -158,6 +164,7 @@ def run(args: argparse.Namespace) -> dict:
             fp4_moe_backend=args.fp4_moe_backend,
             kv_block_size=args.kv_block_size, num_kv_blocks=blocks,
             max_num_seqs=max(b for b, _ in rows), max_model_len=max(c for _, c in rows) + extra + 1, seed=args.seed,
+            speculative_config=_verify_config(args),
         )  # fmt: skip
         bench = DecodeBench(config)
     report = {

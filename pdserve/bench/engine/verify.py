@@ -5,7 +5,9 @@ A verify step runs every sequence's last token and k random drafts as one chunk 
 the tokens read back) and leaves the sequences as they were: the drafts' KV lies past their
 computed tokens, as rejected drafts' does in the engine. Random weights accept nothing, so the
 speed-up at an accept length L (tokens a verify step emits on average, 1 <= L <= k + 1) is
-computed, not measured: L x plain step / verify step.
+computed, not measured: L x plain step / verify step. The engine is built with k's largest value as
+its speculative_config, so on CUDA a verify step replays a captured graph as a plain step does
+(engine/cuda_graphs.py: a chunk's tokens as decode rows); `graphed` says whether it did.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def verify_step(bench, seqs: list[Sequence], k: int) -> float:
         bench.blocks.allocate(seq, seq.num_tokens + k, seq.num_computed_tokens + 1 + k)
     sync(bench.device)
     t0 = time.perf_counter()
-    bench.runner.run(SchedulerOutput(scheduled=[ScheduledSeq.of(s, 1 + k) for s in seqs]))
+    bench.runner.run(verify_schedule(seqs, k))
     sync(bench.device)
     seconds = time.perf_counter() - t0
     for seq in seqs:
@@ -37,13 +39,30 @@ def verify_step(bench, seqs: list[Sequence], k: int) -> float:
     return seconds
 
 
+def verify_schedule(seqs: list[Sequence], k: int) -> SchedulerOutput:
+    return SchedulerOutput(scheduled=[ScheduledSeq.of(s, 1 + k) for s in seqs])
+
+
+def graphed(bench, seqs: list[Sequence], k: int) -> bool:
+    """Whether a verify step of k drafts a sequence replays a CUDA graph."""
+    if bench.runner.graphs is None:
+        return False
+    for seq in seqs:
+        seq.spec_token_ids = [0] * k
+    fits = bench.runner.graphs.fits(bench.runner.prepare(verify_schedule(seqs, k))[0])
+    for seq in seqs:
+        seq.spec_token_ids = []
+    return fits
+
+
 def measure(bench, seqs: list[Sequence], ks: list[int], warmup: int, steps: int) -> dict:
     """Median plain and verify step times (ms), their ratios, and the computed speed-ups."""
     for _ in range(warmup):
         bench.step(seqs)
     plain = 1e3 * statistics.median(bench.timed_steps(seqs, steps))
-    out: dict = {"plain_ms": plain, "verify_ms": {}, "ratio": {}, "speedup": {}}
+    out: dict = {"plain_ms": plain, "verify_ms": {}, "ratio": {}, "speedup": {}, "graphed": {}}
     for k in ks:
+        out["graphed"][k] = graphed(bench, seqs, k)
         for _ in range(warmup):
             verify_step(bench, seqs, k)
         ms = 1e3 * statistics.median(verify_step(bench, seqs, k) for _ in range(steps))
@@ -63,7 +82,7 @@ def format_verify(report: dict) -> str:
              "| ---: " * (3 + len(ks) + len(ACCEPT_LENGTHS)) + "|"]  # fmt: skip
     for r in rows:
         v = r["verify"]
-        cells = [f"{v['verify_ms'][k]:.2f} ({v['ratio'][k]:.2f}x)" for k in ks]
+        cells = [f"{v['verify_ms'][k]:.2f} ({v['ratio'][k]:.2f}x{'' if v['graphed'][k] else ', eager'})" for k in ks]
         for L in ACCEPT_LENGTHS:
             best = max(((s[L], k) for k, s in v["speedup"].items() if L in s), default=None)
             cells.append(f"{best[0]:.2f}x ({best[1]})" if best else "-")

@@ -1,13 +1,19 @@
 """The engine's side of speculative decoding: after each step, drafts for the sequences that
 will decode next; the counters of what was verified.
 
-A sequence drafts unless it has a structured-outputs grammar (its matcher would have to be
-rolled back past rejected drafts); those decode one token a step as before. Drafts never reach
-past max_tokens or max_model_len.
+A sequence with a structured-outputs grammar drafts too: its drafts are cut at the first token the
+grammar refuses (the matcher's state unchanged), and the verify step masks each position with
+the grammar's state after the drafts before it (verify.py's `Ahead`). Drafts never reach past
+max_tokens or max_model_len.
+
+A PD decode worker's request drafts from its first step here: once its KV has arrived it waits to
+be scheduled with its prompt and the prefill worker's first token, all a proposer that drafts
+from tokens alone (n-gram: `drafts_from_tokens`) needs (`propose_waiting`, before the schedule).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
 from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -27,10 +33,6 @@ class StepProposer(Protocol):
     (sequence, limit) itself."""
 
     def propose_step(self, sched: SchedulerOutput, wanted: list[tuple[Sequence, int]]) -> None: ...
-
-
-def may_draft(seq: Sequence) -> bool:
-    return seq.grammar is None
 
 
 class SpecDecoder:
@@ -55,16 +57,39 @@ class SpecDecoder:
         for s in sched.scheduled:
             seq = s.seq
             seq.spec_token_ids = []
-            if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1 or not may_draft(seq):
+            if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
                 continue
             limit = self._limit(seq)
             if limit > 0:
                 wanted.append((seq, limit))
         if isinstance(self.proposer, StepProposer):
             self.proposer.propose_step(sched, wanted)
+            for seq, _ in wanted:
+                self._cut(seq)
             return
         for seq, limit in wanted:
-            seq.spec_token_ids = list(self.proposer.propose(seq, limit))[:limit]
+            self._draft(seq, limit)
+
+    def propose_waiting(self, waiting: Iterable[Sequence]) -> None:
+        """Drafts for waiting sequences that will decode at once: a PD decode worker's requests
+        whose KV arrived (one token, the first, left to compute); only from tokens alone."""
+        if not getattr(self.proposer, "drafts_from_tokens", False):
+            return
+        for seq in waiting:
+            if seq.num_uncomputed_tokens == 1 and seq.kv_handle is not None and not seq.spec_token_ids:
+                limit = self._limit(seq)
+                if limit > 0:
+                    self._draft(seq, limit)
+
+    def _draft(self, seq: Sequence, limit: int) -> None:
+        seq.spec_token_ids = list(self.proposer.propose(seq, limit))[:limit]
+        self._cut(seq)
+
+    @staticmethod
+    def _cut(seq: Sequence) -> None:
+        """A grammar's sequence verifies its drafts only as far as the grammar allows them."""
+        if seq.grammar is not None and seq.spec_token_ids:
+            seq.spec_token_ids = seq.spec_token_ids[: seq.grammar.num_allowed(seq.spec_token_ids)]
 
     def _limit(self, seq: Sequence) -> int:
         """Drafts that could all be emitted: one token more than the drafts ends the step."""

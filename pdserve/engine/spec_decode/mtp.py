@@ -31,10 +31,6 @@ from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.model.batch import ForwardBatch, StepInputs
 
 
-def _may_draft(seq: Sequence) -> bool:
-    return seq.grammar is None
-
-
 class MTPDrafter:
     """The `StepProposer` of method "mtp" (decoder.py): needs the runner's step hidden states."""
 
@@ -75,7 +71,7 @@ class MTPDrafter:
         seqs, starts, lens, rows, row = [], [], [], [], 0
         for s in sched.scheduled:
             seq, n = s.seq, s.seq.num_computed_tokens - s.start
-            if seq.status is SequenceStatus.RUNNING and n > 0 and _may_draft(seq):
+            if seq.status is SequenceStatus.RUNNING and n > 0:
                 seqs.append(seq)
                 starts.append(s.start)
                 lens.append(n)

@@ -8,6 +8,8 @@ from pdserve.engine.sequence import Sequence
 
 
 class NgramProposer:
+    drafts_from_tokens = True  # needs nothing but the tokens: drafts before a sequence's first step here
+
     def __init__(self, lookup_min: int, lookup_max: int) -> None:
         self.lookup_min, self.lookup_max = lookup_min, lookup_max
 

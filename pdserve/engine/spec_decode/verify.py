@@ -4,9 +4,9 @@ tokens each sequence emits.
 A sequence that verifies k drafts was scheduled as one chunk [last token, d_1 .. d_k]: the hidden
 rows of all k + 1 give logits (row j scores the token after d_j, d_0 the last token). Each position's
 logits are processed as a plain step would process them there (`Ahead`: penalties and min_tokens
-count the drafts before it). Sequences without drafts in the same step are sampled exactly as a
-plain step samples them (grammar, seeds, logprobs), so mixing them with verifying ones changes
-none of their tokens.
+count the drafts before it, a grammar's mask is its state after them). Sequences without drafts in
+the same step are sampled exactly as a plain step samples them (grammar, seeds, logprobs), so
+mixing them with verifying ones changes none of their tokens.
 A verifying sequence's logprobs come from each emitted token's own position.
 
 Legend: N sequences that sample, R logits rows (N + all drafts), K most drafts, V vocabulary.
@@ -38,9 +38,14 @@ def logits_rows(last_rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
     return first + offsets
 
 
-def sample(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], counts: list[int]) -> list[SampledToken]:
+def sample(
+    sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], counts: list[int], while_busy=None
+) -> list[SampledToken]:
     """logits [R, V] (logits_rows' order) -> one SampledToken per sequence, its `more` the tokens
-    after the first that the step emitted too (each with its logprobs where asked)."""
+    after the first that the step emitted too (each with its logprobs where asked). while_busy:
+    called once first (the engine's KV loads; ModelRunner.run)."""
+    if while_busy is not None:
+        while_busy()
     c = torch.tensor(counts, dtype=torch.int64)
     first_row = (torch.cumsum(c + 1, 0) - c - 1).tolist()
     plain = [i for i, n in enumerate(counts) if n == 0]
@@ -63,10 +68,12 @@ def sample(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], counts:
 class Ahead:
     """A sequence as the sampler sees it at a verify chunk's position j: its first j drafts taken
     as output, so penalties and min_tokens at each position are those a plain step there would
-    apply (the row matters only if those drafts are accepted). Grammars never draft."""
+    apply (the row matters only if those drafts are accepted), and its structured-outputs grammar
+    is the request's advanced by those drafts (a copy: the request's own advances by emitted tokens)."""
 
     def __init__(self, seq: Sequence, j: int) -> None:
-        self.params, self.grammar = seq.params, None
+        self.params = seq.params
+        self.grammar = seq.grammar.ahead(seq.spec_token_ids[:j]) if seq.grammar is not None and j else seq.grammar
         self.output_token_ids = seq.output_token_ids + seq.spec_token_ids[:j]
         self._prompt = seq.prompt_token_ids
 
@@ -100,7 +107,8 @@ def _verify(
     tokens, accepted = accept_drafts(
         padded, drafts, torch.tensor(counts, device=dev), greedy, sampler.generator, seeds=seeds
     )
-    emitted = [row[: a + 1] for row, a in zip(tokens.tolist(), accepted.tolist())]
+    rows_and_counts = torch.cat([tokens, accepted[:, None]], dim=1).tolist()  # one read back: [N, K+2]
+    emitted = [row[: row[-1] + 1] for row in rows_and_counts]
     out = [SampledToken(e[0], more=[SampledToken(t) for t in e[1:]]) for e in emitted]
     _logprobs(sampler, logits[rows] if sampler.logprobs_mode == "raw_logprobs" else x, seqs, counts, emitted, out)
     return out

@@ -17,8 +17,9 @@ FlashAttention kernel (pdserve_kernels.mla_prefill) attends: 3.4x fewer flops th
 form and tensor-core tiles of many queries, instead of one query at a time. Sparse layers (V3.2)
 run absorbed over the indexer's top-k for every token. `MLA.expand_prefill = False` runs prefill
 absorbed too (tests compare the two). A step whose chunks are all short (at most
-`absorb_chunks_up_to` tokens: speculative decoding's verify chunks) runs absorbed as well: each
-query over its own positions 0..p through the block table, as a decode token.
+`absorb_chunks_up_to` tokens) runs absorbed as well: each query over its own positions 0..p
+through the block table, as a decode token. Speculative decoding's verify chunks come as decode
+rows already (`ForwardBatch.build(as_decode_rows=True)`, and so replay a CUDA graph).
 
 Tensor parallelism splits the heads: q_proj/q_b_proj and kv_b_proj are column-parallel by head
 (H below is this rank's H/tp heads), o_proj is row-parallel (one all-reduce). q_a_proj,
@@ -45,8 +46,8 @@ from pdserve.model.rope import apply_rope, softmax_scale
 
 class MLA(nn.Module):
     expand_prefill = True  # prefill chunks in the non-absorbed form (dense MLA)
-    # a step whose chunks are all this short (speculative decoding's verify chunks: the last token
-    # and its drafts) runs absorbed: expanding a chunk's whole context for a few queries costs more
+    # a step whose chunks are all this short runs absorbed: expanding a chunk's whole context for a
+    # few queries costs more
     absorb_chunks_up_to = 9
 
     def __init__(self, config: ModelConfig, layer_idx: int, tp: TPGroup | None = None) -> None:

@@ -62,6 +62,9 @@ class DeepseekModel(nn.Module):
 class DeepseekForCausalLM(nn.Module):
     supports_cuda_graphs = True  # decode forward: no host sync, shapes from the batch size alone
     supports_mtp = True  # add_mtp, forward_mtp, compute_mtp_logits
+    # every part of the decode path (absorbed MLA, V3.2's indexer and sparse MLA, MoE) is per token:
+    # a verify chunk's tokens run as decode rows, eager or replayed (engine/cuda_graphs.py)
+    verify_as_decode_rows = True
 
     def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
