@@ -31,7 +31,7 @@ from pdserve.engine.cuda_graphs import CudaGraphRunner
 from pdserve.engine.memory import MemoryFigures, measure_figures, plan_kv_pool, profile_peak
 from pdserve.engine.prefix_checkpoints import checkpoint_capacity, window_blocks_per_checkpoint
 from pdserve.engine.sampler import SampledToken, Sampler
-from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.spec_decode import verify
 from pdserve.model.batch import ForwardBatch, StepInputs
@@ -267,6 +267,7 @@ class ModelRunner:
             ),
             window_tables=torch.tensor([_pad(s.seq.window_table, width) for s in chunks], dtype=torch.int64),
             state_slots=torch.tensor([s.seq.state_slot for s in chunks], dtype=torch.int64),
+            state_dst=_state_dst(chunks),
         )
         return step, [s.seq for s in chunks if s.samples]
 
@@ -336,6 +337,13 @@ class ModelRunner:
                 clean = False
         ranks.wait() if clean else ranks.kill()
         self.tp.destroy()
+
+
+def _state_dst(chunks: list[ScheduledSeq]) -> torch.Tensor | None:
+    """Where each chunk's new state record goes, when a verify chunk writes a spare slot."""
+    if all(s.state_dst < 0 for s in chunks):
+        return None
+    return torch.tensor([s.state_dst if s.state_dst >= 0 else s.seq.state_slot for s in chunks], dtype=torch.int64)
 
 
 def _side_spaces(specs: list[KVRegionSpec], max_num_seqs: int, block_size: int) -> tuple[int | None, int, int]:
