@@ -160,6 +160,35 @@ def test_a_prefix_written_while_speculating_is_hit_exactly(tiny):
     _nothing_held(llm)
 
 
-def test_a_verify_chunk_longer_than_the_window_is_refused(tiny):
-    with pytest.raises(ValueError, match="sliding window"):
-        _llm(tiny[0], 7)  # window 8 keeps 7 positions: chunks of 8 would not fit
+def test_a_pd_decode_engine_speculates_exactly(tiny):
+    """PD in one process (fake connector): prefill hands over every V4 region (window, entries,
+    indexer keys, state); the decode engine verifies mixed drafts; its tokens equal colocated
+    plain decoding's and neither side keeps a block or a state slot."""
+    from pdserve.disagg.fake_connector import FakeConnector, FakeFabric
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.request import FirstToken
+    from tests.helpers.v4 import run
+
+    path, expected = tiny
+    fabric = FakeFabric()
+    conns = [FakeConnector(e, model_id="tiny", fabric=fabric, lease_margin_s=0.0) for e in ("P", "D")]
+    cfg = dict(model=path, dtype="float32", kv_block_size=4, max_num_batched_tokens=16, skip_tokenizer_init=True)
+    prefill = LLMEngine(EngineConfig(**cfg), conns[0])
+    decode = LLMEngine(EngineConfig(**cfg, speculative_config={**NGRAM, "num_speculative_tokens": 3}), conns[1])
+    decode.spec.proposer = Drafts(PROMPTS, expected, decode.runner.model.config.vocab_size, 3, "mixed")
+    reqs = [Request(request_id=str(i), prompt_token_ids=p, params=_params()[i]) for i, p in enumerate(PROMPTS)]
+    firsts = run(prefill, [r.model_copy(update={"hold_kv": True}) for r in reqs])
+    handoff = [
+        r.model_copy(update={"kv_handle": firsts[r.request_id].kv_handle,
+                             "first_token": FirstToken(token_id=firsts[r.request_id].outputs[0].token_ids[0])})
+        for r in reqs
+    ]  # fmt: skip
+    final = run(decode, handoff)
+    assert [final[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))] == expected
+    assert decode.spec.stats.num_accepted_tokens > 0 and decode.spec.spare.num_recomputes > 0
+    for _ in range(3):  # the prefill side frees its held blocks once decode's release arrives
+        prefill.step()
+    for eng in (prefill, decode):
+        s = eng.get_stats()
+        assert s.kv_blocks_used == s.kv_window_blocks_used == s.kv_state_slots_used == 0
