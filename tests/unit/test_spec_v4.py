@@ -9,6 +9,8 @@ verify chunks across every CSA group boundary, HCA boundaries and the window, a 
 budget chunks the prefills beside verify chunks. Proposers: the target's own tokens with one
 wrong at a cycling place (every accepted length 0..k, so the state is kept after some rejections
 and recomputed after others), forced right (k + 1 tokens a step), always wrong (1 a step), n-gram.
+Also: preemption, aborts, the prefix cache, PD in one process, and the release format (FP4 experts,
+FP8 projections) with fp8_ds_v4 KV records.
 """
 
 from __future__ import annotations
@@ -192,3 +194,18 @@ def test_a_pd_decode_engine_speculates_exactly(tiny):
     for eng in (prefill, decode):
         s = eng.get_stats()
         assert s.kv_blocks_used == s.kv_window_blocks_used == s.kv_state_slots_used == 0
+
+
+def test_the_release_format_with_fp8_kv_records(tiny, tmp_path):
+    """The tiny V4 in V4-Flash's formats (FP4 experts, FP8 projections) with fp8_ds_v4 window
+    and entry records: greedy with mixed drafts equals the same engine without."""
+    from pdserve.tiny_model import quantize_tiny_v4
+
+    quant, _ = quantize_tiny_v4(tiny[0], tmp_path / "quant", tmp_path / "ref", block=(32, 32))
+    plain = _llm(str(quant), kv_cache_dtype="fp8").generate(prompt_token_ids=PROMPTS, sampling_params=_params())
+    expected = [o.outputs[0].token_ids for o in plain]
+    llm = _spec_llm((str(quant), expected), 3, "mixed", kv_cache_dtype="fp8")
+    outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=_params())
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.engine.spec.stats.num_accepted_tokens > 0 and llm.engine.spec.spare.num_recomputes > 0
+    _nothing_held(llm)
