@@ -123,7 +123,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--speculative-config",
         type=json_object,
         metavar="JSON",
-        help='speculative decoding, vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\' (colocated or decode worker, V3 / V3.2)',
+        help='speculative decoding, vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\' (colocated or decode worker, V3 / V3.2 / V4)',
     )
     w("--engine-id", help="transfer agent name (default <role>-<port>)")
     w(

@@ -235,6 +235,14 @@ class BlockManager:
             self._states.give_back(seq.state_slot, seq.request_id)
             seq.state_slot = FREED
 
+    def take_spare_state(self) -> int | None:
+        """A state slot for one step, outside any sequence (None: none free): speculative
+        decoding's verify chunk writes its sequence's new state there (spec_decode/spare_states.py)."""
+        return self._states.take() if self._states is not None and self._states.num_free else None
+
+    def give_back_state(self, slot: int, owner: str) -> None:
+        self._states.give_back(slot, owner)
+
     def _needs_state(self, seq: Sequence) -> bool:
         return self._states is not None and seq.state_slot < 0
 

@@ -28,7 +28,7 @@ from pdserve.engine.request import Handoff, Request
 from pdserve.engine.sampler import SampledToken
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.sequence import Sequence, SequenceStatus
-from pdserve.engine.spec_decode.decoder import SpecDecoder, make_spec_decoder
+from pdserve.engine.spec_decode.decoder import SpecDecoder
 from pdserve.engine.stop import check_stop, visible_text
 from pdserve.outputs import CompletionOutput, Logprob, RequestOutput, from_entries
 from pdserve.sampling_params import SamplingParams
@@ -91,7 +91,7 @@ class LLMEngine:
             num_checkpoints=self.runner.num_checkpoints,
         )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.spec: SpecDecoder | None = make_spec_decoder(config, self.runner, self.block_manager, connector)
+        self.spec = SpecDecoder.for_engine(config, self.runner, self.block_manager, connector)  # None: none
         self.connector = connector
         self.remote_kv: RemoteKV | None = None
         if connector is not None:
@@ -198,6 +198,8 @@ class LLMEngine:
         self.last_schedule = sched
         if not sched.is_empty:
             self.runner.copy_records(self.block_manager.take_copies())
+            if self.spec is not None:
+                self.spec.begin(sched)
             sampled = self.runner.run(sched, self._while_step_runs(outputs))
             self._postprocess(sched, sampled, outputs)
             if self.spec is not None:
@@ -223,12 +225,12 @@ class LLMEngine:
             # a verify chunk computed its drafts' KV too; only accepted ones (tok.more) count
             accepted = len(tok.more) if tok is not None else 0
             seq.num_computed_tokens += s.num_tokens - s.num_spec + accepted
+            if self.spec is not None:
+                self.spec.settle(s, accepted)
             self.block_manager.trim_window(seq)
             if tok is None:
                 self._cache_blocks(seq)
                 continue
-            if self.spec is not None:
-                self.spec.observe(s, accepted)
             status = self._append(seq, tok)
             for extra in tok.more:
                 if status is not None:

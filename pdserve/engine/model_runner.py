@@ -29,9 +29,10 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import DEFAULT_CPU_KV_GB, EngineConfig
 from pdserve.engine.cuda_graphs import CudaGraphRunner, all_decode_rows, graph_ladder
 from pdserve.engine.memory import MemoryFigures, measure_figures, plan_kv_pool, profile_peak
+from pdserve.engine.model_loading import check_shardable, load_for_engine
 from pdserve.engine.prefix_checkpoints import checkpoint_capacity, window_blocks_per_checkpoint
 from pdserve.engine.sampler import SampledToken, Sampler
-from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.spec_decode import verify
 from pdserve.model.batch import ForwardBatch, StepInputs
@@ -78,7 +79,7 @@ class ModelRunner:
         if tp is None and config.tensor_parallel_size > 1:
             if model is not None:
                 raise ValueError("a prebuilt model runs with tensor_parallel_size 1 only")
-            _check_shardable(config)
+            check_shardable(config)
             from pdserve.engine.tp_ranks import RankProcesses
 
             self.ranks, tp = RankProcesses.start(config)
@@ -98,7 +99,7 @@ class ModelRunner:
             torch.set_num_threads(config.cpu_threads)
         self.dtype = getattr(torch, config.resolved_dtype())
         if model is None:
-            model = _load(config, self.dtype, self.device, self.tp)
+            model = load_for_engine(config, self.dtype, self.device, self.tp)
         self.model = model
         self.block_size = config.kv_block_size
         max_pos = model.config.max_position_embeddings
@@ -277,6 +278,7 @@ class ModelRunner:
             ),
             window_tables=torch.tensor([_pad(s.seq.window_table, width) for s in chunks], dtype=torch.int64),
             state_slots=torch.tensor([s.seq.state_slot for s in chunks], dtype=torch.int64),
+            state_dst=_state_dst(chunks),
         )
         return step, [s.seq for s in chunks if s.samples]
 
@@ -348,6 +350,13 @@ class ModelRunner:
         self.tp.destroy()
 
 
+def _state_dst(chunks: list[ScheduledSeq]) -> torch.Tensor | None:
+    """Where each chunk's new state record goes, when a verify chunk writes a spare slot."""
+    if all(s.state_dst < 0 for s in chunks):
+        return None
+    return torch.tensor([s.state_dst if s.state_dst >= 0 else s.seq.state_slot for s in chunks], dtype=torch.int64)
+
+
 def _side_spaces(specs: list[KVRegionSpec], max_num_seqs: int, block_size: int) -> tuple[int | None, int, int]:
     """(window_tokens, window blocks, state slots) of the pool: room for max_num_seqs sequences
     in a step and as many more between steps (a prefill worker's sequences held for decode);
@@ -357,45 +366,3 @@ def _side_spaces(specs: list[KVRegionSpec], max_num_seqs: int, block_size: int) 
     window_blocks = 2 * max_num_seqs * BlockManager.window_blocks_per_seq(window, block_size) if windows else 0
     state_slots = 2 * max_num_seqs if any(s.space == STATE for s in specs) else 0
     return window, window_blocks, state_slots
-
-
-def _load(config: EngineConfig, dtype: torch.dtype, device: torch.device, tp: TPGroup) -> torch.nn.Module:
-    """The checkpoint in config.model (or, load_format dummy, its config.json with random
-    weights), as the model its registry entry names (model/registry.py)."""
-    from pdserve.model import registry
-    from pdserve.model.config import ModelConfig
-    from pdserve.model.dummy import dummy_model
-    from pdserve.model.fp8 import model_config_for
-
-    model_config = ModelConfig.from_model_dir(config.model)
-    mtp = config.speculative_config is not None and config.speculative_config.method == "mtp"
-    if config.load_format == "dummy":
-        build = model_config_for(model_config, config.quantization, dummy=True, fp4_moe_backend=config.fp4_moe_backend)
-        return dummy_model(build, dtype, device, tp, seed=config.seed, mtp=mtp)
-    entry = registry.entry(model_config)
-    return entry.load(
-        config.model, dtype, device, tp=tp, quantization=config.quantization, progress=tp.is_driver,
-        fp4_moe_backend=config.fp4_moe_backend, mtp=mtp,
-    )  # fmt: skip
-
-
-def _check_shardable(config: EngineConfig) -> None:
-    """Fail before starting processes if the model's dims do not split into tensor_parallel_size
-    (builds rank 0's shards on the meta device: the same checks the real build makes)."""
-    from pdserve.model import registry
-    from pdserve.model.config import ModelConfig
-    from pdserve.model.fp8 import model_config_for
-
-    model_config = ModelConfig.from_model_dir(config.model)
-    model_class = registry.entry(model_config).model_class
-    build = model_config_for(model_config, config.quantization, dummy=config.load_format == "dummy")
-    with torch.device("meta"):
-        model_class(build, TPGroup(rank=0, size=config.tensor_parallel_size))
-    if config.device.startswith("cuda"):
-        first = torch.device(config.device).index or 0
-        need = first + config.tensor_parallel_size
-        if torch.cuda.device_count() < need:
-            raise ValueError(
-                f"tensor_parallel_size {config.tensor_parallel_size} on {config.device} needs GPUs {first}..{need - 1} "
-                f"but {torch.cuda.device_count()} are visible (CUDA_VISIBLE_DEVICES)"
-            )

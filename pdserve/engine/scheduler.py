@@ -34,6 +34,7 @@ class ScheduledSeq:
     num_tokens: int
     samples: bool = False  # the chunk reaches the sequence's last token: its logits give the next token
     num_spec: int = 0  # draft tokens after the last token, verified in this chunk (spec_decode/)
+    state_dst: int = -1  # a verify chunk's spare state slot for its new state (-1: its own; spare_states.py)
 
     @classmethod
     def of(cls, seq: Sequence, num_tokens: int) -> ScheduledSeq:

@@ -2,9 +2,9 @@
 
 Every message is a fixed header, then (for some commands) one int64 payload:
 
-    header  int64[8]: [PROTOCOL_VERSION, command, a, b, c, 0, 0, 0]
-    FORWARD   a=T, b=B, c=W   payload [T + 4B + 2*B*W]: input_ids | lens | starts | samples |
-                              state_slots | block_tables | window_tables
+    header  int64[8]: [PROTOCOL_VERSION, command, a, b, c, d, 0, 0]
+    FORWARD   a=T, b=B, c=W   payload [T + 4B + 2*B*W + d*B]: input_ids | lens | starts | samples |
+              d=1: state_dst  state_slots | block_tables | window_tables | state_dst (d = 1 only)
     SYNC_KV   a=n, b=m, c=k   payload [n + m + k]: token-space block ids | window block ids |
                               state slots whose KV rank 0 then broadcasts (device group)
     STOP      -               no payload; the rank leaves its loop and exits 0
@@ -20,7 +20,7 @@ import torch
 from pdserve.distributed.group import TPGroup
 from pdserve.model.batch import StepInputs
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 HEADER_LEN = 8
 
 
@@ -49,15 +49,16 @@ class Message:
     ids: SpaceIds | None = None  # SYNC_KV
 
 
-def _header(command: Command, a: int = 0, b: int = 0, c: int = 0) -> torch.Tensor:
+def _header(command: Command, a: int = 0, b: int = 0, c: int = 0, d: int = 0) -> torch.Tensor:
     h = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    h[:5] = torch.tensor([PROTOCOL_VERSION, int(command), a, b, c])
+    h[:6] = torch.tensor([PROTOCOL_VERSION, int(command), a, b, c, d])
     return h
 
 
 def send_forward(group: TPGroup, step: StepInputs) -> None:
     B, W = step.block_tables.shape
-    group.broadcast_control(_header(Command.FORWARD, step.input_ids.numel(), B, W))
+    dst = [] if step.state_dst is None else [step.state_dst]
+    group.broadcast_control(_header(Command.FORWARD, step.input_ids.numel(), B, W, len(dst)))
     payload = torch.cat(
         [
             step.input_ids,
@@ -67,6 +68,7 @@ def send_forward(group: TPGroup, step: StepInputs) -> None:
             step.state_slots,
             step.block_tables.reshape(-1),
             step.window_tables.reshape(-1),
+            *dst,
         ]
     )
     group.broadcast_control(payload.to(torch.int64).contiguous())
@@ -85,7 +87,7 @@ def receive(group: TPGroup) -> Message:
     """Ranks 1..N-1: block until rank 0's next message."""
     h = torch.empty(HEADER_LEN, dtype=torch.int64)
     group.broadcast_control(h)
-    version, command, a, b, c = h[:5].tolist()
+    version, command, a, b, c, d = h[:6].tolist()
     if version != PROTOCOL_VERSION:
         raise RuntimeError(f"TP rank {group.rank}: step message version {version}, expected {PROTOCOL_VERSION}")
     command = Command(command)
@@ -97,9 +99,9 @@ def receive(group: TPGroup) -> Message:
         tokens, window, state = (t.tolist() for t in ids.split([a, b, c]))
         return Message(command, ids=SpaceIds(tokens, window, state))
     T, B, W = a, b, c
-    payload = torch.empty(T + 4 * B + 2 * B * W, dtype=torch.int64)
+    payload = torch.empty(T + 4 * B + 2 * B * W + d * B, dtype=torch.int64)
     group.broadcast_control(payload)
-    ids, lens, starts, samples, slots, tables, windows = payload.split([T, B, B, B, B, B * W, B * W])
+    ids, lens, starts, samples, slots, tables, windows, *dst = payload.split([T, B, B, B, B, B * W, B * W] + [B] * d)
     step = StepInputs(
         input_ids=ids,
         lens=lens,
@@ -108,5 +110,6 @@ def receive(group: TPGroup) -> Message:
         block_tables=tables.view(B, W),
         window_tables=windows.view(B, W),
         state_slots=slots,
+        state_dst=dst[0] if dst else None,
     )
     return Message(command, step=step)

@@ -38,6 +38,9 @@ class StepInputs:
     block_tables: torch.Tensor  # [B, W] int64, zero padded
     window_tables: torch.Tensor  # [B, W] int64, window-space blocks (-1: none; block_manager.py)
     state_slots: torch.Tensor  # [B] int64, each sequence's state-space slot (-1: none)
+    # [B] int64 where each sequence's new state record goes; None: back into state_slots (a
+    # verify chunk of speculative decoding writes a spare slot: spec_decode/spare_states.py)
+    state_dst: torch.Tensor | None = None
 
 
 @dataclass
@@ -79,6 +82,7 @@ class ForwardBatch:
     state_slots: torch.Tensor  # [B] int64 (DeepSeek-V4's compressor state)
     block_size: int
     max_context: int  # longest context_lens entry (host int: sizes kernel grids without a sync)
+    state_dst: torch.Tensor | None = None  # [B] int64 new state records' slots (None: state_slots)
 
     @classmethod
     def build(cls, step: StepInputs, block_size: int, as_decode_rows: bool = False) -> ForwardBatch:
@@ -111,6 +115,7 @@ class ForwardBatch:
             state_slots=step.state_slots,
             block_size=bs,
             max_context=int(ends.max()) if B else 0,
+            state_dst=step.state_dst,
         )
 
     @property

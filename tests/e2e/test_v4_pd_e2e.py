@@ -3,8 +3,11 @@ cache region (window, CSA / HCA entries, indexer keys, compressor state), a rout
 
 - greedy tokens through the router equal the offline engine's (`LLM`), for 8 concurrent prompts
   whose lengths straddle the tiny model's rates (4, 16) and window (8), finishing at different
-  times; afterwards no block is in use on either worker and every lease ended by decode's release
-- `pdserve launch --model tiny:deepseek_v4` (router + prefill + decode) serves the same tokens
+  times, with the decode worker speculating (n-gram drafts, k = 3: rejected drafts leave its
+  window, entries and compressor state as they were); afterwards no block is in use on either
+  worker and every lease ended by decode's release
+- `pdserve launch --model tiny:deepseek_v4` (router + prefill + decode, no speculation) serves the
+  same tokens
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [list(range(10, 10 + n)) for n in (3, 7, 8, 9, 15, 16, 17, 33)]
 MAX_TOKENS = [18, 5, 12, 9, 16, 7, 14, 10]
+SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +71,7 @@ def _concurrently(url: str) -> list[list[int]]:
 def test_pd_cluster_equals_offline_engine(tiny, offline, tmp_path):
     with Cluster(tiny, tmp_path / "logs", kv_blocks=128) as c:
         prefill = c.worker("prefill", "--kv-block-size", "16")
-        decode = c.worker("decode", "--kv-block-size", "16", peers=[prefill])
+        decode = c.worker("decode", "--kv-block-size", "16", "--speculative-config", SPEC, peers=[prefill])
         router = c.router(prefill=[prefill], decode=[decode])
         c.wait_healthy()
         assert _concurrently(router.url) == offline
@@ -75,6 +79,7 @@ def test_pd_cluster_equals_offline_engine(tiny, offline, tmp_path):
         d, p = scrape(decode.url), scrape(prefill.url)
         assert d["pdserve_kv_transfer_bytes_total"] > 0 and d["pdserve_kv_transfer_seconds_count"] == len(PROMPTS)
         assert p["pdserve_kv_lease_expirations_total"] == 0
+        assert d["pdserve_spec_decode_num_drafts_total"] > 0
 
 
 def test_launch_tiny_v4_serves_the_offline_tokens(tiny, offline, tmp_path):

@@ -1,6 +1,6 @@
 """speculative_config: validation (vLLM's fields; unknown methods and fields are clear errors),
-serve's flag and the cluster YAML key, the n-gram lookup, the start-up refusals (V4; a prefill
-worker), and the counters on a worker's /metrics."""
+serve's flag and the cluster YAML key, the n-gram lookup, the start-up refusals (a V4 k past its
+window; a prefill worker), and the counters on a worker's /metrics."""
 
 from __future__ import annotations
 
@@ -56,10 +56,12 @@ def _config(path, **kw) -> EngineConfig:
     )
 
 
-def test_v4_is_refused_at_start(tmp_path):
+def test_v4_refuses_a_verify_chunk_longer_than_its_window(tmp_path):
+    """The tiny V4's window (8) keeps 7 positions: k = 7 would make chunks of 8."""
     path = make_tiny_model(tmp_path / "v4", "deepseek_v4")
-    with pytest.raises(ValueError, match="not yet supported for DeepSeek-V4"):
-        LLMEngine(_config(path))
+    with pytest.raises(ValueError, match="more than the model's sliding window keeps"):
+        LLMEngine(_config(path).model_copy(update={"speculative_config": SpeculativeConfig(
+            method="ngram", num_speculative_tokens=7)}))  # fmt: skip
 
 
 def test_the_counters_reach_the_workers_metrics():

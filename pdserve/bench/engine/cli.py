@@ -82,7 +82,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--verify-k",
         default="",
-        help="comma-separated draft counts k: also time speculative decoding's verify steps of k drafts per row (V3.2)",
+        help="comma-separated draft counts k: also time speculative decoding's verify steps of k drafts per row",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the JSON report here")
@@ -112,10 +112,6 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype}: auto (the weights' dtype) or fp8")
     if args.tp_shard < 1 or (args.tp_shard > 1 and not args.num_layers):
         raise ValueError("--tp-shard must be >= 1, and a shard needs --num-layers (layers are fitted unsharded)")
-    if verify_ks(args) and MODELS[args.model]()["model_type"] == "deepseek_v4":
-        raise ValueError(
-            "--verify-k: speculative decoding is not yet supported for DeepSeek-V4 (use v3.2 or tiny-v3.2)"
-        )
     if any(k < 1 for k in verify_ks(args)):
         raise ValueError("--verify-k: draft counts must be >= 1")
     if min(batch_sizes(args)) < 1 or args.context < 1 or args.long_context < 0 or args.steps < 1 or args.warmup < 0:

@@ -3,7 +3,9 @@
 A verify step runs every sequence's last token and k random drafts as one chunk (the engine's
 `ScheduledSeq` with `num_spec = k`: logits at the k + 1 positions, acceptance on the device,
 the tokens read back) and leaves the sequences as they were: the drafts' KV lies past their
-computed tokens, as rejected drafts' does in the engine. Random weights accept nothing, so the
+computed tokens, as rejected drafts' does in the engine; on a pool with per-sequence state
+(DeepSeek-V4) the new state goes to a spare slot, as the engine's verify chunks write it
+(spec_decode/spare_states.py), freed after the step. Random weights accept nothing, so the
 speed-up at an accept length L (tokens a verify step emits on average, 1 <= L <= k + 1) is
 computed, not measured: L x plain step / verify step. The engine is built with k's largest value as
 its speculative_config, so on CUDA a verify step replays a captured graph as a plain step does
@@ -29,13 +31,19 @@ def verify_step(bench, seqs: list[Sequence], k: int) -> float:
     for seq in seqs:
         seq.spec_token_ids = torch.randint(bench.vocab, (k,), generator=bench.gen).tolist()
         bench.blocks.allocate(seq, seq.num_tokens + k, seq.num_computed_tokens + 1 + k)
+    sched = verify_schedule(seqs, k)
+    for s in sched.scheduled:
+        if s.seq.state_slot >= 0:  # the runner sizes 2 state slots a sequence: one is free
+            s.state_dst = _spare(bench.blocks)
     sync(bench.device)
     t0 = time.perf_counter()
-    bench.runner.run(verify_schedule(seqs, k))
+    bench.runner.run(sched)
     sync(bench.device)
     seconds = time.perf_counter() - t0
-    for seq in seqs:
-        seq.spec_token_ids = []
+    for s in sched.scheduled:
+        s.seq.spec_token_ids = []
+        if s.state_dst >= 0:
+            bench.blocks.give_back_state(s.state_dst, s.seq.request_id)
     return seconds
 
 
@@ -53,6 +61,13 @@ def graphed(bench, seqs: list[Sequence], k: int) -> bool:
     for seq in seqs:
         seq.spec_token_ids = []
     return fits
+
+
+def _spare(blocks) -> int:
+    slot = blocks.take_spare_state()
+    if slot is None:
+        raise RuntimeError("no free state slot for a verify chunk's new state")
+    return slot
 
 
 def measure(bench, seqs: list[Sequence], ks: list[int], warmup: int, steps: int) -> dict:

@@ -1,5 +1,6 @@
 """The engine's side of speculative decoding: after each step, drafts for the sequences that
-will decode next; the counters of what was verified.
+will decode next; the counters of what was verified; on a pool with per-sequence state
+(DeepSeek-V4), the spare state slots of the step's verify chunks (spare_states.py).
 
 A sequence with a structured-outputs grammar drafts too: its drafts are cut at the first token the
 grammar refuses (the matcher's state unchanged), and the verify step masks each position with
@@ -16,11 +17,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
+from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.spec_decode.config import MTP_UNDER_PD, SpeculativeConfig
 from pdserve.engine.spec_decode.metrics import SpecDecodeStats
 from pdserve.engine.spec_decode.ngram import NgramProposer
+from pdserve.engine.spec_decode.spare_states import SpareStates
 
 
 class Proposer(Protocol):
@@ -44,10 +47,48 @@ class SpecDecoder:
         self.max_model_len = max_model_len
         self.proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.stats = SpecDecodeStats(self.k)
+        self.spare: SpareStates | None = None  # a pool with per-sequence state (for_engine)
 
-    def observe(self, s: ScheduledSeq, num_accepted: int) -> None:
+    @classmethod
+    def for_engine(cls, config, runner, blocks: BlockManager, connector=None) -> SpecDecoder | None:
+        """The engine's decoder (None without speculative_config). ValueError where a verify
+        chunk could outgrow the sliding window (its first positions would keep no window record),
+        or for MTP under PD (connector: the engine's KV connector)."""
+        spec = config.speculative_config
+        if spec is None:
+            return None
+        window = runner.window_tokens
+        if window is not None and spec.num_speculative_tokens + 1 > window:
+            raise ValueError(
+                f"speculative_config: num_speculative_tokens {spec.num_speculative_tokens} needs verify chunks of "
+                f"{spec.num_speculative_tokens + 1} tokens, more than the model's sliding window keeps ({window}); "
+                f"use at most {window - 1}"
+            )
+        proposer = None
+        if spec.method == "mtp":
+            if connector is not None:
+                raise ValueError(MTP_UNDER_PD)
+            from pdserve.engine.spec_decode.mtp import MTPDrafter
+
+            proposer = MTPDrafter(runner, blocks)
+        out = cls(spec, runner.max_model_len, proposer)
+        if runner.num_state_slots:
+            rates = {s.tokens_per_record for s in runner.kv_cache.specs.values() if s.tokens_per_record > 1}
+            out.spare = SpareStates(blocks, rates)
+        return out
+
+    def begin(self, sched: SchedulerOutput) -> None:
+        """Before the step's forward (a pool with state: spare slots for its verify chunks)."""
+        if self.spare is not None:
+            self.spare.begin(sched)
+
+    def settle(self, s: ScheduledSeq, num_accepted: int) -> None:
+        """After the acceptance, before the blocks are trimmed or cached: counters, and which
+        state a verify chunk's sequence keeps (its computed tokens may go back: spare_states.py)."""
         if s.num_spec:
             self.stats.observe(s.num_spec, num_accepted)
+        if self.spare is not None:
+            self.spare.settle(s)
 
     def propose(self, sched: SchedulerOutput) -> None:
         """Drafts for the step's sequences that decode next (stale ones dropped everywhere else)."""
@@ -97,31 +138,3 @@ class SpecDecoder:
         if seq.params.max_tokens is not None:
             left = min(left, seq.params.max_tokens - seq.num_output_tokens)
         return min(self.k, left - 1)
-
-
-def make_spec_decoder(config, runner, block_manager, connector=None) -> SpecDecoder | None:
-    """The engine's SpecDecoder for EngineConfig `config` (None without speculative_config);
-    connector: the engine's KV connector (PD), where MTP is refused."""
-    spec = config.speculative_config
-    if spec is None:
-        return None
-    refuse_unsupported(runner)
-    proposer = None
-    if spec.method == "mtp":
-        if connector is not None:
-            raise ValueError(MTP_UNDER_PD)
-        from pdserve.engine.spec_decode.mtp import MTPDrafter
-
-        proposer = MTPDrafter(runner, block_manager)
-    return SpecDecoder(spec, runner.max_model_len, proposer)
-
-
-def refuse_unsupported(runner) -> None:
-    """ValueError naming what speculation does not run on yet: models with a sliding window or
-    per-sequence state (DeepSeek-V4: rejected drafts would have to leave its window, compressed
-    entries and compressor state untouched)."""
-    if runner.window_tokens is not None or runner.num_state_slots:
-        raise ValueError(
-            "speculative_config is not yet supported for DeepSeek-V4 (sliding window and compressor state); "
-            "it runs on DeepSeek-V3 / V3.2"
-        )

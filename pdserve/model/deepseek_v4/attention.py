@@ -187,10 +187,10 @@ class V4Attention(nn.Module):
         csa = isinstance(comp, CSACompressor)
         name = "csa" if csa else "hca"
         entries = _region(kv_cache, f"{name}_kv", layer)
-        comp.update(x, ix, step.state_slots, entries, kv_cache.layer(f"{name}_state", layer))
+        comp.update(x, ix, step.state_slots, entries, kv_cache.layer(f"{name}_state", layer), step.state_dst)
         if csa:
             keys = kv_cache.layer("csa_index_k", layer)
-            comp.indexer.update(x, ix, step.state_slots, keys, kv_cache.layer("csa_index_state", layer))
+            comp.indexer.update(x, ix, step.state_slots, keys, kv_cache.layer("csa_index_state", layer), step.state_dst)
             cos, sin = step.rope["compress"]
             rows = comp.indexer.select(x, q_res, cos, sin, keys, ix, step.seq_ids)  # [T, k]
         else:

@@ -45,15 +45,22 @@ class CompressedKV(nn.Module):
         self.kv_norm = V4RMSNorm(dim, eps)
 
     def update(
-        self, x: torch.Tensor, ix: EntryIndex, slots: torch.Tensor, entries: torch.Tensor, states: torch.Tensor
+        self,
+        x: torch.Tensor,
+        ix: EntryIndex,
+        slots: torch.Tensor,
+        entries: torch.Tensor,
+        states: torch.Tensor,
+        dst: torch.Tensor | None = None,
     ) -> None:
         """Feed every sequence's new tokens x [T, hidden] (state records states[slots], slots [B]):
         writes the entries of the groups the step touches into `entries` (this layer's region:
         [N, Dc] values or fp8_ds_v4 pages) and each sequence's new record into `states`
-        [S, state_dim]."""
+        [S, state_dim], at row dst [B] (None: slots; a verify chunk's spare slot leaves the
+        record it read as it was, for the engine to keep if drafts are rejected)."""
         plan, m, dim, C = ix.groups, self.rate, self.dim, self.width
         cos, sin = plan.rope
-        if plan.start is not None and ops.uses_triton(x):  # a decode step: one kernel, in place
+        if plan.start is not None and dst is None and ops.uses_triton(x):  # a decode step: one kernel, in place
             kv, gate = self.kv_proj(x), self.gate_proj(x)
             pooled = ops.compress_decode(kv, gate, states, slots, plan.start, self.position_bias, dim, self.overlap)
             store_records(entries, plan.slot, self.kv_norm(pooled, rope=(cos, sin)), 2 * cos.shape[-1])
@@ -79,7 +86,8 @@ class CompressedKV(nn.Module):
         store_records(
             entries, plan.slot, self.kv_norm(pooled, rope=(cos, sin)), 2 * cos.shape[-1]
         )  # norm + rope: one kernel
-        states.index_copy_(0, slots, self._record(plan, raw_kv, raw_gate, biased, prev_kv, prev_gate).to(states.dtype))
+        dst = slots if dst is None else dst
+        states.index_copy_(0, dst, self._record(plan, raw_kv, raw_gate, biased, prev_kv, prev_gate).to(states.dtype))
 
     def _record(self, plan, raw_kv, raw_gate, biased, prev_kv, prev_gate) -> torch.Tensor:
         """[B, state_dim]: each sequence's last group's first P rows (raw kv, raw gate; zero

@@ -82,6 +82,7 @@ class V4Step:
     window_old: torch.Tensor | None  # [B*(W-1)] int64 window-region rows of the key buffer (None: read the region)
     state_slots: torch.Tensor  # [B] int64
     entries: dict[int, EntryIndex] = field(default_factory=dict)  # rate -> where its entries lie
+    state_dst: torch.Tensor | None = None  # [B] int64 slots the new state records go to (None: state_slots)
 
 
 def build_step(
@@ -96,6 +97,7 @@ def build_step(
         seq_ids=batch.seq_ids,
         rope={kind: r(pos) for kind, r in rotary.items()},
         state_slots=batch.state_slots,
+        state_dst=batch.state_dst,
         **(window_in_pool(batch, window) if decode else window_buffer(batch, window)),
     )
     for m in sorted(csa_rates | hca_rates):
