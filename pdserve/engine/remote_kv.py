@@ -261,8 +261,8 @@ class RemoteKV:
         for seq in self.scheduler.admit_remote():
             try:
                 self.connector.start_load(
-                    seq.kv_handle, list(seq.block_table), seq.peer,
-                    local_window_block_ids=list(seq.window_table), local_state_slot=seq.state_slot,
+                    seq.kv_handle, list(seq.block_table), seq.peer, local_window_block_ids=list(seq.window_table),
+                    local_state_slot=seq.state_slot, num_reused_blocks=seq.num_reused_blocks,
                 )  # fmt: skip
                 seq.advance_transfer(TransferStage.READING)
             except TransferError as e:  # hash mismatch, unknown or unreachable peer, bad block ids
