@@ -45,9 +45,9 @@ def blocks_reusable(config: EngineConfig, specs: list[KVRegionSpec]) -> bool:
 def checkpoint_capacity(config: EngineConfig, specs: list[KVRegionSpec]) -> int:
     """Checkpoints a pool with window and state regions keeps: max_num_seqs when its blocks are
     reusable; 0 otherwise (no caching), and on a decode worker (kv_consumer: its loads bring the
-    window and state, its own prefills are recomputes of failed loads). One rank only: the copies
-    are rank 0's."""
-    if config.tensor_parallel_size > 1 or config.kv_role == "kv_consumer":
+    window and state, its own prefills are recomputes of failed loads). With tensor parallelism
+    every rank does the copies in its own pool (ModelRunner.copy_records)."""
+    if config.kv_role == "kv_consumer":
         return 0
     if not {WINDOW, STATE} <= {s.space for s in specs} or not blocks_reusable(config, specs):
         return 0
