@@ -2,7 +2,7 @@
 the KV layout describes, region by region, as NIXL reads it): a conversation's second turn reads
 from the prefill worker only the token blocks the decode worker does not hold from the first turn
 (its prompt, loaded, and its answer, decoded there); DeepSeek-V4's window and compressor state are
-read whole every time. The tokens are those of the same decode worker with its cache off (whose
+read whole every time. The staged slab holds every block, so a partial load reads the blocks. The tokens are those of the same decode worker with its cache off (whose
 PD path tests/unit/test_v4_pd.py and test_engine.py hold against colocated engines, and those
 against transformers); the bytes moved and saved follow from the layout's block sizes.
 
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from pdserve.disagg.base import TransferStage
+from pdserve.disagg.factory import StagingOptions
 from pdserve.disagg.fake_connector import FakeConnector, FakeFabric
 from pdserve.engine.request import FirstToken, Request
 from pdserve.model.kv_cache import TOKENS
@@ -54,10 +55,10 @@ def conversation():
     return torch.randint(4, 280, (37,), generator=g).tolist(), torch.randint(4, 280, (11,), generator=g).tolist()
 
 
-def pd_pair(tiny, reuse: bool = True, policy: str = "fail", **decode_kw):
+def pd_pair(tiny, reuse: bool = True, policy: str = "fail", staging: StagingOptions | None = None, **decode_kw):
     """(prefill engine, decode engine, decode's connector); decode caches only when reuse."""
     fabric = FakeFabric()
-    conns = [FakeConnector(e, model_id="tiny", fabric=fabric, lease_margin_s=0.0) for e in ("P", "D")]
+    conns = [FakeConnector(e, model_id="tiny", fabric=fabric, lease_margin_s=0.0, staging=staging) for e in ("P", "D")]
     prefill = engine(tiny, conns[0], kv_block_size=BS, kv_role="kv_producer")
     decode_kw = dict(kv_block_size=BS, kv_role="kv_consumer", enable_prefix_caching=reuse, **decode_kw)
     decode = engine(tiny, conns[1], **decode_kw)
@@ -124,7 +125,8 @@ def cold(colds, arch):
 
 @BOTH
 def test_next_turn_reads_only_the_blocks_decode_lacks(tiny, conversation, cold):
-    prefill, decode, conn = pd_pair(tiny)
+    staging = StagingOptions(mode="on", prefill_arena_mib=4, decode_arena_mib=4)
+    prefill, decode, conn = pd_pair(tiny, staging=staging)
     a, b, p2 = two_turns(prefill, decode, conversation)
     assert (a.outputs[0].token_ids, b.outputs[0].token_ids) == cold[:2]
     # turn 1 left decode the full blocks of its prompt and of the answer it computed (all but the
@@ -140,6 +142,9 @@ def test_next_turn_reads_only_the_blocks_decode_lacks(tiny, conversation, cold):
     assert [r.nbytes for r in cold[2]] == whole  # without the cache every block moves
     assert conn.stats.bytes_saved == saved and conn.stats.bytes_transferred == sum(whole) - saved
     assert conn.stats.verified_loads == 2 and conn.stats.verify_failures == 0  # the partial read, checked
+    # turn 1 moved as one slab; turn 2's slab holds every block, so its later blocks are read alone
+    assert conn.stats.staged == {("decode", "staged"): 1, ("decode", "partial"): 1}
+    assert conn.landing_arena.used_bytes == 0 and prefill.connector.staging_arena.used_bytes == 0
     stats = decode.get_stats()
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (len(conversation[0]) + len(p2), k * BS)
     assert b.num_cached_tokens is None  # usage's cached tokens are the prefill's
