@@ -87,12 +87,13 @@ def test_streamed_chat_usage_carries_cached_tokens(client):
 
 def test_next_turn_reads_only_the_blocks_decode_lacks(client, cluster):
     def turn(prompt: list[int]) -> tuple[list[int], dict[str, float]]:
-        before = scrape(cluster.decode.url)
+        """The answer's tokens, and what the decode worker's (and the router's) counters gained."""
+        before = {**scrape(cluster.api.url), **scrape(cluster.decode.url)}
         out = client.completions.create(
             model="tiny", prompt=prompt, max_tokens=6, temperature=0, extra_body={"return_token_ids": True}
         )
         assert not any(wait_blocks_free([cluster.prefill, cluster.decode]).values())  # done, metrics synced
-        after = scrape(cluster.decode.url)
+        after = {**scrape(cluster.api.url), **scrape(cluster.decode.url)}
         return out.choices[0].token_ids, {k: v - before.get(k, 0.0) for k, v in after.items()}
 
     p1 = [(11 * i) % 900 + 5 for i in range(70)]  # 5 blocks (tiny V3: one token region, latent)
@@ -103,6 +104,7 @@ def test_next_turn_reads_only_the_blocks_decode_lacks(client, cluster):
     held = (len(p1) + len(a) - 1) // BS  # turn 1's prompt and answer (its last token never computed)
     assert held == 4 and first["pdserve_kv_transfer_bytes_saved_total"] == 0
     assert second["pdserve_kv_transfer_bytes_saved_total"] == held * block
+    assert second["pdserve_router_kv_transfer_bytes_saved_total"] == held * block  # from decode's timing
     assert second["pdserve_kv_transfer_bytes_total"] == (6 - held) * block
     assert second["pdserve_prefix_cache_hits_total"] == held * BS
     assert second["pdserve_kv_verify_failures_total"] == 0 and second["pdserve_kv_verified_loads_total"] == 1
