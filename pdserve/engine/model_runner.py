@@ -290,7 +290,7 @@ class ModelRunner:
         ids = protocol.SpaceIds(
             block_ids, [b for b in window_block_ids if b >= 0], [state_slot] if state_slot >= 0 else []
         )
-        if self.ranks is None or not block_ids:
+        if self.ranks is None or not (ids.tokens or ids.window or ids.state):
             return
         self.ranks.check_alive()
         protocol.send_sync_kv(self.tp, ids)
