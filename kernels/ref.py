@@ -233,13 +233,20 @@ def copy_blocks_ref(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor,
     dst[:, dst_ids.long()] = src[:, src_ids.long()].to(dst.device)
 
 
-def checksum_blocks_ref(words: torch.Tensor, ids: torch.Tensor | None, acc: torch.Tensor, n: int | None = None) -> None:
+def checksum_blocks_ref(
+    words: torch.Tensor, ids: torch.Tensor | None, acc: torch.Tensor, n: int | None = None, per_block: bool = False
+) -> None:
     """acc[0] += the weighted word-sum checksum of blocks ids of words [L, N, W] (kernel:
-    kv_checksum.py, which gives the formula); ids < 0 skipped, None: every block; int64, wrapping."""
+    kv_checksum.py, which gives the formula); ids < 0 skipped, None: every block; int64, wrapping.
+    per_block: acc[i] += block i's own terms."""
     L, N = words.shape[:2]
     ids = torch.arange(N) if ids is None else ids.long().cpu()
     n = ids.numel() if n is None else n
     pos = torch.nonzero(ids >= 0).flatten()
     sums = words[:, ids[pos].to(words.device)].sum(-1, dtype=torch.int64)  # [L, kept]
     weights = torch.arange(L, device=words.device)[:, None] * n + pos.to(words.device)[None, :]
-    acc[0] += (sums * (2 * weights + 1)).sum()
+    terms = sums * (2 * weights + 1)  # [L, kept]
+    if per_block:
+        acc[pos.to(acc.device)] += terms.sum(0).to(acc.device)
+    else:
+        acc[0] += terms.sum()

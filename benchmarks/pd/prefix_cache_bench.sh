@@ -3,7 +3,8 @@
 # each later turn resending the conversation so far, ~90% of it a prefix of the previous prompt)
 # against PD and colocated, each with and without the prefix cache. `pdserve launch` each run in
 # turn, `pdserve bench --dataset multi-turn` against its router (warm-up first), stop it; then
-# the table: median TTFT, prefill tokens computed and hit rate per run, and the ratios
+# the table: median TTFT, prefill tokens computed and hit rate per run, PD's decode-side KV bytes
+# read and saved (the decode worker's prefix cache), and the ratios
 # (no cache / cache) with the goals (TTFT >= 3x, computed >= 5x) and how many answers matched.
 #
 #   benchmarks/pd/prefix_cache_bench.sh OUT_DIR MODEL_DIR   (from the repository root)
@@ -14,6 +15,7 @@
 #   RUNS ("pd pd-nocache colocated colocated-nocache": any subset, e.g. one per call)
 #   PD_CONFIG (configs/pd-1gpu.yaml)  COLOCATED_CONFIG (configs/colocated-1gpu.yaml)
 #   PD_METRICS (http://127.0.0.1:30000: the prefill worker)  COLOCATED_METRICS (http://127.0.0.1:30002)
+#   DECODE_METRICS (http://127.0.0.1:30001: PD's decode worker: KV bytes its loads moved and saved)
 #   INPUT_LEN (4096: first turn)  QUESTION_LEN (384: new tokens a later turn adds)  OUTPUT_LEN (64)
 #   NUM_TURNS (8)  CONCURRENCY (1,4: conversations in flight)  NUM_PROMPTS (4,8: conversations a level)
 #   MAX_MODEL_LEN (8192: the last turn is INPUT_LEN + (NUM_TURNS - 1) x (OUTPUT_LEN + QUESTION_LEN))
@@ -35,9 +37,10 @@ wait_healthy() {  # $1: launcher pid
 }
 
 run() {  # $1: name (pd, pd-nocache, colocated, colocated-nocache)
-    local name=$1 config metrics pid rc=0 switch=()
+    local name=$1 config metrics pid rc=0 switch=() decode=()
     case $name in
-        pd*) config=${PD_CONFIG:-configs/pd-1gpu.yaml}; metrics=${PD_METRICS:-http://127.0.0.1:30000} ;;
+        pd*) config=${PD_CONFIG:-configs/pd-1gpu.yaml}; metrics=${PD_METRICS:-http://127.0.0.1:30000}
+             decode=(--metrics-url "${DECODE_METRICS:-http://127.0.0.1:30001}") ;;
         colocated*) config=${COLOCATED_CONFIG:-configs/colocated-1gpu.yaml}; metrics=${COLOCATED_METRICS:-http://127.0.0.1:30002} ;;
         *) echo "unknown run $name"; return 2 ;;
     esac
@@ -54,7 +57,7 @@ run() {  # $1: name (pd, pd-nocache, colocated, colocated-nocache)
         fi
         timeout "${BENCH_S:-400}" "$PY" -m pdserve bench --base-url "$ROUTER" "${WORKLOAD[@]}" \
             --num-turns "${NUM_TURNS:-8}" --output-len "${OUTPUT_LEN:-64}" --concurrency "$CONCURRENCY" \
-            --num-prompts "${NUM_PROMPTS:-4,8}" --metrics-url "$metrics" --save-output-ids --out "$OUT/$name.json" || rc=$?
+            --num-prompts "${NUM_PROMPTS:-4,8}" --metrics-url "$metrics" "${decode[@]}" --save-output-ids --out "$OUT/$name.json" || rc=$?
         "$PY" -c "import sys, httpx; print(httpx.get(sys.argv[1] + '/metrics', timeout=5).text)" "$metrics" \
             >"$LOGS/$name.metrics.txt" 2>&1
     else

@@ -9,6 +9,8 @@ computed >= 5x, and how many answers came out token for token the same (greedy, 
 Prefill tokens computed: prompt tokens - cached tokens, from the responses' usage; where a run
 reported no cached tokens, the prefill workers' pdserve_prefix_cache_* counters; a run without
 the cache that reported neither computed every prompt token (said so in `computed_from`).
+PD runs whose bench read the decode worker's /metrics too also give the KV its loads moved (MB)
+and the share of the prompts' KV its prefix cache held, not moved (decode-side prefix caching).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def computed(level: dict[str, Any], cache: bool) -> tuple[int | None, str]:
 
 def row(deployment: str, cache: bool, level: dict[str, Any]) -> dict[str, Any]:
     n, source = computed(level, cache)
+    decode = (level.get("prefix_cache_workers") or {}).get("decode") or {}
+    read = decode.get("kv_bytes_read")
     return {
         "deployment": deployment,
         "prefix_caching": cache,
@@ -54,6 +58,8 @@ def row(deployment: str, cache: bool, level: dict[str, Any]) -> dict[str, Any]:
         "prefill_tokens_computed": n,
         "computed_from": source,
         "hit_rate": level.get("prefix_cache_hit_rate"),
+        "kv_mb_read": read / 1e6 if read else None,
+        "kv_saved_pct": None if decode.get("saved_fraction") is None else 100 * decode["saved_fraction"],
         "output_throughput": level.get("output_throughput"),
     }
 
@@ -128,7 +134,8 @@ def format_summary(s: dict[str, Any]) -> str:
             ("done", "completed", 0), ("fail", "failed", 0), ("TTFT med ms", "median_ttft_ms", 1),
             ("1st turn", "median_ttft_first_turn_ms", 1), ("later turns", "median_ttft_later_turns_ms", 1),
             ("prompt tok", "prompt_tokens", 0), ("computed", "prefill_tokens_computed", 0),
-            ("hit %", "hit_pct", 1), ("from", "computed_from", 0),
+            ("hit %", "hit_pct", 1), ("from", "computed_from", 0), ("KV read MB", "kv_mb_read", 1),
+            ("KV saved %", "kv_saved_pct", 1),
         ],
     )  # fmt: skip
     ratios = _table(

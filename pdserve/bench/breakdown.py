@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 TTFT = "pdserve_router_ttft_breakdown_seconds"
 HANDOFF = "pdserve_router_pd_handoff_seconds"
 KV_BYTES = "pdserve_router_kv_transfer_bytes_total"
+KV_SAVED = "pdserve_router_kv_transfer_bytes_saved_total"
 HANDOFFS = "pdserve_router_pd_handoffs_total"
 ROUTER_TTFT = "pdserve_time_to_first_token_seconds"
 TTFT_PARTS = ("queue", "prefill", "other")
@@ -81,6 +82,7 @@ def breakdown(before: Scrape, after: Scrape) -> dict[str, Any]:
     n_kv = int(_delta(before, after, HANDOFF, "kv_transfer", "count"))
     kv_s = _delta(before, after, HANDOFF, "kv_transfer", "sum")
     kv_bytes = after.get(KV_BYTES, 0.0) - before.get(KV_BYTES, 0.0)
+    kv_saved = after.get(KV_SAVED, 0.0) - before.get(KV_SAVED, 0.0)
     return {
         "requests": int(_delta(before, after, TTFT, "prefill", "count")),
         "router_mean_ttft_ms": _mean_ms(before, after, ROUTER_TTFT),
@@ -89,6 +91,7 @@ def breakdown(before: Scrape, after: Scrape) -> dict[str, Any]:
         "handoff_ms": {p: _mean_ms(before, after, HANDOFF, p) for p in HANDOFF_PARTS} if n_pd else None,
         "kv_transfers": n_kv,
         "kv_bytes_per_request": kv_bytes / n_kv if n_kv else None,
+        "kv_bytes_saved_per_request": kv_saved / n_kv if n_kv else None,  # decode-side prefix caching
         "kv_gb_per_s": kv_bytes / kv_s / 1e9 if n_kv and kv_s > 0 else None,
         "handoffs_via": {
             via: int(after.get(f"{HANDOFFS}{{{via}}}", 0.0) - before.get(f"{HANDOFFS}{{{via}}}", 0.0))
@@ -131,6 +134,7 @@ def format_table(results: list[dict[str, Any]]) -> str:
         "first dec",
         "other",
         "KV MB/req",
+        "KV saved MB/req",
         "KV GB/s",
     ]
     rows = [head]
@@ -139,10 +143,11 @@ def format_table(results: list[dict[str, Any]]) -> str:
         if "error" in b or not b:
             continue
         t, h = b["ttft_ms"], b.get("handoff_ms") or {}
-        mb = b.get("kv_bytes_per_request")
+        mb, saved = b.get("kv_bytes_per_request"), b.get("kv_bytes_saved_per_request")
         rows.append(
             [str(r["max_concurrency"]), _ms(b.get("router_mean_ttft_ms")), *(_ms(t.get(p)) for p in TTFT_PARTS), *(_ms(h.get(p)) for p in HANDOFF_PARTS),
-             _ms(None if mb is None else mb / 1e6), "-" if b.get("kv_gb_per_s") is None else f"{b['kv_gb_per_s']:.2f}"]
+             _ms(None if mb is None else mb / 1e6), _ms(None if saved is None else saved / 1e6),
+             "-" if b.get("kv_gb_per_s") is None else f"{b['kv_gb_per_s']:.2f}"]
         )  # fmt: skip
     if len(rows) == 1:
         return ""

@@ -199,6 +199,12 @@ CACHE_COLUMNS: tuple[tuple[str, Callable[[dict[str, Any]], Any], int], ...] = (
     ("hit %", lambda r: _pct(r.get("prefix_cache_hit_rate")), 1),
     ("workers hit %", lambda r: _pct((r.get("prefix_cache_workers") or {}).get("hit_rate")), 1),
     ("workers computed", lambda r: (r.get("prefix_cache_workers") or {}).get("computed_tokens"), 0),
+    ("KV read MB", lambda r: _mb(((r.get("prefix_cache_workers") or {}).get("decode") or {}).get("kv_bytes_read")), 1),
+    (
+        "KV saved %",
+        lambda r: _pct(((r.get("prefix_cache_workers") or {}).get("decode") or {}).get("saved_fraction")),
+        1,
+    ),
     ("TTFT med", lambda r: r.get("median_ttft_ms"), 1),
     ("TTFT 1st turn", lambda r: r.get("median_ttft_first_turn_ms"), 1),
     ("TTFT later", lambda r: r.get("median_ttft_later_turns_ms"), 1),
@@ -209,9 +215,15 @@ def _pct(rate: float | None) -> float | None:
     return None if rate is None else rate * 100.0
 
 
+def _mb(nbytes: int | None) -> float | None:
+    """Bytes as MB; None where no decode worker's metrics were read (or it loaded nothing)."""
+    return nbytes / 1e6 if nbytes else None
+
+
 def format_cache_table(results: list[dict[str, Any]]) -> str:
     """Prefix caching per level: prompt tokens served, cached, computed (by the responses' usage and
-    by the workers' counters), hit rates, TTFT. '-': not reported."""
+    by the workers' counters), hit rates, the decode workers' KV bytes read and the share of the
+    prompts' KV their prefix caches held (not read), TTFT. '-': not reported."""
     rows = [[h for h, _, _ in CACHE_COLUMNS]]
     for r in results:
         rows.append(["-" if get(r) is None else f"{get(r):.{d}f}" for _, get, d in CACHE_COLUMNS])

@@ -24,6 +24,8 @@ RUNNING = "pdserve_num_requests_running"  # gauge
 PREFIX_QUERIES = "pdserve_prefix_cache_queries_total"  # counter: prompt tokens looked up in the prefix cache
 PREFIX_HITS = "pdserve_prefix_cache_hits_total"  # counter: of those, tokens found
 BLOCKS_CACHED = "pdserve_kv_blocks_cached"  # gauge: blocks kept for reuse, not in use
+KV_READ = "pdserve_kv_transfer_bytes_total"  # counter: KV bytes a decode worker's loads moved
+KV_SAVED = "pdserve_kv_transfer_bytes_saved_total"  # counter: of its loads, bytes its prefix cache held
 
 Scrape = dict[str, float]  # sample name (e.g. pdserve_decode_step_seconds_sum) -> value summed over labels
 
@@ -105,24 +107,39 @@ def worker_stats(
 
 def prefix_cache_stats(urls: list[str], before: list[Scrape], after: list[Scrape]) -> dict[str, Any]:
     """Prompt tokens the workers looked up in their prefix caches over a window, and found: summed
-    over the workers that export the counters (null where none does), and per worker."""
+    over the workers that export the counters and load no KV (null where none does), and per
+    worker. A worker that loaded KV (a decode worker) counts apart, in `decode`: the bytes its loads
+    moved and those its cache held, and the prompt tokens it found cached."""
     per_worker = []
     for url, b, a in zip(urls, before, after):
         queries, hits = _delta(b, a, PREFIX_QUERIES), _delta(b, a, PREFIX_HITS)
         if queries is None or hits is None:
             continue
+        read, saved = _delta(b, a, KV_READ) or 0.0, _delta(b, a, KV_SAVED) or 0.0
         per_worker.append(
-            {"url": url, "queries": int(queries), "hits": int(hits), "blocks_cached": a.get(BLOCKS_CACHED)}
-        )
-    if not per_worker:
-        return {"queries": None, "hits": None, "computed_tokens": None, "hit_rate": None, "workers": []}
-    queries = sum(w["queries"] for w in per_worker)
-    hits = sum(w["hits"] for w in per_worker)
+            {"url": url, "queries": int(queries), "hits": int(hits), "blocks_cached": a.get(BLOCKS_CACHED),
+             "kv_bytes_read": int(read), "kv_bytes_saved": int(saved), "loads_kv": read + saved > 0}
+        )  # fmt: skip
+    computing = [w for w in per_worker if not w["loads_kv"]]
+    loading = [w for w in per_worker if w["loads_kv"]]
+    read, saved = sum(w["kv_bytes_read"] for w in loading), sum(w["kv_bytes_saved"] for w in loading)
+    decode = {
+        "kv_bytes_read": read,
+        "kv_bytes_saved": saved,
+        "saved_fraction": saved / (read + saved) if read + saved else None,
+        "hits": sum(w["hits"] for w in loading),
+    }
+    if not computing:
+        return {"queries": None, "hits": None, "computed_tokens": None, "hit_rate": None, "decode": decode,
+                "workers": per_worker}  # fmt: skip
+    queries = sum(w["queries"] for w in computing)
+    hits = sum(w["hits"] for w in computing)
     return {
         "queries": queries,
         "hits": hits,
         "computed_tokens": queries - hits,
         "hit_rate": hits / queries if queries else None,
+        "decode": decode,
         "workers": per_worker,
     }
 

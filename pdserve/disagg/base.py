@@ -45,7 +45,7 @@ if TYPE_CHECKING:  # no torch at import: the router reads KVHandle too
     from pdserve.disagg.stats import TransferStats
     from pdserve.model.kv_cache import KVCache
 
-KV_HANDLE_VERSION = 5
+KV_HANDLE_VERSION = 6
 
 
 class StagedSlab(BaseModel):
@@ -82,6 +82,9 @@ class KVHandle(BaseModel):
     # per region, the checksum (checksum.py) of the blocks above as prefill leased them; decode
     # verifies what it wrote against it (None: prefill does not verify)
     checksums: dict[str, int] | None = None
+    # the token-space regions' checksums per block (checksum.py: they sum to `checksums`), so a
+    # decode worker that reads only the blocks after those its prefix cache holds checks just those
+    block_checksums: dict[str, list[int]] | None = None
 
 
 class TransferStage(enum.IntEnum):
@@ -196,10 +199,13 @@ class KVConnector(ABC):
         peer: PeerMetadata | None = None,
         local_window_block_ids: list[int] | None = None,
         local_state_slot: int = -1,
+        num_reused_blocks: int = 0,
     ) -> None:
         """Begin reading handle's blocks into local_block_ids (same order), its window-space
         blocks into local_window_block_ids (same token-block indices) and its state slot into
-        local_state_slot. peer: the prefill
+        local_state_slot. num_reused_blocks: the first this many of local_block_ids already hold
+        the request's records (decode-side prefix caching): token-space regions read only the
+        blocks after them (window and state regions read what they always do). peer: the prefill
         engine's metadata, needed unless this connector already knows that engine instance.
         Raises TransferError at once for a handle this worker cannot read (hash mismatch, unknown
         or unreachable peer)."""

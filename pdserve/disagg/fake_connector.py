@@ -119,11 +119,12 @@ class FakeConnector(LeasingConnector):
         peer: PeerMetadata | None = None,
         local_window_block_ids: list[int] | None = None,
         local_state_slot: int = -1,
+        num_reused_blocks: int = 0,
     ) -> None:
         if self._inject is not None and self._inject[0] < TransferStage.READING:
             (stage, reason), self._inject = self._inject, None
             self._fail_now(handle.request_id, stage, reason)
-        super().start_load(handle, local_block_ids, peer, local_window_block_ids, local_state_slot)
+        super().start_load(handle, local_block_ids, peer, local_window_block_ids, local_state_slot, num_reused_blocks)
 
     def _connect(self, handle: KVHandle, peer: PeerMetadata | None) -> tuple[FakeConnector, KVLayout]:
         remote = self.fabric.engines.get(handle.engine_id)
@@ -182,7 +183,9 @@ class FakeConnector(LeasingConnector):
                 continue
             peer._inbox.append(release_message(rid))
             self.stats.record_done(
-                LoadRecord(rid, nbytes, load.started, time.monotonic() - load.started, load.num_descs)
+                LoadRecord(
+                    rid, nbytes, load.started, time.monotonic() - load.started, load.num_descs, self._saved.pop(rid, 0)
+                )
             )
             done.append(rid)
         self._prune_plans()

@@ -214,6 +214,25 @@ def region_blocks(
     return out
 
 
+def skip_reused(
+    layout: KVLayout, num_reused: int, src: dict[str, list[int]], dst: dict[str, list[int]]
+) -> dict[str, int]:
+    """Drop the first num_reused blocks of each token-space region from both sides' region_blocks:
+    the decode pool holds them already (its prefix cache). Returns, per token region, how many were
+    dropped (empty when none)."""
+    if num_reused == 0:
+        return {}
+    first = {}
+    for r in layout.regions:
+        if r.space != TOKENS:
+            continue
+        if not 0 < num_reused <= len(dst[r.name]):
+            raise ValueError(f"{num_reused} reused blocks of a request of {len(dst[r.name])}")
+        src[r.name], dst[r.name] = src[r.name][num_reused:], dst[r.name][num_reused:]
+        first[r.name] = num_reused
+    return first
+
+
 def _window_id(table: list[int] | None, i: int, side: str) -> int:
     if table is None or i >= len(table) or table[i] < 0:
         raise ValueError(f"{side} has no window block for token block {i}, which holds positions a later step reads")
@@ -226,6 +245,15 @@ def check_block_ids(block_ids: list[int], num_blocks: int, side: str) -> None:
     bad = [b for b in block_ids if not 0 <= b < num_blocks]
     if bad:
         raise ValueError(f"{side} block ids {bad[:8]} out of range for a pool of {num_blocks} blocks")
+
+
+def check_load_ids(layout: KVLayout, ids: tuple[list[int], list[int], int], side: str) -> None:
+    """One side's (block ids, window block ids (-1: none), state slot (-1: none)) of a load, in
+    range of that side's pool; ValueError names the first out of range."""
+    blocks, window, state = ids
+    check_block_ids(blocks, layout.num_blocks, side)
+    check_block_ids([b for b in window if b >= 0], layout.num_window_blocks, f"{side} window")
+    check_block_ids([state] if state >= 0 else [], layout.num_state_slots, f"{side} state")
 
 
 def build_descriptors(

@@ -21,6 +21,10 @@ Verified hand-off (checksum.py, `verify`): on_prefill_finished puts the blocks' 
 handle; once a load's bytes are in this pool, a backend's poll_loads asks _verified before it
 tells prefill to free them: a mismatch posts the same read once more (the lease still holds the
 blocks), a second one fails the load at stage VERIFY.
+
+Decode-side prefix caching: start_load's first num_reused_blocks are here already; token regions
+read only later ones (per block, not the slab), checked against their per-block checksums; the
+bytes not moved are the load's LoadRecord.nbytes_saved.
 """
 
 from __future__ import annotations
@@ -35,8 +39,8 @@ from typing import Any, NoReturn
 
 from pdserve import __version__
 from pdserve.disagg.base import KVConnector, KVHandle, PeerMetadata, StagedSlab, TransferError, TransferStage
-from pdserve.disagg.checksum import mismatched, pool_checksums, slab_checksums
-from pdserve.disagg.layout import KVLayout, check_block_ids, compat_hash, region_blocks
+from pdserve.disagg.checksum import expected_checksums, leased_checksums, mismatched, pool_checksums
+from pdserve.disagg.layout import KVLayout, check_block_ids, check_load_ids, compat_hash, region_blocks, skip_reused
 from pdserve.disagg.lease_table import LeaseTable, parse_release
 from pdserve.disagg.options import ConnectorRole, StagingOptions
 from pdserve.disagg.staging import MIB, StagingArena, gather, scatter, slab_parts, synchronize
@@ -54,6 +58,7 @@ class _ReadPlan:
     local_block_ids: list[int]
     src: dict[str, list[int]]
     dst: dict[str, list[int]]
+    first: dict[str, int]  # per token region, blocks the load skips (held here): dst starts at this position
     reread: bool = False
 
 
@@ -97,6 +102,7 @@ class LeasingConnector(KVConnector):
         self._slabs: dict[str, int] = {}  # request id -> its slab's offset in the staging arena
         self.verify = verify
         self._plans: dict[str, _ReadPlan] = {}  # decode: verified loads in flight
+        self._saved: dict[str, int] = {}  # decode: loads in flight -> bytes their reused blocks did not move
 
     # -- registration --
     def register_kv_cache(self, kv_cache: KVCache) -> None:
@@ -136,7 +142,9 @@ class LeasingConnector(KVConnector):
             staged = None
         else:
             staged = self._stage(request_id, list(block_ids), num_tokens, window, state_slot)
-        checksums = self._checksums(request_id, list(block_ids), num_tokens, window, state_slot, staged)
+        checksums, block_checksums = self._checksums(
+            request_id, list(block_ids), num_tokens, window, state_slot, staged
+        )
         return KVHandle(
             request_id=request_id,
             engine_id=self.engine_id,
@@ -150,6 +158,7 @@ class LeasingConnector(KVConnector):
             lease_expires_at=time.time() + lease_s,
             staged=staged,
             checksums=checksums,
+            block_checksums=block_checksums,
         )
 
     def _checksums(
@@ -160,21 +169,20 @@ class LeasingConnector(KVConnector):
         window: list[int],
         state_slot: int,
         staged: StagedSlab | None,
-    ) -> dict[str, int] | None:
-        """The leased blocks' checksums per region (over the slab, a copy of them, when staged)."""
+    ) -> tuple[dict[str, int] | None, dict[str, list[int]] | None]:
+        """The leased blocks' checksums per region (over the slab, a copy of them, when staged),
+        and the token regions' per block."""
         if not self.verify:
-            return None
+            return None, None
         try:
             blocks = region_blocks(self.layout, block_ids, num_tokens, window, state_slot)
             for r in self.layout.regions:
                 check_block_ids(blocks[r.name], r.num_blocks, f"prefill {r.name}")
         except ValueError as e:  # the decode side names the same problem when it reads the blocks
             log.warning("request %s: no checksums: %s", rid, e)
-            return None
-        if staged is not None:
-            slab = self.staging_arena.slab(staged.offset, staged.nbytes)
-            return slab_checksums(slab, self.layout, {k: len(v) for k, v in blocks.items()})
-        return pool_checksums(self.kv.regions, self.layout, blocks)
+            return None, None
+        slab = self.staging_arena.slab(staged.offset, staged.nbytes) if staged is not None else None
+        return leased_checksums(self.kv.regions, self.layout, blocks, slab)
 
     def _stage(
         self, rid: str, block_ids: list[int], num_tokens: int, window: list[int], state_slot: int
@@ -233,6 +241,7 @@ class LeasingConnector(KVConnector):
         peer: PeerMetadata | None = None,
         local_window_block_ids: list[int] | None = None,
         local_state_slot: int = -1,
+        num_reused_blocks: int = 0,
     ) -> None:
         rid = handle.request_id
         if self.kv is None:
@@ -247,18 +256,8 @@ class LeasingConnector(KVConnector):
         remote, remote_layout = self._connect(handle, peer)
         local_window = list(local_window_block_ids or [])
         try:
-            check_block_ids(handle.block_ids, remote_layout.num_blocks, "prefill")
-            check_block_ids(
-                [b for b in handle.window_block_ids if b >= 0], remote_layout.num_window_blocks, "prefill window"
-            )
-            check_block_ids(local_block_ids, self.layout.num_blocks, "decode")
-            check_block_ids([b for b in local_window if b >= 0], self.layout.num_window_blocks, "decode window")
-            check_block_ids(
-                [handle.state_slot] if handle.state_slot >= 0 else [], remote_layout.num_state_slots, "prefill state"
-            )
-            check_block_ids(
-                [local_state_slot] if local_state_slot >= 0 else [], self.layout.num_state_slots, "decode state"
-            )
+            check_load_ids(remote_layout, (handle.block_ids, handle.window_block_ids, handle.state_slot), "prefill")
+            check_load_ids(self.layout, (local_block_ids, local_window, local_state_slot), "decode")
             if len(handle.block_ids) != len(local_block_ids):
                 raise ValueError(f"{len(handle.block_ids)} source blocks but {len(local_block_ids)} destination blocks")
             src = region_blocks(
@@ -267,11 +266,16 @@ class LeasingConnector(KVConnector):
             dst = region_blocks(
                 self.layout, list(local_block_ids), handle.num_tokens, local_window, local_state_slot, "decode"
             )
+            first = skip_reused(self.layout, num_reused_blocks, src, dst)
         except ValueError as e:
             self._fail_now(rid, TransferStage.PENDING, str(e))
-        self._loads[rid] = self._post(handle, remote, list(local_block_ids), src, dst)
-        if self.verify and handle.checksums is not None:
-            self._plans[rid] = _ReadPlan(remote, list(local_block_ids), src, dst)
+        verify = self.verify and handle.checksums is not None
+        if verify and num_reused_blocks and handle.block_checksums is None:
+            self._fail_now(rid, TransferStage.PENDING, "the handle has no per-block checksums for a partial read")
+        self._saved[rid] = sum(r.block_bytes * r.num_layers * first.get(r.name, 0) for r in self.layout.regions)
+        self._loads[rid] = self._post(handle, remote, list(local_block_ids), src, dst)  # a refusal: _prune_plans
+        if verify:
+            self._plans[rid] = _ReadPlan(remote, list(local_block_ids), src, dst, first)
 
     # -- decode side, verified --
     def _verified(self, handle: KVHandle) -> bool:
@@ -284,7 +288,8 @@ class LeasingConnector(KVConnector):
         if plan is None:
             return True
         t0 = time.monotonic()
-        bad = mismatched(handle.checksums, pool_checksums(self.kv.regions, self.layout, plan.dst))
+        expected = expected_checksums(handle.checksums, handle.block_checksums, plan.first)
+        bad = mismatched(expected, pool_checksums(self.kv.regions, self.layout, plan.dst, first=plan.first))
         self.stats.record_verify(not bad, time.monotonic() - t0)
         if not bad:
             return True
@@ -304,9 +309,11 @@ class LeasingConnector(KVConnector):
         return False
 
     def _prune_plans(self) -> None:
-        """Forget the plans of loads no longer in flight (failed or cancelled)."""
+        """Forget the plans (and reuse counts) of loads no longer in flight (failed or cancelled)."""
         for rid in [rid for rid in self._plans if rid not in self._loads]:
             del self._plans[rid]
+        for rid in [rid for rid in self._saved if rid not in self._loads]:
+            del self._saved[rid]
 
     # -- decode side, staged --
     def _take_landing(
@@ -319,6 +326,9 @@ class LeasingConnector(KVConnector):
         slab = handle.staged
         if slab is None or slab.offset + slab.nbytes > remote_arena_bytes:
             self.stats.record_staged("decode", "not_staged")
+            return None
+        if self._saved.get(handle.request_id):  # the slab holds every block; these are read one by one
+            self.stats.record_staged("decode", "partial")
             return None
         _, nbytes = slab_parts(self.layout, {k: len(v) for k, v in local_blocks.items()})
         if nbytes != handle.staged.nbytes:  # same layout signature, same counts: never expected

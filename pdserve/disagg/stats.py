@@ -15,6 +15,7 @@ class LoadRecord:
     started: float  # time.monotonic() when the read was posted
     seconds: float  # post to completion
     descriptors: int
+    nbytes_saved: int = 0  # KV bytes it did not move: blocks the decode worker's prefix cache held
 
     @property
     def finished(self) -> float:
@@ -26,6 +27,7 @@ class TransferStats:
     """Counters a worker exports as metrics. Decode side: loads; prefill side: leases."""
 
     bytes_transferred: int = 0
+    bytes_saved: int = 0  # decode: KV bytes not moved because the prefix cache held those blocks
     transfers_done: int = 0
     transfers_failed: int = 0
     transfer_seconds_sum: float = 0.0
@@ -57,6 +59,7 @@ class TransferStats:
 
     def record_done(self, load: LoadRecord) -> None:
         self.bytes_transferred += load.nbytes
+        self.bytes_saved += load.nbytes_saved
         self.transfers_done += 1
         self.transfer_seconds_sum += load.seconds
         self.recent_loads.append(load)

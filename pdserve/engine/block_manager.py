@@ -18,6 +18,8 @@ sequence's first blocks may come from the cache (`lookup`, then `allocate(..., h
 computed full blocks are kept by hash after it frees them (`cache_computed`). With a window or
 state space too (DeepSeek-V4), a hit also needs a checkpoint of both at its end
 (prefix_checkpoints.py): num_checkpoints of them, in window blocks and state slots reserved for them.
+A decode worker's cache keeps none: a prompt whose KV is loaded reuses its cached full blocks
+(`remote_hit`, `allocate_remote`: the load skips them) and gets its window and state by the load.
 """
 
 from __future__ import annotations
@@ -139,14 +141,35 @@ class BlockManager:
         return max(0, self.blocks_for(num_tokens) - len(seq.block_table))
 
     def lookup(self, seq: Sequence) -> CacheHit:
-        """The cached blocks a sequence with no blocks yet may start from (NO_HIT: none, or no cache)."""
+        """The cached blocks a sequence with no blocks yet may start from (NO_HIT: none, or no cache;
+        a pool with a window or state space only with checkpoints, which restore them)."""
         if self.prefix_cache is None or seq.block_table or seq.num_computed_tokens:
             return NO_HIT
         ckpts = self.checkpoints
         if ckpts is None:
-            return self.prefix_cache.lookup(seq)
+            side = self._window is not None or self._states is not None
+            return NO_HIT if side else self.prefix_cache.lookup(seq)
         hit = self.prefix_cache.lookup(seq, ckpts.has)
         return CacheHit(**{**vars(hit), "num_window_blocks": ckpts.window_blocks_for(hit.num_tokens)})
+
+    def remote_hit(self, seq: Sequence, num_tokens: int) -> CacheHit:
+        """Decode: the cached full blocks at the start of a prompt of num_tokens whose KV a prefill
+        worker sends (any of them: the window and state come with the load)."""
+        if self.prefix_cache is None or seq.block_table:
+            return NO_HIT
+        return self.prefix_cache.lookup(seq, num_loaded=num_tokens)
+
+    def allocate_remote(self, seq: Sequence, num_tokens: int, hit: CacheHit) -> None:
+        """Decode: blocks for a loaded prompt of num_tokens (callers check can_allocate(seq,
+        num_tokens, hit=hit) first): the hit's blocks first (seq.num_reused_blocks: the load skips
+        them), fresh ones after, window blocks for its last window_tokens positions and a state
+        slot. Computed tokens stay 0 until the load lands (Scheduler.on_loaded)."""
+        if hit.num_queried:
+            self.prefix_cache.share(seq, hit)
+            self.prefix_cache.count(seq, hit, report=False)
+        seq.num_reused_blocks = len(hit.blocks)
+        seq.num_computed_tokens = 0  # the window blocks: all of the prompt's last window_tokens
+        self.allocate(seq, num_tokens)
 
     def cache_computed(self, seq: Sequence) -> None:
         """Make seq's computed full blocks findable by later sequences (after each step)."""
@@ -226,7 +249,7 @@ class BlockManager:
         for block in reversed(seq.block_table):
             self._pool.give_back(block, seq.request_id)
         seq.block_table = []
-        seq.num_registered_blocks = 0
+        seq.num_registered_blocks = seq.num_reused_blocks = 0
         for block in reversed(seq.window_table):
             if block != FREED:
                 self._window.give_back(block, seq.request_id)

@@ -24,6 +24,9 @@ Quantization = Literal["fp8", "none"]
 # FP4 experts (V4): "w4a16" (FP4 weights x 16-bit activations), "mxfp8" (activations quantized to
 # MXFP8, block-scaled e4m3 MMAs: sm_120's FP4-era tensor cores), "auto" (kernels/configs.py, per GPU)
 Fp4MoEBackend = Literal["auto", "w4a16", "mxfp8"]
+# the engine's part in KV transfer (vLLM's kv_role): kv_consumer is a decode worker, whose prompts'
+# KV is loaded from a prefill worker; kv_producer a prefill worker; kv_both anything else
+KVRole = Literal["kv_both", "kv_producer", "kv_consumer"]
 
 
 def check_device(d: str) -> str:
@@ -83,6 +86,9 @@ class EngineConfig(BaseModel):
     # automatic prefix caching (vLLM's name): full KV blocks kept by a hash of their tokens and
     # reused by later requests with the same prefix (engine/prefix_cache.py)
     enable_prefix_caching: bool = True
+    # set by a PD worker from its role. A kv_consumer's prefix cache reuses blocks for loads and
+    # keeps no DeepSeek-V4 checkpoints: each load brings the window and compressor state
+    kv_role: KVRole = "kv_both"
     # speculative decoding (vLLM's name and shape): {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_min": .., "prompt_lookup_max": ..}; engine/spec_decode/
     speculative_config: SpeculativeConfig | None = None

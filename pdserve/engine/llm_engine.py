@@ -229,23 +229,19 @@ class LLMEngine:
                 self.spec.settle(s, accepted)
             self.block_manager.trim_window(seq)
             if tok is None:
-                self._cache_blocks(seq)
+                self.block_manager.cache_computed(seq)
                 continue
             status = self._append(seq, tok)
             for extra in tok.more:
                 if status is not None:
                     break
                 status = self._append(seq, extra)
-            self._cache_blocks(seq)  # after accepted drafts joined token_ids: a block hashes its own tokens
+            self.block_manager.cache_computed(seq)  # after accepted drafts joined token_ids: a block hashes its own
             if status is None and seq.hold_kv:
                 status = SequenceStatus.FINISHED_REMOTE_DECODE
             if status is not None:
                 self._finish(seq, status)
             outputs[seq.request_id] = self._output(seq)
-
-    def _cache_blocks(self, seq: Sequence) -> None:
-        if seq.request.role != "decode":  # decode-side reuse of loaded KV is not built
-            self.block_manager.cache_computed(seq)
 
     def _append(self, seq: Sequence, tok: SampledToken) -> SequenceStatus | None:
         if tok.logprobs is not None:

@@ -285,7 +285,11 @@ class ModelRunner:
     @torch.inference_mode()
     def copy_records(self, copies: list[tuple[str, int, int]]) -> None:
         """Copy whole blocks (window space) and slots (state space), (space, src, dst) in order:
-        prefix checkpoints taken and restored (engine/prefix_checkpoints.py), before a forward."""
+        prefix checkpoints taken and restored (engine/prefix_checkpoints.py), before a forward;
+        every rank the same in its own pool."""
+        if copies and self.ranks is not None:
+            self.ranks.check_alive()
+            protocol.send_copies(self.tp, copies)
         for space, src, dst in copies:
             for name, region in self.kv_cache.regions.items():
                 if self.kv_cache.specs[name].space == space:
@@ -298,7 +302,7 @@ class ModelRunner:
         ids = protocol.SpaceIds(
             block_ids, [b for b in window_block_ids if b >= 0], [state_slot] if state_slot >= 0 else []
         )
-        if self.ranks is None or not block_ids:
+        if self.ranks is None or not (ids.tokens or ids.window or ids.state):
             return
         self.ranks.check_alive()
         protocol.send_sync_kv(self.tp, ids)
@@ -328,6 +332,9 @@ class ModelRunner:
                 return
             if msg.command is protocol.Command.SYNC_KV:
                 self._sync_kv(msg.ids)
+                continue
+            if msg.command is protocol.Command.COPY:
+                self.copy_records(msg.copies)
                 continue
             batch = self._batch(msg.step)
             self.model.forward(batch.to(self.device), self.kv_cache)

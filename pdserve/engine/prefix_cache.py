@@ -34,6 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pdserve.engine.prefix_checkpoints import blocks_reusable
+
 if TYPE_CHECKING:
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.sequence import Sequence
@@ -57,10 +59,13 @@ def model_identity(config: EngineConfig) -> tuple:
 
 
 def engine_root(config: EngineConfig, runner) -> bytes | None:
-    """An engine's hash root; None when caching is off, and for pools with a window or state space
-    that keep no checkpoints (prefix_checkpoints.checkpoint_capacity)."""
+    """An engine's hash root; None when caching is off or blocks are not reusable whole, and for
+    pools with a window or state space that keep no checkpoints (prefix_checkpoints.py), except
+    on a decode worker (kv_consumer), whose loads bring the window and state."""
     side = runner.window_tokens is not None or runner.num_state_slots
-    if not config.enable_prefix_caching or (side and not runner.num_checkpoints):
+    if not blocks_reusable(config, list(runner.kv_cache.specs.values())):
+        return None
+    if side and not runner.num_checkpoints and config.kv_role != "kv_consumer":
         return None
     return root_hash(*model_identity(config))
 
@@ -150,11 +155,14 @@ class PrefixCache:
             self._free.appendleft(block)
 
     # -- hits --
-    def lookup(self, seq: Sequence, usable: Callable[[bytes], bool] | None = None) -> CacheHit:
+    def lookup(
+        self, seq: Sequence, usable: Callable[[bytes], bool] | None = None, num_loaded: int | None = None
+    ) -> CacheHit:
         """The longest run of cached blocks at the start of seq's tokens, leaving its last token
-        to compute, cut back to the deepest block whose hash is `usable` (None: any). Changes
-        nothing (commit with share())."""
-        limit = (seq.num_tokens - 1) // self.block_size
+        to compute, cut back to the deepest block whose hash is `usable` (None: any). num_loaded:
+        a decode worker's prompt of that many tokens, whose KV is loaded: any of its full blocks.
+        Changes nothing (commit with share())."""
+        limit = (seq.num_tokens - 1) // self.block_size if num_loaded is None else num_loaded // self.block_size
         hashes = self.hashes(seq, limit)
         blocks = []
         for h in hashes[:limit]:
@@ -166,7 +174,8 @@ class PrefixCache:
         while usable is not None and blocks and not usable(hashes[len(blocks) - 1]):
             blocks.pop()
         cached_free = sum(1 for b in blocks if b not in self._ref)
-        return CacheHit(blocks, len(blocks) * self.block_size, cached_free, seq.num_tokens, 0, matched)
+        queried = seq.num_tokens if num_loaded is None else num_loaded
+        return CacheHit(blocks, len(blocks) * self.block_size, cached_free, queried, 0, matched)
 
     def share(self, seq: Sequence, hit: CacheHit) -> None:
         """seq takes the hit's blocks (a reference each) as its first blocks, computed."""
@@ -181,13 +190,14 @@ class PrefixCache:
         seq.num_registered_blocks = len(hit.blocks)
         seq.prefix_junction = hit.num_matched_tokens
 
-    def count(self, seq: Sequence, hit: CacheHit) -> None:
-        """Count a committed lookup; the request's first one is what it reports."""
+    def count(self, seq: Sequence, hit: CacheHit, report: bool = True) -> None:
+        """Count a committed lookup; the request's first one is what it reports (report: a decode
+        worker's does not: usage's cached tokens are the prefill's)."""
         if not hit.num_queried:
             return
         self.queries += hit.num_queried
         self.hits += hit.num_tokens
-        if seq.num_cached_tokens is None:
+        if report and seq.num_cached_tokens is None:
             seq.num_cached_tokens = hit.num_tokens
 
     # -- filling --

@@ -35,16 +35,21 @@ if TYPE_CHECKING:
     from pdserve.engine.sequence import Sequence
 
 
-def checkpoint_capacity(config: EngineConfig, specs: list[KVRegionSpec]) -> int:
-    """Checkpoints a pool with window and state regions keeps: max_num_seqs when prefix caching
-    is on and every token-space rate divides the block size; 0 otherwise (no caching). One rank
-    only: the copies are rank 0's."""
-    if not config.enable_prefix_caching or config.tensor_parallel_size > 1:
-        return 0
-    if not {WINDOW, STATE} <= {s.space for s in specs}:
-        return 0
+def blocks_reusable(config: EngineConfig, specs: list[KVRegionSpec]) -> bool:
+    """Whether a token block's records can be reused whole: prefix caching is on and every
+    token-space rate divides the block size (no compressor group spans two blocks)."""
     rates = {s.tokens_per_record for s in specs if s.space not in (WINDOW, STATE)}
-    if any(config.kv_block_size % m for m in rates):
+    return config.enable_prefix_caching and not any(config.kv_block_size % m for m in rates)
+
+
+def checkpoint_capacity(config: EngineConfig, specs: list[KVRegionSpec]) -> int:
+    """Checkpoints a pool with window and state regions keeps: max_num_seqs when its blocks are
+    reusable; 0 otherwise (no caching), and on a decode worker (kv_consumer: its loads bring the
+    window and state, its own prefills are recomputes of failed loads). With tensor parallelism
+    every rank does the copies in its own pool (ModelRunner.copy_records)."""
+    if config.kv_role == "kv_consumer":
+        return 0
+    if not {WINDOW, STATE} <= {s.space for s in specs} or not blocks_reusable(config, specs):
         return 0
     return config.max_num_seqs
 

@@ -261,8 +261,8 @@ class RemoteKV:
         for seq in self.scheduler.admit_remote():
             try:
                 self.connector.start_load(
-                    seq.kv_handle, list(seq.block_table), seq.peer,
-                    local_window_block_ids=list(seq.window_table), local_state_slot=seq.state_slot,
+                    seq.kv_handle, list(seq.block_table), seq.peer, local_window_block_ids=list(seq.window_table),
+                    local_state_slot=seq.state_slot, num_reused_blocks=seq.num_reused_blocks,
                 )  # fmt: skip
                 seq.advance_transfer(TransferStage.READING)
             except TransferError as e:  # hash mismatch, unknown or unreachable peer, bad block ids
@@ -273,8 +273,9 @@ class RemoteKV:
         done, failed = self.connector.poll_loads()
         for request_id in done:
             seq = self.scheduler.loading.get(request_id)
-            if seq is not None:  # tensor parallel: rank 0 received the KV, the other ranks copy it
-                self.runner.on_kv_loaded(list(seq.block_table), list(seq.window_table), seq.state_slot)
+            if seq is not None:  # tensor parallel: rank 0 received the KV (not its reused blocks), the ranks copy it
+                loaded = seq.block_table[seq.num_reused_blocks :]
+                self.runner.on_kv_loaded(loaded, list(seq.window_table), seq.state_slot)
                 seq.advance_transfer(TransferStage.DONE)
             self.scheduler.on_loaded(request_id)
         for err in failed:

@@ -84,15 +84,17 @@ class Scheduler:
         self.remote_pending.append(seq)
 
     def admit_remote(self) -> list[Sequence]:
-        """Give pending remote sequences blocks for their prompt KV, oldest first, while blocks last.
-        Returns those whose load may now start."""
+        """Give pending remote sequences blocks for their prompt KV, oldest first, while blocks last
+        (with prefix caching its cached first blocks, which the load skips). Returns those whose
+        load may now start."""
         started = []
         while self.remote_pending:
             seq = self.remote_pending[0]
             num_remote = seq.kv_handle.num_tokens
-            if not self.block_manager.can_allocate(seq, num_remote):
+            hit = self.block_manager.remote_hit(seq, num_remote)
+            if not self.block_manager.can_allocate(seq, num_remote, hit=hit):
                 break
-            self.block_manager.allocate(seq, num_remote)
+            self.block_manager.allocate_remote(seq, num_remote, hit)
             self.remote_pending.popleft()
             self.loading[seq.request_id] = seq
             started.append(seq)
@@ -103,6 +105,7 @@ class Scheduler:
         seq = self.loading.pop(request_id, None)
         if seq is not None:
             seq.num_computed_tokens = seq.kv_handle.num_tokens
+            self.block_manager.cache_computed(seq)  # its full blocks, for a later turn's load
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)
         return seq

@@ -68,6 +68,7 @@ class Sequence:
         self.num_registered_blocks = 0
         self.num_cached_tokens: int | None = None
         self.prefix_junction = 0
+        self.num_reused_blocks = 0  # decode: its first blocks that the prefix cache held, not loaded
         self.spec_token_ids: list[int] = []  # drafts to verify after the last token (spec_decode/)
         self.arrival = arrival  # admission order key: larger = younger
         # output state

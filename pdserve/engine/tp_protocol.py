@@ -7,6 +7,8 @@ Every message is a fixed header, then (for some commands) one int64 payload:
               d=1: state_dst  state_slots | block_tables | window_tables | state_dst (d = 1 only)
     SYNC_KV   a=n, b=m, c=k   payload [n + m + k]: token-space block ids | window block ids |
                               state slots whose KV rank 0 then broadcasts (device group)
+    COPY      a=n             payload [3n]: (space, src, dst) triples, space an index into SPACES:
+                              whole blocks / slots the rank copies in its own pool (prefix checkpoints)
     STOP      -               no payload; the rank leaves its loop and exits 0
 """
 
@@ -19,8 +21,10 @@ import torch
 
 from pdserve.distributed.group import TPGroup
 from pdserve.model.batch import StepInputs
+from pdserve.model.kv_cache import STATE, TOKENS, WINDOW
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
+SPACES = (TOKENS, WINDOW, STATE)
 HEADER_LEN = 8
 
 
@@ -28,6 +32,7 @@ class Command(enum.IntEnum):
     FORWARD = 1
     SYNC_KV = 2
     STOP = 3
+    COPY = 4
 
 
 @dataclass
@@ -47,6 +52,7 @@ class Message:
     command: Command
     step: StepInputs | None = None  # FORWARD
     ids: SpaceIds | None = None  # SYNC_KV
+    copies: list[tuple[str, int, int]] | None = None  # COPY: (space, src, dst)
 
 
 def _header(command: Command, a: int = 0, b: int = 0, c: int = 0, d: int = 0) -> torch.Tensor:
@@ -79,6 +85,12 @@ def send_sync_kv(group: TPGroup, ids: SpaceIds) -> None:
     group.broadcast_control(torch.tensor(ids.tokens + ids.window + ids.state, dtype=torch.int64))
 
 
+def send_copies(group: TPGroup, copies: list[tuple[str, int, int]]) -> None:
+    group.broadcast_control(_header(Command.COPY, len(copies)))
+    flat = [v for space, src, dst in copies for v in (SPACES.index(space), src, dst)]
+    group.broadcast_control(torch.tensor(flat, dtype=torch.int64))
+
+
 def send_stop(group: TPGroup) -> None:
     group.broadcast_control(_header(Command.STOP))
 
@@ -93,6 +105,10 @@ def receive(group: TPGroup) -> Message:
     command = Command(command)
     if command is Command.STOP:
         return Message(command)
+    if command is Command.COPY:
+        flat = torch.empty(3 * a, dtype=torch.int64)
+        group.broadcast_control(flat)
+        return Message(command, copies=[(SPACES[k], src, dst) for k, src, dst in flat.view(a, 3).tolist()])
     if command is Command.SYNC_KV:
         ids = torch.empty(a + b + c, dtype=torch.int64)
         group.broadcast_control(ids)

@@ -21,6 +21,8 @@ pdserve_router_pd_handoffs_total{via}         prefill (its engine notified decod
                                               (prefill could not: the router posted it)
 pdserve_router_kv_transfer_bytes_total        KV bytes of those transfers (GB/s = this / the
                                               kv_transfer part's sum)
+pdserve_router_kv_transfer_bytes_saved_total  KV bytes they did not move: blocks the decode
+                                              worker's prefix cache held
 
 With --api-server-count every router process writes to one Prometheus multiprocess folder and
 render() reads them all: counters and histograms add up, in-flight gauges add up over the live
@@ -108,6 +110,11 @@ class RouterMetrics:
         self.kv_bytes = Counter(
             "pdserve_router_kv_transfer_bytes", "KV bytes decode workers read for the router's requests", registry=r
         )
+        self.kv_bytes_saved = Counter(
+            "pdserve_router_kv_transfer_bytes_saved",
+            "KV bytes decode workers did not read for the router's requests (their prefix caches held them)",
+            registry=r,
+        )
         self.tool_parse_failures = Counter(
             "pdserve_router_tool_parse_failures",
             "Markup in model output that did not parse (a tool call, a think tag) and stayed text, by reason",
@@ -165,5 +172,6 @@ class RouterMetrics:
         if timing.transfer_s is not None:
             self.handoff_parts.labels("kv_transfer").observe(timing.transfer_s)
             self.kv_bytes.inc(timing.transfer_bytes or 0)
+            self.kv_bytes_saved.inc(timing.transfer_bytes_saved or 0)
         self.handoff_parts.labels("first_decode").observe(timing.compute_s)
         self.handoff_parts.labels("other").observe(max(0.0, seconds - worker - dispatch_s))

@@ -89,6 +89,7 @@ class RequestTiming(BaseModel):
     compute_s: float = Field(ge=0)
     transfer_s: float | None = Field(None, ge=0)
     transfer_bytes: int | None = Field(None, ge=0)
+    transfer_bytes_saved: int | None = Field(None, ge=0)  # not read: blocks decode's prefix cache held
 
 
 class GenerateChunk(_Message):

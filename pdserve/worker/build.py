@@ -36,15 +36,14 @@ from pdserve.worker.metrics import WorkerMetrics
 from pdserve.worker.peers import PeerMetadataFetcher
 
 log = logging.getLogger("pdserve.worker")
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "colocated": "kv_both"}
 
 
 def build_worker(cfg: WorkerServeConfig) -> FastAPI:
     w, t = cfg.worker, cfg.transfer
     # the connector's arenas are made after the pool is sized: keep them out of its budget
-    # a decode worker loads its prompts' KV and caches none of it (no decode-side prefix reuse yet):
-    # prefix caching there would only reserve room (V4's checkpoints) and hash
-    caching = w.enable_prefix_caching and cfg.role != "decode"
-    update = {"reserved_memory_mib": arena_mib(cfg), "enable_prefix_caching": caching}
+    # a decode worker's prefix cache reuses blocks its loads would move (engine/prefix_cache.py)
+    update = {"reserved_memory_mib": arena_mib(cfg), "kv_role": KV_ROLES[cfg.role]}
     engine_config = w.engine_config(cfg.model).model_copy(update=update)
     connector = _connector(cfg) if cfg.role != "colocated" else None
     log.info("loading %s on %s for role %s", cfg.model, w.device, cfg.role)

@@ -1,6 +1,6 @@
 """A worker's Prometheus metrics.
 
-pdserve_num_requests_running / _waiting / _holding_kv   pdserve_kv_transfer_bytes_total
+pdserve_num_requests_running / _waiting / _holding_kv   pdserve_kv_transfer_bytes_total, _bytes_saved_total
 pdserve_kv_blocks_used / pdserve_kv_blocks_total        pdserve_kv_transfer_seconds
 pdserve_kv_window_blocks_used / _total (sliding-window block space, DeepSeek-V4)
 pdserve_kv_blocks_cached (prefix cache: blocks no request holds, kept for a hit; not in _used)
@@ -60,6 +60,9 @@ class WorkerMetrics:
             "pdserve_request_success", "Finished requests by finish reason", ["finish_reason"], registry=r
         )
         self.transfer_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes read from prefill workers", registry=r)
+        self.transfer_bytes_saved = Counter(
+            "pdserve_kv_transfer_bytes_saved", "KV bytes not read: blocks this worker's prefix cache held", registry=r
+        )
         self.transfer_time = Histogram(
             "pdserve_kv_transfer_seconds", "One request's KV read, post to completion", buckets=STEP_BUCKETS, registry=r
         )
@@ -139,6 +142,8 @@ class WorkerMetrics:
         """Export what the connector counted since the last call (same thread as the connector)."""
         seen = self._seen
         self.transfer_bytes.inc(stats.bytes_transferred - seen.bytes_transferred)
+        self.transfer_bytes_saved.inc(stats.bytes_saved - seen.bytes_saved)
+        seen.bytes_saved = stats.bytes_saved
         self.transfer_failures.inc(stats.transfers_failed - seen.transfers_failed)
         self.lease_expirations.inc(stats.lease_expirations - seen.lease_expirations)
         new = stats.transfers_done - seen.transfers_done

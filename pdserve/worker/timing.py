@@ -64,6 +64,7 @@ class RequestTimer:
                 queue_s=max(0.0, load.started - arrived),
                 transfer_s=load.seconds,
                 transfer_bytes=load.nbytes,
+                transfer_bytes_saved=load.nbytes_saved,
                 compute_s=max(0.0, t1 - load.finished),  # max: float rounding of started + seconds
             )
         # a step may start just before an add() it then picks up: it ran from arrival on

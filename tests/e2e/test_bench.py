@@ -365,7 +365,8 @@ def _cache_consistent(r: dict) -> None:
         assert r["total_cached_tokens"] is r["prefill_tokens_computed"] is r["prefix_cache_hit_rate"] is None
     w = r["prefix_cache_workers"]
     if w["queries"] is None:
-        assert w == {"queries": None, "hits": None, "computed_tokens": None, "hit_rate": None, "workers": []}
+        assert w["hits"] is w["computed_tokens"] is w["hit_rate"] is None
+        assert all(x["loads_kv"] for x in w["workers"])  # only decode workers' counters, if any
     else:
         assert 0 <= w["hits"] <= w["queries"] and w["computed_tokens"] == w["queries"] - w["hits"]
 
@@ -405,3 +406,8 @@ def test_generated_shared_prefix_against_cluster(cluster, tmp_path, capsys):
     assert r["input_lens"] == [40] * 6 and r["output_lens"] == [4] * 6
     assert "median_ttft_first_turn_ms" not in r
     _cache_consistent(r)
+    decode = r["prefix_cache_workers"]["decode"]  # the decode worker's loads, apart from prefill's lookups
+    assert decode["kv_bytes_read"] > 0 and [w["loads_kv"] for w in r["prefix_cache_workers"]["workers"]] == [
+        False,
+        True,
+    ]

@@ -1,7 +1,10 @@
 """Prefix caching seen from outside, on a real tiny PD cluster (prefill + decode over NIXL) through
 the official openai client: a second identical request reports usage.prompt_tokens_details.
 cached_tokens (the prefill worker's number), streamed usage too, with the same tokens; the prefill
-worker's /metrics and /health count the cache, and no block stays used."""
+worker's /metrics and /health count the cache, and no block stays used. A conversation's next turn
+reads over NIXL only the blocks the decode worker does not hold from the turn before (checked
+against their checksums), with the offline engine's tokens; the decode worker's /metrics count the
+hit and the bytes saved, its /health cached blocks apart from used ones."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from pdserve import LLM, SamplingParams
 from pdserve.tiny_model import make_tiny_model
 from tests.helpers.cluster import Cluster, auth_headers, scrape, wait_blocks_free
 
@@ -79,3 +83,37 @@ def test_streamed_chat_usage_carries_cached_tokens(client):
     assert u2.prompt_tokens_details.cached_tokens == (u2.prompt_tokens - 1) // BS * BS > 0
     whole = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=5, temperature=0)
     assert whole.usage.prompt_tokens_details.cached_tokens == u2.prompt_tokens_details.cached_tokens
+
+
+def test_next_turn_reads_only_the_blocks_decode_lacks(client, cluster):
+    def turn(prompt: list[int]) -> tuple[list[int], dict[str, float]]:
+        """The answer's tokens, and what the decode worker's (and the router's) counters gained."""
+        before = {**scrape(cluster.api.url), **scrape(cluster.decode.url)}
+        out = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=6, temperature=0, extra_body={"return_token_ids": True}
+        )
+        assert not any(wait_blocks_free([cluster.prefill, cluster.decode]).values())  # done, metrics synced
+        after = {**scrape(cluster.api.url), **scrape(cluster.decode.url)}
+        return out.choices[0].token_ids, {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+    p1 = [(11 * i) % 900 + 5 for i in range(70)]  # 5 blocks (tiny V3: one token region, latent)
+    a, first = turn(p1)
+    p2 = p1 + a + [(7 * i) % 900 + 3 for i in range(20)]  # 96 tokens: 6 blocks
+    b, second = turn(p2)
+    block = first["pdserve_kv_transfer_bytes_total"] / 5  # one block's bytes, all layers
+    held = (len(p1) + len(a) - 1) // BS  # turn 1's prompt and answer (its last token never computed)
+    assert held == 4 and first["pdserve_kv_transfer_bytes_saved_total"] == 0
+    assert second["pdserve_kv_transfer_bytes_saved_total"] == held * block
+    assert second["pdserve_router_kv_transfer_bytes_saved_total"] == held * block  # from decode's timing
+    assert second["pdserve_kv_transfer_bytes_total"] == (6 - held) * block
+    assert second["pdserve_prefix_cache_hits_total"] == held * BS
+    assert second["pdserve_kv_verify_failures_total"] == 0 and second["pdserve_kv_verified_loads_total"] == 1
+    llm = LLM(cluster.model_dir, kv_block_size=BS, num_kv_blocks=64, enable_prefix_caching=False)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=[p1, p2], sampling_params=greedy6())]
+    assert [a, b] == want
+    health = httpx.get(f"{cluster.decode.url}/health", headers=auth_headers(cluster.decode), timeout=10).json()
+    assert health["kv_blocks_cached"] >= held and health["kv_blocks_used"] == 0
+
+
+def greedy6() -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=6)

@@ -9,6 +9,9 @@
   decode TP1 and TP1 -> TP2 (fake connector: the KV lands in decode rank 0's pool, and every
   region is copied to rank 1); 0 blocks left in use, and the ranks exit 0 on shutdown
 - sizes that do not split are refused before any rank starts, naming the dimension
+- with the prefix cache at TP2, a hit restores its checkpoint's window and state on every rank:
+  the tokens stay transformers'; a TP2 decode worker reusing its cached blocks for a conversation's
+  next turn loads (and copies to rank 1) only the rest, with the tokens of a TP1 decode without cache
 
 Models: the tiny checkpoint (4 heads, 2 output groups: TP2 only) and TP8, made by transformers
 (8 heads in 4 groups, expert width 32: TP2 holds two groups a rank, TP4 one).
@@ -147,3 +150,41 @@ def test_sizes_that_do_not_split_are_refused_before_any_rank_starts(models):
         pytest.raises(ValueError, match=r"moe_intermediate_size \(30\) is not divisible by tensor_parallel_size 4"),
     ):
         DeepseekV4ForCausalLM(wide, TPGroup(rank=0, size=4))
+
+
+def test_prefix_cache_hit_at_tp2_equals_transformers(models):
+    """Blocks of 16 (every compressor rate of the tiny model divides them): the second prompt
+    extends the first and hits its first 2 blocks; the checkpoint's window and state copies are
+    done by rank 1 in its own pool too (engine/tp_protocol.py's COPY)."""
+    g = torch.Generator().manual_seed(17)
+    first = torch.randint(4, 300, (40,), generator=g).tolist()
+    prompts = [first, first + torch.randint(4, 300, (9,), generator=g).tolist()]
+    eng = engine(models["tiny"], tensor_parallel_size=2, cpu_threads=1, kv_block_size=16)
+    try:
+        assert eng.runner.num_checkpoints > 0
+        reqs = requests(prompts)
+        out = {**run(eng, reqs[:1]), **run(eng, reqs[1:])}
+        assert out["1"].num_cached_tokens == 32
+        assert [out[str(i)].outputs[0].token_ids for i in range(2)] == transformers_greedy(models["tiny"], prompts)
+        assert eng.get_stats().kv_blocks_used == 0
+    finally:
+        eng.shutdown()
+
+
+def test_decode_tp2_reuses_its_cached_blocks(models):
+    from tests.unit.test_prefix_cache_decode import pd_pair, two_turns
+
+    g = torch.Generator().manual_seed(21)
+    conversation = (
+        torch.randint(4, 280, (37,), generator=g).tolist(),
+        torch.randint(4, 280, (11,), generator=g).tolist(),
+    )
+    prefill, decode, _ = pd_pair(models["tiny"], reuse=False)
+    want = [t.outputs[0].token_ids for t in two_turns(prefill, decode, conversation)[:2]]
+    prefill, decode, conn = pd_pair(models["tiny"], tensor_parallel_size=2, cpu_threads=1)
+    try:
+        got = [t.outputs[0].token_ids for t in two_turns(prefill, decode, conversation)[:2]]
+        assert got == want and conn.stats.bytes_saved > 0
+        assert decode.get_stats().kv_blocks_used == 0
+    finally:
+        decode.shutdown()

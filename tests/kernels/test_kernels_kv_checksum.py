@@ -19,7 +19,13 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from pdserve.disagg.checksum import pool_checksums, slab_checksums  # noqa: E402
+from pdserve.disagg.checksum import (  # noqa: E402
+    pool_block_checksums,
+    pool_checksums,
+    slab_block_checksums,
+    slab_checksums,
+    totals,
+)
 from pdserve.disagg.layout import KVLayout  # noqa: E402
 from pdserve.disagg.staging import gather, slab_parts  # noqa: E402
 from pdserve.model.kv_cache import KVCache, KVRegionSpec  # noqa: E402
@@ -82,6 +88,14 @@ def test_checksum_blocks_matches_numpy_over_the_bytes(word, L, block_bytes, whic
     acc = torch.zeros(1, dtype=torch.int64, device=DEVICE)
     checksum_blocks_ref(words, torch.tensor(ids, device=DEVICE), acc)
     assert acc.item() == want
+    # per block: block i's terms alone in acc[i] (poison after the last), the same as the reference's
+    per = torch.full((len(ids) + 1,), 7, dtype=torch.int64, device=DEVICE)
+    per[:-1] = 0
+    checksum_blocks(words, torch.tensor(ids, device=DEVICE), per, per_block=True)
+    ref = torch.zeros(len(ids), dtype=torch.int64, device=DEVICE)
+    checksum_blocks_ref(words, torch.tensor(ids, device=DEVICE), ref, per_block=True)
+    assert per[-1].item() == 7 and torch.equal(per[:-1], ref)
+    assert (int(per[:-1].sum()) + (1 << 63)) % (1 << 64) - (1 << 63) == want
 
 
 def test_checksum_blocks_skips_minus_one_padding_and_sums_slab_parts():
@@ -169,6 +183,14 @@ def test_checksum_py_kernel_path_matches_the_reference_and_the_torch_path(block_
     gather(kv.regions, layout, blocks, slab)
     assert slab_checksums(slab, layout, counts, kernel=True) == want
     assert slab_checksums(slab, layout, counts, kernel=False) == want
+    # per block: each block's own terms, summing to the region's checksum (kernel, torch, slab alike),
+    # and a suffix of them is the checksum of those blocks at their positions (pool_checksums' first)
+    for kernel in (True, False):
+        per = pool_block_checksums(kv.regions, layout, blocks, kernel=kernel)
+        assert totals(per) == want and [len(per[k]) for k in blocks] == [5, 3, 0]
+        assert slab_block_checksums(slab, layout, counts, kernel=kernel) == per
+        tail = pool_checksums(kv.regions, layout, {"latent": blocks["latent"][2:]}, kernel, first={"latent": 2})
+        assert tail["latent"] == totals({"latent": per["latent"][2:]})["latent"]
     kv.regions["index_k"][2, 7].view(-1).view(torch.uint8)[1] ^= 0x10  # a flip in one region's request
     flipped = pool_checksums(kv.regions, layout, blocks, kernel=True)
     assert [name for name in want if flipped[name] != want[name]] == ["index_k"]

@@ -125,7 +125,25 @@ def test_prefix_cache_stats_from_worker_counters():
     assert [w["url"] for w in s["workers"]] == ["a", "c"]  # b exports no prefix-cache counters
     assert s["workers"][0]["blocks_cached"] == 7.0
     none = workers.prefix_cache_stats(["b"], [{}], [{"pdserve_prompt_tokens_total": 1.0}])
-    assert none == {"queries": None, "hits": None, "computed_tokens": None, "hit_rate": None, "workers": []}
+    assert (none["queries"], none["hit_rate"], none["workers"]) == (None, None, [])
+    assert none["decode"] == {"kv_bytes_read": 0, "kv_bytes_saved": 0, "saved_fraction": None, "hits": 0}
+
+
+def test_a_decode_workers_counters_count_apart():
+    """A worker whose loads moved KV is a decode worker: its lookups are not prefill computation;
+    its bytes read and saved are the level's decode numbers (and the cache table's columns)."""
+    q, h, rd, sv = workers.PREFIX_QUERIES, workers.PREFIX_HITS, workers.KV_READ, workers.KV_SAVED
+    before = [{q: 0.0, h: 0.0}, {q: 0.0, h: 0.0, rd: 1e6, sv: 0.0}]
+    after = [{q: 400.0, h: 240.0}, {q: 400.0, h: 320.0, rd: 2e6, sv: 3e6}]
+    s = workers.prefix_cache_stats(["prefill", "decode"], before, after)
+    assert (s["queries"], s["hits"], s["computed_tokens"]) == (400, 240, 160)
+    assert s["decode"] == {"kv_bytes_read": 1_000_000, "kv_bytes_saved": 3_000_000, "saved_fraction": 0.75, "hits": 320}
+    assert [w["loads_kv"] for w in s["workers"]] == [False, True]
+    r = report.level_metrics([_out(100, 0, 0, 0.4)], 1.0, 1, float("inf"), {})
+    table = report.format_cache_table([{**r, "prefix_cache_workers": s}]).splitlines()
+    header = table[0].split("  ")
+    row = dict(zip([c.strip() for c in header if c.strip()], table[2].split()))
+    assert (row["KV read MB"], row["KV saved %"]) == ("1.0", "75.0")
 
 
 @pytest.mark.parametrize(
@@ -162,8 +180,9 @@ def test_prefix_cache_table_ratios_and_sources(tmp_path, capsys):
     from benchmarks.pd import prefix_cache_table as table
 
     ids = [[1, 2], [3, 4], [5, 6]]
+    decode = {"decode": {"kv_bytes_read": 2_500_000, "kv_bytes_saved": 7_500_000, "saved_fraction": 0.75, "hits": 9}}
     files = {
-        "pd.json": [_level(1, 100.0, 50.0, 9000, 1500, ids)],
+        "pd.json": [{**_level(1, 100.0, 50.0, 9000, 1500, ids), "prefix_cache_workers": decode}],
         "pd-nocache.json": [_level(1, 400.0, 420.0, 9000, None, [[1, 2], [3, 4], [5, 7]])],
         "colocated.json": [_level(1, 100.0, 90.0, 9000, 3000, ids)],
     }
@@ -174,6 +193,7 @@ def test_prefix_cache_table_ratios_and_sources(tmp_path, capsys):
     (pd,) = s["comparisons"]  # colocated has no run without the cache to compare with
     assert pd["ttft_ratio"] == 4.0 and pd["later_turns_ttft_ratio"] == 8.4 and pd["computed_ratio"] == 6.0
     assert pd["same_answers"] == "2/3" and pd["done"]
+    assert [(r["kv_mb_read"], r["kv_saved_pct"]) for r in s["runs"]][:2] == [(2.5, 75.0), (None, None)]
     sources = {(r["deployment"], r["prefix_caching"]): r["computed_from"] for r in s["runs"]}
     assert sources == {
         ("pd", True): "usage",

@@ -334,15 +334,18 @@ class CopyConnector(KVConnector):
     def release(self, request_id) -> None:
         self.leases.pop(request_id, None)
 
-    def start_load(self, handle, local_block_ids, peer=None, local_window_block_ids=None, local_state_slot=-1) -> None:
+    def start_load(
+        self, handle, local_block_ids, peer=None, local_window_block_ids=None, local_state_slot=-1, num_reused_blocks=0
+    ) -> None:
         if handle.compat_hash != "h":
             raise TransferError(handle.request_id, TransferStage.HANDSHAKE, "compatibility hash mismatch")
         if self.fail_reads:
             self.failures.append(TransferError(handle.request_id, TransferStage.READING, "peer went away"))
             return
         src = self.peers[handle.engine_id]
+        k = num_reused_blocks  # held here already (decode-side prefix caching): not read
         for name, region in self.kv.regions.items():
-            region[:, local_block_ids] = src.kv.regions[name][:, handle.block_ids]
+            region[:, local_block_ids[k:]] = src.kv.regions[name][:, handle.block_ids[k:]]
         src.leases.pop(handle.request_id)
         src.releases.append(handle.request_id)  # the "notification"
         self.loads.append(handle.request_id)
@@ -595,7 +598,7 @@ def test_pd_hand_off_early_posted_foreign_aborted_and_late(model_dir):
 class SlowConnector(CopyConnector):
     """CopyConnector whose reads never finish (test double): a load stays in flight."""
 
-    def start_load(self, handle, local_block_ids, peer=None, local_window_block_ids=None, local_state_slot=-1) -> None:
+    def start_load(self, handle, local_block_ids, peer=None, *args, **kw) -> None:
         self.in_flight = handle.request_id
 
     def cancel_load(self, request_id) -> None:

@@ -344,7 +344,8 @@ class NixlConnector(LeasingConnector):
                 self._notify(load.agent_name, rid)
             if not verified:
                 continue
-            self.stats.record_done(LoadRecord(rid, load.nbytes, load.started, load.seconds, load.num_descs))
+            saved = self._saved.pop(rid, 0)
+            self.stats.record_done(LoadRecord(rid, load.nbytes, load.started, load.seconds, load.num_descs, saved))
             self.stats.record_path(load.path)
             done.append(rid)
         self._prune_plans()
