@@ -56,6 +56,7 @@ from pdserve.model.config import ModelConfig
 from pdserve.model.deepseek_v4.attention import V4Attention
 from pdserve.model.deepseek_v4.cache import kv_cache_specs
 from pdserve.model.deepseek_v4.config import CSA, HCA
+from pdserve.model.deepseek_v4.decode_step import build_decode_step, fused_decode_step
 from pdserve.model.deepseek_v4.hyper_connections import HyperConnection, HyperHead, hc_residual
 from pdserve.model.deepseek_v4.layers import V4RMSNorm
 from pdserve.model.deepseek_v4.moe import V4MoE, fp4_experts
@@ -118,6 +119,8 @@ class DeepseekV4ForCausalLM(nn.Module):
             "main": RotaryEmbedding(config.v4.main_rope, config.qk_rope_head_dim),
             "compress": RotaryEmbedding(config.v4.compress_rope, config.qk_rope_head_dim),
         }
+        v4 = config.v4
+        self.rates = tuple({v4.compress_rate(i) for i, t in enumerate(v4.layer_types) if t == k} for k in (CSA, HCA))
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -140,9 +143,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         return self.model.hc_head(h, norm=self.model.norm)
 
     def step(self, batch: ForwardBatch) -> V4Step:
-        v4 = self.config.v4
-        rates = {kind: {v4.compress_rate(i) for i, t in enumerate(v4.layer_types) if t == kind} for kind in (CSA, HCA)}
-        return build_step(batch, self.rotary, v4.sliding_window, rates[CSA], rates[HCA])
+        """The step's metadata: a decode step's from kernels/v4_step.py on the Triton path, else step.py's."""
+        build = build_decode_step if fused_decode_step(batch, self.rotary) else build_step
+        return build(batch, self.rotary, self.config.v4.sliding_window, *self.rates)
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
