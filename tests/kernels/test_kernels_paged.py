@@ -112,7 +112,8 @@ def test_paged_indexer_matches_reference(lens, page, topk, dtype, monkeypatch):
     k_cache = torch.randn(n_blocks * page, D, generator=gen).to(DEVICE, dtype)
     w = torch.randn(T, H, generator=gen).to(DEVICE)
     max_len = max(lens)
-    got = indexer_topk_paged(q, k_cache, w, tables, seq_ids, ctx, page, max_len, topk)
+    with poisoned_empty():  # -1 padding and every slot written by the kernels
+        got = indexer_topk_paged(q, k_cache, w, tables, seq_ids, ctx, page, max_len, topk)
     want = indexer_topk_ref(
         q.double(), k_cache.double(), w.double(), paged_slots(tables, seq_ids, ctx, page, max_len), topk
     )

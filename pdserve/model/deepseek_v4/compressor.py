@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from pdserve.model import ops
-from pdserve.model.deepseek_v4.layers import V4RMSNorm, rope_tail, store_records
+from pdserve.model.deepseek_v4.layers import V4RMSNorm, normed_records, rope_tail, store_records
 from pdserve.model.deepseek_v4.step import EntryIndex
 from pdserve.model.fp8 import Block, linear
 
@@ -56,7 +56,7 @@ class CompressedKV(nn.Module):
         if plan.start is not None and ops.uses_triton(x):  # a decode step: one kernel, in place
             kv, gate = self.kv_proj(x), self.gate_proj(x)
             pooled = ops.compress_decode(kv, gate, states, slots, plan.start, self.position_bias, dim, self.overlap)
-            store_records(entries, plan.slot, self.kv_norm(pooled, rope=(cos, sin)), 2 * cos.shape[-1])
+            normed_records(self.kv_norm, pooled, (cos, sin), entries, plan.slot)  # one kernel on a GPU
             return
         B, n = slots.shape[0], (self.rate - 1) * self.width
         rec = states[slots]  # [B, state_dim]

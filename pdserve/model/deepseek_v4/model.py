@@ -87,7 +87,10 @@ class V4DecoderLayer(nn.Module):
         post, comb, x = self.attn_hc(h, norm=self.input_layernorm)  # x normed
         h = hc_residual(h, self.self_attn(x, step, kv_cache, layer), post, comb)
         post, comb, x = self.ffn_hc(h, norm=self.post_attention_layernorm)
-        return hc_residual(h, self.mlp(x, step.input_ids), post, comb)
+        if self.mlp.tp.size > 1:  # the routed + shared sum is all-reduced first
+            return hc_residual(h, self.mlp(x, step.input_ids), post, comb)
+        routed, shared = self.mlp.parts(x, step.input_ids)
+        return hc_residual(h, routed, post, comb, shared)  # their sum inside hc_post
 
 
 class DeepseekV4Model(nn.Module):
