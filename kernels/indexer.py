@@ -45,6 +45,7 @@ def _index_scores_kernel(
     s_ct,
     s_cc,
     s_bt,
+    w_scale,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -64,7 +65,7 @@ def _index_scores_kernel(
         mask=h_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
-    w = tl.load(w_ptr + t * s_wt + offs_h * s_wh, mask=h_ok, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + t * s_wt + offs_h * s_wh, mask=h_ok, other=0.0).to(tl.float32) * w_scale  # float32 product
     if PAGED:  # offs_c are positions of the query's sequence
         seen = offs_c < tl.load(len_ptr + t)
         page = tl.load(bt_ptr + tl.load(seq_ptr + t).to(tl.int64) * s_bt + offs_c // PAGE, mask=seen, other=0)
@@ -95,9 +96,11 @@ def index_scores(
     weights: torch.Tensor,
     candidates: torch.Tensor | None,
     paged: tuple | None = None,
+    weight_scale: float = 1.0,
 ) -> torch.Tensor:
     """scores [T, C] float32 (-inf at padding); shapes as in `indexer_topk`. paged:
-    (block_tables, seq_ids, context_lens, page, max_len) instead of candidates (C = max_len)."""
+    (block_tables, seq_ids, context_lens, page, max_len) instead of candidates (C = max_len).
+    The weights are read as weights.float() * weight_scale."""
     T, H, D = q.shape
     C = candidates.shape[1] if paged is None else paged[4]
     scores = torch.empty(T, C, dtype=torch.float32, device=q.device)
@@ -126,6 +129,7 @@ def index_scores(
         *weights.stride(),
         *candidates.stride(),
         tables.stride(0),
+        weight_scale,
         BLOCK_H=max(16, next_pow2(H)),
         BLOCK_D=max(16, next_pow2(D)),
         BLOCK_C=cfg.block_c,
@@ -176,6 +180,7 @@ def indexer_topk_paged(
     page: int,  # tokens per block
     max_len: int,  # >= every context_lens entry
     topk: int,
+    weight_scale: float = 1.0,  # the weights read as weights.float() * weight_scale
 ) -> torch.Tensor:
     """`indexer_topk` over paged candidates: the top-k slot ids [T, min(topk, max_len)] int32,
     -1 where a query has fewer candidates (reference: `ref.indexer_topk_paged_ref`)."""
@@ -193,7 +198,7 @@ def indexer_topk_paged(
     for r0 in range(0, T if k else 0, rows):
         r = slice(r0, min(T, r0 + rows))
         paged = (block_tables, seq_ids[r], context_lens[r], page, max_len)
-        top = index_scores(q[r], k_cache, weights[r], None, paged).topk(k, dim=-1)  # positions
+        top = index_scores(q[r], k_cache, weights[r], None, paged, weight_scale).topk(k, dim=-1)  # positions
         _topk_slots[(top.indices.shape[0],)](
             top.values, top.indices, block_tables, block_tables.stride(0), seq_ids[r], out[r], page, k,
             BLOCK_K=next_pow2(k),

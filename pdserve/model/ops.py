@@ -196,17 +196,8 @@ def indexer_topk(q, k_cache, weights, candidates, topk: int):
     return ref.indexer_topk_ref(q, k_cache, weights, candidates, topk)
 
 
-def mla_prefill_attention(
-    q,
-    k_nope,
-    k_rope,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q: int,
-    sm_scale: float,
-    max_seqlen_k: int | None = None,
-):
+def mla_prefill_attention(q, k_nope, k_rope, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, sm_scale: float,
+                          max_seqlen_k: int | None = None):  # fmt: skip
     if _use_triton(q):
         from pdserve_kernels import mla_prefill_attention as kernel
 
@@ -305,12 +296,17 @@ def gather_kv_fp8_v4(pages: torch.Tensor, slots: torch.Tensor, dim: int, rope: i
     return gather(pages, slots, V4Record(dim, rope), page)
 
 
-def indexer_topk_paged(q, k_cache, weights, block_tables, seq_ids, context_lens, page: int, max_len: int, topk: int):
+def indexer_topk_paged(
+    q, k_cache, weights, block_tables, seq_ids, context_lens, page: int, max_len: int, topk: int, weight_scale=1.0
+):
+    """weights [T, H] are read as weights.float() * weight_scale (in the kernel on a GPU)."""
+    paged = (block_tables, seq_ids, context_lens, page, max_len, topk)
     if _use_triton(q):
         from pdserve_kernels import indexer_topk_paged as kernel
 
-        return kernel(q, k_cache, weights, block_tables, seq_ids, context_lens, page, max_len, topk)
-    return ref.indexer_topk_paged_ref(q, k_cache, weights, block_tables, seq_ids, context_lens, page, max_len, topk)
+        return kernel(q, k_cache, weights, *paged, weight_scale=weight_scale)
+    weights = weights if weight_scale == 1.0 else weights.float() * weight_scale
+    return ref.indexer_topk_paged_ref(q, k_cache, weights, *paged)
 
 
 # DeepSeek-V4's per-layer glue (kernels/mhc.py, kernels/glue.py; references: kernels/ref_glue.py)
