@@ -174,6 +174,7 @@ def hc_post(
     the new streams [T, N, D], as `ref_glue.hc_post_ref`; out2 (like out): the block's output is
     out + out2 (added in the kernel)."""
     T, N, D = h.shape
+    out2 = out2.contiguous() if out2 is not None else None  # a no-op for the experts' outputs
     for o in (out, out2 if out2 is not None else out):
         if o.shape != (T, D) or o.dtype != h.dtype or not (h.is_contiguous() and o.is_contiguous()):
             raise ValueError(

@@ -105,10 +105,10 @@ def _rate_entries(pos_ptr, seq_ptr, starts_ptr, rows_ptr, bt_ptr, stride_bt, eve
     seen = (tl.load(pos_ptr + b) + 1) // M
     if VISIBLE:  # rows of the entries token b sees, -1 past them
         seq = tl.load(seq_ptr + b).to(tl.int64)
-        e = tl.minimum(c, tl.maximum(max_seen - 1, 0))
+        ec = tl.minimum(c, tl.maximum(max_seen - 1, 0))  # entry c (clamped as step.visible_rows does)
         sees = c < seen
-        blocks = tl.load(bt_ptr + seq * stride_bt + (e // page) * every, mask=sees, other=0).to(tl.int64)
-        tl.store(visible_ptr + b * max_seen + c, tl.where(sees, blocks * page + e % page, -1).to(tl.int32),
+        blocks = tl.load(bt_ptr + seq * stride_bt + (ec // page) * every, mask=sees, other=0).to(tl.int64)
+        tl.store(visible_ptr + b * max_seen + c, tl.where(sees, blocks * page + ec % page, -1).to(tl.int32),
                  mask=c < max_seen)  # fmt: skip
     if k == 0:
         tl.store(seen_ptr + b, seen.to(tl.int32))

@@ -32,7 +32,7 @@ from pdserve.model import ops
 from pdserve.model.config import ModelConfig
 from pdserve.model.deepseek_v4.compressor import CSACompressor, HCACompressor, Indexer
 from pdserve.model.deepseek_v4.config import CSA, HCA, SLIDING
-from pdserve.model.deepseek_v4.layers import V4RMSNorm, normed_records, rope_tail, store_records
+from pdserve.model.deepseek_v4.layers import V4RMSNorm, fused_store, normed_records, rope_tail, store_records
 from pdserve.model.deepseek_v4.step import V4Step
 from pdserve.model.fp8 import Block, fp8_params, linear, shard_scales
 from pdserve.model.kv_cache import KVCache
@@ -138,7 +138,12 @@ class V4Attention(nn.Module):
         q_res = self.q_a_norm(self.q_a_proj(x))  # [T, Q]
         q = ops.rms_norm(self.q_b_proj(q_res).view(T, self.heads, self.head_dim), None, self.eps, rope=(cos, sin))
         window = _region(kv_cache, "window", layer)  # [Nw, D] values, or fp8_ds_v4 pages
-        kv = self._kv(x, cos, sin, window, step)  # [T, D], stored as the records later steps read
+        if step.window_src is None and fused_store(window, x):  # normed, roped and stored by one kernel
+            kv = normed_records(self.kv_norm, self.kv_proj(x), (cos, sin), window, step.window_write)
+        else:
+            kv = self._kv(x, cos, sin)  # [T, D]
+            new = kv if step.window_src is None else kv[step.window_src]
+            store_records(window, step.window_write, new, self.rope)  # the records later steps read
         extra = self._compress(x, q_res, step, kv_cache, layer) if self.compressor is not None else None
         if window.dtype == torch.uint8:
             out = self._attend_fp8(q, kv, window, step, extra)
@@ -151,14 +156,9 @@ class V4Attention(nn.Module):
         out = self.o_a_proj(out.reshape(T, self.o_a_proj.groups, -1))  # [T, G*Ro]
         return self.o_b_proj(out)
 
-    def _kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, window: torch.Tensor, step: V4Step):
-        """x [T, hidden] -> the step's K = V records [T, D] (normed, roped), written to the window
-        region (normed, roped and stored by one kernel on a GPU in a decode step)."""
-        if step.window_src is None:
-            return normed_records(self.kv_norm, self.kv_proj(x), (cos, sin), window, step.window_write)
-        kv = self.kv_norm(self.kv_proj(x), rope=(cos, sin))
-        store_records(window, step.window_write, kv[step.window_src], self.rope)
-        return kv
+    def _kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> the step's K = V records [T, D] (normed, roped)."""
+        return self.kv_norm(self.kv_proj(x), rope=(cos, sin))  # normed and roped in one kernel on a GPU
 
     def _attend_fp8(self, q, kv, window: torch.Tensor, step: V4Step, extra) -> torch.Tensor:
         """The attention over fp8_ds_v4 records: the records each query reads, gathered from both

@@ -42,12 +42,18 @@ def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bo
     return ops.rope_tail(x, cos, sin, inverse=inverse)
 
 
+def fused_store(region: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether the norm's kernel can store x's normed rows into the region itself (a GPU's path, a
+    region of x's dtype)."""
+    return region.dtype == x.dtype and region.is_contiguous() and ops.uses_triton(x)
+
+
 def normed_records(
     norm: V4RMSNorm, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], region: torch.Tensor, slots: torch.Tensor
 ) -> torch.Tensor:
     """norm(x, rope) [n, D], also stored as records `slots` [n] of a pool region (`store_records`):
-    by the norm's own kernel on a GPU when the region holds values of x's dtype."""
-    if region.dtype == x.dtype and region.is_contiguous() and ops.uses_triton(x):
+    by the norm's own kernel where `fused_store`."""
+    if fused_store(region, x):
         return ops.rms_norm(x, norm.weight, norm.eps, rope=rope, store=(region, slots))
     out = norm(x, rope=rope)
     store_records(region, slots, out, 2 * rope[0].shape[-1])

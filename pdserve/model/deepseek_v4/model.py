@@ -139,8 +139,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         """Every token of the batch (on the model's device) -> final-normed hidden [T, hidden];
         writes what each sequence's cache gains into kv_cache (cache.py's regions)."""
         step = self.step(batch)
-        h = self.model.embed_tokens(step.input_ids)  # [T, hidden]
-        h = h.unsqueeze(1).expand(-1, self.config.v4.hc_mult, -1).contiguous()  # [T, N, hidden]
+        ids = step.input_ids[:, None].expand(-1, self.config.v4.hc_mult)  # [T, N]: each stream starts as the embedding
+        h = self.model.embed_tokens(ids)  # [T, N, hidden], one gather
         for i, layer in enumerate(self.model.layers):
             h = layer(h, step, kv_cache, i)
         return self.model.hc_head(h, norm=self.model.norm)
