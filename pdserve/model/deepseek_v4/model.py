@@ -22,7 +22,8 @@ W 128) in bf16 (checked in tests/unit/test_v4_loader.py):
 
 Forward: `forward(batch, kv_cache)` runs the new tokens of B sequences (prefill chunks and
 decode tokens alike, a ForwardBatch) concatenated; sequence b's tokens take positions
-batch.starts[b] onwards. The step's indices are built on the device once (step.py) and each
+batch.starts[b] onwards. The step's indices are built on the device once (step.py; a decode step's
+by kernels/v4_step.py on the Triton path: decode_step.py) and each
 layer reads and writes its regions of the pool in place (after an exception the sequences' pool
 state is half-advanced and must be dropped). Whole-prompt prefill, chunked prefill and one-token
 decode give the same results.
