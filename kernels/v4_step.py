@@ -13,7 +13,9 @@ and the compressor's group plan) comes from one launch plus one a rate, the same
 A decode step has one token a sequence (T = B, token b of sequence b). Integers are computed as
 step.py computes them (positions are >= 0, so C and floor division agree); cos / sin by
 libdevice's cosf / sinf on a GPU, the CUDA math library's functions torch calls (numpy's under
-the interpreter, within an ulp of torch's CPU ones).
+the interpreter, within an ulp of torch's CPU ones). step.py's device check that every window
+position has a block (a block-manager bug otherwise) is not repeated here: it is skipped in a
+CUDA graph there too.
 
 Legend: T tokens, B sequences, W sliding window, Wt columns of a window / block table, bs block
 size, m rate, Em = max_context // m, R/2 rope pairs.
