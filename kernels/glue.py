@@ -39,8 +39,9 @@ def round_to(x, dt: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_rope(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, stride_x, rows_per_token, eps, D: tl.constexpr,
-                   PAIRS: tl.constexpr, NORM: tl.constexpr, WEIGHT: tl.constexpr, ROPE_PAIRS: tl.constexpr):  # fmt: skip
+def _rms_norm_rope(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, store_ptr, slots_ptr, stride_x, rows_per_token, eps,
+                   D: tl.constexpr, PAIRS: tl.constexpr, NORM: tl.constexpr, WEIGHT: tl.constexpr,
+                   ROPE_PAIRS: tl.constexpr, INVERSE: tl.constexpr, STORE: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, PAIRS)
     j = tl.arange(0, 2)
@@ -60,12 +61,17 @@ def _rms_norm_rope(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, stride_x, rows_per_t
         token = row // rows_per_token
         c = tl.load(cos_ptr + token * ROPE_PAIRS + p, mask=roped, other=1.0)
         s = tl.load(sin_ptr + token * ROPE_PAIRS + p, mask=roped, other=0.0)
+        if INVERSE:  # the rotation by -angle (exact: a negation)
+            s = -s
         y0 = tl.sum(tl.where(j[None, :] == 0, y, 0.0), axis=1)
         y1 = tl.sum(tl.where(j[None, :] == 1, y, 0.0), axis=1)
         o0 = tl.where(roped, y0 * c - y1 * s, y0)
         o1 = tl.where(roped, y1 * c + y0 * s, y1)
         y = tl.where(j[None, :] == 0, o0[:, None], o1[:, None])
-    tl.store(out_ptr + row * D + col, round_to(y, dt).to(dt), mask=ok)
+    y = round_to(y, dt).to(dt)
+    tl.store(out_ptr + row * D + col, y, mask=ok)
+    if STORE:  # the row also into its pool record
+        tl.store(store_ptr + tl.load(slots_ptr + row) * D + col, y, mask=ok)
 
 
 def rms_norm_rope(
@@ -74,22 +80,31 @@ def rms_norm_rope(
     eps: float,
     norm: bool = True,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # cos, sin [T, R/2] float32
+    inverse: bool = False,  # rotate by -angle (the sin negated)
+    store: tuple[torch.Tensor, torch.Tensor] | None = None,  # region [N, D] contiguous, x's dtype; rows [T] int64
 ) -> torch.Tensor:
     """A new tensor like x: each row RMSNorm'd (when `norm`), then its last R dims roped (when
-    `rope`), as ref_glue.rms_norm_ref / rope_tail_ref one after the other."""
+    `rope`), as ref_glue.rms_norm_ref / rope_tail_ref one after the other; with `store`, row t
+    also written to region[rows[t]] (as region.index_copy_(0, rows, out) after it; x [T, D])."""
     D = x.shape[-1]
     rows = x.reshape(-1, D)
     if D % 2 or rows.stride(-1) != 1 or (rope is not None and 2 * rope[0].shape[-1] > D):
         raise ValueError(f"rms_norm_rope: x {tuple(x.shape)} (stride {x.stride()}): want an even, contiguous last dim")
+    if store is not None and (
+        x.dim() != 2 or store[0].dtype != x.dtype or store[0].shape[-1] != D or not store[0].is_contiguous()
+    ):
+        raise ValueError("rms_norm_rope: store into a contiguous [N, D] region of x's dtype, from x [T, D]")
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0] == 0:
         return out
     cos, sin = (rope[0].contiguous(), rope[1].contiguous()) if rope is not None else (rows, rows)
     per = rows.shape[0] // rope[0].shape[0] if rope is not None and rope[0].shape[0] else 1
     w = weight if weight is not None else rows
+    region, slots = store if store is not None else (out, out)
     _rms_norm_rope[(rows.shape[0],)](
-        rows, w, cos, sin, out, rows.stride(0), per, eps, D=D, PAIRS=next_pow2(D // 2), NORM=norm,
-        WEIGHT=weight is not None, ROPE_PAIRS=rope[0].shape[-1] if rope is not None else 0,
+        rows, w, cos, sin, out, region, slots, rows.stride(0), per, eps, D=D, PAIRS=next_pow2(D // 2), NORM=norm,
+        WEIGHT=weight is not None, ROPE_PAIRS=rope[0].shape[-1] if rope is not None else 0, INVERSE=inverse,
+        STORE=store is not None,
     )  # fmt: skip
     return out
 

@@ -3,7 +3,8 @@
 score[t, c] = sum_h weights[t, h] * relu(q[t, h] . k[cand[t, c]]), -inf where cand = -1.
 Grid (C / BC, T): a program gathers BC candidate keys once and scores them against all H index
 heads of its query in one `tl.dot` ([BH, D] x [D, BC]); the ReLU and the weighted head sum stay in
-registers, so only the [T, C] float32 scores reach memory. The top-k selection is `torch.topk`.
+registers, so only the [T, C] float32 scores reach memory. The top-k selection is `torch.topk`
+(paged: its positions become slots in one more kernel, `_topk_slots`).
 Paged candidates (`indexer_topk_paged`): query t's candidates are positions 0..len-1 of its
 sequence, their slots computed in the kernel from the block table (no [T, C] candidate matrix),
 and the queries are scored in row chunks so the transient scores stay under SCORES_BYTES.
@@ -44,6 +45,7 @@ def _index_scores_kernel(
     s_ct,
     s_cc,
     s_bt,
+    w_scale,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -63,7 +65,7 @@ def _index_scores_kernel(
         mask=h_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
-    w = tl.load(w_ptr + t * s_wt + offs_h * s_wh, mask=h_ok, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + t * s_wt + offs_h * s_wh, mask=h_ok, other=0.0).to(tl.float32) * w_scale  # float32 product
     if PAGED:  # offs_c are positions of the query's sequence
         seen = offs_c < tl.load(len_ptr + t)
         page = tl.load(bt_ptr + tl.load(seq_ptr + t).to(tl.int64) * s_bt + offs_c // PAGE, mask=seen, other=0)
@@ -94,9 +96,11 @@ def index_scores(
     weights: torch.Tensor,
     candidates: torch.Tensor | None,
     paged: tuple | None = None,
+    weight_scale: float = 1.0,
 ) -> torch.Tensor:
     """scores [T, C] float32 (-inf at padding); shapes as in `indexer_topk`. paged:
-    (block_tables, seq_ids, context_lens, page, max_len) instead of candidates (C = max_len)."""
+    (block_tables, seq_ids, context_lens, page, max_len) instead of candidates (C = max_len).
+    The weights are read as weights.float() * weight_scale."""
     T, H, D = q.shape
     C = candidates.shape[1] if paged is None else paged[4]
     scores = torch.empty(T, C, dtype=torch.float32, device=q.device)
@@ -125,6 +129,7 @@ def index_scores(
         *weights.stride(),
         *candidates.stride(),
         tables.stride(0),
+        weight_scale,
         BLOCK_H=max(16, next_pow2(H)),
         BLOCK_D=max(16, next_pow2(D)),
         BLOCK_C=cfg.block_c,
@@ -175,6 +180,7 @@ def indexer_topk_paged(
     page: int,  # tokens per block
     max_len: int,  # >= every context_lens entry
     topk: int,
+    weight_scale: float = 1.0,  # the weights read as weights.float() * weight_scale
 ) -> torch.Tensor:
     """`indexer_topk` over paged candidates: the top-k slot ids [T, min(topk, max_len)] int32,
     -1 where a query has fewer candidates (reference: `ref.indexer_topk_paged_ref`)."""
@@ -187,13 +193,28 @@ def indexer_topk_paged(
     if k_cache.dtype != q.dtype or tuple(weights.shape) != tuple(q.shape[:2]) or topk < 1:
         raise ValueError("k_cache must have q's dtype, weights [T, H], topk >= 1")
     k = min(topk, max_len)
-    out = torch.full((T, k), -1, dtype=torch.int32, device=q.device)
+    out = torch.empty((T, k), dtype=torch.int32, device=q.device)  # every row written below
     rows = max(1, SCORES_BYTES // (4 * max(max_len, 1)))
     for r0 in range(0, T if k else 0, rows):
         r = slice(r0, min(T, r0 + rows))
         paged = (block_tables, seq_ids[r], context_lens[r], page, max_len)
-        top = index_scores(q[r], k_cache, weights[r], None, paged).topk(k, dim=-1)  # positions
-        pages = block_tables.long()[seq_ids[r].long()].gather(1, top.indices // page)
-        slots = (pages * page + top.indices % page).to(torch.int32)
-        out[r] = torch.where(torch.isinf(top.values), torch.full_like(slots, -1), slots)
+        top = index_scores(q[r], k_cache, weights[r], None, paged, weight_scale).topk(k, dim=-1)  # positions
+        _topk_slots[(top.indices.shape[0],)](
+            top.values, top.indices, block_tables, block_tables.stride(0), seq_ids[r], out[r], page, k,
+            BLOCK_K=next_pow2(k),
+        )  # fmt: skip
     return out
+
+
+@triton.jit
+def _topk_slots(values_ptr, positions_ptr, bt_ptr, stride_bt, seq_ptr, out_ptr, page, k, BLOCK_K: tl.constexpr):
+    """A query's top-k positions [k] -> their slots (block_tables[seq, p // page] * page + p % page,
+    int32), -1 where the score is infinite (no candidate): one launch for torch's ~12."""
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK_K)
+    ok = i < k
+    p = tl.load(positions_ptr + t * k + i, mask=ok, other=0)
+    v = tl.load(values_ptr + t * k + i, mask=ok, other=0.0)
+    block = tl.load(bt_ptr + tl.load(seq_ptr + t).to(tl.int64) * stride_bt + p // page, mask=ok, other=0)
+    slots = block.to(tl.int64) * page + p % page
+    tl.store(out_ptr + t * k + i, tl.where((v == float("inf")) | (v == float("-inf")), -1, slots).to(tl.int32), mask=ok)

@@ -100,8 +100,8 @@ def _hc_pre(h_ptr, dots_ptr, sq_ptr, base_ptr, scale_ptr, w_ptr, post_ptr, comb_
 
 
 @triton.jit
-def _hc_post(h_ptr, out_ptr, post_ptr, comb_ptr, new_ptr, T, N: tl.constexpr, D: tl.constexpr,
-          BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+def _hc_post(h_ptr, out_ptr, out2_ptr, post_ptr, comb_ptr, new_ptr, T, N: tl.constexpr, D: tl.constexpr,
+          BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, TWO: tl.constexpr):  # fmt: skip
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     n = tl.arange(0, N)
@@ -109,6 +109,8 @@ def _hc_post(h_ptr, out_ptr, post_ptr, comb_ptr, new_ptr, T, N: tl.constexpr, D:
     ok = (t < T)[:, None] & (d < D)[None, :]  # [BT, BD]
     dt = new_ptr.dtype.element_ty
     o = tl.load(out_ptr + t64[:, None] * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
+    if TWO:  # the block's output is out + out2 (the MoE's routed and shared parts), rounded as torch adds
+        o = round_to(o + tl.load(out2_ptr + t64[:, None] * D + d[None, :], mask=ok, other=0.0).to(tl.float32), dt)
     p = tl.load(post_ptr + t64[:, None] * N + n[None, :], mask=(t < T)[:, None], other=0.0)
     p = round_to(p, dt)
     spread = round_to(p[:, :, None] * o[:, None, :], dt)  # [BT, N, BD]
@@ -165,17 +167,26 @@ def hc_pre(
     return post, comb, x
 
 
-def hc_post(h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+def hc_post(
+    h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out2: torch.Tensor | None = None
+) -> torch.Tensor:
     """h [T, N, D], out [T, D] (h's dtype), post [T, N], comb [T, N, N] float32, all contiguous ->
-    the new streams [T, N, D], as `ref_glue.hc_post_ref`."""
+    the new streams [T, N, D], as `ref_glue.hc_post_ref`; out2 (like out): the block's output is
+    out + out2 (added in the kernel)."""
     T, N, D = h.shape
-    if out.shape != (T, D) or out.dtype != h.dtype or not (h.is_contiguous() and out.is_contiguous()):
-        raise ValueError(
-            f"hc_post: h {tuple(h.shape)} {h.dtype}, out {tuple(out.shape)} {out.dtype}: want contiguous [T, D], h's dtype"
-        )
+    out2 = out2.contiguous() if out2 is not None else None  # a no-op for the experts' outputs
+    for o in (out, out2 if out2 is not None else out):
+        if o.shape != (T, D) or o.dtype != h.dtype or not (h.is_contiguous() and o.is_contiguous()):
+            raise ValueError(
+                f"hc_post: h {tuple(h.shape)} {h.dtype}, out {tuple(o.shape)} {o.dtype}: want contiguous [T, D], h's dtype"
+            )
     new = torch.empty_like(h)
     if T:
         bd = min(BLOCK_D // N, next_pow2(D))
         grid = (cdiv(T, POST_T), cdiv(D, bd))
-        _hc_post[grid](h, out, post.contiguous(), comb.contiguous(), new, T, N=N, D=D, BLOCK_T=POST_T, BLOCK_D=bd)
+        two = out2 if out2 is not None else out
+        _hc_post[grid](
+            h, out, two, post.contiguous(), comb.contiguous(), new, T, N=N, D=D, BLOCK_T=POST_T, BLOCK_D=bd,
+            TWO=out2 is not None,
+        )  # fmt: skip
     return new

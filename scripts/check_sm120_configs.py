@@ -80,10 +80,25 @@ def v4_glue_cases() -> list:
     from pdserve_kernels.compress import compress_decode
     from pdserve_kernels.glue import rms_norm_rope, route, swiglu
     from pdserve_kernels.mhc import hc_post, hc_pre
+    from pdserve_kernels.v4_step import rate_entries, window_rope
 
     f32, bf = torch.float32, torch.bfloat16
     cases = []
     for T in (1, 128):
+        i64, pos, seq, yarn = (
+            torch.int64,
+            torch.zeros(T, dtype=torch.int64),
+            torch.zeros(T, dtype=torch.int32),
+            (_e(32, dtype=f32), 1.0),
+        )
+        cases += [
+            ("v4_glue", f"decode step: window + ropes T={T}", lambda T=T, p=pos, s=seq, y=yarn: window_rope(p, s, torch.zeros(T, 2048, dtype=i64), 64, 128, [y, y])),
+            *[("v4_glue", f"decode step: rate {m} entries T={T}", lambda T=T, p=pos, s=seq, y=yarn, m=m: rate_entries(
+                p, s, p, p, torch.zeros(T, 2048, dtype=torch.int32), 64, m, 8192 if m == 128 else 0, m == 128, y)) for m in (4, 128)],
+            ("v4_glue", f"kv norm + rope + store T={T}", lambda T=T: rms_norm_rope(_e(T, 512, dtype=bf), _e(512, dtype=f32), 1e-6, rope=(_e(T, 32, dtype=f32),) * 2, store=(_e(4 * T, 512, dtype=bf), torch.zeros(T, dtype=i64)))),
+            ("v4_glue", f"rope by -angle T={T}", lambda T=T: rms_norm_rope(_e(T, 64, 512, dtype=bf), None, 0.0, norm=False, rope=(_e(T, 32, dtype=f32),) * 2, inverse=True)),
+            ("v4_glue", f"hc_post + MoE add T={T}", lambda T=T: hc_post(_e(T, 4, 4096, dtype=bf), _e(T, 4096, dtype=bf), _e(T, 4, dtype=f32), _e(T, 4, 4, dtype=f32), _e(T, 4096, dtype=bf))),
+        ]  # fmt: skip
         h, rope = _e(T, 4, 4096, dtype=bf), (_e(T, 32, dtype=f32), _e(T, 32, dtype=f32))
         hc = (_e(24, 16384, dtype=f32), _e(24, dtype=f32), _e(3, dtype=f32), 20, 1e-6, 1e-6, _e(4096, dtype=f32))
         cases += [

@@ -1,13 +1,14 @@
 """DeepSeek-V4's fused glue on a GPU: each kernel against the PyTorch code the model runs on the
-CPU (kernels/ref_glue.py), at V4-Flash's shapes (hidden 4096, 4 streams, 256 experts, top-6, 64
-heads of 512, bf16), with the time of each in a CUDA graph (kernel vs torch).
+CPU (kernels/ref_glue.py, step.py), at V4-Flash's shapes (hidden 4096, 4 streams, 256 experts,
+top-6, 64 heads of 512, bf16; the decode step's metadata at window 128, block 64, rates 4 and
+128, contexts to 4K), with the time of each in a CUDA graph (kernel vs torch).
 
     python scripts/gpu_v4_glue_check.py [--tokens 1,16,64,128] [--out DIR]
 
 Low-precision outputs must be within one unit in the last place and at least 99% equal bit for
 bit (98% for a compressor's entries; the bars of tests/kernels/test_kernels_v4_glue.py and
 test_kernels_v4_compress.py); the router must choose the same experts (ties
-aside). Writes v4_glue_check.json to --out (default $OUT or the working directory); exit status 1
+aside); the decode step's integers equal (cos / sin within float32's ulp), the indexer the same slots. Writes v4_glue_check.json to --out (default $OUT or the working directory); exit status 1
 if a check fails.
 """
 
@@ -164,6 +165,104 @@ def cases(T: int, g: torch.Generator, dev: str):
     ]  # fmt: skip
 
 
+def step_cases(T: int, g: torch.Generator, dev: str):
+    """The decode step's fused pieces (kernels/v4_step.py, the norm's store, the inverse rope, the
+    MoE's add in hc_post, the indexer's slots and weight scale) against the torch code they replaced."""
+    from pdserve.model.batch import ForwardBatch, StepInputs
+    from pdserve.model.config_base import RopeConfig
+    from pdserve.model.deepseek_v4.decode_step import build_decode_step
+    from pdserve.model.deepseek_v4.step import build_step
+    from pdserve.model.rope import RotaryEmbedding
+    from pdserve_kernels.indexer import index_scores, indexer_topk_paged
+
+    bf, bs, W, ctx = torch.bfloat16, 64, 128, 4096
+    starts = torch.randint(0, ctx, (T,), generator=g)
+    starts[: min(T, 3)] = torch.tensor([ctx - 1, 5, 130])[: min(T, 3)]
+    cols = ctx // bs + 1
+    tables = torch.randperm(T * cols * 2, generator=g)[: T * cols].view(T, cols)
+    batch = ForwardBatch.build(
+        StepInputs(torch.zeros(T, dtype=torch.int64), torch.ones(T, dtype=torch.int64), starts,
+                   torch.ones(T, dtype=torch.bool), tables, tables.flip(1).clone(), torch.arange(T)), bs,
+    ).to(dev)  # fmt: skip
+    yarn = RopeConfig(rope_type="yarn", theta=160000.0, factor=16.0, original_max_position_embeddings=65536)
+    rotary = {"main": RotaryEmbedding(RopeConfig(), R), "compress": RotaryEmbedding(yarn, R)}
+
+    def flat(step) -> list:
+        out = [step.window, step.window_write, *step.rope["main"], *step.rope["compress"]]
+        for m in sorted(step.entries):
+            ix, gp = step.entries[m], step.entries[m].groups
+            out += [
+                ix.table,
+                ix.seen,
+                gp.src,
+                gp.present,
+                gp.first,
+                gp.prev,
+                gp.has_prev,
+                gp.slot,
+                gp.pending,
+                *gp.rope,
+            ]
+            out += [ix.visible] if ix.visible is not None else []
+        return out
+
+    def step_cmp(a, b):
+        same = all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b) if not x.is_floating_point())
+        floats = [compare("step.cos_sin", x, y, torch.float32) for x, y in zip(a, b) if x.is_floating_point()]
+        return [{"check": "step.ints", "ok": same and len(a) == len(b)}, *floats]
+
+    kv, wk = torch.randn(T, HEAD_DIM, generator=g).to(dev, bf), (1 + 0.2 * torch.randn(HEAD_DIM, generator=g)).to(dev)
+    cos, sin = torch.randn(T, R // 2, generator=g).to(dev), torch.randn(T, R // 2, generator=g).to(dev)
+    region, rows = (
+        torch.zeros(4 * T + 8, HEAD_DIM, device=dev, dtype=bf),
+        torch.randperm(4 * T + 8, generator=g)[:T].to(dev),
+    )
+
+    def store_kernel():
+        return rms_norm_rope(kv, wk, 1e-6, rope=(cos, sin), store=(region, rows)), region[rows]
+
+    def store_torch():
+        out = ref.rope_tail_ref(ref.rms_norm_ref(kv, wk, 1e-6), cos, sin)
+        region.index_copy_(0, rows, out)
+        return out, region[rows]
+
+    q = (3 * torch.randn(T, HEADS, HEAD_DIM, generator=g)).to(dev, bf)
+    h, out, out2 = (
+        torch.randn(T, N, D, generator=g).to(dev, bf),
+        *(torch.randn(T, D, generator=g).to(dev, bf) for _ in "ab"),
+    )
+    post, comb = (2 * torch.rand(T, N, generator=g)).to(dev), torch.rand(T, N, N, generator=g).to(dev)
+    Hi, Di, n_keys, k = 64, 128, T * 65 * 16 + 64, 512  # 65 blocks of 16 entries a query
+    iq, keys = torch.randn(T, Hi, Di, generator=g).to(dev, bf), torch.randn(n_keys, Di, generator=g).to(dev, bf)
+    iw, scale = torch.randn(T, Hi, generator=g).to(dev, bf), Hi**-0.5 * Di**-0.5
+    itable = torch.randperm(n_keys // 16, generator=g)[: T * (ctx // 64 + 1)].view(T, -1).to(dev, torch.int32)
+    seq, seen = torch.arange(T, device=dev, dtype=torch.int32), ((batch.positions + 1) // 4).to(torch.int32)
+    paged = (itable, seq, seen, 16, ctx // 4)
+
+    def topk_torch():  # the paged indexer's code before its slots kernel and weight scale
+        top = index_scores(iq, keys, iw.float() * scale, None, paged).topk(k, dim=-1)
+        pages = itable.long()[seq.long()].gather(1, top.indices // 16)
+        slots = (pages * 16 + top.indices % 16).to(torch.int32)
+        return torch.where(torch.isinf(top.values), torch.full_like(slots, -1), slots)
+
+    def topk_cmp(a, b):
+        return [{"check": "indexer.slots", "ok": torch.equal(a.sort(1).values, b.sort(1).values)}]
+
+    two = lambda n: lambda a, b: [compare(f"{n}.out", a[0], b[0], bf), compare(f"{n}.stored", a[1], b[1], bf)]  # noqa: E731
+    one = lambda n: lambda a, b: [compare(n, a, b, bf)]  # noqa: E731
+    return [
+        ("decode-step metadata (W 128, rates 4 + 128)", lambda: flat(build_decode_step(batch, rotary, W, {4}, {128})),
+         lambda: flat(build_step(batch, rotary, W, {4}, {128})), step_cmp),
+        ("kv_norm + rope + window store", store_kernel, store_torch, two("kv_store")),
+        ("rope by -angle (attention output, undo)", lambda: rms_norm_rope(q, None, 0.0, norm=False, rope=(cos, sin), inverse=True),
+         lambda: ref.rope_tail_ref(q, cos, -sin), one("rope_inverse")),
+        ("hc_post + the MoE's routed + shared add", lambda: hc_post(h, out, post, comb, out2),
+         lambda: ref.hc_post_ref(h, out + out2, post, comb), one("hc_post2")),
+        ("indexer top-k -> slots (weights scaled in the kernel)",
+         lambda: indexer_topk_paged(iq, keys, iw, *paged, k, weight_scale=scale), topk_torch, topk_cmp),
+    ]  # fmt: skip
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,16,64,128")
@@ -177,7 +276,8 @@ def main() -> int:
     print("| T | op | kernel us | torch us | checks |")
     print("| ---: | --- | ---: | ---: | --- |")
     for T in [int(t) for t in args.tokens.split(",")]:
-        for name, kernel, torch_fn, cmp in cases(T, torch.Generator().manual_seed(T), args.device):
+        g = torch.Generator().manual_seed(T)
+        for name, kernel, torch_fn, cmp in cases(T, g, args.device) + step_cases(T, g, args.device):
             checks = cmp(kernel(), torch_fn())
             failed += sum(not c["ok"] for c in checks)
             us = (graph_us(kernel), graph_us(torch_fn)) if gpu else (0.0, 0.0)

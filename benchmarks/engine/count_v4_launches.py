@@ -1,22 +1,23 @@
 """Kernel launches of one DeepSeek-V4 decode forward, counted on the CPU (no GPU needed): every aten
-op that computes (views and allocations left out) is one launch, and every `pdserve.model.ops`
-call one launch too, its inside not counted (on a GPU it is a Triton kernel; `hc_pre` is two).
-Counted per module kind, so the per-layer glue (mHC, norms, rope, router) stands apart from the
-step's metadata (step.py) and the kernels proper. A CUDA-graph replay pays roughly one launch
-gap per kernel, so this is what the B=1 step's "launch gaps" scale with.
+op that computes (views and allocations left out) is one launch, and every Triton kernel launch
+one (interpreted: the launches a GPU makes; the torch ops inside it not counted). Only the
+counted forward's launches count (not the warm-up step's, nor weight loading's). Counted per
+model file and function (--lines: and line), so the per-layer glue (mHC, norms, rope, router)
+stands apart from the step's metadata (step.py) and the kernels proper. A CUDA-graph replay pays
+roughly one launch gap per kernel, so this is what the B=1 step's "launch gaps" scale with.
 
-    PYTHONPATH=. python benchmarks/engine/count_v4_launches.py [--batch 1] [--context 300] [--backend torch]
+    PYTHONPATH=. python benchmarks/engine/count_v4_launches.py [--batch 1] [--context 300] \
+        [--quantization none|fp8|fp4] [--backend torch] [--lines]
 
 --backend triton (default) takes the paths a GPU takes (the Triton kernels, interpreted; some
-fused paths exist only there); torch counts the CPU's paths.
+fused paths exist only there); torch counts the CPU's paths. --quantization fp4: V4-Flash's
+release formats (FP8 projections, FP4 experts), as `bench-engine --dtype fp4` runs it.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import functools
-import inspect
 import os
 import tempfile
 import traceback
@@ -31,7 +32,16 @@ NO_KERNEL = {
     "empty_strided", "lift_fresh", "new_empty", "new_empty_strided", "empty_like", "_reshape_alias", "unfold",
     "view_as_real", "view_as_complex", "_assert_async", "sym_size", "sym_stride", "sym_numel", "is_nonzero",
 }  # fmt: skip
-KERNELS = {"hc_pre": 2}  # ops functions that launch more than one kernel on a GPU
+
+
+MAYBE_VIEWS = {"to", "contiguous", "reshape", "type_as", "flatten", "view_as", "_to_copy"}
+
+
+def _shares(out, x) -> bool:
+    """Whether out is x or a view of x's memory."""
+    if not (isinstance(out, torch.Tensor) and isinstance(x, torch.Tensor)):
+        return False
+    return out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
 
 
 class Count(TorchDispatchMode):
@@ -39,48 +49,54 @@ class Count(TorchDispatchMode):
         super().__init__()
         self.by_where: collections.Counter = collections.Counter()
         self.muted = 0
+        self.on = False  # inside the counted forward (the ops wrappers see every call)
+
+    def __enter__(self):
+        self.on = True
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.on = False
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         out = func(*args, **(kwargs or {}))
-        same = name in ("to", "contiguous", "reshape", "type_as") and args and out is args[0]  # nothing to do
+        same = name in MAYBE_VIEWS and _shares(out, args[0] if args else None)  # a view: nothing to do
         if not self.muted and name not in NO_KERNEL and not same:
             self.by_where[_where()] += 1
         return out
 
 
+LINES = False  # --lines: the op's line too
+
+
 def _where() -> str:
-    """The model file (and function) the op came from."""
+    """The model file and function (and line) the op came from."""
     for frame in reversed(traceback.extract_stack()[:-3]):
         if "/pdserve/model/" in frame.filename:
-            return f"{Path(frame.filename).parent.name}/{Path(frame.filename).name}:{frame.name}"
+            line = f":{frame.lineno}" if LINES else ""
+            return f"{Path(frame.filename).parent.name}/{Path(frame.filename).name}:{frame.name}{line}"
     return "other"
 
 
-def _mute_ops(counter: Count) -> None:
-    """Each ops.* call: one launch (KERNELS: more), its inside muted."""
-    from pdserve.model import ops
+def _count_triton(counter: Count) -> None:
+    """Each Triton kernel launch (interpreted: the GPU's launch) counts one, under its kernel's
+    name, and the torch ops the interpreter runs inside it none."""
+    from triton.runtime.interpreter import InterpretedFunction
 
-    for name, fn in list(vars(ops).items()):
-        if (
-            not inspect.isfunction(fn)
-            or name.startswith("_")
-            or fn.__module__ != ops.__name__
-            or name in ("set_backend", "uses_triton")
-        ):
-            continue
+    run = InterpretedFunction.run
 
-        @functools.wraps(fn)
-        def wrapped(*a, _fn=fn, _name=name, **kw):
-            if not counter.muted:
-                counter.by_where[f"ops.{_name}"] += KERNELS.get(_name, 1)
-            counter.muted += 1
-            try:
-                return _fn(*a, **kw)
-            finally:
-                counter.muted -= 1
+    def counted(self, *a, warmup=False, **kw):
+        if counter.on and not counter.muted and not warmup:
+            counter.by_where[f"triton:{self.fn.__name__}"] += 1
+        counter.muted += 1
+        try:
+            return run(self, *a, warmup=warmup, **kw)
+        finally:
+            counter.muted -= 1
 
-        setattr(ops, name, wrapped)
+    InterpretedFunction.run = counted
 
 
 def main() -> None:
@@ -89,9 +105,15 @@ def main() -> None:
     p.add_argument("--context", type=int, default=300)
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument(
+        "--quantization", choices=("none", "fp8", "fp4"), default="none", help="fp4: V4-Flash's release formats"
+    )
+    p.add_argument(
         "--backend", choices=("triton", "torch"), default="triton", help="triton: the GPU's paths, interpreted"
     )
+    p.add_argument("--lines", action="store_true", help="count by line, not by function")
     args = p.parse_args()
+    global LINES
+    LINES = args.lines
     if args.backend == "triton":
         os.environ["TRITON_INTERPRET"] = "1"  # before the first triton import
     from pdserve.bench.engine.decode import DecodeBench
@@ -101,9 +123,13 @@ def main() -> None:
 
     ops.set_backend(args.backend)
     counter = Count()
-    _mute_ops(counter)
+    if args.backend == "triton":
+        _count_triton(counter)
     with tempfile.TemporaryDirectory() as folder:
-        model = write_config(bench_config("tiny-v4", args.num_layers, None), Path(folder))
+        model = write_config(
+            bench_config("tiny-v4", args.num_layers, None if args.quantization == "none" else args.quantization),
+            Path(folder),
+        )
         cfg = EngineConfig(
             model=str(model), device="cpu", dtype="bfloat16", load_format="dummy", kv_block_size=16,
             num_kv_blocks=4 * args.batch * (args.context // 16 + 4), max_num_seqs=args.batch,

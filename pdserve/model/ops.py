@@ -196,17 +196,8 @@ def indexer_topk(q, k_cache, weights, candidates, topk: int):
     return ref.indexer_topk_ref(q, k_cache, weights, candidates, topk)
 
 
-def mla_prefill_attention(
-    q,
-    k_nope,
-    k_rope,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q: int,
-    sm_scale: float,
-    max_seqlen_k: int | None = None,
-):
+def mla_prefill_attention(q, k_nope, k_rope, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, sm_scale: float,
+                          max_seqlen_k: int | None = None):  # fmt: skip
     if _use_triton(q):
         from pdserve_kernels import mla_prefill_attention as kernel
 
@@ -305,40 +296,49 @@ def gather_kv_fp8_v4(pages: torch.Tensor, slots: torch.Tensor, dim: int, rope: i
     return gather(pages, slots, V4Record(dim, rope), page)
 
 
-def indexer_topk_paged(q, k_cache, weights, block_tables, seq_ids, context_lens, page: int, max_len: int, topk: int):
+def indexer_topk_paged(
+    q, k_cache, weights, block_tables, seq_ids, context_lens, page: int, max_len: int, topk: int, weight_scale=1.0
+):
+    """weights [T, H] are read as weights.float() * weight_scale (in the kernel on a GPU)."""
+    paged = (block_tables, seq_ids, context_lens, page, max_len, topk)
     if _use_triton(q):
         from pdserve_kernels import indexer_topk_paged as kernel
 
-        return kernel(q, k_cache, weights, block_tables, seq_ids, context_lens, page, max_len, topk)
-    return ref.indexer_topk_paged_ref(q, k_cache, weights, block_tables, seq_ids, context_lens, page, max_len, topk)
+        return kernel(q, k_cache, weights, *paged, weight_scale=weight_scale)
+    weights = weights if weight_scale == 1.0 else weights.float() * weight_scale
+    return ref.indexer_topk_paged_ref(q, k_cache, weights, *paged)
 
 
 # DeepSeek-V4's per-layer glue (kernels/mhc.py, kernels/glue.py; references: kernels/ref_glue.py)
 
 
-def rms_norm(x, weight, eps: float, rope=None):
+def rms_norm(x, weight, eps: float, rope=None, store=None):
     """x [T, ..., D] -> RMSNorm over D (weight [D] float32: V4RMSNorm; None: the unweighted
     norm with its scale rounded to x's dtype), then the interleaved rope of the last R dims when
-    rope = (cos, sin) [T, R/2] float32 is given; one kernel on a GPU (an even D)."""
+    rope = (cos, sin) [T, R/2] float32 is given; store = (region [N, D] of x's dtype, rows [T]):
+    the result also into those rows. One kernel on a GPU (an even D)."""
     if _use_triton(x) and x.shape[-1] % 2 == 0:
         from pdserve_kernels.glue import rms_norm_rope
 
-        return rms_norm_rope(x, weight, eps, rope=rope)
+        return rms_norm_rope(x, weight, eps, rope=rope, store=store)
     from pdserve_kernels.ref_glue import rms_norm_ref, rope_tail_ref
 
     out = rms_norm_ref(x, weight, eps)
-    return out if rope is None else rope_tail_ref(out, *rope)
+    out = out if rope is None else rope_tail_ref(out, *rope)
+    if store is not None:
+        store[0].index_copy_(0, store[1], out)
+    return out
 
 
-def rope_tail(x, cos, sin):
-    """x [T, ..., D] with its last R dims rotated as interleaved pairs; cos/sin [T, R/2] float32."""
+def rope_tail(x, cos, sin, inverse: bool = False):
+    """x [T, ..., D], its last R dims rotated as interleaved pairs (by -angle: inverse); cos/sin [T, R/2] fp32."""
     if _use_triton(x) and x.shape[-1] % 2 == 0:
         from pdserve_kernels.glue import rms_norm_rope
 
-        return rms_norm_rope(x, None, 0.0, norm=False, rope=(cos, sin))
+        return rms_norm_rope(x, None, 0.0, norm=False, rope=(cos, sin), inverse=inverse)
     from pdserve_kernels.ref_glue import rope_tail_ref
 
-    return rope_tail_ref(x, cos, sin)
+    return rope_tail_ref(x, cos, -sin if inverse else sin)
 
 
 def hc_pre(h, fn, base, scale, iters: int, hc_eps: float, norm_eps: float, norm_weight=None, out_eps: float = 0.0):
@@ -353,15 +353,15 @@ def hc_pre(h, fn, base, scale, iters: int, hc_eps: float, norm_eps: float, norm_
     return hc_pre_ref(h, fn, base, scale, iters, hc_eps, norm_eps, norm_weight, out_eps)
 
 
-def hc_post(h, out, post, comb):
-    """The new streams [T, N, D]: post * out + comb^T @ h."""
+def hc_post(h, out, post, comb, out2=None):
+    """The new streams [T, N, D]: post * out + comb^T @ h (out: out + out2 when out2 is given)."""
     if _use_triton(h):
         from pdserve_kernels.mhc import hc_post as kernel
 
-        return kernel(h, out, post, comb)
+        return kernel(h, out, post, comb, out2)
     from pdserve_kernels.ref_glue import hc_post_ref
 
-    return hc_post_ref(h, out, post, comb)
+    return hc_post_ref(h, out if out2 is None else out + out2, post, comb)
 
 
 def route(logits, top_k: int, scoring: str, scaling: float, bias=None, table=None, input_ids=None):

@@ -68,11 +68,15 @@ class RotaryEmbedding(nn.Module):
         self._inv_freq, self.attention_factor = rope_inv_freq(rope, dim)
         self._cache: dict[torch.device, torch.Tensor] = {}
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        inv = self._cache.get(positions.device)
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        """The inverse frequencies [R/2] float32 on `device` (copied there once)."""
+        inv = self._cache.get(device)
         if inv is None:
-            inv = self._cache.setdefault(positions.device, self._inv_freq.to(positions.device))
-        freqs = positions.float()[:, None] * inv[None, :]  # [T, R/2]
+            inv = self._cache.setdefault(device, self._inv_freq.to(device))
+        return inv
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq(positions.device)[None, :]  # [T, R/2]
         return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
 
 

@@ -99,8 +99,11 @@ def test_paged_decode_rejects_bad_metadata():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("lens,page,topk", [([1, 37, 5], 16, 8), ([70, 9], 4, 100), ([129], 64, 32)])
-def test_paged_indexer_matches_reference(lens, page, topk, dtype, monkeypatch):
+@pytest.mark.parametrize(
+    "lens,page,topk,scale", [([1, 37, 5], 16, 8, 1.0), ([70, 9], 4, 100, 0.03125), ([129], 64, 32, 0.0221)]
+)
+def test_paged_indexer_matches_reference(lens, page, topk, scale, dtype, monkeypatch):
+    """scale: the weights read as weights.float() * scale (DeepSeek-V4's folded Hi^-0.5 * Di^-0.5)."""
     from pdserve_kernels import indexer
 
     monkeypatch.setattr(indexer, "SCORES_BYTES", 4 * 200 * 2)  # a few rows a chunk: the chunking is exercised
@@ -110,11 +113,12 @@ def test_paged_indexer_matches_reference(lens, page, topk, dtype, monkeypatch):
     T, H, D = len(seq_ids), 4, 32
     q = torch.randn(T, H, D, generator=gen).to(DEVICE, dtype)
     k_cache = torch.randn(n_blocks * page, D, generator=gen).to(DEVICE, dtype)
-    w = torch.randn(T, H, generator=gen).to(DEVICE)
+    w = torch.randn(T, H, generator=gen).to(DEVICE, dtype)
     max_len = max(lens)
-    got = indexer_topk_paged(q, k_cache, w, tables, seq_ids, ctx, page, max_len, topk)
+    with poisoned_empty():  # -1 padding and every slot written by the kernels
+        got = indexer_topk_paged(q, k_cache, w, tables, seq_ids, ctx, page, max_len, topk, weight_scale=scale)
     want = indexer_topk_ref(
-        q.double(), k_cache.double(), w.double(), paged_slots(tables, seq_ids, ctx, page, max_len), topk
+        q.double(), k_cache.double(), w.double() * scale, paged_slots(tables, seq_ids, ctx, page, max_len), topk
     )
     assert got.shape == want.shape == (T, min(topk, max_len)) and got.dtype == torch.int32
     # the same set per query (order among near-equal low-precision scores may differ)

@@ -96,12 +96,15 @@ def test_hc_pre_of_the_head_has_pre_gates_only(T, N, D, poisoned):
 
 @pytest.mark.parametrize("T,N,D", [(1, 4, 64), (6, 4, 301), (9, 2, 37), (3, 8, 40)])
 @pytest.mark.parametrize("dtype", [torch.float32, *LOW])
-def test_hc_post_matches_the_residual(T, N, D, dtype, poisoned):
-    g = _gen("hc_post", T, N, D, dtype)
+@pytest.mark.parametrize("two", [False, True])
+def test_hc_post_matches_the_residual(T, N, D, dtype, two, poisoned):
+    """two: the block's output in two parts (the MoE's routed and shared experts), added in the kernel."""
+    g = _gen("hc_post", T, N, D, dtype, two)
     h, out = torch.randn(T, N, D, generator=g).to(dtype), torch.randn(T, D, generator=g).to(dtype)
     post, comb = 2 * torch.rand(T, N, generator=g), torch.rand(T, N, N, generator=g)
-    got = hc_post(*_dev(h, out, post, comb)).cpu()
-    want = ref.hc_post_ref(h, out, post, comb)
+    out2 = torch.randn(T, D, generator=g).to(dtype) if two else None
+    got = hc_post(*_dev(h, out, post, comb, out2)).cpu()
+    want = ref.hc_post_ref(h, out + out2 if two else out, post, comb)
     _close(got, want, dtype, "streams")
     _mostly_equal(got, want)  # rounded where PyTorch rounds: the products, the matmul, their sum
 
@@ -129,6 +132,28 @@ def test_rms_norm_rope_reads_a_strided_row():
     cos, sin = torch.randn(5, 4, generator=g), torch.randn(5, 4, generator=g)
     got = rms_norm_rope(*_dev(x), None, 1e-6, rope=_dev(cos, sin)).cpu()
     torch.testing.assert_close(got, ref.rope_tail_ref(ref.rms_norm_ref(x, None, 1e-6), cos, sin), rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("T,D,R,N", [(1, 38, 16, 5), (7, 74, 8, 19), (3, 512, 64, 40)])
+@pytest.mark.parametrize("dtype", [torch.float32, *LOW])
+def test_rms_norm_rope_stores_its_rows_and_rotates_back(T, D, R, N, dtype, poisoned):
+    """store: the rows also into pool records (as index_copy_ after it), the rest untouched;
+    inverse: the rotation by -angle (the un-rope of V4's attention output, which negated sin)."""
+    g = _gen("norm_store", T, D, R, N, dtype)
+    x, w = (3 * torch.randn(T, D, generator=g)).to(dtype), 1 + 0.3 * torch.randn(D, generator=g)
+    cos, sin = torch.randn(T, R // 2, generator=g), torch.randn(T, R // 2, generator=g)
+    region, rows = torch.randn(N, D, generator=g).to(dtype), torch.randperm(N, generator=g)[:T]
+    want_region = region.clone()
+    want = ref.rope_tail_ref(ref.rms_norm_ref(x, w, 1e-6), cos, sin)
+    want_region.index_copy_(0, rows, want)
+    region_dev = region.to(DEVICE)
+    got = rms_norm_rope(*_dev(x, w), 1e-6, rope=_dev(cos, sin), store=(region_dev, rows.to(DEVICE))).cpu()
+    _close(got, want, dtype, "rows")
+    assert torch.equal(region_dev.cpu(), want_region.index_copy(0, rows, got)), "stored rows, or untouched rows"
+    back = rms_norm_rope(*_dev(x), None, 0.0, norm=False, rope=_dev(cos, sin), inverse=True).cpu()
+    want = ref.rope_tail_ref(x, cos, -sin)
+    _close(back, want, dtype, "inverse")
+    _mostly_equal(back, want)
 
 
 def _logits(g, T, E, dtype):

@@ -1,5 +1,5 @@
 """The tiny DeepSeek-V4 through the engine on the GPU's paths (every `ops` call on its Triton kernel,
-interpreted on CPU: the fused glue, the compressor's decode kernel, attention, MoE) against the
+interpreted on CPU: the fused glue, the compressor's decode kernel, the decode step's metadata, attention, MoE) against the
 same engine on the torch paths the CPU tests check against transformers: the same greedy tokens
 over decodes that cross the compressors' group edges (rates 4 and 16), float32.
 
@@ -46,7 +46,7 @@ def _counted(monkeypatch, module, name: str, calls: dict) -> None:
 
 
 def test_greedy_tokens_equal_on_the_fused_paths(tmp_path, monkeypatch):
-    from pdserve_kernels import compress, glue, mhc
+    from pdserve_kernels import compress, glue, mhc, v4_step
 
     calls: dict = {}
     for module, name in (
@@ -56,6 +56,8 @@ def test_greedy_tokens_equal_on_the_fused_paths(tmp_path, monkeypatch):
         (glue, "rms_norm_rope"),
         (glue, "swiglu"),
         (compress, "compress_decode"),
+        (v4_step, "window_rope"),
+        (v4_step, "rate_entries"),
     ):
         _counted(monkeypatch, module, name, calls)
     tiny = make_tiny_model(tmp_path / "tiny", arch="deepseek_v4", seed=0)
@@ -65,5 +67,15 @@ def test_greedy_tokens_equal_on_the_fused_paths(tmp_path, monkeypatch):
     want = _tokens(tiny, prompts, "torch")
     assert not calls, "the torch paths call no kernel"
     got = _tokens(tiny, prompts, "triton")
-    assert set(calls) == {"hc_pre", "hc_post", "route", "rms_norm_rope", "swiglu", "compress_decode"}, calls
+    kernels = {
+        "hc_pre",
+        "hc_post",
+        "route",
+        "rms_norm_rope",
+        "swiglu",
+        "compress_decode",
+        "window_rope",
+        "rate_entries",
+    }
+    assert set(calls) == kernels, calls
     assert got == want

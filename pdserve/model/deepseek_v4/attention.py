@@ -32,7 +32,7 @@ from pdserve.model import ops
 from pdserve.model.config import ModelConfig
 from pdserve.model.deepseek_v4.compressor import CSACompressor, HCACompressor, Indexer
 from pdserve.model.deepseek_v4.config import CSA, HCA, SLIDING
-from pdserve.model.deepseek_v4.layers import V4RMSNorm, rope_tail, store_records
+from pdserve.model.deepseek_v4.layers import V4RMSNorm, fused_store, normed_records, rope_tail, store_records
 from pdserve.model.deepseek_v4.step import V4Step
 from pdserve.model.fp8 import Block, fp8_params, linear, shard_scales
 from pdserve.model.kv_cache import KVCache
@@ -137,10 +137,13 @@ class V4Attention(nn.Module):
         cos, sin = step.rope[self.rope_kind]
         q_res = self.q_a_norm(self.q_a_proj(x))  # [T, Q]
         q = ops.rms_norm(self.q_b_proj(q_res).view(T, self.heads, self.head_dim), None, self.eps, rope=(cos, sin))
-        kv = self._kv(x, cos, sin)  # [T, D]
         window = _region(kv_cache, "window", layer)  # [Nw, D] values, or fp8_ds_v4 pages
-        new = kv if step.window_src is None else kv[step.window_src]
-        store_records(window, step.window_write, new, self.rope)  # the records later steps read
+        if step.window_src is None and fused_store(window, x):  # normed, roped and stored by one kernel
+            kv = normed_records(self.kv_norm, self.kv_proj(x), (cos, sin), window, step.window_write)
+        else:
+            kv = self._kv(x, cos, sin)  # [T, D]
+            new = kv if step.window_src is None else kv[step.window_src]
+            store_records(window, step.window_write, new, self.rope)  # the records later steps read
         extra = self._compress(x, q_res, step, kv_cache, layer) if self.compressor is not None else None
         if window.dtype == torch.uint8:
             out = self._attend_fp8(q, kv, window, step, extra)
@@ -149,7 +152,7 @@ class V4Attention(nn.Module):
             out, _ = ops.sparse_mla_decode(
                 q[:, None], keys, step.window[:, None], self.scale, self.head_dim, sink=self.sinks, extra=extra
             )  # [T, 1, H, D]
-        out = rope_tail(out[:, 0], cos, -sin)  # undo the values' rope at the query position
+        out = rope_tail(out[:, 0], cos, sin, inverse=True)  # undo the values' rope at the query position
         out = self.o_a_proj(out.reshape(T, self.o_a_proj.groups, -1))  # [T, G*Ro]
         return self.o_b_proj(out)
 

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from pdserve.model import ops
-from pdserve.model.deepseek_v4.layers import V4RMSNorm, rope_tail, store_records
+from pdserve.model.deepseek_v4.layers import V4RMSNorm, normed_records, rope_tail, store_records
 from pdserve.model.deepseek_v4.step import EntryIndex
 from pdserve.model.fp8 import Block, linear
 
@@ -63,7 +63,7 @@ class CompressedKV(nn.Module):
         if plan.start is not None and dst is None and ops.uses_triton(x):  # a decode step: one kernel, in place
             kv, gate = self.kv_proj(x), self.gate_proj(x)
             pooled = ops.compress_decode(kv, gate, states, slots, plan.start, self.position_bias, dim, self.overlap)
-            store_records(entries, plan.slot, self.kv_norm(pooled, rope=(cos, sin)), 2 * cos.shape[-1])
+            normed_records(self.kv_norm, pooled, (cos, sin), entries, plan.slot)  # one kernel on a GPU
             return
         B, n = slots.shape[0], (self.rate - 1) * self.width
         rec = states[slots]  # [B, state_dim]
@@ -117,10 +117,12 @@ class IndexScorer(nn.Module):
         self.softmax_scale, self.weights_scale = head_dim**-0.5, heads**-0.5
         self.weights_proj = nn.Linear(hidden, heads, bias=False)
 
-    def weights(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] -> [T, Hi] float32 with both scales folded in: transformers scales the
-        ReLU'd dot by Di^-0.5 and the weights by Hi^-0.5; relu(s) * c = relu(s * c) for c > 0."""
-        return self.weights_proj(x).float() * (self.weights_scale * self.softmax_scale)
+    @property
+    def scale(self) -> float:
+        """The head weights' factor, both scales folded in: transformers scales the ReLU'd dot by
+        Di^-0.5 and the weights by Hi^-0.5; relu(s) * c = relu(s * c) for c > 0. The weights are
+        weights_proj(x).float() * scale [T, Hi] (`ops.indexer_topk_paged` multiplies)."""
+        return self.weights_scale * self.softmax_scale
 
 
 class Indexer(CompressedKV):
@@ -150,8 +152,8 @@ class Indexer(CompressedKV):
         if ix.max_seen == 0:
             return ix.seen.new_empty(x.shape[0], 0)
         q = rope_tail(self.q_b_proj(q_res).view(x.shape[0], self.heads, self.dim), cos, sin)  # [T, Hi, Di]
-        w = self.scorer.weights(x)
-        return ops.indexer_topk_paged(q, keys, w, ix.table, seq_ids, ix.seen, ix.page, ix.max_seen, self.topk)
+        w, scale = self.scorer.weights_proj(x), self.scorer.scale  # the scale applied in the kernel (float32)
+        return ops.indexer_topk_paged(q, keys, w, ix.table, seq_ids, ix.seen, ix.page, ix.max_seen, self.topk, scale)
 
 
 class CSACompressor(CompressedKV):

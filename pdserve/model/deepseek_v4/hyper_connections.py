@@ -47,9 +47,12 @@ class HyperConnection(nn.Module):
         )
 
 
-def hc_residual(h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """New streams [T, N, D] from the old h [T, N, D], the block output [T, D] and the mixes."""
-    return ops.hc_post(h, out, post, comb)
+def hc_residual(
+    h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out2: torch.Tensor | None = None
+) -> torch.Tensor:
+    """New streams [T, N, D] from the old h [T, N, D], the block output [T, D] (out + out2 when
+    given: added inside hc_post's kernel on a GPU) and the mixes."""
+    return ops.hc_post(h, out, post, comb, out2)
 
 
 class HyperHead(nn.Module):

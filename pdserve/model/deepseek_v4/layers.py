@@ -6,7 +6,7 @@ V4's RMSNorm keeps its weight in float32 and multiplies before casting back (tra
 DeepseekV4RMSNorm), unlike V3's. Rope rotates the *last* R dims of each vector as interleaved
 pairs (2i, 2i+1) and writes them back in place, so the layout stays [nope | rope].
 Each is one kernel on a GPU (`ops.rms_norm` / `ops.rope_tail`; references in
-kernels/ref_glue.py). `store_records` writes K = V records into a pool region of either kind: values [N, D], or
+kernels/ref_glue.py), and so is a norm whose output also goes to pool records (`normed_records`). `store_records` writes K = V records into a pool region of either kind: values [N, D], or
 "fp8_ds_v4" pages [blocks, records a block, bytes] (`--kv-cache-dtype fp8`).
 """
 
@@ -35,10 +35,29 @@ class V4RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps, rope=rope)
 
 
-def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """x [T, ..., D]; cos/sin [T, R/2] float32 -> x with its last R dims rotated as pairs
-    (x[2i], x[2i+1]) -> (x[2i] cos - x[2i+1] sin, x[2i+1] cos + x[2i] sin), in float32."""
-    return ops.rope_tail(x, cos, sin)
+    (x[2i], x[2i+1]) -> (x[2i] cos - x[2i+1] sin, x[2i+1] cos + x[2i] sin), in float32; by -angle
+    (sin negated, in the kernel) when `inverse`."""
+    return ops.rope_tail(x, cos, sin, inverse=inverse)
+
+
+def fused_store(region: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether the norm's kernel can store x's normed rows into the region itself (a GPU's path, a
+    region of x's dtype)."""
+    return region.dtype == x.dtype and region.is_contiguous() and ops.uses_triton(x)
+
+
+def normed_records(
+    norm: V4RMSNorm, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], region: torch.Tensor, slots: torch.Tensor
+) -> torch.Tensor:
+    """norm(x, rope) [n, D], also stored as records `slots` [n] of a pool region (`store_records`):
+    by the norm's own kernel where `fused_store`."""
+    if fused_store(region, x):
+        return ops.rms_norm(x, norm.weight, norm.eps, rope=rope, store=(region, slots))
+    out = norm(x, rope=rope)
+    store_records(region, slots, out, 2 * rope[0].shape[-1])
+    return out
 
 
 def store_records(region: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, rope: int) -> None:

@@ -22,7 +22,8 @@ W 128) in bf16 (checked in tests/unit/test_v4_loader.py):
 
 Forward: `forward(batch, kv_cache)` runs the new tokens of B sequences (prefill chunks and
 decode tokens alike, a ForwardBatch) concatenated; sequence b's tokens take positions
-batch.starts[b] onwards. The step's indices are built on the device once (step.py) and each
+batch.starts[b] onwards. The step's indices are built on the device once (step.py; a decode step's
+by kernels/v4_step.py on the Triton path: decode_step.py) and each
 layer reads and writes its regions of the pool in place (after an exception the sequences' pool
 state is half-advanced and must be dropped). Whole-prompt prefill, chunked prefill and one-token
 decode give the same results.
@@ -56,6 +57,7 @@ from pdserve.model.config import ModelConfig
 from pdserve.model.deepseek_v4.attention import V4Attention
 from pdserve.model.deepseek_v4.cache import kv_cache_specs
 from pdserve.model.deepseek_v4.config import CSA, HCA
+from pdserve.model.deepseek_v4.decode_step import build_decode_step, fused_decode_step
 from pdserve.model.deepseek_v4.hyper_connections import HyperConnection, HyperHead, hc_residual
 from pdserve.model.deepseek_v4.layers import V4RMSNorm
 from pdserve.model.deepseek_v4.moe import V4MoE, fp4_experts
@@ -86,7 +88,10 @@ class V4DecoderLayer(nn.Module):
         post, comb, x = self.attn_hc(h, norm=self.input_layernorm)  # x normed
         h = hc_residual(h, self.self_attn(x, step, kv_cache, layer), post, comb)
         post, comb, x = self.ffn_hc(h, norm=self.post_attention_layernorm)
-        return hc_residual(h, self.mlp(x, step.input_ids), post, comb)
+        if self.mlp.tp.size > 1:  # the routed + shared sum is all-reduced first
+            return hc_residual(h, self.mlp(x, step.input_ids), post, comb)
+        routed, shared = self.mlp.parts(x, step.input_ids)
+        return hc_residual(h, routed, post, comb, shared)  # their sum inside hc_post
 
 
 class DeepseekV4Model(nn.Module):
@@ -118,6 +123,8 @@ class DeepseekV4ForCausalLM(nn.Module):
             "main": RotaryEmbedding(config.v4.main_rope, config.qk_rope_head_dim),
             "compress": RotaryEmbedding(config.v4.compress_rope, config.qk_rope_head_dim),
         }
+        v4 = config.v4
+        self.rates = tuple({v4.compress_rate(i) for i, t in enumerate(v4.layer_types) if t == k} for k in (CSA, HCA))
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -133,16 +140,16 @@ class DeepseekV4ForCausalLM(nn.Module):
         """Every token of the batch (on the model's device) -> final-normed hidden [T, hidden];
         writes what each sequence's cache gains into kv_cache (cache.py's regions)."""
         step = self.step(batch)
-        h = self.model.embed_tokens(step.input_ids)  # [T, hidden]
-        h = h.unsqueeze(1).expand(-1, self.config.v4.hc_mult, -1).contiguous()  # [T, N, hidden]
+        ids = step.input_ids[:, None].expand(-1, self.config.v4.hc_mult)  # [T, N]: each stream starts as the embedding
+        h = self.model.embed_tokens(ids)  # [T, N, hidden], one gather
         for i, layer in enumerate(self.model.layers):
             h = layer(h, step, kv_cache, i)
         return self.model.hc_head(h, norm=self.model.norm)
 
     def step(self, batch: ForwardBatch) -> V4Step:
-        v4 = self.config.v4
-        rates = {kind: {v4.compress_rate(i) for i, t in enumerate(v4.layer_types) if t == kind} for kind in (CSA, HCA)}
-        return build_step(batch, self.rotary, v4.sliding_window, rates[CSA], rates[HCA])
+        """The step's metadata: a decode step's from kernels/v4_step.py on the Triton path, else step.py's."""
+        build = build_decode_step if fused_decode_step(batch, self.rotary) else build_step
+        return build(batch, self.rotary, self.config.v4.sliding_window, *self.rates)
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

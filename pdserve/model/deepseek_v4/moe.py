@@ -177,5 +177,11 @@ class V4MoE(nn.Module):
         self.shared_experts = SharedExpert(config.hidden_size, inter, limit, self.tp, config.fp8_block)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        routed, shared = self.parts(x, input_ids)
+        return self.tp.all_reduce(routed + shared)  # [T, hidden]
+
+    def parts(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routed and the shared experts' outputs [T, hidden] (this rank's partial sums under
+        TP), for a caller that adds them itself (one TP rank: in hc_post's kernel)."""
         weights, ids = self.gate(x, input_ids)
-        return self.tp.all_reduce(self.experts(x, weights, ids) + self.shared_experts(x))  # [T, hidden]
+        return self.experts(x, weights, ids), self.shared_experts(x)
