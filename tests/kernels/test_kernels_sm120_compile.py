@@ -13,6 +13,10 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.timeout(600)
+# V4's decode-step metadata kernels take rope's cos / sin with libdevice's exact cosf / sinf (the
+# values torch gives): for angles past ~1e5 rad (long contexts) it reduces the argument through a
+# 32-byte array on the stack, the one stack use allowed below
+EXACT_TRIG = {"_window_rope", "_rate_entries"}
 
 
 @pytest.mark.slow
@@ -57,5 +61,7 @@ def test_sm120_configs_compile_within_shared_memory(tmp_path):
     assert all(not any(".bf16" in m for m in r["mma"]) for r in mx8), mx8
     for r in rows:
         assert r["fits"] and r["shared_total"] <= 101376, r
-        if r["family"] != "moe_fp4_dot_scaled":  # the engine's configs: no local-memory spills
+        if r["kernel"] in EXACT_TRIG:  # libdevice's large-angle reduction: its 32-byte array, no spill
+            assert r["stack"] <= 32 and r["local"] == 0, r
+        elif r["family"] != "moe_fp4_dot_scaled":  # the engine's configs: no local-memory spills
             assert r["stack"] == 0 and r["local"] == 0, r
