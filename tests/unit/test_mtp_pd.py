@@ -1,0 +1,146 @@
+"""MTP drafting through PD (engine/spec_decode/mtp_handoff.py), in-process FakeConnector, tiny V3
+and V3.2 in float32. The prefill engine runs the MTP layer over the prompt (its records travel
+with the other layers') and hands the layer's output at the prompt's last position to the decode
+engine, which drafts from its first step. Oracles: a colocated engine without speculation for the
+tokens, and a colocated engine with MTP for the drafts themselves (the decode side must verify the
+very drafts a colocated engine verifies, step for step: a wrong hidden state or a missing MTP
+record changes them). 0 blocks used on both sides after every run; a pair where one side drafts
+with MTP and the other does not fails the request with the reason, never with wrong tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.disagg.fake_connector import FakeConnector, FakeFabric
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.request import FirstToken, Request
+from tests.unit.test_spec_decode import _prompts
+from tests.unit.test_spec_pd import engine, generate, requests
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _mtp(k: int) -> dict:
+    return {"method": "mtp", "num_speculative_tokens": k}
+
+
+@pytest.fixture(scope="module", params=["deepseek_v3", "deepseek_v32"])
+def tiny(request, tmp_path_factory):
+    from pdserve.tiny_model import make_tiny_model
+
+    path = str(make_tiny_model(tmp_path_factory.mktemp(request.param), request.param))
+    plain = {k: v.outputs[0].token_ids for k, v in generate(engine(path), requests(_prompts(0))).items()}
+    return path, plain
+
+
+def _pair(path: str, prefill_spec: dict | None, decode_spec: dict | None) -> tuple[LLMEngine, LLMEngine]:
+    fabric = FakeFabric()
+    pre, dec = (FakeConnector(e, model_id="tiny", fabric=fabric, lease_margin_s=0.0) for e in ("P", "D"))
+    spec = lambda s: {"speculative_config": s} if s else {}  # noqa: E731
+    return engine(path, pre, **spec(prefill_spec)), engine(path, dec, **spec(decode_spec))
+
+
+def _handoffs(prefill: LLMEngine, prompts) -> list[Request]:
+    firsts = generate(prefill, requests(prompts, hold_kv=True))
+    return [
+        r.model_copy(update={"kv_handle": firsts[r.request_id].kv_handle,
+                             "first_token": FirstToken(token_id=firsts[r.request_id].outputs[0].token_ids[0])})
+        for r in requests(prompts)
+    ]  # fmt: skip
+
+
+def _record_drafts(eng: LLMEngine) -> dict[str, list[list[int]]]:
+    """Each request's drafts as each of its verify chunks after the first token ran them (a
+    colocated engine also drafts for a prompt's last token when a chunk leaves it alone)."""
+    seen: dict[str, list[list[int]]] = {}
+    begin = eng.spec.begin
+
+    def recording(sched):
+        for s in sched.scheduled:
+            if s.num_spec and s.seq.num_output_tokens:
+                seen.setdefault(s.seq.request_id, []).append(list(s.seq.spec_token_ids[: s.num_spec]))
+        begin(sched)
+
+    eng.spec.begin = recording
+    return seen
+
+
+def _free(*engines: LLMEngine) -> None:
+    for e in engines:
+        e.step()  # the prefill side's releases
+        assert e.get_stats().kv_blocks_used == 0 and not e.has_held_kv()
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_pd_with_mtp_equals_colocated_tokens_and_drafts(tiny, k):
+    path, plain = tiny
+    prompts = _prompts(0)
+    colocated = engine(path, speculative_config=_mtp(k))
+    want_drafts = _record_drafts(colocated)
+    assert {r: o.outputs[0].token_ids for r, o in generate(colocated, requests(prompts)).items()} == plain
+    prefill, decode = _pair(path, _mtp(k), _mtp(k))
+    drafts = _record_drafts(decode)
+    reqs = _handoffs(prefill, prompts)
+    assert all(r.kv_handle.mtp_hidden for r in reqs)
+    out = generate(decode, reqs)
+    assert {r: o.outputs[0].token_ids for r, o in out.items()} == plain
+    assert drafts == want_drafts and sum(map(len, drafts.values())) > 0
+    _free(prefill, decode)
+
+
+def test_forced_right_mtp_drafts_emit_k_plus_1_tokens_from_the_first_decode_step(tiny):
+    path, plain = tiny
+    k, prompts = 3, _prompts(0)
+    prefill, decode = _pair(path, _mtp(k), _mtp(k))
+    want = {tuple(p): plain[str(i)] for i, p in enumerate(prompts)}
+    spec, waiting, after = decode.spec, decode.spec.propose_waiting, decode.spec.propose
+
+    def force(seqs):  # the MTP layer drafted (its drafts' count kept); the target's own tokens instead
+        for seq in seqs:
+            n = seq.num_output_tokens
+            if seq.spec_token_ids:
+                seq.spec_token_ids = want[tuple(seq.prompt_token_ids)][n : n + len(seq.spec_token_ids)]
+
+    spec.propose_waiting = lambda w: (waiting(w := list(w)), force(w))
+    spec.propose = lambda sched: (after(sched), force([s.seq for s in sched.scheduled]))
+    for r in _handoffs(prefill, prompts):
+        decode.add_request(r)
+    outs = decode.step()  # the first decode step: the first token and k + 1 more (fewer where max_tokens ends it)
+    assert {o.request_id: len(o.outputs[0].token_ids) for o in outs} == {
+        r: min(k + 2, len(t)) for r, t in plain.items()
+    }
+    out = {o.request_id: o.outputs[0].token_ids for o in outs if o.finished}
+    while decode.has_unfinished_requests():
+        out.update({o.request_id: o.outputs[0].token_ids for o in decode.step() if o.finished})
+    assert out == plain
+    _free(prefill, decode)
+
+
+@pytest.mark.parametrize("sides", [("mtp", None), (None, "mtp")])
+def test_a_pair_where_one_side_drafts_with_mtp_fails_the_request_with_the_reason(tiny, sides):
+    path, _ = tiny
+    prefill, decode = _pair(path, *(_mtp(2) if s else None for s in sides))
+    reqs = _handoffs(prefill, _prompts(0)[:1])
+    with pytest.raises(ValueError, match="needs it on both the prefill and the decode workers"):
+        decode.add_request(reqs[0])
+    prefill.abort_request(reqs[0].request_id)
+    _free(prefill, decode)
+
+
+def test_abort_while_a_decode_request_speculates_with_mtp(tiny):
+    path, plain = tiny
+    prefill, decode = _pair(path, _mtp(2), _mtp(2))
+    reqs = _handoffs(prefill, _prompts(0))
+    for r in reqs:
+        decode.add_request(r)
+    decode.step()
+    decode.step()
+    decode.abort_request("0")
+    out = {}
+    while decode.has_unfinished_requests():
+        out.update({o.request_id: o for o in decode.step() if o.finished})
+    assert out["0"].outputs[0].finish_reason == "abort"
+    assert {r: o.outputs[0].token_ids for r, o in out.items() if r != "0"} == {
+        r: t for r, t in plain.items() if r != "0"
+    }
+    _free(prefill, decode)
