@@ -144,3 +144,33 @@ def test_abort_while_a_decode_request_speculates_with_mtp(tiny):
         r: t for r, t in plain.items() if r != "0"
     }
     _free(prefill, decode)
+
+
+@pytest.mark.parametrize("decode_spec", [_mtp(2), None])
+def test_the_engine_to_engine_hand_off_carries_the_mtp_state_or_fails_saying_why(tiny, decode_spec):
+    """The router's path: decode waits (kv_from) for the hand-off prefill sends through its
+    connector; with MTP on both sides the tokens are plain decoding's, with MTP on the prefill
+    side alone the request fails at the hand-off with the reason, and no block stays used."""
+    from pdserve.disagg.base import KVPeerRef, PeerMetadata
+
+    path, plain = tiny
+    prefill, decode = _pair(path, _mtp(2), decode_spec)
+
+    def peer(e):
+        return PeerMetadata(engine_id=e.connector.engine_id, instance_id="i", data=e.connector.peer_metadata())
+
+    prompts = _prompts(0)
+    for r in requests(prompts):
+        ref = {"engine_id": "P", "metadata_url": "inproc://"}
+        decode.add_request(r.model_copy(update={"kv_from": KVPeerRef(**ref)}), peer(prefill))
+        update = {"hold_kv": True, "kv_to": KVPeerRef(**{**ref, "engine_id": "D"})}
+        prefill.add_request(r.model_copy(update=update), peer(decode))
+    assert all(o.kv_handoff_sent for o in generate(prefill, []).values())
+    out = generate(decode, [])
+    if decode_spec is not None:
+        assert {r: o.outputs[0].token_ids for r, o in out.items()} == plain and decode.spec.stats.num_drafts > 0
+    else:
+        assert all("ran with MTP drafts, this decode worker without" in o.error for o in out.values())
+        for r in out:
+            prefill.abort_request(r)  # the router's abort ends a lease no decode worker will read
+    _free(prefill, decode)
