@@ -4,8 +4,9 @@ with the other layers') and hands the layer's output at the prompt's last positi
 engine, which drafts from its first step. Oracles: a colocated engine without speculation for the
 tokens, and a colocated engine with MTP for the drafts themselves (the decode side must verify the
 very drafts a colocated engine verifies, step for step: a wrong hidden state or a missing MTP
-record changes them). 0 blocks used on both sides after every run; a pair where one side drafts
-with MTP and the other does not fails the request with the reason, never with wrong tokens."""
+record changes them). V3 and V3.2 for exactness, V3 alone for the other cases. 0 blocks used on
+both sides after every run; a pair where one side drafts with MTP and the other does not fails
+the request with the reason, never with wrong tokens."""
 
 from __future__ import annotations
 
@@ -14,23 +15,42 @@ import pytest
 from pdserve.disagg.fake_connector import FakeConnector, FakeFabric
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import FirstToken, Request
+from pdserve.sampling_params import SamplingParams
 from tests.unit.test_spec_decode import _prompts
-from tests.unit.test_spec_pd import engine, generate, requests
+from tests.unit.test_spec_pd import engine, generate
 
 pytestmark = pytest.mark.timeout(600)
+MAX_TOKENS = (8, 5, 7, 6)  # per prompt of _prompts: short, each case runs two or three engines
+
+
+def requests(prompts, **kw) -> list[Request]:
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    return [
+        Request(request_id=str(i), prompt_token_ids=p, params=q, **kw) for i, (p, q) in enumerate(zip(prompts, params))
+    ]
 
 
 def _mtp(k: int) -> dict:
     return {"method": "mtp", "num_speculative_tokens": k}
 
 
-@pytest.fixture(scope="module", params=["deepseek_v3", "deepseek_v32"])
-def tiny(request, tmp_path_factory):
+def _made(tmp_path_factory, arch: str) -> tuple[str, dict[str, list[int]]]:
     from pdserve.tiny_model import make_tiny_model
 
-    path = str(make_tiny_model(tmp_path_factory.mktemp(request.param), request.param))
+    path = str(make_tiny_model(tmp_path_factory.mktemp(arch), arch))
     plain = {k: v.outputs[0].token_ids for k, v in generate(engine(path), requests(_prompts(0))).items()}
     return path, plain
+
+
+@pytest.fixture(scope="module", params=["deepseek_v3", "deepseek_v32"])
+def tiny(request, tmp_path_factory):
+    return _made(tmp_path_factory, request.param)
+
+
+@pytest.fixture(scope="module")
+def v3(tmp_path_factory):
+    """V3 alone for the cases beside exactness (the PD code is the same for both; CI time is not)."""
+    return _made(tmp_path_factory, "deepseek_v3")
 
 
 def _pair(path: str, prefill_spec: dict | None, decode_spec: dict | None) -> tuple[LLMEngine, LLMEngine]:
@@ -88,8 +108,8 @@ def test_pd_with_mtp_equals_colocated_tokens_and_drafts(tiny, k):
     _free(prefill, decode)
 
 
-def test_forced_right_mtp_drafts_emit_k_plus_1_tokens_from_the_first_decode_step(tiny):
-    path, plain = tiny
+def test_forced_right_mtp_drafts_emit_k_plus_1_tokens_from_the_first_decode_step(v3):
+    path, plain = v3
     k, prompts = 3, _prompts(0)
     prefill, decode = _pair(path, _mtp(k), _mtp(k))
     want = {tuple(p): plain[str(i)] for i, p in enumerate(prompts)}
@@ -117,8 +137,8 @@ def test_forced_right_mtp_drafts_emit_k_plus_1_tokens_from_the_first_decode_step
 
 
 @pytest.mark.parametrize("sides", [("mtp", None), (None, "mtp")])
-def test_a_pair_where_one_side_drafts_with_mtp_fails_the_request_with_the_reason(tiny, sides):
-    path, _ = tiny
+def test_a_pair_where_one_side_drafts_with_mtp_fails_the_request_with_the_reason(v3, sides):
+    path, _ = v3
     prefill, decode = _pair(path, *(_mtp(2) if s else None for s in sides))
     reqs = _handoffs(prefill, _prompts(0)[:1])
     with pytest.raises(ValueError, match="needs it on both the prefill and the decode workers"):
@@ -127,8 +147,8 @@ def test_a_pair_where_one_side_drafts_with_mtp_fails_the_request_with_the_reason
     _free(prefill, decode)
 
 
-def test_abort_while_a_decode_request_speculates_with_mtp(tiny):
-    path, plain = tiny
+def test_abort_while_a_decode_request_speculates_with_mtp(v3):
+    path, plain = v3
     prefill, decode = _pair(path, _mtp(2), _mtp(2))
     reqs = _handoffs(prefill, _prompts(0))
     for r in reqs:
@@ -147,13 +167,13 @@ def test_abort_while_a_decode_request_speculates_with_mtp(tiny):
 
 
 @pytest.mark.parametrize("decode_spec", [_mtp(2), None])
-def test_the_engine_to_engine_hand_off_carries_the_mtp_state_or_fails_saying_why(tiny, decode_spec):
+def test_the_engine_to_engine_hand_off_carries_the_mtp_state_or_fails_saying_why(v3, decode_spec):
     """The router's path: decode waits (kv_from) for the hand-off prefill sends through its
     connector; with MTP on both sides the tokens are plain decoding's, with MTP on the prefill
     side alone the request fails at the hand-off with the reason, and no block stays used."""
     from pdserve.disagg.base import KVPeerRef, PeerMetadata
 
-    path, plain = tiny
+    path, plain = v3
     prefill, decode = _pair(path, _mtp(2), decode_spec)
 
     def peer(e):
