@@ -194,3 +194,30 @@ def test_the_engine_to_engine_hand_off_carries_the_mtp_state_or_fails_saying_why
         for r in out:
             prefill.abort_request(r)  # the router's abort ends a lease no decode worker will read
     _free(prefill, decode)
+
+
+def test_a_failed_load_recomputed_and_random_sampling_with_mtp_under_pd(v3):
+    """A load that fails under kv_load_failure_policy recompute: the decode engine computes the
+    prompt (and its MTP records) itself and drafts as a colocated engine, tokens as plain decoding's;
+    then requests sampled at temperature 0.8 through the pair end at their max_tokens. 0 blocks."""
+    from pdserve.disagg.base import TransferStage
+
+    path, plain = v3
+    prefill, decode = _pair(path, _mtp(2), _mtp(2))
+    decode.remote_kv.policy = "recompute"
+    reqs = _handoffs(prefill, _prompts(0))
+    decode.connector.fail_next(TransferStage.READING, "injected")
+    out = generate(decode, reqs)
+    assert {r: o.outputs[0].token_ids for r, o in out.items()} == plain
+    assert decode.remote_kv.num_kv_load_recomputes == 1
+    hot = SamplingParams(temperature=0.8, seed=7, max_tokens=6, ignore_eos=True)
+    reqs = [r.model_copy(update={"request_id": f"t{r.request_id}", "params": hot}) for r in requests(_prompts(0))]
+    firsts = generate(prefill, [r.model_copy(update={"hold_kv": True}) for r in reqs])
+    handed = [
+        r.model_copy(update={"kv_handle": firsts[r.request_id].kv_handle,
+                             "first_token": FirstToken(token_id=firsts[r.request_id].outputs[0].token_ids[0])})
+        for r in reqs
+    ]  # fmt: skip
+    out = generate(decode, handed)
+    assert all(len(o.outputs[0].token_ids) == 6 for o in out.values()) and decode.spec.stats.num_drafts > 0
+    _free(prefill, decode)
