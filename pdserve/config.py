@@ -32,7 +32,7 @@ from pdserve.engine.config import (
     Quantization,
     check_device,
 )
-from pdserve.engine.spec_decode.config import MTP_UNDER_PD, SPEC_ON_PREFILL, SpeculativeConfig
+from pdserve.engine.spec_decode.config import MTP_PAIR, SPEC_ON_PREFILL, SpeculativeConfig
 
 # configs/ sits beside the package in the source tree (the repo is installed editable).
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -293,21 +293,26 @@ class ClusterConfig(_Strict):
             raise ValueError("no workers: list prefill + decode workers, colocated workers, or both")
         seen: dict[int, str] = {self.router.port: "router"}
         for name, w in self.named_workers():
-            if w.speculative_config is not None and name.startswith("prefill"):
+            if w.speculative_config is not None and w.speculative_config.method != "mtp" and name.startswith("prefill"):
                 raise ValueError(f"{name}: {SPEC_ON_PREFILL}")
-            if w.speculative_config is not None and w.speculative_config.method == "mtp" and name.startswith("decode"):
-                raise ValueError(f"{name}: {MTP_UNDER_PD}")
             if w.device.startswith("cuda") and not w.gpus:
                 raise ValueError(f"{name}: a cuda worker needs gpus, e.g. gpus: [0] (launch gives it exactly those)")
             if w.port in seen:
                 raise ValueError(f"port {w.port} is used by both {seen[w.port]} and {name}")
             seen[w.port] = name
+        pd = {name: _mtp(w) for name, w in self.named_workers() if not name.startswith("colocated")}
+        if any(pd.values()) and not all(pd.values()):  # the router pairs any prefill with any decode
+            raise ValueError(f"{', '.join(n for n, m in pd.items() if not m)}: {MTP_PAIR}")
         return self
 
     def named_workers(self) -> list[tuple[str, WorkerConfig]]:
         """('prefill-0', cfg), ..., ('decode-0', cfg), ..., ('colocated-0', cfg), ..."""
         groups = (("prefill", self.prefill), ("decode", self.decode), ("colocated", self.colocated))
         return [(f"{role}-{i}", w) for role, workers in groups for i, w in enumerate(workers)]
+
+
+def _mtp(w: WorkerConfig) -> bool:
+    return w.speculative_config is not None and w.speculative_config.method == "mtp"
 
 
 def cache_dir() -> Path:

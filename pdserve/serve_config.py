@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from pdserve.config import LOOPBACK, RouterConfig, TransferConfig, WorkerConfig, WorkerRole, _Strict
-from pdserve.engine.spec_decode.config import MTP_UNDER_PD, SPEC_ON_PREFILL
+from pdserve.engine.spec_decode.config import SPEC_ON_PREFILL
 
 
 class WorkerServeConfig(_Strict):
@@ -33,11 +33,9 @@ class WorkerServeConfig(_Strict):
             raise ValueError(
                 "a decode worker reads KV only from configured peers: pass --peer URL for each prefill worker"
             )
-        if self.role == "prefill" and self.worker.speculative_config is not None:
-            raise ValueError(SPEC_ON_PREFILL)
         spec = self.worker.speculative_config
-        if self.role == "decode" and spec is not None and spec.method == "mtp":
-            raise ValueError(MTP_UNDER_PD)
+        if self.role == "prefill" and spec is not None and spec.method != "mtp":
+            raise ValueError(SPEC_ON_PREFILL)
         return self
 
     @property

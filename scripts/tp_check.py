@@ -2,7 +2,7 @@
 
     python scripts/tp_check.py [--model DIR | --arch deepseek_v3,deepseek_v32,deepseek_v4] [--tp 2,4]
                                [--pd 1x1,2x1,1x2,2x2,4x4] [--dtype float32] [--out tp_check.json]
-                               [--device cuda|cpu]
+                               [--device cuda|cpu] [--speculative-config JSON]
 
 1. greedy: for each model, `LLM(device="cuda")` with TP1 on GPU 0, then with each TP N of --tp on
    GPUs 0..N-1 (NCCL): the greedy tokens of a batch of prompts must equal TP1's. float32 by default:
@@ -19,6 +19,11 @@ Pairs and sizes that need more GPUs than are visible are skipped (and listed as 
 those the model does not split into (the tiny V4's 2 output groups: TP4 is refused). NVLink
 multicast (NVLS) is left off: NCCL_NVLS_ENABLE=0 for every process started here. Prints one JSON
 summary (also to --out); exit 1 if any comparison differs or a step fails.
+
+`--speculative-config` (vLLM's JSON, e.g. '{"method": "mtp", "num_speculative_tokens": 2}') runs
+steps 1 and 2 with it (the TP1 reference without): TP N and PD with drafts (MTP on both PD workers,
+another method on the decode worker) must give the same tokens; the decode worker's draft count
+is reported.
 
 `--device cpu` runs the same steps with gloo ranks on the CPU (no GPU count limit, no step 3):
 a check of this script itself; tests/e2e/test_tp.py is the CPU test of the feature.
@@ -60,10 +65,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def greedy(model: str, tp: int, dtype: str, device: str) -> list[list[int]]:
+def greedy(model: str, tp: int, dtype: str, device: str, spec: dict | None = None) -> list[list[int]]:
     llm = LLM(
-        model, device=device, tensor_parallel_size=tp, dtype=dtype, skip_tokenizer_init=True, kv_cache_memory_gb=1.0
-    )
+        model, device=device, tensor_parallel_size=tp, dtype=dtype, skip_tokenizer_init=True, kv_cache_memory_gb=1.0,
+        **({"speculative_config": spec} if spec else {}),
+    )  # fmt: skip
     try:
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
         return [list(o.outputs[0].token_ids) for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)]
@@ -74,8 +80,9 @@ def greedy(model: str, tp: int, dtype: str, device: str) -> list[list[int]]:
             torch.cuda.empty_cache()
 
 
-def _worker(port: int, gpus: list[int], dtype: str, device: str) -> dict:
+def _worker(port: int, gpus: list[int], dtype: str, device: str, spec: dict | None = None) -> dict:
     placement = {"gpus": gpus} if device == "cuda" else {}
+    placement.update({"speculative_config": spec} if spec else {})
     return {
         "port": port,
         "device": device,
@@ -87,15 +94,17 @@ def _worker(port: int, gpus: list[int], dtype: str, device: str) -> dict:
     }
 
 
-def pd_run(model: str, a: int, b: int, dtype: str, device: str, log_dir: Path) -> dict:
-    """Launch prefill TP a + decode TP b + router; greedy tokens and transfer counters."""
+def pd_run(model: str, a: int, b: int, dtype: str, device: str, log_dir: Path, spec: dict | None = None) -> dict:
+    """Launch prefill TP a + decode TP b + router; greedy tokens and transfer counters. spec: the
+    decode worker's speculative_config (and the prefill worker's, for MTP)."""
+    pre_spec = spec if spec and spec["method"] == "mtp" else None
     router, prefill, decode = free_port(), free_port(), free_port()
     cfg = {
         "model": model,
         "served_model_name": "m",
         "router": {"port": router, "health_interval": 0.5},
-        "prefill": [_worker(prefill, list(range(a)), dtype, device)],
-        "decode": [_worker(decode, list(range(a, a + b)), dtype, device)],
+        "prefill": [_worker(prefill, list(range(a)), dtype, device, pre_spec)],
+        "decode": [_worker(decode, list(range(a, a + b)), dtype, device, spec)],
         "transfer": {"backend": "nixl", "timeout": 60},
         "log_dir": str(log_dir),
         "startup_timeout": STARTUP_S,
@@ -131,6 +140,7 @@ def pd_run(model: str, a: int, b: int, dtype: str, device: str, log_dir: Path) -
         "kv_bytes": nbytes,
         "kv_read_s": secs,
         "kv_gbps": nbytes / secs / 1e9 if secs else None,
+        "drafts": metrics.get("pdserve_spec_decode_num_drafts_total", 0.0),
         "blocks_used_after": used,
     }
 
@@ -197,7 +207,9 @@ def main() -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--out", default="tp_check.json")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--speculative-config", type=json.loads, help="TP N and PD runs with these drafts (vLLM's JSON)")
     args = p.parse_args()
+    spec = args.speculative_config
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast off, for this process and all it starts
     gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     room = gpus if args.device == "cuda" else float("inf")  # CPU ranks need no GPUs
@@ -206,7 +218,7 @@ def main() -> int:
         {"model": args.model} if args.model else {a: str(make_tiny_model(work / a, a)) for a in args.arch.split(",")}
     )
     report: dict = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" and gpus else "cpu", "gpus": gpus, "date": time.strftime("%Y-%m-%d"),
-                    "torch": torch.__version__, "greedy": {}, "pd": {}, "skipped": [], "ok": True}  # fmt: skip
+                    "torch": torch.__version__, "speculative_config": spec, "greedy": {}, "pd": {}, "skipped": [], "ok": True}  # fmt: skip
     for name, model in models.items():
         ref = greedy(model, 1, args.dtype, args.device)
         refused: set[int] = set()  # TP sizes the model does not split into
@@ -215,7 +227,7 @@ def main() -> int:
                 report["skipped"].append(f"{name} TP{tp}: {gpus} GPUs")
                 continue
             try:
-                same = greedy(model, tp, args.dtype, args.device) == ref
+                same = greedy(model, tp, args.dtype, args.device, spec) == ref
             except ValueError as e:  # refused before any rank starts, naming the dimension
                 refused.add(tp)
                 report["skipped"].append(f"{name} TP{tp}: {e}")
@@ -231,7 +243,7 @@ def main() -> int:
                 report["skipped"].append(f"{name} PD {pair}: TP{max({a, b} & refused)} refused")
                 continue
             try:
-                run = pd_run(model, a, b, args.dtype, args.device, work / f"{name}-pd-{pair}")
+                run = pd_run(model, a, b, args.dtype, args.device, work / f"{name}-pd-{pair}", spec)
                 run["equal_to_tp1"] = run.pop("tokens") == ref
                 run["ok"] = run["equal_to_tp1"] and not any(run["blocks_used_after"].values())
             except (RuntimeError, httpx.HTTPError, subprocess.TimeoutExpired) as e:

@@ -45,7 +45,7 @@ if TYPE_CHECKING:  # no torch at import: the router reads KVHandle too
     from pdserve.disagg.stats import TransferStats
     from pdserve.model.kv_cache import KVCache
 
-KV_HANDLE_VERSION = 6
+KV_HANDLE_VERSION = 7
 
 
 class StagedSlab(BaseModel):
@@ -85,6 +85,10 @@ class KVHandle(BaseModel):
     # the token-space regions' checksums per block (checksum.py: they sum to `checksums`), so a
     # decode worker that reads only the blocks after those its prefix cache holds checks just those
     block_checksums: dict[str, list[int]] | None = None
+    # MTP drafting (engine/spec_decode/mtp_handoff.py): the MTP layer's output g at the prompt's
+    # last position (its row paired with the first token), the first draft's input: [hidden]
+    # values of the model's dtype, raw bytes in base64; None when prefill ran without MTP
+    mtp_hidden: str | None = None
 
 
 class TransferStage(enum.IntEnum):

@@ -6,9 +6,9 @@ import json
 import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from pdserve.engine.spec_decode.config import MTP_UNDER_TP, SpeculativeConfig
+from pdserve.engine.spec_decode.config import SpeculativeConfig
 
 DType = Literal["float32", "bfloat16", "float16", "auto"]
 # decode: what a failed KV load does (vLLM's name): fail the request, or compute the prompt here
@@ -97,13 +97,6 @@ class EngineConfig(BaseModel):
     @classmethod
     def _device(cls, d: str) -> str:
         return check_device(d)
-
-    @model_validator(mode="after")
-    def _mtp(self) -> EngineConfig:
-        spec = self.speculative_config
-        if spec is not None and spec.method == "mtp" and self.tensor_parallel_size > 1:
-            raise ValueError(MTP_UNDER_TP)
-        return self
 
     @field_validator("model")
     @classmethod

@@ -58,14 +58,20 @@ def graph_sizes(max_bs: int, max_chunk: int = 1, max_rows: int | None = None) ->
     return sorted(set(ladder) | {r for r in verify if max_rows is None or r <= max_rows})
 
 
+def verified_drafts(config) -> int:
+    """k of an engine's verify steps: 0 without speculation, and on a prefill worker (with MTP it
+    runs the MTP layer's pass and verifies nothing)."""
+    spec = config.speculative_config
+    return spec.num_speculative_tokens if spec is not None and config.kv_role != "kv_producer" else 0
+
+
 def graph_ladder(config, model: torch.nn.Module) -> tuple[int, int, list[int]]:
     """An engine's (max_bs, max_chunk, sizes): the largest decode batch captured, the longest chunk
     run as decode rows (1 + k with speculative decoding, for a model whose decode path is per token:
     `verify_as_decode_rows`; else 1) and the row counts captured. config: an EngineConfig."""
     max_bs = config.cuda_graph_max_bs or min(config.max_num_seqs, 256)
-    spec = config.speculative_config
-    rows = spec is not None and getattr(model, "verify_as_decode_rows", False)
-    max_chunk = 1 + spec.num_speculative_tokens if rows else 1
+    k = verified_drafts(config)
+    max_chunk = 1 + k if k and getattr(model, "verify_as_decode_rows", False) else 1
     return max_bs, max_chunk, graph_sizes(max_bs, max_chunk, config.max_num_batched_tokens)
 
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import get_args
 
 from pdserve.disagg.base import KVConnector, PeerMetadata
 from pdserve.disagg.stats import TransferStats
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, KVLoadFailurePolicy
+from pdserve.engine.engine_stats import EngineStats, collect_stats
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.prefix_cache import engine_root
 from pdserve.engine.remote_kv import DEFAULT_HANDOFF_TIMEOUT_S, RemoteEvents, RemoteKV, handoff_problem
@@ -33,26 +33,6 @@ from pdserve.engine.stop import check_stop, visible_text
 from pdserve.outputs import CompletionOutput, Logprob, RequestOutput, from_entries
 from pdserve.sampling_params import SamplingParams
 from pdserve.structured.matcher import RequestMatcher
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int  # includes requests waiting for remote KV
-    num_waiting_for_remote_kv: int
-    num_held: int  # prefill role: finished requests whose blocks wait for the decode side
-    kv_blocks_used: int
-    kv_blocks_total: int
-    num_preemptions: int
-    num_kv_load_recomputes: int = 0  # decode role: failed loads recomputed locally
-    num_awaiting_handoff: int = 0  # decode role: waiting for prefill's hand-off (in num_waiting too)
-    kv_window_blocks_used: int = 0  # sliding-window block space (DeepSeek-V4), block_manager.py
-    kv_window_blocks_total: int = 0
-    kv_state_slots_used: int = 0  # per-sequence state space (DeepSeek-V4's compressors)
-    kv_state_slots_total: int = 0
-    kv_blocks_cached: int = 0  # prefix cache: blocks no request holds, kept for a hit (not in kv_blocks_used)
-    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (vLLM's counters)
-    prefix_cache_hits: int = 0  # of them, found cached
 
 
 class LLMEngine:
@@ -91,7 +71,7 @@ class LLMEngine:
             num_checkpoints=self.runner.num_checkpoints,
         )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.spec = SpecDecoder.for_engine(config, self.runner, self.block_manager, connector)  # None: none
+        self.spec = SpecDecoder.for_engine(config, self.runner, self.block_manager)  # None: none
         self.connector = connector
         self.remote_kv: RemoteKV | None = None
         if connector is not None:
@@ -102,6 +82,7 @@ class LLMEngine:
             )  # fmt: skip
         self._lock = threading.Lock()
         self._new: list[Sequence] = []  # added since the last step
+        self._holding: list[Sequence] = []  # prefill: finished this step, their KV leased at its end
         self._aborts: list[str] = []  # abort requests since the last step (taken after the new ones)
         self._ids: set[str] = set()  # every request not yet fully gone (finished ones leave)
         self._arrival = itertools.count()
@@ -152,7 +133,7 @@ class LLMEngine:
         if req.role != "colocated" and self.connector is None:
             raise ValueError("hold_kv / kv_handle / kv_from need an engine with a KV connector")
         if req.kv_handle is not None:
-            problem = handoff_problem(req, req.kv_handle.num_tokens, req.first_token, vocab)
+            problem = handoff_problem(req, req.kv_handle, req.first_token, vocab, self.remote_kv.mtp_bytes)
             if problem is not None:
                 raise ValueError(problem)
 
@@ -204,6 +185,7 @@ class LLMEngine:
             self._postprocess(sched, sampled, outputs)
             if self.spec is not None:
                 self.spec.propose(sched)
+            self._hold(outputs)
         return list(outputs.values())
 
     def _while_step_runs(self, outputs: dict[str, RequestOutput]) -> Callable[[], None] | None:
@@ -267,10 +249,18 @@ class LLMEngine:
     def _finish(self, seq: Sequence, status: SequenceStatus, error: str | None = None) -> None:
         seq.error = error or seq.error
         self.scheduler.finish(seq, status)
-        if status is SequenceStatus.FINISHED_REMOTE_DECODE:
-            self.remote_kv.hold(seq)
-        if seq.request_id not in self.scheduler.held:
+        if status is SequenceStatus.FINISHED_REMOTE_DECODE:  # leased after the step's drafts pass (MTP's hidden state)
+            self._holding.append(seq)
+        elif seq.request_id not in self.scheduler.held:
             self._forget(seq.request_id)
+
+    def _hold(self, outputs: dict[str, RequestOutput]) -> None:
+        holding, self._holding = self._holding, []
+        for seq in holding:
+            self.remote_kv.hold(seq)
+            if seq.request_id not in self.scheduler.held:
+                self._forget(seq.request_id)
+            outputs[seq.request_id] = self._output(seq)
 
     def _forget(self, request_id: str) -> None:
         with self._lock:
@@ -370,25 +360,4 @@ class LLMEngine:
         return self.connector.stats if self.connector is not None else None
 
     def get_stats(self) -> EngineStats:
-        c = self.scheduler.counts()
-        remote = self.remote_kv
-        awaiting = remote.num_awaiting if remote is not None else 0
-        cache = self.block_manager.prefix_cache
-        return EngineStats(
-            num_running=c.running,
-            num_waiting=c.waiting + awaiting,
-            num_waiting_for_remote_kv=c.waiting_for_remote_kv + awaiting,
-            num_held=c.held,
-            kv_blocks_used=self.block_manager.num_used_blocks,
-            kv_blocks_total=self.block_manager.num_total_blocks,
-            num_preemptions=c.preemptions,
-            num_kv_load_recomputes=remote.num_kv_load_recomputes if remote is not None else 0,
-            num_awaiting_handoff=awaiting,
-            kv_window_blocks_used=self.block_manager.num_used_window_blocks,
-            kv_window_blocks_total=self.block_manager.num_total_window_blocks,
-            kv_state_slots_used=self.block_manager.num_used_state_slots,
-            kv_state_slots_total=self.block_manager.num_total_state_slots,
-            kv_blocks_cached=self.block_manager.num_cached_blocks,
-            prefix_cache_queries=cache.queries if cache is not None else 0,
-            prefix_cache_hits=cache.hits if cache is not None else 0,
-        )
+        return collect_stats(self.scheduler, self.block_manager, self.remote_kv)

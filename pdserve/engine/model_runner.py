@@ -6,7 +6,8 @@ Legend: T tokens in the step, C longest context in the step, N sequences that sa
 Tensor parallelism (config.tensor_parallel_size > 1): this runner is rank 0. It starts ranks
 1..N-1 (pdserve.engine.tp_ranks), each a ModelRunner of its own shard in `serve_forever()`.
 Each step rank 0 broadcasts the step's StepInputs, every rank builds the same ForwardBatch and
-runs the forward (all-reduces inside), and rank 0 alone computes logits and samples. The KV cache
+runs the forward (all-reduces inside), and rank 0 alone computes logits and samples (MTP drafts:
+`run_mtp`, the MTP layer's forward on every rank, its hidden-state input broadcast). The KV cache
 is replicated: every rank writes the same records (V3's latent, each of V4's regions); KV that
 arrives from a prefill worker lands in rank 0's cache (the one the KV connector registered) and
 `on_kv_loaded` copies what it loaded of every region (token blocks, window blocks, state slot) to
@@ -27,7 +28,7 @@ from pdserve.distributed.group import TPGroup
 from pdserve.engine import tp_protocol as protocol
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import DEFAULT_CPU_KV_GB, EngineConfig
-from pdserve.engine.cuda_graphs import CudaGraphRunner, all_decode_rows, graph_ladder
+from pdserve.engine.cuda_graphs import CudaGraphRunner, all_decode_rows, graph_ladder, verified_drafts
 from pdserve.engine.memory import MemoryFigures, measure_figures, plan_kv_pool, profile_peak
 from pdserve.engine.model_loading import check_shardable, load_for_engine
 from pdserve.engine.prefix_checkpoints import checkpoint_capacity, window_blocks_per_checkpoint
@@ -185,7 +186,7 @@ class ModelRunner:
             max_model_len=max_len,
             max_num_seqs=c.max_num_seqs,
             graph_rows=graph_rows,
-            num_speculative_tokens=c.speculative_config.num_speculative_tokens if c.speculative_config else 0,
+            num_speculative_tokens=verified_drafts(c),
         )
         side_bytes += block_bytes if graph_rows is not None else 0  # the graphs' scratch block
         figures = self.memory_figures = measure_figures(
@@ -242,6 +243,17 @@ class ModelRunner:
             return verify.sample(self.sampler, logits, sampling, counts, while_busy)
         hidden = hidden[last.to(self.device)] if len(last) < hidden.shape[0] else hidden  # [N, hidden]
         return self._sample(self.model.compute_logits(hidden), sampling, while_busy)  # logits [N, V]
+
+    @torch.inference_mode()
+    def run_mtp(self, step: StepInputs, prev: torch.Tensor) -> torch.Tensor:
+        """The MTP layer over step's tokens, paired with prev [T, H] (spec_decode/mtp.py), on
+        every rank; returns its output g [T, H]."""
+        prev = prev.to(self.dtype).contiguous()
+        if self.ranks is not None:
+            self.ranks.check_alive()
+            protocol.send_forward(self.tp, step, protocol.Command.MTP)
+            self.tp.broadcast(prev)
+        return self.model.forward_mtp(ForwardBatch.build(step, self.block_size).to(self.device), self.kv_cache, prev)
 
     def _batch(self, step: StepInputs) -> ForwardBatch:
         rows = self.max_chunk > 1 and all_decode_rows(step, self.max_chunk)  # verify steps: as graphs run them
@@ -335,6 +347,12 @@ class ModelRunner:
                 continue
             if msg.command is protocol.Command.COPY:
                 self.copy_records(msg.copies)
+                continue
+            if msg.command is protocol.Command.MTP:
+                H = self.model.config.hidden_size
+                prev = torch.empty(msg.step.input_ids.numel(), H, dtype=self.dtype, device=self.device)
+                self.tp.broadcast(prev)
+                self.run_mtp(msg.step, prev)
                 continue
             batch = self._batch(msg.step)
             self.model.forward(batch.to(self.device), self.kv_cache)

@@ -33,13 +33,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from pdserve.disagg.base import KVConnector, TransferError, TransferStage
+from pdserve.disagg.base import KVConnector, KVHandle, TransferError, TransferStage
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import KVLoadFailurePolicy
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import FirstToken, Handoff, Request
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.spec_decode.mtp_handoff import hidden_bytes, mtp_problem
 from pdserve.engine.stop import visible_text
 from pdserve.outputs import to_entries
 
@@ -49,16 +50,19 @@ DEFAULT_HANDOFF_TIMEOUT_S = 300.0  # a decode request waits this long for prefil
 MAX_EARLY_HANDOFFS = 4096  # hand-offs kept for requests not here yet (each ends with its lease)
 
 
-def handoff_problem(req: Request, num_tokens: int, first: FirstToken, vocab_size: int) -> str | None:
-    """Why a decode request cannot continue from this handle's KV and first token, or None."""
+def handoff_problem(
+    req: Request, handle: KVHandle, first: FirstToken, vocab_size: int, mtp_bytes: int | None
+) -> str | None:
+    """Why a decode request cannot continue from this handle's KV and first token, or None.
+    mtp_bytes: the MTP hidden state this engine drafts from (spec_decode/mtp_handoff.py), or None."""
     n = len(req.prompt_token_ids)
-    if num_tokens != n:
-        return f"kv_handle holds {num_tokens} tokens but the prompt has {n}"
+    if handle.num_tokens != n:
+        return f"kv_handle holds {handle.num_tokens} tokens but the prompt has {n}"
     if not 0 <= first.token_id < vocab_size:
         return f"first_token must lie in [0, {vocab_size})"
     if req.params.logprobs is not None and first.logprobs is None:
         return "params.logprobs is set: pass the first token's logprobs from the prefill output"
-    return None
+    return mtp_problem(handle.mtp_hidden, mtp_bytes)
 
 
 @dataclass
@@ -90,6 +94,7 @@ class RemoteKV:
         self.policy = policy
         self.handoff_timeout_s = handoff_timeout_s
         self.vocab_size = runner.model.config.vocab_size
+        self.mtp_bytes = hidden_bytes(runner.config, runner.model, runner.dtype)  # None: no MTP drafts
         self.num_kv_load_recomputes = 0
         self._lock = threading.Lock()
         self._posted: list[Handoff] = []  # deliver() since the last take_handoffs (any thread)
@@ -123,6 +128,8 @@ class RemoteKV:
                 seq.request_id, seq.block_table[:nb], n, window_block_ids=seq.window_table[:nb],
                 state_slot=seq.state_slot, kv_to=seq.peer if seq.request.kv_to is not None else None,
             )  # fmt: skip
+            if seq.mtp_hidden is not None:  # MTP drafts: the decode side's first draft starts from it
+                seq.kv_handle = seq.kv_handle.model_copy(update={"mtp_hidden": seq.mtp_hidden})
         except Exception as e:  # a connector failure fails this request, not the engine
             self.scheduler.release_held(seq.request_id)
             seq.status, seq.error, seq.kv_handle = SequenceStatus.FINISHED_ERROR, f"{type(e).__name__}: {e}", None
@@ -232,7 +239,7 @@ class RemoteKV:
 
     def _accept(self, seq: Sequence, handoff: Handoff, events: RemoteEvents) -> None:
         expected = seq.request.kv_from.engine_id
-        problem = handoff_problem(seq.request, handoff.kv_handle.num_tokens, handoff.first_token, self.vocab_size)
+        problem = handoff_problem(seq.request, handoff.kv_handle, handoff.first_token, self.vocab_size, self.mtp_bytes)
         if handoff.kv_handle.engine_id != expected:
             problem = f"the hand-off's KV is on engine {handoff.kv_handle.engine_id}, not {expected}"
         if problem is not None:

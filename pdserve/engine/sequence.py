@@ -85,6 +85,7 @@ class Sequence:
         self.first_token: FirstToken | None = request.first_token  # decode role (kv_from: set at the hand-off)
         self.peer = peer  # decode: the prefill engine's metadata; prefill with kv_to: the decode engine's
         self.handoff_sent = False  # prefill role: the decode engine was notified directly
+        self.mtp_hidden: str | None = None  # prefill with MTP drafts: KVHandle.mtp_hidden, set before the hold
         self.transfer_stage = TransferStage.PENDING
         self.transfer_error: TransferFailure | None = None
 

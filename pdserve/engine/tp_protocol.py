@@ -5,6 +5,8 @@ Every message is a fixed header, then (for some commands) one int64 payload:
     header  int64[8]: [PROTOCOL_VERSION, command, a, b, c, d, 0, 0]
     FORWARD   a=T, b=B, c=W   payload [T + 4B + 2*B*W + d*B]: input_ids | lens | starts | samples |
               d=1: state_dst  state_slots | block_tables | window_tables | state_dst (d = 1 only)
+    MTP       as FORWARD      the MTP layer's forward (spec_decode/mtp.py) over those inputs; then
+                              its hidden-state input [T, H] of the model's dtype (device group)
     SYNC_KV   a=n, b=m, c=k   payload [n + m + k]: token-space block ids | window block ids |
                               state slots whose KV rank 0 then broadcasts (device group)
     COPY      a=n             payload [3n]: (space, src, dst) triples, space an index into SPACES:
@@ -23,7 +25,7 @@ from pdserve.distributed.group import TPGroup
 from pdserve.model.batch import StepInputs
 from pdserve.model.kv_cache import STATE, TOKENS, WINDOW
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 SPACES = (TOKENS, WINDOW, STATE)
 HEADER_LEN = 8
 
@@ -33,6 +35,7 @@ class Command(enum.IntEnum):
     SYNC_KV = 2
     STOP = 3
     COPY = 4
+    MTP = 5
 
 
 @dataclass
@@ -50,7 +53,7 @@ class SpaceIds:
 @dataclass
 class Message:
     command: Command
-    step: StepInputs | None = None  # FORWARD
+    step: StepInputs | None = None  # FORWARD, MTP
     ids: SpaceIds | None = None  # SYNC_KV
     copies: list[tuple[str, int, int]] | None = None  # COPY: (space, src, dst)
 
@@ -61,10 +64,11 @@ def _header(command: Command, a: int = 0, b: int = 0, c: int = 0, d: int = 0) ->
     return h
 
 
-def send_forward(group: TPGroup, step: StepInputs) -> None:
+def send_forward(group: TPGroup, step: StepInputs, command: Command = Command.FORWARD) -> None:
+    """FORWARD (the model's step) or MTP (the MTP layer's forward: the caller broadcasts its input next)."""
     B, W = step.block_tables.shape
     dst = [] if step.state_dst is None else [step.state_dst]
-    group.broadcast_control(_header(Command.FORWARD, step.input_ids.numel(), B, W, len(dst)))
+    group.broadcast_control(_header(command, step.input_ids.numel(), B, W, len(dst)))
     payload = torch.cat(
         [
             step.input_ids,

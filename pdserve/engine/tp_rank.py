@@ -1,7 +1,7 @@
 """One tensor-parallel rank process, ranks 1..N-1 (started by rank 0's RankProcesses, tp_ranks.py):
 
     die with rank 0 (PR_SET_PDEATHSIG) -> "ready/<r>" -> join -> load its shard ->
-    ModelRunner.serve_forever() (FORWARD / SYNC_KV / STOP from rank 0) -> exit 0
+    ModelRunner.serve_forever() (FORWARD / MTP / SYNC_KV / COPY / STOP from rank 0) -> exit 0
 
 Its own module so that model_runner -> tp_ranks and tp_rank -> model_runner do not form a circle.
 """

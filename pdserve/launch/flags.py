@@ -110,7 +110,7 @@ def add_launch_flags(p: argparse.ArgumentParser) -> None:
         "--speculative-config",
         type=json_object,
         metavar="JSON",
-        help=f"{w} speculative_config (vLLM's JSON; refused on prefill workers)",
+        help=f"{w} speculative_config (vLLM's JSON; prefill workers take method mtp only, other methods skip them)",
     )
 
 
@@ -129,6 +129,8 @@ def apply_flags(cfg: ClusterConfig, args: argparse.Namespace) -> ClusterConfig:
             data.setdefault("router", {})[key] = given[dest]
         else:
             for role in WORKER_LISTS:
+                if role == "prefill" and dest == "speculative_config" and given[dest].get("method") != "mtp":
+                    continue  # drafts only decode: a prefill worker takes MTP alone (its layer's KV and state)
                 for w in data.get(role, []):
                     w[key] = given[dest]
     for dest, role in ROLE_PORTS.items():

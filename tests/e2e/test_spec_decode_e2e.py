@@ -2,8 +2,8 @@
 a colocated worker with n-gram drafts, and a PD pair (NIXL) whose decode worker drafts, answer
 greedy completions with the same tokens as a colocated worker without, their /metrics count the
 drafts, and no KV block stays used; so do structured-outputs requests (regex, JSON schema), whose
-answers are valid. A prefill worker given --speculative-config refuses to
-start, saying why. TP2 verify steps equal TP1; `pdserve launch --speculative-config` reaches its
+answers are valid; so does a PD pair drafting with MTP (both workers given it). A prefill worker
+given n-gram drafts refuses to start, saying why. TP2 verify steps equal TP1; `pdserve launch --speculative-config` reaches its
 workers."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from tests.helpers.cluster import Cluster, scrape, wait_blocks_free
 pytestmark = pytest.mark.timeout(600)
 
 SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+MTP = '{"method": "mtp", "num_speculative_tokens": 2}'
 PROMPTS = [[7, 21, 33, 42, 5] * 4, [9, 8, 7] * 6, [50, 51] * 10, list(range(10, 50))]
 
 
@@ -37,6 +38,9 @@ def cluster(tmp_path_factory):
         c.plain_router = c.router(colocated=[c.plain])
         c.spec_router = c.router(colocated=[c.spec])
         c.pd_router = c.router(prefill=[c.prefill], decode=[c.decode])
+        c.mtp_prefill = c.worker("prefill", "--speculative-config", MTP)
+        c.mtp_decode = c.worker("decode", "--speculative-config", MTP, peers=[c.mtp_prefill])
+        c.mtp_router = c.router(prefill=[c.mtp_prefill], decode=[c.mtp_decode])
         c.wait_healthy()
         yield c
 
@@ -70,7 +74,7 @@ def test_a_prefill_worker_with_speculation_refuses_to_start(tmp_path):
         [sys.executable, "-m", "pdserve", "serve", *args], capture_output=True, text=True, timeout=120
     )
     assert done.returncode != 0
-    assert "speculative_config has nothing to do on a prefill worker" in done.stderr + done.stdout
+    assert "speculative_config on a prefill worker takes method 'mtp' only" in done.stderr + done.stdout
 
 
 def test_pd_with_a_speculating_decode_worker_equals_colocated(cluster):
@@ -78,6 +82,17 @@ def test_pd_with_a_speculating_decode_worker_equals_colocated(cluster):
         assert _tokens(cluster.pd_router.url, prompt) == _tokens(cluster.plain_router.url, prompt)
     assert scrape(cluster.decode.url)["pdserve_spec_decode_num_drafts_total"] > 0
     assert not any(wait_blocks_free([cluster.prefill, cluster.decode]).values())
+
+
+def test_pd_with_mtp_on_both_workers_equals_colocated(cluster):
+    """MTP through PD over NIXL: the prefill worker's MTP records travel with the other layers'
+    and its hidden state in the hand-off; the decode worker drafts from its first step."""
+    for prompt in PROMPTS:
+        assert _tokens(cluster.mtp_router.url, prompt) == _tokens(cluster.plain_router.url, prompt)
+    m = scrape(cluster.mtp_decode.url)
+    assert m["pdserve_spec_decode_num_drafts_total"] > 0
+    assert scrape(cluster.mtp_prefill.url).get("pdserve_spec_decode_num_drafts_total", 0) == 0
+    assert not any(wait_blocks_free([cluster.mtp_prefill, cluster.mtp_decode]).values())
 
 
 def test_structured_outputs_with_drafts_equal_the_worker_without(cluster):
@@ -152,3 +167,39 @@ def test_launch_takes_the_flag_for_its_workers(tmp_path):
         assert scrape(f"http://127.0.0.1:{ports[1]}")["pdserve_spec_decode_num_drafts_total"] > 0
     finally:
         stop_group(proc)
+
+
+@pytest.mark.usefixtures("restore_torch_threads")
+def test_tensor_parallel_mtp_drafts_and_tokens_equal_tp1(tmp_path):
+    """TP2 on CPU (gloo rank processes) with MTP drafts: the MTP layer, sharded as the main
+    layers are, runs on both ranks (the MTP command); its drafts equal TP1's, step for step, and
+    the greedy tokens TP1's without speculation."""
+    from pdserve import LLM, SamplingParams
+
+    model = str(make_tiny_model(tmp_path / "tiny"))
+    engine = dict(
+        cpu_threads=1, kv_block_size=4, num_kv_blocks=128, max_num_batched_tokens=16, skip_tokenizer_init=True
+    )
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    mtp = {"method": "mtp", "num_speculative_tokens": 2}
+
+    def run(llm):
+        drafts, begin = [], llm.engine.spec.begin if llm.engine.spec else None
+        if begin is not None:
+            llm.engine.spec.begin = lambda s: (
+                drafts.append([x.seq.spec_token_ids[: x.num_spec] for x in s.scheduled]),
+                begin(s),
+            )
+        outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+        assert llm.engine.get_stats().kv_blocks_used == 0
+        return [o.outputs[0].token_ids for o in outs], drafts
+
+    want, _ = run(LLM(model, **engine))
+    tp1, drafts1 = run(LLM(model, speculative_config=mtp, **engine))
+    llm = LLM(model, tensor_parallel_size=2, speculative_config=mtp, **engine)
+    try:
+        tp2, drafts2 = run(llm)
+    finally:
+        llm.engine.shutdown()
+    assert tp1 == tp2 == want
+    assert drafts2 == drafts1 and any(d for step in drafts1 for d in step)

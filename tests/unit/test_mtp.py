@@ -152,26 +152,50 @@ def test_a_checkpoint_without_mtp_weights_is_a_clear_error(tmp_path):
 
 
 def test_mtp_is_refused_where_it_does_not_run_yet(tmp_path):
-    from pdserve.serve_config import WorkerServeConfig
-
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not yet supported"):
-        _config(make_tiny_model(tmp_path / "v3", "deepseek_v3"), speculative_config=_spec(1), tensor_parallel_size=2)
     v4 = make_tiny_model(tmp_path / "v4", "deepseek_v4")
     with pytest.raises(ValueError, match="not yet supported for DeepseekV4ForCausalLM"):
         LLMEngine(_config(v4, speculative_config=_spec(1)))
-    decode = {"role": "decode", "model": "tiny:deepseek_v3", "peers": ["http://127.0.0.1:30000"]}
-    with pytest.raises(ValueError, match="not yet supported on PD"):
-        WorkerServeConfig.model_validate({**decode, "worker": {"port": 30001, "speculative_config": _spec(2)}})
-    from pdserve.config import ConfigError, parse_config
 
-    pd = {"model": "tiny:deepseek_v3", "prefill": [{"port": 30000}], "decode": [{"port": 30001}]}
-    pd["decode"][0]["speculative_config"] = _spec(2)
-    with pytest.raises(ConfigError, match="decode-0: speculative method 'mtp' is not yet supported on PD"):
-        parse_config(pd, "t")
-    ok = parse_config(
-        {"model": "tiny:deepseek_v3", "colocated": [{"port": 30002, "speculative_config": _spec(2)}]}, "t"
-    )
-    assert ok.colocated[0].speculative_config.method == "mtp"
+
+def test_pd_workers_take_mtp_on_both_sides_or_neither():
+    """A prefill worker takes method mtp (it computes the MTP layer's KV and hidden state) and no
+    other; in a cluster, MTP on some PD workers and not on others is refused at start."""
+    from pdserve.config import ConfigError, parse_config
+    from pdserve.serve_config import WorkerServeConfig
+
+    prefill = {"role": "prefill", "model": "tiny:deepseek_v3"}
+    decode = {"role": "decode", "model": "tiny:deepseek_v3", "peers": ["http://127.0.0.1:30000"]}
+    for role in (prefill, decode):
+        w = WorkerServeConfig.model_validate({**role, "worker": {"port": 30001, "speculative_config": _spec(2)}})
+        assert w.worker.speculative_config.method == "mtp"
+    ngram = {"method": "ngram", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="prefill worker takes method 'mtp' only"):
+        WorkerServeConfig.model_validate({**prefill, "worker": {"port": 30000, "speculative_config": ngram}})
+
+    def pd(p, d):
+        return {"model": "tiny:deepseek_v3", "prefill": [{"port": 30000, **p}], "decode": [{"port": 30001, **d}]}
+
+    both = parse_config(pd({"speculative_config": _spec(2)}, {"speculative_config": _spec(3)}), "t")
+    assert both.prefill[0].speculative_config.method == both.decode[0].speculative_config.method == "mtp"
+    with pytest.raises(ConfigError, match="prefill-0: speculative method 'mtp' under PD needs it on both"):
+        parse_config(pd({}, {"speculative_config": _spec(2)}), "t")
+    with pytest.raises(ConfigError, match="decode-0: speculative method 'mtp' under PD needs it on both"):
+        parse_config(pd({"speculative_config": _spec(2)}, {}), "t")
+    with pytest.raises(ConfigError, match="prefill-0: speculative_config on a prefill worker takes method 'mtp'"):
+        parse_config(pd({"speculative_config": ngram}, {"speculative_config": ngram}), "t")
+
+
+def test_launch_gives_mtp_to_the_pair_and_ngram_to_decode_alone():
+    import argparse
+
+    from pdserve.config import parse_config
+    from pdserve.launch.flags import apply_flags
+
+    cfg = parse_config({"model": "tiny:deepseek_v3", "prefill": [{"port": 30000}], "decode": [{"port": 30001}]}, "t")
+    mtp = apply_flags(cfg, argparse.Namespace(speculative_config=_spec(2)))
+    assert mtp.prefill[0].speculative_config == mtp.decode[0].speculative_config
+    ngram = apply_flags(cfg, argparse.Namespace(speculative_config={"method": "ngram", "num_speculative_tokens": 2}))
+    assert ngram.prefill[0].speculative_config is None and ngram.decode[0].speculative_config.method == "ngram"
 
 
 def test_an_fp8_checkpoint_keeps_its_mtp_layer_fp8(v3, tmp_path):

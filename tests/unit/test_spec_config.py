@@ -105,7 +105,7 @@ def test_serve_takes_the_flag_as_json_and_refuses_it_on_prefill_workers(tmp_path
         cfg.worker.engine_config(str(make_tiny_model(tmp_path, "deepseek_v3"))).speculative_config
         == cfg.worker.speculative_config
     )
-    with pytest.raises(ValueError, match="nothing to do on a prefill worker"):
+    with pytest.raises(ValueError, match="on a prefill worker takes method 'mtp' only"):
         _serve("--role", "prefill", "--model", "m", "--speculative-config", spec)
     decode = _serve("--role", "decode", "--model", "m", "--peer", "http://p:1", "--speculative-config", spec)
     assert decode.worker.speculative_config.num_speculative_tokens == 2
@@ -128,7 +128,7 @@ def test_a_cluster_refuses_it_on_prefill_workers_only():
     }
     assert parse_config(pd, "t").decode[0].speculative_config.num_speculative_tokens == 2
     pd["prefill"][0]["speculative_config"] = spec
-    with pytest.raises(ConfigError, match="prefill-0: speculative_config has nothing to do on a prefill worker"):
+    with pytest.raises(ConfigError, match="prefill-0: speculative_config on a prefill worker takes method 'mtp' only"):
         parse_config(pd, "t")
 
 

@@ -1,5 +1,6 @@
 """The TP step message (engine/tp_protocol.py) through a recording control group: a FORWARD
-arrives on ranks 1..N-1 as rank 0 sent it, with and without the verify chunks' state_dst."""
+(or an MTP forward) arrives on ranks 1..N-1 as rank 0 sent it, with and without the verify chunks'
+state_dst."""
 
 from __future__ import annotations
 
@@ -40,12 +41,16 @@ def _step(state_dst: torch.Tensor | None) -> StepInputs:
     )
 
 
+@pytest.mark.parametrize("command", [protocol.Command.FORWARD, protocol.Command.MTP])
 @pytest.mark.parametrize("state_dst", [None, torch.tensor([2, 5])])
-def test_a_forward_arrives_as_sent(state_dst):
+def test_a_forward_arrives_as_sent(state_dst, command):
+    """FORWARD, and MTP (the MTP layer's forward over the same inputs: spec_decode/mtp.py)."""
     wire = Wire()
     sent = _step(state_dst)
-    protocol.send_forward(wire, sent)
-    got = protocol.receive(wire.replay()).step
+    protocol.send_forward(wire, sent, command)
+    msg = protocol.receive(wire.replay())
+    got = msg.step
+    assert msg.command is command
     for name in ("input_ids", "lens", "starts", "samples", "block_tables", "window_tables", "state_slots"):
         assert torch.equal(getattr(got, name), getattr(sent, name)), name
     assert (got.state_dst is None) if state_dst is None else torch.equal(got.state_dst, state_dst)

@@ -9,6 +9,8 @@
   tokens each sequence emits.
 - `decoder.py`: `SpecDecoder`, the engine's side: which sequences may draft, drafts after each
   step, the counters.
+- `mtp.py`: `MTPDrafter`, drafts of the checkpoint's MTP layer (a `StepProposer`).
+- `mtp_handoff.py`: MTP through PD: the MTP layer's hidden state in the KV hand-off.
 - `metrics.py`: `SpecDecodeStats`, drafts and accepted tokens (vLLM's metric names).
 - `spare_states.py`: `SpareStates`, on a pool with per-sequence state (DeepSeek-V4): a verify
   chunk's new state in a spare slot, kept or dropped (with a recompute) after the acceptance.

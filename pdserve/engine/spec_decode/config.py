@@ -8,18 +8,19 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_SPECULATIVE_TOKENS = 8
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's n-gram window when neither bound is given
-# a prefill worker samples one token a request and hands the rest to a decode worker
+# a prefill worker samples one token a request and hands the rest to a decode worker; with MTP it
+# computes the MTP layer's records of the prompt and the first draft's hidden state (mtp_handoff.py)
 SPEC_ON_PREFILL = (
-    "speculative_config has nothing to do on a prefill worker: give it to the decode (or colocated) workers"
+    "speculative_config on a prefill worker takes method 'mtp' only (the MTP layer's KV and hidden state for "
+    "the decode worker); other methods draft on the decode (or colocated) workers: give it to those"
 )
 # methods pdserve knows the name of but does not run yet: refused with this reason
 NOT_YET: dict[str, str] = {}
-# MTP's drafts start from the MTP layer's KV and hidden state over the prompt: not yet carried by the hand-off
-MTP_UNDER_PD = (
-    "speculative method 'mtp' is not yet supported on PD (prefill / decode) workers: it runs on colocated "
-    "workers; use method 'ngram' for PD"
+# both sides of a PD pair draft with MTP or neither does: the MTP layer is one more layer of the pool
+MTP_PAIR = (
+    "speculative method 'mtp' under PD needs it on both the prefill and the decode workers "
+    "(the prefill side computes the MTP layer's KV and hidden state the decode side drafts from)"
 )
-MTP_UNDER_TP = "speculative method 'mtp' with tensor_parallel_size > 1 is not yet supported"
 
 
 class SpeculativeConfig(BaseModel):

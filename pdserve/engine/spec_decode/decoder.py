@@ -9,7 +9,8 @@ max_tokens or max_model_len.
 
 A PD decode worker's request drafts from its first step here: once its KV has arrived it waits to
 be scheduled with its prompt and the prefill worker's first token, all a proposer that drafts
-from tokens alone (n-gram: `drafts_from_tokens`) needs (`propose_waiting`, before the schedule).
+from tokens alone (n-gram: `drafts_from_tokens`) needs (`propose_waiting`, before the schedule);
+MTP drafts from the MTP layer's hidden state the hand-off carries (`propose_loaded`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Protocol, runtime_checkable
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pdserve.engine.sequence import Sequence, SequenceStatus
-from pdserve.engine.spec_decode.config import MTP_UNDER_PD, SpeculativeConfig
+from pdserve.engine.spec_decode.config import SpeculativeConfig
 from pdserve.engine.spec_decode.metrics import SpecDecodeStats
 from pdserve.engine.spec_decode.ngram import NgramProposer
 from pdserve.engine.spec_decode.spare_states import SpareStates
@@ -50,10 +51,9 @@ class SpecDecoder:
         self.spare: SpareStates | None = None  # a pool with per-sequence state (for_engine)
 
     @classmethod
-    def for_engine(cls, config, runner, blocks: BlockManager, connector=None) -> SpecDecoder | None:
+    def for_engine(cls, config, runner, blocks: BlockManager) -> SpecDecoder | None:
         """The engine's decoder (None without speculative_config). ValueError where a verify
-        chunk could outgrow the sliding window (its first positions would keep no window record),
-        or for MTP under PD (connector: the engine's KV connector)."""
+        chunk could outgrow the sliding window (its first positions would keep no window record)."""
         spec = config.speculative_config
         if spec is None:
             return None
@@ -66,8 +66,6 @@ class SpecDecoder:
             )
         proposer = None
         if spec.method == "mtp":
-            if connector is not None:
-                raise ValueError(MTP_UNDER_PD)
             from pdserve.engine.spec_decode.mtp import MTPDrafter
 
             proposer = MTPDrafter(runner, blocks)
@@ -113,14 +111,24 @@ class SpecDecoder:
 
     def propose_waiting(self, waiting: Iterable[Sequence]) -> None:
         """Drafts for waiting sequences that will decode at once: a PD decode worker's requests
-        whose KV arrived (one token, the first, left to compute); only from tokens alone."""
-        if not getattr(self.proposer, "drafts_from_tokens", False):
+        whose KV arrived (one token, the first, left to compute): from tokens alone, or (MTP) from
+        the hidden state the hand-off carried (mtp_handoff.py)."""
+        loaded = getattr(self.proposer, "propose_loaded", None)
+        if loaded is None and not getattr(self.proposer, "drafts_from_tokens", False):
             return
+        wanted = []
         for seq in waiting:
             if seq.num_uncomputed_tokens == 1 and seq.kv_handle is not None and not seq.spec_token_ids:
                 limit = self._limit(seq)
                 if limit > 0:
-                    self._draft(seq, limit)
+                    wanted.append((seq, limit))
+        if loaded is not None:
+            loaded(wanted)
+            for seq, _ in wanted:
+                self._cut(seq)
+            return
+        for seq, limit in wanted:
+            self._draft(seq, limit)
 
     def _draft(self, seq: Sequence, limit: int) -> None:
         seq.spec_token_ids = list(self.proposer.propose(seq, limit))[:limit]

@@ -16,7 +16,9 @@ Drafts are greedy (one-hot q for rejection sampling: `rejection.py`), as vLLM's 
 The chain writes records up to position m + k - 2: the sequence's table is grown to cover them
 when blocks are free (the next verify chunk needs those blocks anyway), else its drafts stop
 where the table ends. Prefill chunks run the pass too, so drafting starts at the first decode
-step. Sequences with a grammar never draft and skip the pass.
+step; under PD the prefill worker's pass gives the hand-off its g (mtp_handoff.py) and the decode
+worker chains from it (`propose_loaded`). Sequences with a grammar never draft and skip the pass.
+The layer runs on every TP rank (`ModelRunner.run_mtp`).
 
 Legend: P rows of the pass, D sequences that draft, H hidden size.
 """
@@ -28,7 +30,11 @@ import torch
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence, SequenceStatus
-from pdserve.model.batch import ForwardBatch, StepInputs
+from pdserve.engine.spec_decode import mtp_handoff
+from pdserve.model.batch import StepInputs
+
+# the pass runs over these: decoding sequences, and a PD prefill's finished ones (their hand-off)
+_PASSED = (SequenceStatus.RUNNING, SequenceStatus.FINISHED_REMOTE_DECODE)
 
 
 class MTPDrafter:
@@ -46,10 +52,23 @@ class MTPDrafter:
         """The pass over the step's kept positions, then drafts for `wanted` (sequence, limit; their
         spec_token_ids start empty)."""
         last = self._pass(sched)  # seq id -> g_{m-1} [H]
+        for s in sched.scheduled:  # PD prefill: g travels in the hand-off (mtp_handoff.py)
+            if s.seq.status is SequenceStatus.FINISHED_REMOTE_DECODE and id(s.seq) in last:
+                s.seq.mtp_hidden = mtp_handoff.encode(last[id(s.seq)])
         drafting = [(seq, self._room(seq, limit)) for seq, limit in wanted if id(seq) in last]
-        if not drafting:
-            return
-        g = torch.stack([last[id(seq)] for seq, _ in drafting])  # [D, H]
+        if drafting:
+            self._chain(drafting, torch.stack([last[id(seq)] for seq, _ in drafting]))  # [D, H]
+
+    @torch.inference_mode()
+    def propose_loaded(self, wanted: list[tuple[Sequence, int]]) -> None:
+        """PD decode: drafts for sequences whose KV arrived, from the g their hand-off carries."""
+        if wanted:
+            dtype, device = self.runner.dtype, self.runner.device
+            g = [mtp_handoff.decode(seq.kv_handle.mtp_hidden, dtype, device) for seq, _ in wanted]
+            self._chain([(seq, self._room(seq, limit)) for seq, limit in wanted], torch.stack(g))
+
+    def _chain(self, drafting: list[tuple[Sequence, int]], g: torch.Tensor) -> None:
+        """d_1 from each g_{m-1} [D, H], then row (g, d_{j-1}) at position m + j - 2 gives d_j."""
         tokens = self.model.compute_mtp_logits(g).argmax(dim=-1)  # [D] d_1
         for j in range(1, max(n for _, n in drafting) + 1):
             ids = tokens.tolist()
@@ -71,7 +90,7 @@ class MTPDrafter:
         seqs, starts, lens, rows, row = [], [], [], [], 0
         for s in sched.scheduled:
             seq, n = s.seq, s.seq.num_computed_tokens - s.start
-            if seq.status is SequenceStatus.RUNNING and n > 0:
+            if seq.status in _PASSED and n > 0:
                 seqs.append(seq)
                 starts.append(s.start)
                 lens.append(n)
@@ -87,8 +106,7 @@ class MTPDrafter:
         return {id(seq): g[int(e)] for seq, e in zip(seqs, ends)}
 
     def _forward(self, step: StepInputs, prev: torch.Tensor) -> torch.Tensor:
-        batch = ForwardBatch.build(step, self.bm.block_size).to(self.runner.device)
-        return self.model.forward_mtp(batch, self.runner.kv_cache, prev)
+        return self.runner.run_mtp(step, prev)
 
     @staticmethod
     def _inputs(seqs: list[Sequence], ids: torch.Tensor, starts: list[int], lens: list[int]) -> StepInputs:

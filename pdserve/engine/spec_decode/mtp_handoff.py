@@ -1,0 +1,57 @@
+"""MTP drafting through PD: what the prefill worker hands the decode worker beside the KV.
+
+The prefill worker runs the MTP layer over the prompt as a colocated engine does (mtp.py's pass
+after each step: the last prefill chunk's rows pair the prompt's last position with the first
+token), so the MTP layer's records travel with the other layers' (one more layer of the pool:
+disagg/layout.py counts it like any other). What the records do not hold is g_{n-1}, the layer's
+output at the prompt's last position, from which the first draft is d_1 = argmax(head(g_{n-1}))
+and the chain goes on: it travels as `KVHandle.mtp_hidden` ([H] values of the model's dtype, raw
+bytes in base64), and the decode worker drafts from it before its first step (`MTPDrafter.
+propose_loaded`). Both sides draft with MTP or neither does (`mtp_problem`: a hand-off with the
+hidden state to a decode worker without MTP, or one without it to a decode worker with MTP, fails
+the request with that reason; the pools' layouts differ anyway).
+"""
+
+from __future__ import annotations
+
+import base64
+
+import torch
+
+from pdserve.engine.spec_decode.config import MTP_PAIR
+
+
+def encode(g: torch.Tensor) -> str:
+    """g [H] -> KVHandle.mtp_hidden."""
+    raw = g.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes()
+    return base64.b64encode(raw).decode("ascii")
+
+
+def decode(text: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """KVHandle.mtp_hidden -> g [H] (its length checked by mtp_problem)."""
+    raw = bytearray(base64.b64decode(text))
+    return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).to(device)
+
+
+def hidden_bytes(config, model, dtype: torch.dtype) -> int | None:
+    """The bytes of g a hand-off to this engine carries; None when it does not draft with MTP."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "mtp":
+        return None
+    return model.config.hidden_size * dtype.itemsize
+
+
+def mtp_problem(mtp_hidden: str | None, nbytes: int | None) -> str | None:
+    """Why a hand-off cannot go on here (nbytes: hidden_bytes of this engine), or None."""
+    if mtp_hidden is None and nbytes is not None:
+        return f"the prefill worker ran without MTP drafts, this decode worker drafts with them: {MTP_PAIR}"
+    if mtp_hidden is not None and nbytes is None:
+        return f"the prefill worker ran with MTP drafts, this decode worker without them: {MTP_PAIR}"
+    if nbytes is not None:
+        try:
+            got = len(base64.b64decode(mtp_hidden, validate=True))
+        except ValueError:
+            return "kv_handle.mtp_hidden is not base64"
+        if got != nbytes:
+            return f"kv_handle.mtp_hidden holds {got} bytes; this model's hidden state has {nbytes}"
+    return None
