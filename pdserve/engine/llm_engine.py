@@ -204,6 +204,8 @@ class LLMEngine:
             self._postprocess(sched, sampled, outputs)
             if self.spec is not None:
                 self.spec.propose(sched)
+            for s in sched.scheduled:  # after the drafts: V4's MTP pass reads the window the step read
+                self.block_manager.trim_window(s.seq)
         return list(outputs.values())
 
     def _while_step_runs(self, outputs: dict[str, RequestOutput]) -> Callable[[], None] | None:
@@ -227,7 +229,6 @@ class LLMEngine:
             seq.num_computed_tokens += s.num_tokens - s.num_spec + accepted
             if self.spec is not None:
                 self.spec.settle(s, accepted)
-            self.block_manager.trim_window(seq)
             if tok is None:
                 self.block_manager.cache_computed(seq)
                 continue
