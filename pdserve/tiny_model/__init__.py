@@ -31,6 +31,7 @@ from pdserve.tiny_model.tokenizer import (
     build_tokenizer,
     tokenizer_config,
 )
+from pdserve.tiny_model.v4_mtp import tiny_v4_mtp_weights
 from pdserve.tiny_model.weights import (
     quantize_tiny_v4,
     tiny_config,
@@ -40,7 +41,6 @@ from pdserve.tiny_model.weights import (
     tiny_weights,
     write_json,
 )
-from pdserve.tiny_model.v4_mtp import tiny_v4_mtp_weights
 
 ARCHS = ("deepseek_v3", "deepseek_v32", "deepseek_v4")
 VOCAB_MULTIPLE = 128  # config vocab_size is padded past the tokenizer, as DeepSeek's is
