@@ -60,10 +60,15 @@ def v3(tmp_path_factory):
     return _made(tmp_path_factory, "deepseek_v3")
 
 
-@pytest.fixture(scope="module", params=["deepseek_v3", "deepseek_v4"])
-def sched_model(request, tmp_path_factory):
+@pytest.fixture(scope="module")
+def v4(tmp_path_factory):
+    return _made(tmp_path_factory, "deepseek_v4")
+
+
+@pytest.fixture(scope="module", params=["v3", "v4"])
+def sched_model(request):
     """The scheduling cases: V3, and V4 with its window blocks and state slots."""
-    return _made(tmp_path_factory, request.param)
+    return request.getfixturevalue(request.param)
 
 
 def _nothing_held(llm: LLM) -> bool:
@@ -115,8 +120,17 @@ def test_accepted_mtp_drafts_emit_k_plus_1_tokens_a_step(model):
 
 
 @pytest.mark.parametrize("right", [True, False])
-def test_preemption_in_the_middle_of_mtp_speculation(sched_model, right):
-    path, expected = sched_model
+def test_preemption_in_the_middle_of_mtp_speculation(v3, right):
+    _preempted(*v3, right)
+
+
+def test_v4_preemption_in_the_middle_of_accepted_mtp_speculation(v4):
+    """Drafts accepted: the preempted sequences hold window blocks (the MTP layer's records among
+    them) and a state slot advanced by accepted drafts when they are dropped."""
+    _preempted(*v4, True)
+
+
+def _preempted(path: str, expected: list[list[int]], right: bool) -> None:
     llm = _llm(path, 3, num_kv_blocks=12)
     if right:
         _force_right(llm, expected)

@@ -116,8 +116,8 @@ def load_v4_model(
     materialize(model, dtype, torch.device(device))
     skipped = sorted(n for n in names if _is_mtp(n, config) and not (mtp and n.startswith("model.mtp.0.")))
     if skipped:
-        log.info("skipping %d MTP tensors (num_nextn_predict_layers=%d): pdserve does not run multi-token "
-                 "prediction", len(skipped), config.v4.num_nextn_predict_layers)  # fmt: skip
+        log.info("skipping %d MTP tensors (num_nextn_predict_layers=%d): loaded only for "
+                 "speculative method 'mtp'", len(skipped), config.v4.num_nextn_predict_layers)  # fmt: skip
     sink = _WeightSink(model)
     with ExitStack() as stack:
         handles = {f: stack.enter_context(safe_open(str(f), framework="pt")) for f in sorted(set(files.values()))}
