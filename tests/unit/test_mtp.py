@@ -130,6 +130,16 @@ def test_v4_preemption_in_the_middle_of_accepted_mtp_speculation(v4):
     _preempted(*v4, True)
 
 
+def test_v4_mtp_from_a_prefix_cache_checkpoint(v4):
+    """The same prompts twice: the second run starts from prefix checkpoints (window blocks, the
+    MTP layer's records among them, and state copied), and its tokens are still plain decoding's."""
+    path, expected = v4
+    llm = _llm(path, 2, kv_block_size=16)  # a checkpoint at the 21-token prompt's block boundary
+    assert _tokens(llm) == expected and _tokens(llm) == expected
+    stats = llm.engine.get_stats()
+    assert stats.prefix_cache_hits > 0 and _nothing_held(llm) and llm.engine.spec.stats.num_drafts > 0
+
+
 def _preempted(path: str, expected: list[list[int]], right: bool) -> None:
     llm = _llm(path, 3, num_kv_blocks=12)
     if right:
