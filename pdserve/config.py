@@ -41,7 +41,7 @@ TINY_ARCHS = ("deepseek_v3", "deepseek_v32", "deepseek_v4")
 TINY_PREFIX = "tiny:"  # model "tiny:<arch>": the tiny random checkpoint, made in the cache on first use
 # What the tiny writer makes, stamped in each cached folder: a cached model of another format (an older
 # pdserve's, e.g. a V4 tokenizer without V4's chat tokens) is made anew on its next use.
-TINY_FORMAT = 3  # 3: V3 / V3.2 with their MTP layer
+TINY_FORMAT = 4  # 3: V3 / V3.2 with their MTP layer; 4: V4 with its MTP layer
 TINY_STAMP = "pdserve_tiny.json"
 
 

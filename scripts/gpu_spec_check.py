@@ -3,7 +3,7 @@
     python scripts/gpu_spec_check.py [--device cuda] [--archs deepseek_v32,deepseek_v3]
         [--dtypes float32,bfloat16] [--methods mtp,ngram] [--ks 1,2,3] [--out DIR]
 
-For each tiny checkpoint (`pdserve.tiny_model`, V3 / V3.2 with their MTP layer) and dtype, runs 8
+For each tiny checkpoint (`pdserve.tiny_model`, V3 / V3.2 / V4 with their MTP layer) and dtype, runs 8
 prompts x 32 greedy tokens (EOS ignored, one continuous batch) through `pdserve.LLM` without
 speculation (decode steps as CUDA graphs), then with each method and k (verify steps eager; MTP's
 layer after every step), and prints per run the prompts whose tokens differ (first differing

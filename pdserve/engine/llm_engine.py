@@ -185,6 +185,8 @@ class LLMEngine:
             self._postprocess(sched, sampled, outputs)
             if self.spec is not None:
                 self.spec.propose(sched)
+            for s in sched.scheduled:  # after the drafts: V4's MTP pass reads the window the step read
+                self.block_manager.trim_window(s.seq)
             self._hold(outputs)
         return list(outputs.values())
 
@@ -209,7 +211,6 @@ class LLMEngine:
             seq.num_computed_tokens += s.num_tokens - s.num_spec + accepted
             if self.spec is not None:
                 self.spec.settle(s, accepted)
-            self.block_manager.trim_window(seq)
             if tok is None:
                 self.block_manager.cache_computed(seq)
                 continue

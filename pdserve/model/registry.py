@@ -13,7 +13,9 @@ package holds, by these names:
     `kv_cache_specs(kv_cache_dtype)`, `num_layers`, `config`, `tie_weights()`, and
     `supports_cuda_graphs` when its decode forward never syncs with the host; `supports_mtp`
     with `add_mtp()`, `forward_mtp(batch, kv_cache, prev_hidden)`, `compute_mtp_logits(hidden)`
-    when it drafts with its multi-token-prediction layer (its loader then takes `mtp=True`);
+    when it drafts with its multi-token-prediction layer (its loader then takes `mtp=True`), and
+    `mtp_source(hidden)` where the layer pairs tokens with something else than the final hidden
+    states (V4: the step's residual streams before hc_head);
   - loader.py: the loader function named in the entry, `(model_dir, dtype, device, tp=,
     quantization=, progress=)` -> the model, and `materialize(model, dtype, device)` (meta
     parameters -> empty ones in their final dtype, as a load allocates them);

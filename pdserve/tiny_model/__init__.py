@@ -3,7 +3,7 @@
 No weights can be downloaded where pdserve is tested, so this writes a checkpoint that
 both pdserve and transformers 5.24 load: config.json, model.safetensors (float32, named as
 transformers' save_pretrained names them, per-expert weights), tokenizer.json (byte-level
-BPE, so any UTF-8 text round-trips; V3 / V3.2 with their MTP layer, as DeepSeek ships it), tokenizer_config.json (special tokens and a
+BPE, so any UTF-8 text round-trips; every architecture with its MTP layer, as DeepSeek ships it), tokenizer_config.json (special tokens and a
 DeepSeek-style chat template; deepseek_v4 has none, as its release), special_tokens_map.json
 and generation_config.json.
 
@@ -12,6 +12,7 @@ only changes the weights; the tokenizer is trained on a fixed text (tokenizer.py
 
     tokenizer.py  the byte-level BPE, special tokens, chat template
     weights.py    config.json and random weights per architecture; quantize_tiny_v4
+    v4_mtp.py     V4's MTP layer under the release's names
 """
 
 import math
@@ -30,6 +31,7 @@ from pdserve.tiny_model.tokenizer import (
     build_tokenizer,
     tokenizer_config,
 )
+from pdserve.tiny_model.v4_mtp import tiny_v4_mtp_weights
 from pdserve.tiny_model.weights import (
     quantize_tiny_v4,
     tiny_config,
@@ -45,7 +47,7 @@ VOCAB_MULTIPLE = 128  # config vocab_size is padded past the tokenizer, as DeepS
 
 __all__ = [
     "ARCHS", "ASSISTANT", "BOS", "CHAT_TEMPLATE", "EOS", "SPECIAL_TOKENS", "USER", "build_tokenizer", "make_tiny_model",
-    "quantize_tiny_v4", "tiny_config", "tiny_mtp_weights", "tiny_v4_config", "tiny_v4_weights", "tiny_weights",
+    "quantize_tiny_v4", "tiny_config", "tiny_mtp_weights", "tiny_v4_config", "tiny_v4_mtp_weights", "tiny_v4_weights", "tiny_weights",
 ]  # fmt: skip
 
 
@@ -77,6 +79,8 @@ def make_tiny_model(
     config.update(overrides or {}, dtype=dtype)
     if arch == "deepseek_v4":
         weights = tiny_v4_weights(config, seed)
+        if config["num_nextn_predict_layers"]:
+            weights.update(tiny_v4_mtp_weights(config, seed))
     else:
         weights = tiny_weights(config, seed, device)
         if config["num_nextn_predict_layers"]:

@@ -176,8 +176,8 @@ def _moe(config: dict, normal) -> dict[str, torch.Tensor]:
 
 
 def tiny_v4_config(vocab_size: int) -> dict:
-    """config.json for a 5-layer DeepSeek-V4: sliding, HCA, CSA, HCA, CSA attention; the first two
-    MoE layers hash-routed; 4 residual streams. A window of 8 and compress rates 4 (CSA) and 16
+    """config.json for a 5-layer DeepSeek-V4: sliding, HCA, CSA, HCA, CSA attention and a sliding
+    MTP layer; the first two MoE layers hash-routed; 4 residual streams. A window of 8 and compress rates 4 (CSA) and 16
     (HCA) make short prompts cross the window and close entries of both compressors, and
     index_topk 4 makes the indexer drop entries from about 20 tokens on."""
     return {
@@ -200,6 +200,7 @@ def tiny_v4_config(vocab_size: int) -> dict:
             "compressed_sparse_attention",
             "heavily_compressed_attention",
             "compressed_sparse_attention",
+            "sliding_attention",  # the MTP layer's (v4_mtp.py), as V4-Flash's last compress ratio 0
         ],  # fmt: skip
         "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
         "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe", "moe"],
@@ -218,7 +219,7 @@ def tiny_v4_config(vocab_size: int) -> dict:
         "index_n_heads": 16,
         "index_head_dim": 32,
         "index_topk": 4,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": 1,
         "hidden_act": "silu",
         "rms_norm_eps": 1e-6,
         "max_position_embeddings": 4096,
@@ -284,6 +285,7 @@ def quantize_tiny_v4(
     dequantized to float32 (transformers' checkpoint for the oracle)."""
     from safetensors.torch import load_file
 
+    from pdserve.model.deepseek_v4.loader import hf_name
     from pdserve.model.fp4 import dequantize_fp4, quantize_fp4, scales_to_float
     from pdserve.model.fp8 import dequantize_block_fp8
 
@@ -298,9 +300,13 @@ def quantize_tiny_v4(
                     base = f"{name.rsplit('.', 1)[0]}.{e}.{proj}"
                     quant[f"{base}.weight"], quant[f"{base}.scale"] = quantize_fp4(w)
                     rows.copy_(dequantize_fp4(quant[f"{base}.weight"], quant[f"{base}.scale"]))
-        elif name.endswith(".weight") and t.dim() == 2 and not any(s in name for s in _V4_NOT_FP8):
-            q, scale = _block_fp8(t, block)
-            quant[name], quant[name + "_scale_inv"] = q, scale
+        elif name.startswith("mtp.") and ".experts." in name:  # the MTP layer's, one per expert (release)
+            quant[name], quant[name.removesuffix("weight") + "scale"] = q, scale = quantize_fp4(t)
+            ref[name] = dequantize_fp4(q, scale)
+        elif name.endswith(".weight") and t.dim() == 2 and not any(s in hf_name(name) for s in _V4_NOT_FP8):
+            q, scale = _block_fp8(t, block)  # release names (mtp.*) take `.scale`
+            quant[name] = q
+            quant[name.removesuffix("weight") + "scale" if name.startswith("mtp.") else name + "_scale_inv"] = scale
             ref[name] = dequantize_block_fp8(q, scales_to_float(scale), block)
         else:
             quant[name] = ref[name] = t

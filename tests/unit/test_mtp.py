@@ -1,10 +1,11 @@
-"""MTP drafting through the engine (engine/spec_decode/mtp.py), tiny V3 and V3.2 in float32.
+"""MTP drafting through the engine (engine/spec_decode/mtp.py), tiny V3, V3.2 and V4 in float32.
 
 The oracle for the tokens is the same engine without speculation (itself checked against
 transformers in test_llm_parity.py); the drafts themselves are checked against transformers' MTP in
-test_mtp_oracle.py. Greedy with MTP drafts must give the same tokens, token for token, for
+test_mtp_oracle.py and test_mtp_v4_oracle.py. Greedy with MTP drafts must give the same tokens, token for token, for
 k = 1..3 with chunked prefill (a 16-token step budget; the prompts are longer), with preemption in
-the middle of speculation and with aborts, leaving 0 blocks used. Random tiny weights make MTP
+the middle of speculation and with aborts, leaving 0 blocks used (V4: 0 window blocks and state
+slots too). Random tiny weights make MTP
 drafts all but always wrong, so one test replaces each step's drafts by the target's own
 continuation after the MTP layer ran: every draft is accepted, each verify step emits k + 1 tokens,
 and the next pass covers k + 1 positions. Last, the start-up refusals.
@@ -48,15 +49,31 @@ def _made(tmp_path_factory, arch: str) -> tuple[str, list[list[int]]]:
     return path, _tokens(_llm(path))
 
 
-@pytest.fixture(scope="module", params=["deepseek_v3", "deepseek_v32"])
+@pytest.fixture(scope="module", params=["deepseek_v3", "deepseek_v32", "deepseek_v4"])
 def model(request, tmp_path_factory):
     return _made(tmp_path_factory, request.param)
 
 
 @pytest.fixture(scope="module")
 def v3(tmp_path_factory):
-    """V3 alone for the scheduling cases (the MTP code is the same for both; CI time is not)."""
+    """V3 alone for the cases whose MTP code is V3.2's too (CI time)."""
     return _made(tmp_path_factory, "deepseek_v3")
+
+
+@pytest.fixture(scope="module")
+def v4(tmp_path_factory):
+    return _made(tmp_path_factory, "deepseek_v4")
+
+
+@pytest.fixture(scope="module", params=["v3", "v4"])
+def sched_model(request):
+    """The scheduling cases: V3, and V4 with its window blocks and state slots."""
+    return request.getfixturevalue(request.param)
+
+
+def _nothing_held(llm: LLM) -> bool:
+    s = llm.engine.get_stats()
+    return s.kv_blocks_used == s.kv_window_blocks_used == s.kv_state_slots_used == 0
 
 
 def _force_right(llm: LLM, expected: list[list[int]]) -> None:
@@ -82,7 +99,7 @@ def test_mtp_greedy_equals_plain_decoding(model, k):
     s = llm.engine.spec.stats
     assert s.num_drafts > 0 and s.num_draft_tokens >= s.num_drafts
     assert s.num_accepted_tokens == sum(s.accepted_per_pos) and s.accepted_per_pos == sorted(s.accepted_per_pos)[::-1]
-    assert llm.engine.get_stats().kv_blocks_used == 0
+    assert _nothing_held(llm)
 
 
 def test_accepted_mtp_drafts_emit_k_plus_1_tokens_a_step(model):
@@ -99,23 +116,42 @@ def test_accepted_mtp_drafts_emit_k_plus_1_tokens_a_step(model):
     assert emitted[0] == 1 and gains == [k + 1, k + 1, 1]
     s = engine.spec.stats
     assert s.num_accepted_tokens == s.num_draft_tokens == 6 and s.accepted_per_pos == [2, 2, 2]
-    assert _tokens(llm) == expected and engine.get_stats().kv_blocks_used == 0
+    assert _tokens(llm) == expected and _nothing_held(llm)
 
 
 @pytest.mark.parametrize("right", [True, False])
 def test_preemption_in_the_middle_of_mtp_speculation(v3, right):
-    path, expected = v3
+    _preempted(*v3, right)
+
+
+def test_v4_preemption_in_the_middle_of_accepted_mtp_speculation(v4):
+    """Drafts accepted: the preempted sequences hold window blocks (the MTP layer's records among
+    them) and a state slot advanced by accepted drafts when they are dropped."""
+    _preempted(*v4, True)
+
+
+def test_v4_mtp_from_a_prefix_cache_checkpoint(v4):
+    """The same prompts twice: the second run starts from prefix checkpoints (window blocks, the
+    MTP layer's records among them, and state copied), and its tokens are still plain decoding's."""
+    path, expected = v4
+    llm = _llm(path, 2, kv_block_size=16)  # a checkpoint at the 21-token prompt's block boundary
+    assert _tokens(llm) == expected and _tokens(llm) == expected
+    stats = llm.engine.get_stats()
+    assert stats.prefix_cache_hits > 0 and _nothing_held(llm) and llm.engine.spec.stats.num_drafts > 0
+
+
+def _preempted(path: str, expected: list[list[int]], right: bool) -> None:
     llm = _llm(path, 3, num_kv_blocks=12)
     if right:
         _force_right(llm, expected)
     assert _tokens(llm) == expected
-    stats = llm.engine.get_stats()
-    assert stats.num_preemptions > 0 and stats.kv_blocks_used == 0
+    assert llm.engine.get_stats().num_preemptions > 0 and _nothing_held(llm)
 
 
-def test_abort_while_mtp_drafts_wait(v3):
-    path, expected = v3
-    engine = _llm(path, 2).engine
+def test_abort_while_mtp_drafts_wait(sched_model):
+    path, expected = sched_model
+    llm = _llm(path, 2)
+    engine = llm.engine
     for i, p in enumerate(PROMPTS):
         engine.add_request(Request(request_id=str(i), prompt_token_ids=p, params=_params()[i]))
     done = {}
@@ -127,7 +163,7 @@ def test_abort_while_mtp_drafts_wait(v3):
         done.update((o.request_id, o) for o in engine.step())
     assert done[victim].outputs[0].finish_reason == "abort"
     assert all(done[str(i)].outputs[0].token_ids == expected[i] for i in range(len(PROMPTS)) if str(i) != victim)
-    assert engine.get_stats().kv_blocks_used == 0
+    assert _nothing_held(llm)
 
 
 def test_random_sampling_with_mtp_drafts_frees_everything(v3):
@@ -144,17 +180,20 @@ def _config(path, **kw) -> EngineConfig:
     return EngineConfig(model=str(path), kv_block_size=4, num_kv_blocks=32, skip_tokenizer_init=True, **kw)
 
 
-def test_a_checkpoint_without_mtp_weights_is_a_clear_error(tmp_path):
-    path = make_tiny_model(tmp_path / "no_mtp", "deepseek_v3", overrides={"num_nextn_predict_layers": 0})
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v4"])
+def test_a_checkpoint_without_mtp_weights_is_a_clear_error(tmp_path, arch):
+    path = make_tiny_model(tmp_path / "no_mtp", arch, overrides={"num_nextn_predict_layers": 0})
     with pytest.raises(ValueError, match="needs the checkpoint's MTP layer.*use method 'ngram'"):
         LLMEngine(_config(path, speculative_config=_spec(2)))
     LLMEngine(_config(path, speculative_config={"method": "ngram", "num_speculative_tokens": 2}))  # ngram runs
 
 
 def test_mtp_is_refused_where_it_does_not_run_yet(tmp_path):
+    """V4's MTP where its input (the residual streams) does not travel yet: PD and TP > 1."""
     v4 = make_tiny_model(tmp_path / "v4", "deepseek_v4")
-    with pytest.raises(ValueError, match="not yet supported for DeepseekV4ForCausalLM"):
-        LLMEngine(_config(v4, speculative_config=_spec(1)))
+    for overrides in ({"kv_role": "kv_consumer"}, {"kv_role": "kv_producer"}):
+        with pytest.raises(ValueError, match="on DeepSeek-V4 runs on colocated workers"):
+            LLMEngine(_config(v4, speculative_config=_spec(1), **overrides))
 
 
 def test_pd_workers_take_mtp_on_both_sides_or_neither():
@@ -226,3 +265,20 @@ def test_an_fp8_checkpoint_keeps_its_mtp_layer_fp8(v3, tmp_path):
     mtp = llm.engine.runner.model.mtp
     assert mtp.self_attn.q_a_proj.weight.dtype == mtp.mlp.experts.gate_up_proj.dtype == torch.float8_e4m3fn
     assert _tokens(llm) == _tokens(_llm(str(out))) and llm.engine.spec.stats.num_drafts > 0
+
+
+def test_a_v4_flash_format_checkpoint_keeps_its_mtp_layer_quantized(tmp_path_factory):
+    """The tiny V4 in V4-Flash's formats (quantize_tiny_v4: FP8 projections, FP4 routed experts,
+    the MTP layer's under its release names with `.scale`): the MTP layer kept FP8 / FP4 like
+    the main layers, and greedy with MTP equals plain decoding."""
+    import torch
+
+    from pdserve.tiny_model import quantize_tiny_v4
+
+    tmp = tmp_path_factory.mktemp("v4q")
+    quant, _ = quantize_tiny_v4(make_tiny_model(tmp / "f", "deepseek_v4"), tmp / "q", tmp / "r", block=(32, 32))
+    llm = _llm(str(quant), 2)
+    mtp = llm.engine.runner.model.mtp
+    assert mtp.e_proj.weight.dtype == mtp.self_attn.q_a_proj.weight.dtype == torch.float8_e4m3fn
+    assert mtp.mlp.experts.gate_up_proj.dtype == torch.uint8  # packed FP4
+    assert _tokens(llm) == _tokens(_llm(str(quant))) and llm.engine.spec.stats.num_drafts > 0 and _nothing_held(llm)

@@ -181,7 +181,8 @@ def test_quantized_release_checkpoint_matches_float_reference(quantized, caplog)
     quant_dir, ref_dir = quantized
     with caplog.at_level(logging.INFO, logger="pdserve.model.deepseek_v4.loader"):
         model = load_v4_model(quant_dir, dtype=torch.float32, quantization="none")
-    assert "skipping 3 MTP tensors" in caplog.text
+    mtp = sum(k.startswith("mtp.") for k in load_file(str(quant_dir / "model.safetensors")))  # tiny's and 3 more
+    assert mtp > 3 and f"skipping {mtp} MTP tensors" in caplog.text
     assert ModelConfig.from_model_dir(quant_dir).quant.expert_dtype == "fp4"
     reference = load_v4_model(ref_dir, dtype=torch.float32)
     got, want = dict(model.named_parameters()), dict(reference.named_parameters())

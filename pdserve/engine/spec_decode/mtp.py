@@ -12,6 +12,11 @@ the chain's records past m - 1 are rewritten by a later pass before any query re
 rejected draft leaves nothing that changes a later token (and verification keeps the target's
 tokens whatever the drafts are).
 
+DeepSeek-V4 (model/deepseek_v4/mtp.py) pairs the token with the step's residual streams before
+hc_head (`model.mtp_source`, [N, H] a row) and chains them; its layer is a sliding-window one, so
+its records are one more layer of the window region: the chain's window blocks come with the
+table's growth below, and it has no compressor state for a rejected draft to touch.
+
 Drafts are greedy (one-hot q for rejection sampling: `rejection.py`), as vLLM's MTP drafts are.
 The chain writes records up to position m + k - 2: the sequence's table is grown to cover them
 when blocks are free (the next verify chunk needs those blocks anyway), else its drafts stop
@@ -20,7 +25,7 @@ step; under PD the prefill worker's pass gives the hand-off its g (mtp_handoff.p
 worker chains from it (`propose_loaded`). Sequences with a grammar never draft and skip the pass.
 The layer runs on every TP rank (`ModelRunner.run_mtp`).
 
-Legend: P rows of the pass, D sequences that draft, H hidden size.
+Legend: P rows of the pass, D sequences that draft, H hidden size (V4: N streams of H a row).
 """
 
 from __future__ import annotations
@@ -87,6 +92,8 @@ class MTPDrafter:
     def _pass(self, sched: SchedulerOutput) -> dict[int, torch.Tensor]:
         """The MTP layer over each sequence's rows this step kept; returns g at each one's last."""
         hidden = self.runner.last_hidden  # [T, H] the step's target hidden states
+        source = getattr(self.model, "mtp_source", None)
+        hidden = hidden if source is None else source(hidden)  # V4: [T, N, H] its streams
         seqs, starts, lens, rows, row = [], [], [], [], 0
         for s in sched.scheduled:
             seq, n = s.seq, s.seq.num_computed_tokens - s.start
@@ -117,15 +124,18 @@ class MTPDrafter:
             starts=torch.tensor(starts, dtype=torch.int64),
             samples=torch.ones(len(seqs), dtype=torch.bool),
             block_tables=torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs]),
-            window_tables=torch.full((len(seqs), width), -1, dtype=torch.int64),
+            window_tables=torch.tensor([(s.window_table + [-1] * width)[:width] for s in seqs], dtype=torch.int64),
             state_slots=torch.full((len(seqs),), -1, dtype=torch.int64),
         )
 
     def _room(self, seq: Sequence, limit: int) -> int:
         """Drafts whose chain records fit seq's table (grown when blocks are free): d_j's row
-        writes position m + j - 2, so k drafts need the table to cover m + k - 1 tokens."""
-        need = seq.num_computed_tokens + limit - 1
-        if self.bm.blocks_needed(seq, need) and self.bm.can_allocate(seq, need):
-            self.bm.allocate(seq, need)
-        covered = len(seq.block_table) * self.bm.block_size
+        writes position m + j - 2, so k drafts need the table to cover m + k - 1 tokens (and,
+        with a window space, the window table: V4)."""
+        need, bm = seq.num_computed_tokens + limit - 1, self.bm
+        if bm.can_allocate(seq, need):
+            bm.allocate(seq, need)
+        covered = len(seq.block_table) * bm.block_size
+        if bm.window_tokens is not None:
+            covered = min(covered, len(seq.window_table) * bm.block_size)
         return max(1, min(limit, covered - seq.num_computed_tokens + 1))

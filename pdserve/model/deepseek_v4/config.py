@@ -42,6 +42,7 @@ class V4Config:
     swiglu_limit: float = 10.0
     scoring_func: str = "sqrtsoftplus"
     num_nextn_predict_layers: int = 1
+    mtp_layer_types: tuple[str, ...] = ()  # the entries of layer_types past the main layers (the MTP layers')
 
     def compress_rate(self, layer: int) -> int:
         """Source tokens per compressed entry of `layer` (0: sliding-only)."""
@@ -99,6 +100,7 @@ def parse_v4(d: dict[str, Any], num_layers: int, max_pos: int, source: str) -> t
     cfg = V4Config(
         head_dim=head_dim,
         layer_types=_layer_types(d, num_layers, source),
+        mtp_layer_types=_layer_types(d, None, source)[num_layers:],
         mlp_layer_types=_mlp_layer_types(d, num_layers, source),
         csa_rate=int(rates[CSA]),
         hca_rate=int(rates[HCA]),
@@ -116,17 +118,20 @@ _PLAIN_V4_KEYS = (
 )  # fmt: skip
 
 
-def _layer_types(d: dict[str, Any], n: int, source: str) -> tuple[str, ...]:
+def _layer_types(d: dict[str, Any], n: int | None, source: str) -> tuple[str, ...]:
+    """The first n entries (n None: all the config lists, those of the MTP layers included)."""
     types = d.get("layer_types")
     if types is None and d.get("compress_ratios") is not None:
         bad = [r for r in d["compress_ratios"] if r not in _RATIO_TO_TYPE]
         if bad:
             raise ConfigError(f"{source}: compress_ratios entries must be 0, 4 or 128 (got {bad}); use layer_types")
         types = [_RATIO_TO_TYPE[r] for r in d["compress_ratios"]]
+    if types is None and n is None:
+        return ()
     if types is None:  # transformers' default: 2 HCA, then HCA / CSA interleaved
         types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
     types = list(types[:n])
-    if len(types) != n or any(t not in LAYER_TYPES for t in types):
+    if len(types) != (len(types) if n is None else n) or any(t not in LAYER_TYPES for t in types):
         raise ConfigError(f"{source}: layer_types must list one of {LAYER_TYPES} for each of {n} layers")
     return tuple(types)
 

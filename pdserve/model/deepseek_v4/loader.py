@@ -10,8 +10,9 @@ FP4 e2m1 routed experts (two values a byte, one ue8m0 scale per 32 values) kept 
 the modules that keep them (`quantization` unset or "fp8": the FP8 projections of model.py's
 docstring, scales as float32 `weight_scale_inv`; the experts' bytes and ue8m0 scale bytes copied
 into the stacked uint8 parameters of moe.Experts), dequantized at load everywhere else
-(`quantization="none"`: everywhere). MTP layers (mtp.*, or layer index >= num_hidden_layers) are
-skipped, with one log line.
+(`quantization="none"`: everywhere). The MTP layer (`mtp.0.*`, mtp.py) is loaded with `mtp=True`
+(speculative decoding's drafts), in the formats of the main layers; otherwise MTP layers (mtp.*, or
+layer index >= num_hidden_layers) are skipped, with one log line.
 Under tensor parallelism (`tp` of size > 1) each rank allocates only its shards and fills them
 with the slices its modules name (`shard_weight` / `shard_expert`, as deepseek_v3/loader.py does):
 each full tensor is read (and dequantized), sliced, freed; packed FP4 bytes and their scales are
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 
 # DeepSeek release name -> transformers name, applied in order (regex, replacement).
 RELEASE_RENAMES = (
+    (r"^(mtp\.\d+)\.norm\.", r"\1.head_norm."), (r"^(mtp\.\d+)\.hc_head_(fn|base|scale)$", r"\1.hc_head.hc_\2"),
     (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."), (r"\.indexer\.compressor\.", ".compressor.indexer."),
     (r"^embed\.weight$", "embed_tokens.weight"), (r"^head\.weight$", "lm_head.weight"),
     (r"^hc_head_fn$", "hc_head.hc_fn"), (r"^hc_head_base$", "hc_head.hc_base"), (r"^hc_head_scale$", "hc_head.hc_scale"),
@@ -58,7 +60,7 @@ RELEASE_RENAMES = (
 )  # fmt: skip
 _SCALE = "_scale_inv"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
+_EXPERT = re.compile(r"^(model\.(?:layers|mtp)\.\d+\.mlp\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
 _STACKED = (
     "experts.gate_up_proj",
     "experts.down_proj",
@@ -90,26 +92,32 @@ def load_v4_model(
     quantization: str | None = None,
     progress: bool = True,
     fp4_moe_backend: str = "auto",
+    mtp: bool = False,
 ) -> DeepseekV4ForCausalLM:
     """quantization (--quantization): None follows the checkpoint (FP8 kept FP8, FP4 experts kept
     FP4), "fp8" the same but refuses a checkpoint without an FP8 quantization_config, "none"
-    dequantizes everything at load into `dtype`."""
+    dequantizes everything at load into `dtype`; mtp: load the MTP layer too (CheckpointError
+    when the checkpoint has none)."""
     model_dir = Path(model_dir)
     config = ModelConfig.from_model_dir(model_dir)
     if config.v4 is None:
         raise CheckpointError(f"{model_dir} holds a {config.model_type} model, not deepseek_v4")
     files = _readable(model_dir)
+    names = {hf_name(n): n for n in files}
+    if mtp:
+        _check_mtp(model_dir, config, names)
     try:
         with torch.device("meta"):
             model = DeepseekV4ForCausalLM(model_config_for(config, quantization, fp4_moe_backend=fp4_moe_backend), tp)
+            if mtp:
+                model.add_mtp()
     except ValueError as e:  # a quantization that cannot hold; a shard that would cut a scale block
         raise CheckpointError(f"{model_dir}: {e}") from e
     materialize(model, dtype, torch.device(device))
-    names = {hf_name(n): n for n in files}
-    skipped = sorted(n for n in names if _is_mtp(n, config))
+    skipped = sorted(n for n in names if _is_mtp(n, config) and not (mtp and n.startswith("model.mtp.0.")))
     if skipped:
-        log.info("skipping %d MTP tensors (num_nextn_predict_layers=%d): pdserve does not run multi-token "
-                 "prediction", len(skipped), config.v4.num_nextn_predict_layers)  # fmt: skip
+        log.info("skipping %d MTP tensors (num_nextn_predict_layers=%d): loaded only for "
+                 "speculative method 'mtp'", len(skipped), config.v4.num_nextn_predict_layers)  # fmt: skip
     sink = _WeightSink(model)
     with ExitStack() as stack:
         handles = {f: stack.enter_context(safe_open(str(f), framework="pt")) for f in sorted(set(files.values()))}
@@ -152,6 +160,16 @@ def _readable(model_dir: Path) -> dict[str, Path]:
     except Exception as e:  # safetensors' own error types
         raise CheckpointError(f"cannot read the weight files of {model_dir}: {e}") from e
     return files
+
+
+def _check_mtp(model_dir: Path, config: ModelConfig, names: dict[str, str]) -> None:
+    head = "model.mtp.0.e_proj.weight"
+    if config.v4.num_nextn_predict_layers < 1 or head not in names:
+        raise CheckpointError(
+            f"speculative method 'mtp' needs the checkpoint's MTP layer, and {model_dir} has none "
+            f"(config.json num_nextn_predict_layers: {config.v4.num_nextn_predict_layers}, mtp.0.e_proj.weight "
+            f"{'present' if head in names else 'absent'}); use method 'ngram' with this checkpoint"
+        )
 
 
 def _is_mtp(name: str, config: ModelConfig) -> bool:

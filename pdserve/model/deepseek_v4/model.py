@@ -36,8 +36,11 @@ compressors, indexer keys and weights, router, embedding and head are bf16 in th
 
 Module and parameter names are transformers' (model.layers.N.self_attn.compressor.indexer...,
 mlp.experts.gate_up_proj, attn_hc.fn, model.hc_head.hc_fn, ...), so a transformers-format
-checkpoint maps one to one; loader.py also maps DeepSeek's release names. MTP layers are not
-part of this model.
+checkpoint maps one to one; loader.py also maps DeepSeek's release names. With the MTP layer
+(`add_mtp`, speculative decoding's drafts: mtp.py) it is `model.mtp[0]` (the release's `mtp.0.*`),
+the KV pool gets one more layer (`num_layers` L + 1: its window records), `forward` keeps the
+step's residual streams before hc_head in `last_streams` (the layer's input, `mtp_source`), and
+decode steps run eagerly (a graph replay would not refresh them).
 
 Tensor parallelism (a TPGroup of size > 1) splits the query heads and output groups of attention
 and the experts' intermediate dim (attention.py, moe.py): two all-reduces a layer, as V3.
@@ -61,6 +64,7 @@ from pdserve.model.deepseek_v4.decode_step import build_decode_step, fused_decod
 from pdserve.model.deepseek_v4.hyper_connections import HyperConnection, HyperHead, hc_residual
 from pdserve.model.deepseek_v4.layers import V4RMSNorm
 from pdserve.model.deepseek_v4.moe import V4MoE, fp4_experts
+from pdserve.model.deepseek_v4.mtp import mtp_forward, mtp_layer, mtp_logits
 from pdserve.model.deepseek_v4.step import V4Step, build_step
 from pdserve.model.kv_cache import KVCache, KVRegionSpec
 from pdserve.model.rope import RotaryEmbedding
@@ -68,7 +72,7 @@ from pdserve.model.rope import RotaryEmbedding
 # Parameters kept in float32 whatever the model dtype (transformers' _keep_in_fp32_modules_strict).
 FP32_PARAM_PATTERNS = (
     "attn_hc.", "ffn_hc.", "hc_head.", "sinks", "position_bias", "e_score_correction_bias", "q_a_norm.",
-    "kv_norm.", "input_layernorm.", "post_attention_layernorm.", "model.norm.",
+    "kv_norm.", "input_layernorm.", "post_attention_layernorm.", "model.norm.", "enorm.", "hnorm.", "head_norm.",
 )  # fmt: skip
 
 
@@ -102,12 +106,19 @@ class DeepseekV4Model(nn.Module):
         self.layers = nn.ModuleList(V4DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = V4RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hc_head = HyperHead(config.hidden_size, v4.hc_mult, v4.hc_eps, config.rms_norm_eps)
+        self.mtp = nn.ModuleList()  # the MTP layer, when added (mtp.py)
 
 
 class DeepseekV4ForCausalLM(nn.Module):
-    # decode graphs need a forward without host syncs: the pool path has none, and the routed
-    # experts run in one kernel a layer (fused_moe with V4's clamp, or fused_moe_fp4)
-    supports_cuda_graphs = True
+    supports_mtp = True  # add_mtp, forward_mtp, compute_mtp_logits, mtp_source
+    last_streams: torch.Tensor | None = None  # [T, N, hidden] of the last forward, with the MTP layer
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        # decode graphs need a forward without host syncs: the pool path has none, and the routed
+        # experts run in one kernel a layer (fused_moe with V4's clamp, or fused_moe_fp4); with
+        # the MTP layer the drafts need each step's streams, which a replay does not keep
+        return self.mtp is None
 
     def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
@@ -127,6 +138,16 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.rates = tuple({v4.compress_rate(i) for i, t in enumerate(v4.layer_types) if t == k} for k in (CSA, HCA))
         self.tie_weights()
 
+    def add_mtp(self) -> None:
+        """Append the MTP layer (built where the model is: on meta before a load)."""
+        if self.mtp is None:
+            self.model.mtp.append(mtp_layer(self.config, self.tp, V4DecoderLayer))
+            self.num_layers = self.config.num_hidden_layers + 1
+
+    @property
+    def mtp(self) -> nn.Module | None:
+        return self.model.mtp[0] if len(self.model.mtp) else None
+
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -144,7 +165,29 @@ class DeepseekV4ForCausalLM(nn.Module):
         h = self.model.embed_tokens(ids)  # [T, N, hidden], one gather
         for i, layer in enumerate(self.model.layers):
             h = layer(h, step, kv_cache, i)
+        self.last_streams = h if self.mtp is not None else None
         return self.model.hc_head(h, norm=self.model.norm)
+
+    def mtp_source(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the MTP layer pairs with the next tokens, for the step whose final hidden [T, hidden]
+        is `hidden`: that step's residual streams [T, N, hidden] before hc_head."""
+        streams = self.last_streams
+        if streams is None or streams.shape[0] != hidden.shape[0]:
+            raise RuntimeError("the MTP layer's input needs the last step's streams (an eager forward)")
+        return streams
+
+    @torch.no_grad()
+    def forward_mtp(self, batch: ForwardBatch, kv_cache: KVCache, prev: torch.Tensor) -> torch.Tensor:
+        """The MTP layer over the batch (input_ids: the next tokens; prev [T, N, hidden]: the streams
+        they pair with); writes its window records; returns its streams [T, N, hidden]."""
+        build = build_decode_step if fused_decode_step(batch, self.rotary) else build_step
+        step = build(batch, self.rotary, self.config.v4.sliding_window, set(), set())  # window only
+        return mtp_forward(self.mtp, self.model.embed_tokens, step, kv_cache, self.config.num_hidden_layers, prev)
+
+    @torch.no_grad()
+    def compute_mtp_logits(self, g: torch.Tensor) -> torch.Tensor:
+        """MTP streams [N', N, hidden] -> draft logits [N', V] float32."""
+        return mtp_logits(self.mtp, self.lm_head, g)
 
     def step(self, batch: ForwardBatch) -> V4Step:
         """The step's metadata: a decode step's from kernels/v4_step.py on the Triton path, else step.py's."""
