@@ -25,9 +25,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve import LLM, SamplingParams
-from pdserve.engine.request import Request
 from pdserve.tiny_model import make_tiny_model
+from tests.helpers.mtp_drafts import record_drafts
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -87,49 +86,7 @@ def _oracle(main, mtp, tokens: list[int], k: int) -> tuple[list[int], torch.Tens
 @pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32"])
 def test_mtp_drafts_match_transformers(arch, forced, tmp_path):
     path = str(make_tiny_model(tmp_path / arch, arch))
-    args = dict(dtype="float32", kv_block_size=4, max_num_batched_tokens=16, skip_tokenizer_init=True)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    (plain,) = LLM(path, **args).generate(prompt_token_ids=[PROMPT], sampling_params=params)
-    expected = plain.outputs[0].token_ids
-
-    llm = LLM(path, **args, speculative_config={"method": "mtp", "num_speculative_tokens": K})
-    engine, model = llm.engine, llm.engine.runner.model
-    logits_calls: list[torch.Tensor] = []
-    compute = model.compute_mtp_logits
-
-    def recording(g):
-        out = compute(g)
-        logits_calls.append(out.clone())
-        return out
-
-    model.compute_mtp_logits = recording
-    seen: list[tuple[list[int], list[int], torch.Tensor]] = []
-    propose = engine.spec.propose
-
-    def propose_and_force(sched):
-        logits_calls.clear()
-        propose(sched)
-        for s in sched.scheduled:
-            seq = s.seq
-            if seq.spec_token_ids:
-                seen.append((seq.token_ids(), list(seq.spec_token_ids), torch.cat(logits_calls)))
-                n = seq.num_output_tokens
-                if forced:  # every draft accepted
-                    seq.spec_token_ids = expected[n : n + len(seq.spec_token_ids)]
-
-    engine.spec.propose = propose_and_force
-    engine.add_request(Request(request_id="r", prompt_token_ids=PROMPT, params=params))
-    out = None
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            out = o
-    assert out.outputs[0].token_ids == expected
-    assert engine.get_stats().kv_blocks_used == 0
-    stats = engine.spec.stats
-    assert stats.num_draft_tokens > 0 and (stats.num_accepted_tokens == stats.num_draft_tokens) == forced
-
-    assert len(seen) >= 3 and seen[0][0] == PROMPT + expected[:1]  # drafting from the first decode step
-    assert any(len(d) == K for _, d, _ in seen)
+    seen = record_drafts(path, PROMPT, MAX_TOKENS, K, forced)
     main, mtp = _hf(path)
     for tokens, drafts, logits in seen:
         want, want_logits = _oracle(main, mtp, tokens, len(drafts))

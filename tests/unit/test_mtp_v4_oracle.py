@@ -35,9 +35,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from pdserve import LLM, SamplingParams
-from pdserve.engine.request import Request
 from pdserve.tiny_model import make_tiny_model
+from tests.helpers.mtp_drafts import record_drafts
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -139,50 +138,7 @@ def v4(tmp_path_factory):
 @pytest.mark.parametrize("forced", [True, False], ids=["accepted", "as_drafted"])
 def test_v4_mtp_drafts_match_the_oracle(v4, forced):
     path, oracle = v4
-    args = dict(dtype="float32", kv_block_size=4, max_num_batched_tokens=16, skip_tokenizer_init=True)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    (plain,) = LLM(path, **args).generate(prompt_token_ids=[PROMPT], sampling_params=params)
-    expected = plain.outputs[0].token_ids
-
-    llm = LLM(path, **args, speculative_config={"method": "mtp", "num_speculative_tokens": K})
-    engine, model = llm.engine, llm.engine.runner.model
-    calls: list[torch.Tensor] = []
-    compute = model.compute_mtp_logits
-
-    def recording(g):
-        out = compute(g)
-        calls.append(out.clone())
-        return out
-
-    model.compute_mtp_logits = recording
-    seen: list[tuple[list[int], list[int], torch.Tensor]] = []
-    propose = engine.spec.propose
-
-    def propose_and_force(sched):
-        calls.clear()
-        propose(sched)
-        for s in sched.scheduled:
-            seq = s.seq
-            if seq.spec_token_ids:
-                seen.append((seq.token_ids(), list(seq.spec_token_ids), torch.cat(calls)))
-                n = seq.num_output_tokens
-                if forced:
-                    seq.spec_token_ids = expected[n : n + len(seq.spec_token_ids)]
-
-    engine.spec.propose = propose_and_force
-    engine.add_request(Request(request_id="r", prompt_token_ids=PROMPT, params=params))
-    out = None
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            out = o
-    stats = engine.get_stats()
-    assert out.outputs[0].token_ids == expected
-    assert stats.kv_blocks_used == stats.kv_window_blocks_used == stats.kv_state_slots_used == 0
-    spec = engine.spec.stats
-    assert spec.num_draft_tokens > 0 and (spec.num_accepted_tokens == spec.num_draft_tokens) == forced
-
-    assert len(seen) >= 3 and seen[0][0] == PROMPT + expected[:1]  # drafting from the first decode step
-    assert any(len(d) == K for _, d, _ in seen)
+    seen = record_drafts(path, PROMPT, MAX_TOKENS, K, forced)
     for tokens, drafts, logits in seen:
         want, want_logits = oracle.drafts(tokens, len(drafts))
         assert drafts == want, f"after {len(tokens)} tokens"
