@@ -4,9 +4,12 @@ and `hc_post_ref` compute them, ~20 launches of PyTorch a hyper-connection other
   1. `_hc_project`: the streams' projection, split over K = N*D: each program sums x . fn and x . x
      over its K slice for BLOCK_T tokens (one tl.dot, float32 IEEE) into partials [S, T, M];
      the RMSNorm of the flattened streams is a per-token factor, applied in step 2.
-  2. `_hc_pre`: one program a token: the partials summed, the gates and Sinkhorn-Knopp (as
-     hyper.py's hc_mix), the streams collapsed by `pre` and, when given, the block's input
-     RMSNorm; writes post [T, N], comb [T, N, N] and the block input [T, D].
+  2. `_hc_pre`: two programs a token (one for the head), each summing the partials it needs: one
+     collapses the streams by the `pre` gates and, when given, applies the block's input RMSNorm,
+     with the token's whole [N, D] row in registers (one load, no loop: a loop of dependent loads
+     and reductions over D made this kernel ~21 us at T = 1); the other computes the `post` gates
+     and `comb` by Sinkhorn-Knopp (as hyper.py's hc_mix) at the same time. Writes post [T, N],
+     comb [T, N, N] and the block input [T, D].
   3. `_hc_post`: the new streams post * out + comb^T @ h, over (token block, D block) tiles, rounded
      where PyTorch rounds (the products and the matmul in h's dtype, then their sum).
 
@@ -24,7 +27,7 @@ from pdserve_kernels._launch import cdiv, next_pow2
 from pdserve_kernels.glue import round_to
 
 BLOCK_T, BLOCK_K = 16, 64  # projection tile (tl.dot's smallest M is 16)
-PRE_D, PRE_WARPS = 1024, 8  # features a `_hc_pre` loop iteration: one program a token walks N x D twice
+PRE_VALUES = 64  # [N, D] values a thread of `_hc_pre` holds: its warps are N * D / 32 / 64 (4..16)
 BLOCK_D = 256  # a `_hc_post` tile's N x features
 POST_T = 4  # tokens a `_hc_post` tile
 PROGRAMS = 256  # projection programs to aim for (K splits x token blocks)
@@ -55,16 +58,14 @@ def _hc_project(h_ptr, fn_ptr, dots_ptr, sq_ptr, T, K: tl.constexpr, K_SPLIT: tl
 @triton.jit
 def _hc_pre(h_ptr, dots_ptr, sq_ptr, base_ptr, scale_ptr, w_ptr, post_ptr, comb_ptr, x_ptr, T, S,
          norm_eps, hc_eps, out_eps, N: tl.constexpr, D: tl.constexpr, MP: tl.constexpr, SP: tl.constexpr,
-         ITERS: tl.constexpr, BLOCK_D: tl.constexpr, HEAD: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
+         ITERS: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, SP)
     n = tl.arange(0, N)
     s_ok = s < S
     rows = dots_ptr + (s * T + t) * MP  # [SP] this token's partial rows
     r = tl.rsqrt(tl.sum(tl.load(sq_ptr + s * T + t, mask=s_ok, other=0.0), axis=0) / (N * D) + norm_eps)
-    pre = tl.sum(tl.load(rows[:, None] + n[None, :], mask=s_ok[:, None], other=0.0), axis=0) * r
-    pre = tl.sigmoid(pre * tl.load(scale_ptr) + tl.load(base_ptr + n)) + hc_eps  # [N]
-    if not HEAD:
+    if tl.program_id(1) == 1:  # the mixes' program (not the head's): post and comb, beside the collapse
         post = tl.sum(tl.load(rows[:, None] + N + n[None, :], mask=s_ok[:, None], other=0.0), axis=0) * r
         post = 2.0 * tl.sigmoid(post * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + n))
         tl.store(post_ptr + t * N + n, post)
@@ -78,25 +79,19 @@ def _hc_pre(h_ptr, dots_ptr, sq_ptr, base_ptr, scale_ptr, w_ptr, post_ptr, comb_
             comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)  # rows
             comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)  # columns
         tl.store(comb_ptr + t * N * N + ij, comb)
-    dt = x_ptr.dtype.element_ty
-    hrow = h_ptr + t * N * D + n[:, None] * D  # [N, 1]
-    ss = tl.zeros((BLOCK_D,), tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
-        hv = tl.load(hrow + d[None, :], mask=(d < D)[None, :], other=0.0).to(tl.float32)
-        xv = round_to(tl.sum(pre[:, None] * hv, axis=0), dt)  # [BLOCK_D], rounded as `.to(h.dtype)`
-        if NORM:
-            ss += xv * xv
-        else:
-            tl.store(x_ptr + t * D + d, xv.to(dt), mask=d < D)
-    if NORM:  # V4RMSNorm of the collapsed streams: the same sums again, scaled
-        rr = tl.rsqrt(tl.sum(ss, axis=0) / D + out_eps)
-        for d0 in range(0, D, BLOCK_D):
-            d = d0 + tl.arange(0, BLOCK_D)
-            hv = tl.load(hrow + d[None, :], mask=(d < D)[None, :], other=0.0).to(tl.float32)
-            xv = round_to(tl.sum(pre[:, None] * hv, axis=0), dt)
-            w = tl.load(w_ptr + d, mask=d < D, other=0.0)
-            tl.store(x_ptr + t * D + d, round_to(w * (xv * rr), dt).to(dt), mask=d < D)
+    else:  # the collapse: the whole [N, D] row in one load, kept in registers for the norm
+        pre = tl.sum(tl.load(rows[:, None] + n[None, :], mask=s_ok[:, None], other=0.0), axis=0) * r
+        pre = tl.sigmoid(pre * tl.load(scale_ptr) + tl.load(base_ptr + n)) + hc_eps  # [N]
+        dt = x_ptr.dtype.element_ty
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < D
+        hv = tl.load(h_ptr + t * N * D + n[:, None] * D + d[None, :], mask=d_ok[None, :], other=0.0)
+        xv = round_to(tl.sum(pre[:, None] * hv.to(tl.float32), axis=0), dt)  # [BLOCK_D], as `.to(h.dtype)`
+        if NORM:  # V4RMSNorm of the collapsed streams
+            rr = tl.rsqrt(tl.sum(xv * xv, axis=0) / D + out_eps)
+            w = tl.load(w_ptr + d, mask=d_ok, other=0.0)
+            xv = round_to(w * (xv * rr), dt)
+        tl.store(x_ptr + t * D + d, xv.to(dt), mask=d_ok)
 
 
 @triton.jit
@@ -158,11 +153,12 @@ def hc_pre(
         h, fn, dots, sq, T, K=K, K_SPLIT=k_split, M=M, MP=MP, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K
     )
     norm = norm_weight is not None
-    _hc_pre[(T,)](
+    BD = next_pow2(D)
+    _hc_pre[(T, 1 if head else 2)](
         h, dots, sq, base, scale, norm_weight if norm else base, post if post is not None else sq,
         comb if comb is not None else sq, x, T, splits, norm_eps, hc_eps, out_eps, N=N, D=D, MP=MP,
-        SP=next_pow2(splits), ITERS=max(iters, 1), BLOCK_D=min(PRE_D, next_pow2(D)), HEAD=head, NORM=norm,
-        num_warps=PRE_WARPS,
+        SP=next_pow2(splits), ITERS=max(iters, 1), BLOCK_D=BD, NORM=norm,
+        num_warps=min(16, max(4, N * BD // (32 * PRE_VALUES))),
     )  # fmt: skip
     return post, comb, x
 

@@ -14,7 +14,9 @@ table, writes JSON (--out). Nothing here changes how the engine runs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import functools
 import json
 import platform
 import statistics
@@ -26,7 +28,7 @@ from pathlib import Path
 import torch
 
 from pdserve.bench.engine import ceilings, plan, profile, verify
-from pdserve.bench.engine.floor import step_cost
+from pdserve.bench.engine.floor import attention_cost, step_cost
 from pdserve.bench.engine.models import MODELS, bench_config, engine_quantization, write_config
 from pdserve.bench.engine.report import format_baseline, format_header, format_row
 
@@ -229,7 +231,8 @@ def _row(bench, args, batch: int, context: int, roof: dict) -> dict:
                 base = 1e3 * statistics.median(bench.timed_steps(seqs, args.baseline_steps))
             row["baseline"] = {"what": "the same step, eager, on the torch reference kernels", "step_ms": base}
         if verify_ks(args) and context == args.context:
-            row["verify"] = verify.measure(bench, seqs, verify_ks(args), args.warmup, args.steps)
+            floor_of = functools.partial(_verify_floor, bench, batch, context, roof)
+            row["verify"] = verify.measure(bench, seqs, verify_ks(args), args.warmup, args.steps, floor_of)
     except (RuntimeError, ValueError) as e:  # torch's out-of-memory is a RuntimeError
         row["error"] = f"{type(e).__name__}: {e}"[:500]
         row["where"] = traceback.format_exc(limit=-4)[-1500:]
@@ -238,6 +241,16 @@ def _row(bench, args, batch: int, context: int, roof: dict) -> dict:
         if bench.device.type == "cuda":
             torch.cuda.empty_cache()
     return row
+
+
+def _verify_floor(bench, batch: int, context: int, roof: dict, k: int) -> float:
+    """The floor (ms) of a step of `batch` sequences verifying k drafts each: weights and the experts
+    B (k + 1) tokens are expected to touch, each sequence's KV read once (k = 0: a plain step)."""
+    model = bench.runner.model
+    cost = step_cost(model, model.config, batch * (k + 1), context, bench.kv_itemsize, record_bytes=bench.kv_record_bytes)
+    kv, _ = attention_cost(model.config, batch, context, bench.kv_itemsize, bench.kv_record_bytes)
+    cost = dataclasses.replace(cost, kv_bytes=kv)
+    return cost.floor_ms(roof["copy_bytes_per_s"], roof["matmul_flops_per_s"])["floor_ms"]
 
 
 def environment(device: torch.device) -> dict:

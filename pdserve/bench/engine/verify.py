@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -70,13 +71,19 @@ def _spare(blocks) -> int:
     return slot
 
 
-def measure(bench, seqs: list[Sequence], ks: list[int], warmup: int, steps: int) -> dict:
-    """Median plain and verify step times (ms), their ratios, and the computed speed-ups."""
+def measure(
+    bench, seqs: list[Sequence], ks: list[int], warmup: int, steps: int, floor_ms: Callable[[int], float] | None = None
+) -> dict:
+    """Median plain and verify step times (ms), their ratios, and the computed speed-ups.
+    floor_ms(k): the floor of a step verifying k drafts a sequence (k = 0: a plain step); each
+    verify step's floor is reported as a multiple of the plain step's (`floor_ratio`)."""
     for _ in range(warmup):
         bench.step(seqs)
     plain = 1e3 * statistics.median(bench.timed_steps(seqs, steps))
-    out: dict = {"plain_ms": plain, "verify_ms": {}, "ratio": {}, "speedup": {}, "graphed": {}}
+    out: dict = {"plain_ms": plain, "verify_ms": {}, "ratio": {}, "speedup": {}, "graphed": {}, "floor_ratio": {}}
     for k in ks:
+        if floor_ms is not None:
+            out["floor_ratio"][k] = floor_ms(k) / floor_ms(0)
         out["graphed"][k] = graphed(bench, seqs, k)
         for _ in range(warmup):
             verify_step(bench, seqs, k)
@@ -93,13 +100,20 @@ def format_verify(report: dict) -> str:
     ks = sorted({int(k) for r in rows for k in r["verify"]["verify_ms"]})
     head = "| batch | context | plain ms | " + " | ".join(f"k={k} ms (x plain)" for k in ks)
     head += " | " + " | ".join(f"speed-up at L={L} (k)" for L in ACCEPT_LENGTHS) + " |"
-    lines = ["", "verify steps (speculative decoding; speed-ups computed: L x plain / verify)", head,
+    lines = ["", "verify steps (speculative decoding; speed-ups computed: L x plain / verify; floor: the verify step's"
+             " floor over the plain step's, k + 1 tokens a sequence touching more experts)", head,
              "| ---: " * (3 + len(ks) + len(ACCEPT_LENGTHS)) + "|"]  # fmt: skip
     for r in rows:
         v = r["verify"]
-        cells = [f"{v['verify_ms'][k]:.2f} ({v['ratio'][k]:.2f}x{'' if v['graphed'][k] else ', eager'})" for k in ks]
+        cells = [_cell(v, k) for k in ks]
         for L in ACCEPT_LENGTHS:
             best = max(((s[L], k) for k, s in v["speedup"].items() if L in s), default=None)
             cells.append(f"{best[0]:.2f}x ({best[1]})" if best else "-")
         lines.append(f"| {r['batch']} | {r['context']} | {v['plain_ms']:.2f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _cell(v: dict, k: int) -> str:
+    floor = v.get("floor_ratio", {}).get(k)
+    notes = [f"{v['ratio'][k]:.2f}x"] + ([f"floor {floor:.2f}x"] if floor is not None else [])
+    return f"{v['verify_ms'][k]:.2f} ({', '.join(notes)}{'' if v['graphed'][k] else ', eager'})"
