@@ -32,7 +32,12 @@ def test_verify_rows_are_well_formed(tmp_path, capsys):
         # k + 1 tokens a sequence touch more experts than one: the verify step's floor is higher
         assert 1 < v["floor_ratio"]["1"] < v["floor_ratio"]["3"], v["floor_ratio"]
     text = capsys.readouterr().out
-    assert "verify steps (speculative decoding" in text and "| 3 | 70 |" in text and "x, floor " in text and "x, eager)" in text
+    assert (
+        "verify steps (speculative decoding" in text
+        and "| 3 | 70 |" in text
+        and "x, floor " in text
+        and "x, eager)" in text
+    )
 
 
 def test_verify_on_v4_runs_and_leaves_the_state_as_it_was(tmp_path, monkeypatch):

@@ -247,7 +247,9 @@ def _verify_floor(bench, batch: int, context: int, roof: dict, k: int) -> float:
     """The floor (ms) of a step of `batch` sequences verifying k drafts each: weights and the experts
     B (k + 1) tokens are expected to touch, each sequence's KV read once (k = 0: a plain step)."""
     model = bench.runner.model
-    cost = step_cost(model, model.config, batch * (k + 1), context, bench.kv_itemsize, record_bytes=bench.kv_record_bytes)
+    cost = step_cost(
+        model, model.config, batch * (k + 1), context, bench.kv_itemsize, record_bytes=bench.kv_record_bytes
+    )
     kv, _ = attention_cost(model.config, batch, context, bench.kv_itemsize, bench.kv_record_bytes)
     cost = dataclasses.replace(cost, kv_bytes=kv)
     return cost.floor_ms(roof["copy_bytes_per_s"], roof["matmul_flops_per_s"])["floor_ms"]
