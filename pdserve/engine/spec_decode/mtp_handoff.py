@@ -15,22 +15,30 @@ the request with that reason; the pools' layouts differ anyway).
 from __future__ import annotations
 
 import base64
+import math
 
 import torch
 
 from pdserve.engine.spec_decode.config import MTP_PAIR
 
 
+def row_shape(model) -> tuple[int, ...]:
+    """The shape of one row of the MTP layer's input and output: [H], DeepSeek-V4's [N, H] (its
+    residual streams: `mtp_source`)."""
+    H = model.config.hidden_size
+    return (model.config.v4.hc_mult, H) if hasattr(model, "mtp_source") else (H,)
+
+
 def encode(g: torch.Tensor) -> str:
-    """g [H] -> KVHandle.mtp_hidden."""
+    """g [H] (V4: [N, H]) -> KVHandle.mtp_hidden."""
     raw = g.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes()
     return base64.b64encode(raw).decode("ascii")
 
 
-def decode(text: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """KVHandle.mtp_hidden -> g [H] (its length checked by mtp_problem)."""
+def decode(text: str, dtype: torch.dtype, device: torch.device, shape: tuple[int, ...]) -> torch.Tensor:
+    """KVHandle.mtp_hidden -> g of `shape` (row_shape; its length checked by mtp_problem)."""
     raw = bytearray(base64.b64decode(text))
-    return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).to(device)
+    return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(shape).to(device)
 
 
 def hidden_bytes(config, model, dtype: torch.dtype) -> int | None:
@@ -38,7 +46,7 @@ def hidden_bytes(config, model, dtype: torch.dtype) -> int | None:
     spec = config.speculative_config
     if spec is None or spec.method != "mtp":
         return None
-    return model.config.hidden_size * dtype.itemsize
+    return math.prod(row_shape(model)) * dtype.itemsize
 
 
 def mtp_problem(mtp_hidden: str | None, nbytes: int | None) -> str | None:
@@ -53,5 +61,5 @@ def mtp_problem(mtp_hidden: str | None, nbytes: int | None) -> str | None:
         except ValueError:
             return "kv_handle.mtp_hidden is not base64"
         if got != nbytes:
-            return f"kv_handle.mtp_hidden holds {got} bytes; this model's hidden state has {nbytes}"
+            return f"kv_handle.mtp_hidden holds {got} bytes; this model's MTP input row has {nbytes}"
     return None
