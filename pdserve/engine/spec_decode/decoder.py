@@ -26,6 +26,7 @@ from pdserve.engine.spec_decode.metrics import SpecDecodeStats
 from pdserve.engine.spec_decode.ngram import NgramProposer
 from pdserve.engine.spec_decode.spare_states import SpareStates
 
+
 class Proposer(Protocol):
     def propose(self, seq: Sequence, limit: int) -> list[int]: ...
 

@@ -70,7 +70,8 @@ class MTPDrafter:
         if wanted:
             dtype, device, shape = self.runner.dtype, self.runner.device, mtp_handoff.row_shape(self.model)
             g = [mtp_handoff.decode(seq.kv_handle.mtp_hidden, dtype, device, shape) for seq, _ in wanted]
-            self._chain([(seq, self._room(seq, limit)) for seq, limit in wanted], torch.stack(g))  # [D, H] (V4: [D, N, H])
+            g = torch.stack(g)  # [D, H] (V4: [D, N, H])
+            self._chain([(seq, self._room(seq, limit)) for seq, limit in wanted], g)
 
     def _chain(self, drafting: list[tuple[Sequence, int]], g: torch.Tensor) -> None:
         """d_1 from each g_{m-1} [D, H] (V4: [D, N, H]), then row (g, d_{j-1}) at position m + j - 2 gives d_j."""

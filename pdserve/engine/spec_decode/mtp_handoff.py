@@ -7,7 +7,10 @@ disagg/layout.py counts it like any other). What the records do not hold is g_{n
 output at the prompt's last position, from which the first draft is d_1 = argmax(head(g_{n-1}))
 and the chain goes on: it travels as `KVHandle.mtp_hidden` ([H] values of the model's dtype, raw
 bytes in base64), and the decode worker drafts from it before its first step (`MTPDrafter.
-propose_loaded`). Both sides draft with MTP or neither does (`mtp_problem`: a hand-off with the
+propose_loaded`). DeepSeek-V4's g is its residual streams [N, H] (`row_shape`, which also shapes
+the TP ranks' MTP input), and its MTP records are one more layer of the window region: those of
+the prompt's last W - 1 positions travel in the window blocks, all the first draft reads (the
+layer has no compressor state). Both sides draft with MTP or neither does (`mtp_problem`: a hand-off with the
 hidden state to a decode worker without MTP, or one without it to a decode worker with MTP, fails
 the request with that reason; the pools' layouts differ anyway).
 """
