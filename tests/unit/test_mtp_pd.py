@@ -100,9 +100,9 @@ def _free(*engines: LLMEngine) -> None:
         assert s.kv_blocks_used == s.kv_window_blocks_used == s.kv_state_slots_used == 0 and not e.has_held_kv()
 
 
-def _pd_equals_colocated(path: str, plain: dict[str, list[int]], k: int) -> list[Request]:
+def _pd_equals_colocated(path: str, plain: dict[str, list[int]], k: int) -> tuple[list[Request], LLMEngine]:
     """Greedy tokens through the pair equal plain decoding's, and the decode side verifies the drafts
-    a colocated MTP engine verifies; returns the hand-offs."""
+    a colocated MTP engine verifies; returns the hand-offs and the decode engine."""
     prompts = _prompts(0)
     colocated = engine(path, speculative_config=_mtp(k))
     want_drafts = _record_drafts(colocated)
@@ -115,7 +115,7 @@ def _pd_equals_colocated(path: str, plain: dict[str, list[int]], k: int) -> list
     assert {r: o.outputs[0].token_ids for r, o in out.items()} == plain
     assert drafts == want_drafts and sum(map(len, drafts.values())) > 0
     _free(prefill, decode)
-    return reqs
+    return reqs, decode
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
@@ -129,10 +129,15 @@ def test_v4_pd_with_mtp_equals_colocated_tokens_and_drafts(v4):
     without drafts, so its next drafts start a position later than the decode worker's."""
     from pdserve.model.config import ModelConfig
 
-    reqs = _pd_equals_colocated(*v4, 2)
+    reqs, decode = _pd_equals_colocated(*v4, 2)
     config = ModelConfig.from_model_dir(v4[0])
     nbytes = config.v4.hc_mult * config.hidden_size * 4  # the streams [N, H], float32
     assert all(len(base64.b64decode(r.kv_handle.mtp_hidden)) == nbytes for r in reqs)
+    one_row = base64.b64decode(reqs[0].kv_handle.mtp_hidden)[: config.hidden_size * 4]  # a V3-shaped g [H]
+    handle = reqs[0].kv_handle.model_copy(update={"mtp_hidden": base64.b64encode(one_row).decode()})
+    with pytest.raises(ValueError, match=f"holds {nbytes // 4} bytes; this model's MTP input row has {nbytes}"):
+        decode.add_request(reqs[0].model_copy(update={"request_id": "x", "kv_handle": handle}))
+    _free(decode)
 
 
 @pytest.mark.parametrize("arch", ["v3", "v4"])
