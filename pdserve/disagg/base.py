@@ -87,7 +87,8 @@ class KVHandle(BaseModel):
     block_checksums: dict[str, list[int]] | None = None
     # MTP drafting (engine/spec_decode/mtp_handoff.py): the MTP layer's output g at the prompt's
     # last position (its row paired with the first token), the first draft's input: [hidden]
-    # values of the model's dtype, raw bytes in base64; None when prefill ran without MTP
+    # values (DeepSeek-V4: its residual streams, [hc_mult, hidden]) of the model's dtype, raw
+    # bytes in base64; None when prefill ran without MTP
     mtp_hidden: str | None = None
 
 

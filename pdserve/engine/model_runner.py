@@ -36,6 +36,7 @@ from pdserve.engine.sampler import SampledToken, Sampler
 from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.spec_decode import verify
+from pdserve.engine.spec_decode.mtp_handoff import row_shape
 from pdserve.model.batch import ForwardBatch, StepInputs
 from pdserve.model.kv_cache import STATE, WINDOW, KVCache, KVRegionSpec
 
@@ -246,8 +247,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_mtp(self, step: StepInputs, prev: torch.Tensor) -> torch.Tensor:
-        """The MTP layer over step's tokens, paired with prev [T, H] (spec_decode/mtp.py), on
-        every rank; returns its output g [T, H]."""
+        """The MTP layer over step's tokens, paired with prev [T, H] (V4: [T, N, H]; spec_decode/mtp.py),
+        on every rank; returns its output g, the same shape."""
         prev = prev.to(self.dtype).contiguous()
         if self.ranks is not None:
             self.ranks.check_alive()
@@ -349,8 +350,8 @@ class ModelRunner:
                 self.copy_records(msg.copies)
                 continue
             if msg.command is protocol.Command.MTP:
-                H = self.model.config.hidden_size
-                prev = torch.empty(msg.step.input_ids.numel(), H, dtype=self.dtype, device=self.device)
+                rows = (msg.step.input_ids.numel(), *row_shape(self.model))  # [T, H] (V4: [T, N, H])
+                prev = torch.empty(rows, dtype=self.dtype, device=self.device)
                 self.tp.broadcast(prev)
                 self.run_mtp(msg.step, prev)
                 continue

@@ -190,11 +190,11 @@ class Scheduler:
 
     # -- endings --
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """Take seq out of its queue; free its blocks unless it hands its KV to a decode worker."""
+        """Take seq out of its queue; free its blocks unless it hands its KV to a decode worker (its
+        window trimmed by the engine after the step's MTP pass, which reads the whole window)."""
         self._remove(seq)
         seq.status = status
         if status is SequenceStatus.FINISHED_REMOTE_DECODE:
-            self.block_manager.trim_window(seq)
             self.held[seq.request_id] = seq
         else:
             self.block_manager.free(seq)

@@ -6,7 +6,8 @@ Every message is a fixed header, then (for some commands) one int64 payload:
     FORWARD   a=T, b=B, c=W   payload [T + 4B + 2*B*W + d*B]: input_ids | lens | starts | samples |
               d=1: state_dst  state_slots | block_tables | window_tables | state_dst (d = 1 only)
     MTP       as FORWARD      the MTP layer's forward (spec_decode/mtp.py) over those inputs; then
-                              its hidden-state input [T, H] of the model's dtype (device group)
+                              its input rows of the model's dtype (device group): [T, H], V4's
+                              residual streams [T, N, H] (spec_decode/mtp_handoff.py's row_shape)
     SYNC_KV   a=n, b=m, c=k   payload [n + m + k]: token-space block ids | window block ids |
                               state slots whose KV rank 0 then broadcasts (device group)
     COPY      a=n             payload [3n]: (space, src, dst) triples, space an index into SPACES:

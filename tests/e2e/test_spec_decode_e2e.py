@@ -3,8 +3,9 @@ a colocated worker with n-gram drafts, and a PD pair (NIXL) whose decode worker 
 greedy completions with the same tokens as a colocated worker without, their /metrics count the
 drafts, and no KV block stays used; so do structured-outputs requests (regex, JSON schema), whose
 answers are valid; so does a PD pair drafting with MTP (both workers given it). A prefill worker
-given n-gram drafts refuses to start, saying why. TP2 verify steps equal TP1; `pdserve launch --speculative-config` reaches its
-workers."""
+given n-gram drafts refuses to start, saying why. TP2 verify steps equal TP1, and so do TP2's MTP
+drafts (V3 and V4); `pdserve launch --speculative-config` reaches its workers. V4's MTP through PD
+over NIXL: tests/e2e/test_v4_pd_e2e.py."""
 
 from __future__ import annotations
 
@@ -170,13 +171,15 @@ def test_launch_takes_the_flag_for_its_workers(tmp_path):
 
 
 @pytest.mark.usefixtures("restore_torch_threads")
-def test_tensor_parallel_mtp_drafts_and_tokens_equal_tp1(tmp_path):
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v4"])
+def test_tensor_parallel_mtp_drafts_and_tokens_equal_tp1(tmp_path, arch):
     """TP2 on CPU (gloo rank processes) with MTP drafts: the MTP layer, sharded as the main
-    layers are, runs on both ranks (the MTP command); its drafts equal TP1's, step for step, and
-    the greedy tokens TP1's without speculation."""
+    layers are, runs on both ranks (the MTP command, its input broadcast: V4's residual streams
+    [T, N, H]); its drafts equal TP1's, step for step, and the greedy tokens TP1's without
+    speculation."""
     from pdserve import LLM, SamplingParams
 
-    model = str(make_tiny_model(tmp_path / "tiny"))
+    model = str(make_tiny_model(tmp_path / "tiny", arch))
     engine = dict(
         cpu_threads=1, kv_block_size=4, num_kv_blocks=128, max_num_batched_tokens=16, skip_tokenizer_init=True
     )

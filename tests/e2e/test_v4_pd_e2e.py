@@ -6,6 +6,9 @@ cache region (window, CSA / HCA entries, indexer keys, compressor state), a rout
   times, with the decode worker speculating (n-gram drafts, k = 3: rejected drafts leave its
   window, entries and compressor state as they were); afterwards no block is in use on either
   worker and every lease ended by decode's release
+- the same through a second pair drafting with the MTP layer on both workers (k = 2: its window
+  records travel with the other layers', the residual streams of the prompt's last position in
+  the hand-off), the decode worker drafting from its first step
 - `pdserve launch --model tiny:deepseek_v4` (router + prefill + decode, no speculation) serves the
   same tokens
 """
@@ -34,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [list(range(10, 10 + n)) for n in (3, 7, 8, 9, 15, 16, 17, 33)]
 MAX_TOKENS = [18, 5, 12, 9, 16, 7, 14, 10]
 SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+MTP = '{"method": "mtp", "num_speculative_tokens": 2}'
 
 
 @pytest.fixture(scope="module")
@@ -73,13 +77,19 @@ def test_pd_cluster_equals_offline_engine(tiny, offline, tmp_path):
         prefill = c.worker("prefill", "--kv-block-size", "16")
         decode = c.worker("decode", "--kv-block-size", "16", "--speculative-config", SPEC, peers=[prefill])
         router = c.router(prefill=[prefill], decode=[decode])
+        mtp = [c.worker("prefill", "--kv-block-size", "16", "--speculative-config", MTP)]
+        mtp.append(c.worker("decode", "--kv-block-size", "16", "--speculative-config", MTP, peers=mtp))
+        mtp_router = c.router(prefill=mtp[:1], decode=mtp[1:])
         c.wait_healthy()
         assert _concurrently(router.url) == offline
-        assert wait_blocks_free([prefill, decode]) == {prefill.name: 0, decode.name: 0}
-        d, p = scrape(decode.url), scrape(prefill.url)
-        assert d["pdserve_kv_transfer_bytes_total"] > 0 and d["pdserve_kv_transfer_seconds_count"] == len(PROMPTS)
-        assert p["pdserve_kv_lease_expirations_total"] == 0
-        assert d["pdserve_spec_decode_num_drafts_total"] > 0
+        assert _concurrently(mtp_router.url) == offline
+        everyone = [prefill, decode, *mtp]
+        assert wait_blocks_free(everyone) == {w.name: 0 for w in everyone}
+        for pre, dec in ((prefill, decode), mtp):
+            d, p = scrape(dec.url), scrape(pre.url)
+            assert d["pdserve_kv_transfer_bytes_total"] > 0 and d["pdserve_kv_transfer_seconds_count"] == len(PROMPTS)
+            assert p["pdserve_kv_lease_expirations_total"] == 0
+            assert d["pdserve_spec_decode_num_drafts_total"] > 0
 
 
 def test_launch_tiny_v4_serves_the_offline_tokens(tiny, offline, tmp_path):

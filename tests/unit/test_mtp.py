@@ -188,14 +188,6 @@ def test_a_checkpoint_without_mtp_weights_is_a_clear_error(tmp_path, arch):
     LLMEngine(_config(path, speculative_config={"method": "ngram", "num_speculative_tokens": 2}))  # ngram runs
 
 
-def test_mtp_is_refused_where_it_does_not_run_yet(tmp_path):
-    """V4's MTP where its input (the residual streams) does not travel yet: PD and TP > 1."""
-    v4 = make_tiny_model(tmp_path / "v4", "deepseek_v4")
-    for overrides in ({"kv_role": "kv_consumer"}, {"kv_role": "kv_producer"}):
-        with pytest.raises(ValueError, match="on DeepSeek-V4 runs on colocated workers"):
-            LLMEngine(_config(v4, speculative_config=_spec(1), **overrides))
-
-
 def test_pd_workers_take_mtp_on_both_sides_or_neither():
     """A prefill worker takes method mtp (it computes the MTP layer's KV and hidden state) and no
     other; in a cluster, MTP on some PD workers and not on others is refused at start."""

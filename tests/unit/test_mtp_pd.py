@@ -1,14 +1,17 @@
-"""MTP drafting through PD (engine/spec_decode/mtp_handoff.py), in-process FakeConnector, tiny V3
-and V3.2 in float32. The prefill engine runs the MTP layer over the prompt (its records travel
+"""MTP drafting through PD (engine/spec_decode/mtp_handoff.py), in-process FakeConnector, tiny V3,
+V3.2 and V4 in float32. The prefill engine runs the MTP layer over the prompt (its records travel
 with the other layers') and hands the layer's output at the prompt's last position to the decode
 engine, which drafts from its first step. Oracles: a colocated engine without speculation for the
 tokens, and a colocated engine with MTP for the drafts themselves (the decode side must verify the
 very drafts a colocated engine verifies, step for step: a wrong hidden state or a missing MTP
-record changes them). V3 and V3.2 for exactness, V3 alone for the other cases. 0 blocks used on
-both sides after every run; a pair where one side drafts with MTP and the other does not fails
+record changes them). V3 and V3.2 for exactness, V3 alone for the other cases; V4 (its residual
+streams in the hand-off, its MTP records one more layer of the window blocks that travel) for
+exactness and forced-right drafts. 0 blocks used on both sides after every run; a pair where one side drafts with MTP and the other does not fails
 the request with the reason, never with wrong tokens."""
 
 from __future__ import annotations
+
+import base64
 
 import pytest
 
@@ -53,6 +56,11 @@ def v3(tmp_path_factory):
     return _made(tmp_path_factory, "deepseek_v3")
 
 
+@pytest.fixture(scope="module")
+def v4(tmp_path_factory):
+    return _made(tmp_path_factory, "deepseek_v4")
+
+
 def _pair(path: str, prefill_spec: dict | None, decode_spec: dict | None) -> tuple[LLMEngine, LLMEngine]:
     fabric = FakeFabric()
     pre, dec = (FakeConnector(e, model_id="tiny", fabric=fabric, lease_margin_s=0.0) for e in ("P", "D"))
@@ -88,12 +96,13 @@ def _record_drafts(eng: LLMEngine) -> dict[str, list[list[int]]]:
 def _free(*engines: LLMEngine) -> None:
     for e in engines:
         e.step()  # the prefill side's releases
-        assert e.get_stats().kv_blocks_used == 0 and not e.has_held_kv()
+        s = e.get_stats()  # V4: window blocks and state slots too
+        assert s.kv_blocks_used == s.kv_window_blocks_used == s.kv_state_slots_used == 0 and not e.has_held_kv()
 
 
-@pytest.mark.parametrize("k", [1, 2, 3])
-def test_pd_with_mtp_equals_colocated_tokens_and_drafts(tiny, k):
-    path, plain = tiny
+def _pd_equals_colocated(path: str, plain: dict[str, list[int]], k: int) -> tuple[list[Request], LLMEngine]:
+    """Greedy tokens through the pair equal plain decoding's, and the decode side verifies the drafts
+    a colocated MTP engine verifies; returns the hand-offs and the decode engine."""
     prompts = _prompts(0)
     colocated = engine(path, speculative_config=_mtp(k))
     want_drafts = _record_drafts(colocated)
@@ -106,10 +115,34 @@ def test_pd_with_mtp_equals_colocated_tokens_and_drafts(tiny, k):
     assert {r: o.outputs[0].token_ids for r, o in out.items()} == plain
     assert drafts == want_drafts and sum(map(len, drafts.values())) > 0
     _free(prefill, decode)
+    return reqs, decode
 
 
-def test_forced_right_mtp_drafts_emit_k_plus_1_tokens_from_the_first_decode_step(v3):
-    path, plain = v3
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_pd_with_mtp_equals_colocated_tokens_and_drafts(tiny, k):
+    _pd_equals_colocated(*tiny, k)
+
+
+def test_v4_pd_with_mtp_equals_colocated_tokens_and_drafts(v4):
+    """k = 2: with k = 3 the colocated engine's verify chunk for a prompt's last token (a chunk left
+    it alone, which PD never does) crosses a compressor group on rejection and is recomputed
+    without drafts, so its next drafts start a position later than the decode worker's."""
+    from pdserve.model.config import ModelConfig
+
+    reqs, decode = _pd_equals_colocated(*v4, 2)
+    config = ModelConfig.from_model_dir(v4[0])
+    nbytes = config.v4.hc_mult * config.hidden_size * 4  # the streams [N, H], float32
+    assert all(len(base64.b64decode(r.kv_handle.mtp_hidden)) == nbytes for r in reqs)
+    one_row = base64.b64decode(reqs[0].kv_handle.mtp_hidden)[: config.hidden_size * 4]  # a V3-shaped g [H]
+    handle = reqs[0].kv_handle.model_copy(update={"mtp_hidden": base64.b64encode(one_row).decode()})
+    with pytest.raises(ValueError, match=f"holds {nbytes // 4} bytes; this model's MTP input row has {nbytes}"):
+        decode.add_request(reqs[0].model_copy(update={"request_id": "x", "kv_handle": handle}))
+    _free(decode)
+
+
+@pytest.mark.parametrize("arch", ["v3", "v4"])
+def test_forced_right_mtp_drafts_emit_k_plus_1_tokens_from_the_first_decode_step(request, arch):
+    path, plain = request.getfixturevalue(arch)
     k, prompts = 3, _prompts(0)
     prefill, decode = _pair(path, _mtp(k), _mtp(k))
     want = {tuple(p): plain[str(i)] for i, p in enumerate(prompts)}

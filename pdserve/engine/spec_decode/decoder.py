@@ -26,12 +26,6 @@ from pdserve.engine.spec_decode.metrics import SpecDecodeStats
 from pdserve.engine.spec_decode.ngram import NgramProposer
 from pdserve.engine.spec_decode.spare_states import SpareStates
 
-# the hand-off and the TP ranks carry V3's MTP input (one hidden row); V4's is its residual streams
-V4_MTP_NOT_YET = (
-    "speculative method 'mtp' on DeepSeek-V4 runs on colocated workers with tensor_parallel_size 1; "
-    "on PD workers and with tensor parallelism > 1 it is not yet supported (use method 'ngram' there)"
-)
-
 
 class Proposer(Protocol):
     def propose(self, seq: Sequence, limit: int) -> list[int]: ...
@@ -73,9 +67,6 @@ class SpecDecoder:
         proposer = None
         if spec.method == "mtp":
             from pdserve.engine.spec_decode.mtp import MTPDrafter
-
-            if hasattr(runner.model, "mtp_source") and (config.kv_role != "kv_both" or config.tensor_parallel_size > 1):
-                raise ValueError(V4_MTP_NOT_YET)
 
             proposer = MTPDrafter(runner, blocks)
         out = cls(spec, runner.max_model_len, proposer)

@@ -68,12 +68,13 @@ class MTPDrafter:
     def propose_loaded(self, wanted: list[tuple[Sequence, int]]) -> None:
         """PD decode: drafts for sequences whose KV arrived, from the g their hand-off carries."""
         if wanted:
-            dtype, device = self.runner.dtype, self.runner.device
-            g = [mtp_handoff.decode(seq.kv_handle.mtp_hidden, dtype, device) for seq, _ in wanted]
-            self._chain([(seq, self._room(seq, limit)) for seq, limit in wanted], torch.stack(g))
+            dtype, device, shape = self.runner.dtype, self.runner.device, mtp_handoff.row_shape(self.model)
+            g = [mtp_handoff.decode(seq.kv_handle.mtp_hidden, dtype, device, shape) for seq, _ in wanted]
+            g = torch.stack(g)  # [D, H] (V4: [D, N, H])
+            self._chain([(seq, self._room(seq, limit)) for seq, limit in wanted], g)
 
     def _chain(self, drafting: list[tuple[Sequence, int]], g: torch.Tensor) -> None:
-        """d_1 from each g_{m-1} [D, H], then row (g, d_{j-1}) at position m + j - 2 gives d_j."""
+        """d_1 from each g_{m-1} [D, H] (V4: [D, N, H]), then row (g, d_{j-1}) at position m + j - 2 gives d_j."""
         tokens = self.model.compute_mtp_logits(g).argmax(dim=-1)  # [D] d_1
         for j in range(1, max(n for _, n in drafting) + 1):
             ids = tokens.tolist()

@@ -25,7 +25,9 @@ layer returns) with the token t_{i+1}, at position i:
     logits = head(head_norm(hc_head(g_i)))                            scores t_{i+2}
 
 Chained drafts feed g (the streams, before hc_head) back as the previous state, as DeepSeek's
-reference and vLLM do.
+reference and vLLM do. Under tensor parallelism the decoder layer is split as the main layers are
+(query heads and output groups, the experts' intermediate dim); enorm / hnorm, e_proj / h_proj,
+hc_head and head_norm are replicated, as the main model's norms and mHC are.
 """
 
 from __future__ import annotations
