@@ -1,6 +1,7 @@
 """tool_choice "required" and a named function through a real PD cluster (tiny DeepSeek-V4 with
-random weights, prefill + decode over NIXL, the router) with the official openai client: 50 seeded
-random tool sets with nested parameter schemas, and every answer is tool_calls whose arguments
+random weights, prefill + decode over NIXL, the router) with the official openai client: 16 seeded
+random tool sets with nested parameter schemas (tests/unit/test_tool_choice.py runs 50 through
+the engine alone), and every answer is tool_calls whose arguments
 validate (jsonschema); a named function is that function, once; thinking mode reasons first, then
 calls; a stream assembles (the client's own stream state) into the non-streamed message."""
 
@@ -43,7 +44,7 @@ async def _ask(router, bodies: list[dict]) -> list:
 
 
 def test_required_always_yields_valid_calls(cluster):
-    sets = random_tool_sets(50, seed=28)
+    sets = random_tool_sets(16, seed=28)
     bodies = [dict(tools=t, tool_choice="required", temperature=1.0, seed=i) for i, t in enumerate(sets)]
     several = 0
     for choice, tools in zip(asyncio.run(_ask(cluster.pd_router, bodies)), sets):
