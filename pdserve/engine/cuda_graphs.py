@@ -38,7 +38,8 @@ eagerly, as before. A model that keeps its step's residual streams for the MTP l
 (`last_streams`, V4 with MTP: `mtp_source`) gets a replayed graph's, its real rows.
 
 Legend: B chunks (sequences) in the step, T their tokens, P sequences of the graph replayed
-(>= B), n tokens a chunk, G rows of the graph (P n), W block-table width of max_model_len.
+(>= B), n tokens a chunk, G rows of the graph (P n), S the most sequences of any graph (its
+static tables' rows), W block-table width of max_model_len.
 """
 
 from __future__ import annotations
@@ -139,6 +140,7 @@ class CudaGraphRunner:
         self.width = -(-max_len // bs)
         self.scratch_slot = scratch_block * bs
         dev, G = next(iter(kv_cache.regions.values())).device, max(p * n for p, n in self.shapes)
+        S = max(p for p, _ in self.shapes)  # table rows: a decode row's, or a chunk's
         self.scratch_block, self.scratch_window_block, self.scratch_state_slot = (
             scratch_block,
             scratch_window_block,
@@ -156,13 +158,13 @@ class CudaGraphRunner:
         self.seq_ids, self.context_lens = self.ids32.unbind(0)
         # static too (a graph must not read a freed tensor): row n holds chunks of n tokens' lens
         self.lens = torch.arange(max_chunk + 1, device=dev)[:, None].repeat(1, G)
-        self.block_tables = torch.full((G, self.width), scratch_block, dtype=torch.int32, device=dev)
-        self.window_tables = torch.full((G, self.width), scratch_window_block, dtype=torch.int64, device=dev)
+        self.block_tables = torch.full((S, self.width), scratch_block, dtype=torch.int32, device=dev)
+        self.window_tables = torch.full((S, self.width), scratch_window_block, dtype=torch.int64, device=dev)
         self.rows = torch.arange(G, device=dev)
         # a step's inputs are written on the host into one pinned buffer and cross in one copy
         # (8 rows of G, then the step's [B, w] block and window tables)
         cuda = dev.type == "cuda"
-        self.staged_host = torch.empty(8 * G + 2 * G * self.width, dtype=torch.int64, pin_memory=cuda)
+        self.staged_host = torch.empty(8 * G + 2 * S * self.width, dtype=torch.int64, pin_memory=cuda)
         self.staged = torch.empty_like(self.staged_host, device=dev)
         self.copied = torch.cuda.Event() if cuda else None  # the last copy out of staged_host
         self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}

@@ -12,6 +12,7 @@ GPU (scripts/gpu_graphs_check.py --verify-k).
 from __future__ import annotations
 
 import copy
+from dataclasses import fields
 
 import pytest
 import torch
@@ -80,13 +81,12 @@ def prefilled(model) -> KVCache:
     return kv
 
 
-@pytest.mark.parametrize("n", [3, 4])
-def test_padded_chunk_batch_gives_the_eager_verify_step(model, n):
-    """Chunks of n tokens (the last token and n - 1 drafts) at 15, 3 and 7: they cross CSA groups
-    (rate 4) and the HCA rate (16), and write their new states to spare slots 3, 4, 5."""
-    kv = prefilled(model)
-    verify = step([[21, 30, 31, 32][:n], [22, 40, 41, 42][:n], [23, 50, 51, 52][:n]], [15, 3, 7], TABLES, WTABLES,
-                  [2, 0, 1], dst=[3, 4, 5])  # fmt: skip
+def test_padded_chunk_batch_gives_the_eager_verify_step(model):
+    """Chunks of n = 3 tokens (the last token and 2 drafts; graphs up to k = 3) at 15, 3 and 7:
+    they cross CSA groups (rate 4) and the HCA rate (16), and write their new states to spare
+    slots 3, 4, 5."""
+    kv, n = prefilled(model), 3
+    verify = step([[21, 30, 31], [22, 40, 41], [23, 50, 51]], [15, 3, 7], TABLES, WTABLES, [2, 0, 1], dst=[3, 4, 5])
     eager_kv = copy.deepcopy(kv)
     want = model.forward(ForwardBatch.build(verify, BS), eager_kv)  # [3n, hidden], the chunk path
 
@@ -95,8 +95,18 @@ def test_padded_chunk_batch_gives_the_eager_verify_step(model, n):
     got = r.run(verify)
     assert list(r.outputs) == [(4, n, 40)]  # the longest context, 19, takes the last bucket
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
-    padding = r.static_batch(4, n, 40)
-    assert padding.starts[3] == 0 and padding.state_slots[3] == padding.state_dst[3] == SPACES[2]
+    # the static batch is the one ForwardBatch.build makes of the step and a padding chunk: tokens 0
+    # at positions 0..n-1 of the scratch block, window block and state slot
+    blocks, wblocks, slot = SPACES
+    padded = step([[21, 30, 31], [22, 40, 41], [23, 50, 51], [0] * n], [15, 3, 7, 0], TABLES + [[blocks] * 5],
+                  WTABLES + [[wblocks] * 5], [2, 0, 1, slot], dst=[3, 4, 5, slot])  # fmt: skip
+    built, static = ForwardBatch.build(padded, BS, as_decode_rows=True), r.static_batch(4, n, 40)
+    for f in fields(built):
+        want_f, got_f = getattr(built, f.name), getattr(static, f.name)
+        if f.name in ("block_tables", "window_tables"):
+            got_f = got_f[:, : want_f.shape[1]]  # the static tables are max_len wide
+        if f.name not in ("logits_indices", "max_context"):  # (a graph takes logits at every row; the bucket)
+            assert torch.equal(got_f, want_f) if isinstance(want_f, torch.Tensor) else got_f == want_f, f.name
     for name, region in kv.regions.items():
         s = region.shape[1] - 1  # the scratch is the last block / slot of its space
         torch.testing.assert_close(region[:, :s], eager_kv.regions[name][:, :s], rtol=0, atol=1e-5,
