@@ -1,8 +1,8 @@
 """Decode steps replayed as CUDA graphs (nano-vllm's and vLLM's scheme), so a decode step costs
 its kernels and not the Python and launches of every layer.
 
-A graph runs P sequences of n new tokens each (key (P, n, context bucket)); plain decode is
-n = 1. Sequence counts of a ladder (1, 2, 4, 8, then every 16 up to `cuda_graph_max_bs`),
+A graph runs P sequences of up to n new tokens each (key (P, n, context bucket)); plain decode
+is n = 1. Sequence counts of a ladder (1, 2, 4, 8, then every 16 up to `cuda_graph_max_bs`),
 contexts 4K, 16K, 64K, ... (x4) up to max_model_len; all share one memory pool, captured largest
 first. A step of B sequences whose longest context is C replays the graph of the smallest P >= B
 (decode rows: the smallest row count >= T) and the smallest bucket >= C; the graph reads its
@@ -23,13 +23,15 @@ graphs in one of two ways, as the model declares:
     drafts each and of every batch size with k drafts (`graph_sizes`);
   - `verify_as_chunks` (V4: a chunk's tokens depend on each other through the sliding window and
     the compressors' state, so the step runs step.py's chunk path, which builds its metadata on
-    the device from host ints alone): graphs of P chunks of n tokens, for a step whose chunks all
-    have n tokens (2 <= n <= k + 1). Captured: n = k + 1 for every P of the ladder, and n = 2..k
-    for P <= 16 only (`chunk_shapes`: MTP drafts k a step, so full chunks are the common shape;
-    shorter ones come from n-gram lookups, max_tokens caps and recomputes, mostly at small B), each
-    at most max_num_batched_tokens tokens. A padding chunk is n tokens at positions 0..n-1 whose
-    state slot and new-state slot (`state_dst`) are the scratch one. A step with chunks of
-    different lengths runs eagerly.
+    the device from host ints alone: T, B and the context bound): graphs of shape (P, n), P
+    chunks of up to n tokens each and one padding sequence more, G = P n + 1 rows. A step of B
+    chunks that sample, the longest n' tokens, replays the graph of fewest rows with P >= B and
+    n >= n' (any mix of verify chunks, plain decodes and recomputes); the rows its chunks leave go
+    to padding sequences B..P (at least one: every graph has its extra row), as even as can be,
+    tokens 0 at positions 0.. whose tables, state slot and new-state slot (`state_dst`) are the
+    scratch ones (a padding sequence longer than max_len: the next shape, or eager). Captured: n = k + 1 for every P of the ladder and n = 2..k for P <= 16 only
+    (`chunk_shapes`: MTP drafts k a step, so k + 1 is the common longest chunk), each at most
+    max_num_batched_tokens tokens.
 
 Used when: CUDA, not `enforce_eager`, one engine rank (tensor parallelism runs eagerly), a model
 that declares `supports_cuda_graphs` (DeepSeek-V3/V3.2 and V4: its routed experts run in one fused
@@ -38,8 +40,8 @@ eagerly, as before. A model that keeps its step's residual streams for the MTP l
 (`last_streams`, V4 with MTP: `mtp_source`) gets a replayed graph's, its real rows.
 
 Legend: B chunks (sequences) in the step, T their tokens, P sequences of the graph replayed
-(>= B), n tokens a chunk, G rows of the graph (P n), S the most sequences of any graph (its
-static tables' rows), W block-table width of max_model_len.
+(>= B), n tokens a chunk, G rows of the graph (`graph_rows`: P, or P n + 1 with chunks), S the
+most sequences of any graph (its static tables' rows), W block-table width of max_model_len.
 """
 
 from __future__ import annotations
@@ -132,39 +134,42 @@ class CudaGraphRunner:
         self.model, self.kv_cache = model, kv_cache
         self.max_chunk, self.as_chunks = max_chunk, as_chunks
         self.shapes = graph_shapes(max_bs, max_chunk, max_rows, as_chunks)  # (P, n)
-        self.seqs = {n: sorted(p for p, m in self.shapes if m == n) for _, n in self.shapes}  # n -> P captured
-        self.sizes = self.seqs[1]  # decode row counts
+        self.sizes = [p for p, n in self.shapes if n == 1]  # decode row counts
+        self.chunk_graphs = sorted((s for s in self.shapes if s[1] > 1), key=lambda s: graph_rows(*s))
         self.buckets = context_buckets(max_len)
         self.max_len = max_len
         self.block_size = bs = kv_cache.block_size
         self.width = -(-max_len // bs)
         self.scratch_slot = scratch_block * bs
-        dev, G = next(iter(kv_cache.regions.values())).device, max(p * n for p, n in self.shapes)
-        S = max(p for p, _ in self.shapes)  # table rows: a decode row's, or a chunk's
+        dev, G = next(iter(kv_cache.regions.values())).device, max(graph_rows(*s) for s in self.shapes)
+        S = max(graph_seqs(*s) for s in self.shapes)  # table rows: a decode row's, or a chunk's
         self.scratch_block, self.scratch_window_block, self.scratch_state_slot = (
             scratch_block,
             scratch_window_block,
             scratch_state_slot,
         )
         # the static inputs, as rows of two tensors so that one copy fills each dtype's rows: int64
-        # input_ids, positions, slot_mapping [G rows], state_slots, starts, state_dst [P sequences];
-        # int32 seq_ids, context_lens [G]
-        self.ids64 = torch.zeros(6, G, dtype=torch.int64, device=dev)
-        self.ids64[2], self.ids64[3], self.ids64[5] = self.scratch_slot, scratch_state_slot, scratch_state_slot
+        # input_ids, positions, slot_mapping [G rows], state_slots, starts, state_dst, lens [S
+        # sequences]; int32 seq_ids, context_lens [G]. Static all (a graph must not read a freed tensor).
+        self.ids64 = torch.zeros(7, G, dtype=torch.int64, device=dev)
+        self.ids64[2], self.ids64[3], self.ids64[5], self.ids64[6] = (
+            self.scratch_slot,
+            scratch_state_slot,
+            scratch_state_slot,
+            1,
+        )
         self.ids32 = torch.zeros(2, G, dtype=torch.int32, device=dev)
-        self.input_ids, self.positions, self.slot_mapping, self.state_slots, self.starts, self.state_dst = (
+        self.input_ids, self.positions, self.slot_mapping, self.state_slots, self.starts, self.state_dst, self.lens = (
             self.ids64.unbind(0)
         )
         self.seq_ids, self.context_lens = self.ids32.unbind(0)
-        # static too (a graph must not read a freed tensor): row n holds chunks of n tokens' lens
-        self.lens = torch.arange(max_chunk + 1, device=dev)[:, None].repeat(1, G)
         self.block_tables = torch.full((S, self.width), scratch_block, dtype=torch.int32, device=dev)
         self.window_tables = torch.full((S, self.width), scratch_window_block, dtype=torch.int64, device=dev)
         self.rows = torch.arange(G, device=dev)
         # a step's inputs are written on the host into one pinned buffer and cross in one copy
-        # (8 rows of G, then the step's [B, w] block and window tables)
+        # (9 rows of G, then the step's [B, w] block and window tables)
         cuda = dev.type == "cuda"
-        self.staged_host = torch.empty(8 * G + 2 * S * self.width, dtype=torch.int64, pin_memory=cuda)
+        self.staged_host = torch.empty(9 * G + 2 * S * self.width, dtype=torch.int64, pin_memory=cuda)
         self.staged = torch.empty_like(self.staged_host, device=dev)
         self.copied = torch.cuda.Event() if cuda else None  # the last copy out of staged_host
         self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
@@ -172,19 +177,20 @@ class CudaGraphRunner:
         self.streams: dict[tuple[int, int, int], torch.Tensor | None] = {}  # -> the model's last_streams
 
     def static_batch(self, p: int, n: int, bucket: int) -> ForwardBatch:
-        """The ForwardBatch a graph of p sequences of n tokens each and contexts up to `bucket` is
-        captured with: views of the static buffers. n = 1: p decode rows (each its own sequence,
-        starting at its position; V3's verify rows among them). n > 1: the batch ForwardBatch.build
-        makes of p such chunks with as_decode_rows (no prefill chunks; the model runs its chunk
-        path: V4's step.py), logits at every row."""
-        g = p * n
+        """The ForwardBatch a graph of shape (p, n) and contexts up to `bucket` is captured with:
+        views of the static buffers. n = 1: p decode rows (each its own sequence, starting at its
+        position; V3's verify rows among them). n > 1: p chunks of up to n tokens and the padding
+        sequence that takes the rows they leave (`graph_rows`), as ForwardBatch.build makes them
+        with as_decode_rows (no prefill chunks; the model runs its chunk path: V4's step.py),
+        logits at every row."""
+        g, b = graph_rows(p, n), graph_seqs(p, n)
         return ForwardBatch(
             input_ids=self.input_ids[:g], positions=self.positions[:g], slot_mapping=self.slot_mapping[:g],
             seq_ids=self.seq_ids[:g], context_lens=self.context_lens[:g], decode_rows=self.rows[:g], prefill=None,
-            logits_indices=self.rows[:g], starts=self.positions[:g] if n == 1 else self.starts[:p],
-            lens=self.lens[n, :p], block_tables=self.block_tables[:p], window_tables=self.window_tables[:p],
-            state_slots=self.state_slots[:p], block_size=self.block_size, max_context=bucket,
-            state_dst=None if n == 1 else self.state_dst[:p],
+            logits_indices=self.rows[:g], starts=self.positions[:g] if n == 1 else self.starts[:b],
+            lens=self.lens[:b], block_tables=self.block_tables[:b], window_tables=self.window_tables[:b],
+            state_slots=self.state_slots[:b], block_size=self.block_size, max_context=bucket,
+            state_dst=None if n == 1 else self.state_dst[:b],
         )  # fmt: skip
 
     def capture(self) -> None:
@@ -192,7 +198,8 @@ class CudaGraphRunner:
         warm-up run (Triton compiles, kernels size their scratch buffers outside the capture)."""
         pool = None
         for c in reversed(self.buckets):
-            for p, n in sorted(self.shapes, key=lambda s: (s[0] * s[1], s[1]), reverse=True):
+            for p, n in sorted(self.shapes, key=lambda s: (graph_rows(*s), s[1]), reverse=True):
+                self._fill_padding(p, n)
                 batch = self.static_batch(p, n, c)
                 self.model.forward(batch, self.kv_cache)
                 torch.cuda.synchronize()
@@ -203,6 +210,18 @@ class CudaGraphRunner:
                 self.graphs[p, n, c] = graph
         torch.cuda.synchronize()
 
+    def _fill_padding(self, p: int, n: int) -> None:
+        """The static buffers of a chunk graph of padding sequences only, which it is captured
+        with (a decode graph's: lens 1)."""
+        if n == 1:
+            self.lens.fill_(1)
+            return
+        none = torch.zeros(0, dtype=torch.int64)
+        empty = StepInputs(none, none, none, none.bool(), none.view(0, 1), none.view(0, 1), none)
+        g = graph_rows(p, n)
+        self._chunk_rows(empty, self.staged_host.numpy()[: 9 * g].reshape(9, g), p + 1)
+        self._send(empty, g, p + 1)
+
     def keep(self, key: tuple[int, int, int], hidden: torch.Tensor) -> None:
         """A graph's outputs: its hidden rows and, for a model that keeps its step's residual
         streams (V4 with MTP), those."""
@@ -210,18 +229,21 @@ class CudaGraphRunner:
 
     def shape_of(self, step: StepInputs) -> tuple[int, int] | None:
         """(P, n) of the graph that runs the step, None when it runs eagerly (numpy: no torch op
-        per check). n = 1: its tokens as decode rows (plain decode; V3's verify chunks)."""
+        per check). n = 1: its tokens as decode rows (plain decode; V3's verify chunks). n > 1: the
+        chunk graph of fewest rows with n >= the longest chunk and P >= B, whose padding fits."""
         lens = step.lens.numpy()
         if not lens.size or step.block_tables.shape[1] > self.width or not step.samples.numpy().all():
             return None
         if int((step.starts.numpy() + lens).max()) > self.max_len:
             return None
-        n, T = int(lens.max()), int(lens.sum())
+        n, T, B = int(lens.max()), int(lens.sum()), lens.size
         if step.state_dst is None and (n == 1 or not self.as_chunks and n <= self.max_chunk):
-            sizes = self.seqs[1]
+            sizes = self.sizes
             return (sizes[bisect.bisect_left(sizes, T)], 1) if T <= sizes[-1] else None
-        sizes = self.seqs.get(n) if self.as_chunks and n > 1 and bool((lens == n).all()) else None
-        return (sizes[bisect.bisect_left(sizes, lens.size)], n) if sizes and lens.size <= sizes[-1] else None
+        for p, m in self.chunk_graphs:
+            if m >= n and p >= B and -(-(graph_rows(p, m) - T) // (p + 1 - B)) <= self.max_len:
+                return p, m
+        return None
 
     def fits(self, step: StepInputs) -> bool:
         return self.shape_of(step) is not None
@@ -242,11 +264,11 @@ class CudaGraphRunner:
         p, n = self.shape_of(step)
         if self.copied is not None:
             self.copied.synchronize()  # the previous step's copy has read the pinned buffer
-        g = p * n
-        rows = self.staged_host.numpy()[: 8 * g].reshape(8, g)
-        end = self._chunk_rows(step, rows, p, n) if n > 1 else self._decode_rows(step, rows, g)
+        g = graph_rows(p, n)
+        rows = self.staged_host.numpy()[: 9 * g].reshape(9, g)
+        end = self._chunk_rows(step, rows, p + 1) if n > 1 else self._decode_rows(step, rows, g)
         bucket = self.buckets[bisect.bisect_left(self.buckets, end)]
-        self._send(step, g, p if n > 1 else g)
+        self._send(step, g, graph_seqs(p, n))
         return p, n, bucket
 
     def _decode_rows(self, step: StepInputs, rows: np.ndarray, g: int) -> int:
@@ -254,48 +276,48 @@ class CudaGraphRunner:
         context, writing to the scratch, each its own table row >= B); returns the longest context."""
         T, bs, v4 = step.input_ids.numel(), self.block_size, self.scratch_window_block >= 0
         seq, pos = decode_rows(step.starts.numpy(), step.lens.numpy(), T)  # [T] each row's chunk and position
-        rows[:, T:] = np.array([0, 0, self.scratch_slot, self.scratch_state_slot, 0, 0, 0, 0])[:, None]
-        rows[6] = np.arange(g)
-        rows[0, :T], rows[1, :T], rows[6, :T], rows[7, :T] = step.input_ids.numpy(), pos, seq, pos + 1
+        rows[:, T:] = np.array([0, 0, self.scratch_slot, self.scratch_state_slot, 0, 0, 1, 0, 0])[:, None]
+        rows[7] = np.arange(g)
+        rows[0, :T], rows[1, :T], rows[7, :T], rows[8, :T] = step.input_ids.numpy(), pos, seq, pos + 1
         rows[2, :T] = step.block_tables.numpy()[seq, pos // bs] * bs + pos % bs
         rows[3, :T] = step.state_slots.numpy()[seq] if v4 else self.scratch_state_slot
-        rows[4], rows[5] = rows[1], rows[3]  # (unread: a decode row starts at its position, writes its slot)
+        rows[4], rows[5], rows[6] = rows[1], rows[3], 1  # (a decode row starts at its position, writes its slot)
         return int(pos.max()) + 1
 
-    def _chunk_rows(self, step: StepInputs, rows: np.ndarray, p: int, n: int) -> int:
-        """Rows of p chunks of n tokens (B real ones, then padding chunks: tokens 0 at positions
-        0..n-1 of the scratch tables and state slot); returns the longest context."""
-        B, bs, scratch = step.lens.numel(), self.block_size, self.scratch_state_slot
-        T, j = B * n, np.arange(p * n) % n  # j: each row's place in its chunk
-        starts = np.zeros(p, dtype=np.int64)
-        starts[:B] = step.starts.numpy()
-        seq = np.arange(p * n) // n
-        pos = starts[seq] + j
+    def _chunk_rows(self, step: StepInputs, rows: np.ndarray, b: int) -> int:
+        """Rows of b sequences: the step's B chunks, then padding sequences that take the graph's
+        other rows (tokens 0 at positions 0.., their tables and state slots the scratch ones);
+        returns the longest context (a padding sequence's too)."""
+        B, T, bs, scratch = step.lens.numel(), step.input_ids.numel(), self.block_size, self.scratch_state_slot
+        lens, starts = np.zeros(b, dtype=np.int64), np.zeros(b, dtype=np.int64)
+        lens[:B], lens[B:], starts[:B] = step.lens.numpy(), padding_lens(rows.shape[1] - T, b - B), step.starts.numpy()
+        seq = np.repeat(np.arange(b), lens)
+        pos = starts[seq] + np.arange(seq.size) - (np.cumsum(lens) - lens)[seq]
         rows[0, :T], rows[0, T:] = step.input_ids.numpy(), 0
         rows[1] = pos
         rows[2, :T] = step.block_tables.numpy()[seq[:T], pos[:T] // bs] * bs + pos[:T] % bs
         rows[2, T:] = self.scratch_slot + pos[T:] % bs
-        rows[3, :B], rows[3, B:p] = step.state_slots.numpy(), scratch
-        rows[4, :p] = starts
+        rows[3, :B], rows[3, B:b] = step.state_slots.numpy(), scratch
+        rows[4, :b], rows[6, :b] = starts, lens
         rows[5, :B] = (step.state_dst if step.state_dst is not None else step.state_slots).numpy()
-        rows[5, B:p] = scratch
-        rows[6], rows[7] = seq, pos + 1
-        return int(pos[:T].max()) + 1
+        rows[5, B:b] = scratch
+        rows[7], rows[8] = seq, pos + 1
+        return int(pos.max()) + 1
 
     def _send(self, step: StepInputs, g: int, tables: int) -> None:
         """The staged rows and the step's tables to the device, in one copy; table rows B..tables
         (the padding's) point at the scratch blocks."""
         B, w = step.block_tables.shape
-        n = 8 * g + 2 * B * w
-        both = self.staged_host.numpy()[8 * g : n].reshape(2, B, w)
+        n = 9 * g + 2 * B * w
+        both = self.staged_host.numpy()[9 * g : n].reshape(2, B, w)
         both[0], both[1] = step.block_tables.numpy(), step.window_tables.numpy()
         self.staged[:n].copy_(self.staged_host[:n], non_blocking=True)
         if self.copied is not None:
             self.copied.record()
-        staged = self.staged[: 8 * g].view(8, g)
-        self.ids64[:, :g].copy_(staged[:6])
-        self.ids32[:, :g].copy_(staged[6:])
-        both = self.staged[8 * g : n].view(2, B, w)
+        staged = self.staged[: 9 * g].view(9, g)
+        self.ids64[:, :g].copy_(staged[:7])
+        self.ids32[:, :g].copy_(staged[7:])
+        both = self.staged[9 * g : n].view(2, B, w)
         self.block_tables[:B, :w].copy_(both[0])
         if tables > B:
             self.block_tables[B:tables] = self.scratch_block
@@ -306,6 +328,24 @@ class CudaGraphRunner:
 
     def replay(self, key: tuple[int, int, int]) -> None:
         self.graphs[key].replay()
+
+
+def graph_rows(p: int, n: int) -> int:
+    """Rows of the graph of shape (p, n): p decode rows (n = 1), or p chunks of up to n tokens
+    and one row more, so that a padding sequence always takes what the chunks leave."""
+    return p if n == 1 else p * n + 1
+
+
+def graph_seqs(p: int, n: int) -> int:
+    """Sequences of the graph of shape (p, n) (its tables' rows): with chunks, p and the padding one."""
+    return p if n == 1 else p + 1
+
+
+def padding_lens(rows: int, seqs: int) -> np.ndarray:
+    """The lengths of `seqs` padding sequences taking `rows` rows (rows >= seqs), as even as can be."""
+    lens = np.full(seqs, rows // seqs, dtype=np.int64)
+    lens[: rows % seqs] += 1
+    return lens
 
 
 def all_decode_rows(step: StepInputs, max_chunk: int) -> bool:

@@ -81,26 +81,33 @@ def prefilled(model) -> KVCache:
     return kv
 
 
-def test_padded_chunk_batch_gives_the_eager_verify_step(model):
-    """Chunks of n = 3 tokens (the last token and 2 drafts; graphs up to k = 3) at 15, 3 and 7:
-    they cross CSA groups (rate 4) and the HCA rate (16), and write their new states to spare
-    slots 3, 4, 5."""
-    kv, n = prefilled(model), 3
-    verify = step([[21, 30, 31], [22, 40, 41], [23, 50, 51]], [15, 3, 7], TABLES, WTABLES, [2, 0, 1], dst=[3, 4, 5])
+@pytest.mark.parametrize(
+    "ids,dst,padding",
+    [
+        ([[21, 30, 31], [22, 40, 41], [23, 50, 51]], [3, 4, 5], [2, 2]),  # verify chunks of 2 drafts
+        ([[21, 30, 31], [22], [23, 50]], [3, 0, 1], [4, 3]),  # 2 drafts; a plain decode; a recompute
+    ],
+)
+def test_padded_chunk_batch_gives_the_eager_verify_step(model, ids, dst, padding):
+    """Chunks at 15, 3 and 7 that cross CSA groups (rate 4) and the HCA rate (16); a verify
+    chunk writes its new state to a spare slot (3, 4, 5), the others in place. Replayed on the
+    graph of 4 chunks of up to 3 tokens: its 4 * 3 + 1 rows less the step's go to 2 padding
+    sequences (tokens 0 at positions 0.. of the scratch block, window block and state slot)."""
+    kv = prefilled(model)
+    verify = step(ids, [15, 3, 7], TABLES, WTABLES, [2, 0, 1], dst=dst)
     eager_kv = copy.deepcopy(kv)
-    want = model.forward(ForwardBatch.build(verify, BS), eager_kv)  # [3n, hidden], the chunk path
+    want = model.forward(ForwardBatch.build(verify, BS), eager_kv)  # [T, hidden], the chunk path
 
     r = runner(model, kv, max_chunk=4)
-    assert r.shape_of(verify) == (4, n)  # 3 chunks padded to 4
+    assert r.shape_of(verify) == (4, 3)
     got = r.run(verify)
-    assert list(r.outputs) == [(4, n, 40)]  # the longest context, 19, takes the last bucket
+    assert list(r.outputs) == [(4, 3, 40)]  # the longest context, 19, takes the last bucket
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
-    # the static batch is the one ForwardBatch.build makes of the step and a padding chunk: tokens 0
-    # at positions 0..n-1 of the scratch block, window block and state slot
+    # the static batch is the one ForwardBatch.build makes of the step and the padding
     blocks, wblocks, slot = SPACES
-    padded = step([[21, 30, 31], [22, 40, 41], [23, 50, 51], [0] * n], [15, 3, 7, 0], TABLES + [[blocks] * 5],
-                  WTABLES + [[wblocks] * 5], [2, 0, 1, slot], dst=[3, 4, 5, slot])  # fmt: skip
-    built, static = ForwardBatch.build(padded, BS, as_decode_rows=True), r.static_batch(4, n, 40)
+    padded = step(ids + [[0] * n for n in padding], [15, 3, 7, 0, 0], TABLES + [[blocks] * 5] * 2,
+                  WTABLES + [[wblocks] * 5] * 2, [2, 0, 1, slot, slot], dst=dst + [slot, slot])  # fmt: skip
+    built, static = ForwardBatch.build(padded, BS, as_decode_rows=True), r.static_batch(4, 3, 40)
     for f in fields(built):
         want_f, got_f = getattr(built, f.name), getattr(static, f.name)
         if f.name in ("block_tables", "window_tables"):
@@ -116,14 +123,14 @@ def test_padded_chunk_batch_gives_the_eager_verify_step(model):
 
 
 def test_which_steps_replay_a_chunk_graph(model):
-    """Equal chunks of 2..k + 1 tokens that sample replay a graph (n < k + 1: up to 16 sequences);
-    mixed lengths, longer chunks, a chunk that does not sample, a plain decode step that writes a
-    spare state slot run eagerly."""
+    """A step whose chunks sample and are at most k + 1 tokens, any lengths, replays the chunk
+    graph of fewest rows with room for them (P >= B sequences of up to n >= the longest); a
+    longer chunk, one that does not sample, or padding longer than max_len runs eagerly."""
     assert chunk_shapes(64, 3) == sorted(
         {(p, 3) for p in (1, 2, 4, 8, 16, 32, 48, 64)} | {(p, 2) for p in (1, 2, 4, 8, 16)}
     )
     assert chunk_shapes(64, 4, max_rows=100)[-1] == (16, 4) and (32, 3) not in chunk_shapes(64, 4, max_rows=100)
-    r = runner(model, pool(model), max_chunk=3, max_bs=32)
+    r = runner(model, pool(model), max_chunk=3, max_bs=32)  # max_len 40
 
     def chunks(*lens, dst=True, samples=True):
         B = len(lens)
@@ -132,10 +139,12 @@ def test_which_steps_replay_a_chunk_graph(model):
         return r.shape_of(st)
 
     assert chunks(3, 3, 3) == (4, 3) and chunks(2, 2, 2) == (4, 2) and chunks(2) == (1, 2)
-    assert chunks(*[3] * 20) == (32, 3) and chunks(*[2] * 20) is None  # 2 tokens a chunk: up to 16 sequences
-    assert chunks(3, 2) is None and chunks(4) is None and chunks(3, samples=False) is None
-    assert chunks(1, 1) is None and chunks(1, 1, dst=False) == (2, 1)  # plain decode: the decode graphs
-    assert chunks(2, 2, dst=False) == (2, 2)  # a recompute chunk writes its own slot
+    assert chunks(3, 2) == (2, 3) and chunks(2, 1, 2) == (4, 2)  # mixed lengths (a chunk of 1: no drafts)
+    assert chunks(*[3] * 20) == (32, 3) and chunks(*[2] * 20) == (32, 3)  # 2 tokens a chunk: up to 16 sequences
+    assert chunks(4) is None and chunks(3, samples=False) is None
+    assert chunks(1, 1, dst=False) == (2, 1) and chunks(2, 2, dst=False) == (2, 2)  # plain decode: decode graphs
+    # 32 sequences leave 97 - 34 rows to one padding sequence: past max_len; 31 leave 64 to two
+    assert chunks(*[1] * 31, 3) is None and chunks(*[1] * 30, 3) == (32, 3)
 
 
 class MixedDrafts:
