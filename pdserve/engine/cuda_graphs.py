@@ -24,14 +24,15 @@ graphs in one of two ways, as the model declares:
   - `verify_as_chunks` (V4: a chunk's tokens depend on each other through the sliding window and
     the compressors' state, so the step runs step.py's chunk path, which builds its metadata on
     the device from host ints alone: T, B and the context bound): graphs of shape (P, n), P
-    chunks of up to n tokens each and one padding sequence more, G = P n + 1 rows. A step of B
-    chunks that sample, the longest n' tokens, replays the graph of fewest rows with P >= B and
-    n >= n' (any mix of verify chunks, plain decodes and recomputes); the rows its chunks leave go
-    to padding sequences B..P (at least one: every graph has its extra row), as even as can be,
-    tokens 0 at positions 0.. whose tables, state slot and new-state slot (`state_dst`) are the
-    scratch ones (a padding sequence longer than max_len: the next shape, or eager). Captured: n = k + 1 for every P of the ladder and n = 2..k for P <= 16 only
+    chunks of up to n tokens each, G = P n rows. A step of B chunks that sample, the longest n'
+    tokens, replays the graph of fewest rows with n >= n' and P > B, or P = B when its chunks
+    fill it (any mix of verify chunks, plain decodes and recomputes); the rows its chunks leave go
+    to padding sequences B..P-1, as even as can be, tokens 0 at positions 0.. whose tables, state
+    slot and new-state slot (`state_dst`) are the scratch ones (one longer than max_len: the next
+    shape, or eager). Captured: n = k + 1 for every P of the ladder and n = 2..k for P <= 16 only
     (`chunk_shapes`: MTP drafts k a step, so k + 1 is the common longest chunk), each at most
-    max_num_batched_tokens tokens.
+    max_num_batched_tokens tokens. A step of B = P equal chunks (a benchmark's) runs exactly its
+    rows; a mixed one at B = P takes the next P.
 
 Used when: CUDA, not `enforce_eager`, one engine rank (tensor parallelism runs eagerly), a model
 that declares `supports_cuda_graphs` (DeepSeek-V3/V3.2 and V4: its routed experts run in one fused
@@ -40,8 +41,8 @@ eagerly, as before. A model that keeps its step's residual streams for the MTP l
 (`last_streams`, V4 with MTP: `mtp_source`) gets a replayed graph's, its real rows.
 
 Legend: B chunks (sequences) in the step, T their tokens, P sequences of the graph replayed
-(>= B), n tokens a chunk, G rows of the graph (`graph_rows`: P, or P n + 1 with chunks), S the
-most sequences of any graph (its static tables' rows), W block-table width of max_model_len.
+(>= B), n tokens a chunk, G rows of the graph (P n), S the most sequences of any graph (its
+static tables' rows), W block-table width of max_model_len.
 """
 
 from __future__ import annotations
@@ -135,14 +136,14 @@ class CudaGraphRunner:
         self.max_chunk, self.as_chunks = max_chunk, as_chunks
         self.shapes = graph_shapes(max_bs, max_chunk, max_rows, as_chunks)  # (P, n)
         self.sizes = [p for p, n in self.shapes if n == 1]  # decode row counts
-        self.chunk_graphs = sorted((s for s in self.shapes if s[1] > 1), key=lambda s: graph_rows(*s))
+        self.chunk_graphs = sorted((s for s in self.shapes if s[1] > 1), key=lambda s: s[0] * s[1])
         self.buckets = context_buckets(max_len)
         self.max_len = max_len
         self.block_size = bs = kv_cache.block_size
         self.width = -(-max_len // bs)
         self.scratch_slot = scratch_block * bs
-        dev, G = next(iter(kv_cache.regions.values())).device, max(graph_rows(*s) for s in self.shapes)
-        S = max(graph_seqs(*s) for s in self.shapes)  # table rows: a decode row's, or a chunk's
+        dev, G = next(iter(kv_cache.regions.values())).device, max(p * n for p, n in self.shapes)
+        S = max(p for p, _ in self.shapes)  # table rows: a decode row's, or a chunk's
         self.scratch_block, self.scratch_window_block, self.scratch_state_slot = (
             scratch_block,
             scratch_window_block,
@@ -151,14 +152,8 @@ class CudaGraphRunner:
         # the static inputs, as rows of two tensors so that one copy fills each dtype's rows: int64
         # input_ids, positions, slot_mapping [G rows], state_slots, starts, state_dst, lens [S
         # sequences]; int32 seq_ids, context_lens [G]. Static all (a graph must not read a freed tensor).
-        self.ids64 = torch.zeros(7, G, dtype=torch.int64, device=dev)
-        self.ids64[2], self.ids64[3], self.ids64[5], self.ids64[6] = (
-            self.scratch_slot,
-            scratch_state_slot,
-            scratch_state_slot,
-            1,
-        )
-        self.ids32 = torch.zeros(2, G, dtype=torch.int32, device=dev)
+        self.ids64 = torch.empty(7, G, dtype=torch.int64, device=dev)
+        self.ids32 = torch.empty(2, G, dtype=torch.int32, device=dev)
         self.input_ids, self.positions, self.slot_mapping, self.state_slots, self.starts, self.state_dst, self.lens = (
             self.ids64.unbind(0)
         )
@@ -166,6 +161,7 @@ class CudaGraphRunner:
         self.block_tables = torch.full((S, self.width), scratch_block, dtype=torch.int32, device=dev)
         self.window_tables = torch.full((S, self.width), scratch_window_block, dtype=torch.int64, device=dev)
         self.rows = torch.arange(G, device=dev)
+        self._fill_padding(G, 1)
         # a step's inputs are written on the host into one pinned buffer and cross in one copy
         # (9 rows of G, then the step's [B, w] block and window tables)
         cuda = dev.type == "cuda"
@@ -179,18 +175,18 @@ class CudaGraphRunner:
     def static_batch(self, p: int, n: int, bucket: int) -> ForwardBatch:
         """The ForwardBatch a graph of shape (p, n) and contexts up to `bucket` is captured with:
         views of the static buffers. n = 1: p decode rows (each its own sequence, starting at its
-        position; V3's verify rows among them). n > 1: p chunks of up to n tokens and the padding
-        sequence that takes the rows they leave (`graph_rows`), as ForwardBatch.build makes them
+        position; V3's verify rows among them). n > 1: p chunks of up to n tokens (a step's, then
+        padding sequences that take the rows they leave), as ForwardBatch.build makes them
         with as_decode_rows (no prefill chunks; the model runs its chunk path: V4's step.py),
         logits at every row."""
-        g, b = graph_rows(p, n), graph_seqs(p, n)
+        g = p * n
         return ForwardBatch(
             input_ids=self.input_ids[:g], positions=self.positions[:g], slot_mapping=self.slot_mapping[:g],
             seq_ids=self.seq_ids[:g], context_lens=self.context_lens[:g], decode_rows=self.rows[:g], prefill=None,
-            logits_indices=self.rows[:g], starts=self.positions[:g] if n == 1 else self.starts[:b],
-            lens=self.lens[:b], block_tables=self.block_tables[:b], window_tables=self.window_tables[:b],
-            state_slots=self.state_slots[:b], block_size=self.block_size, max_context=bucket,
-            state_dst=None if n == 1 else self.state_dst[:b],
+            logits_indices=self.rows[:g], starts=self.positions[:g] if n == 1 else self.starts[:p],
+            lens=self.lens[:p], block_tables=self.block_tables[:p], window_tables=self.window_tables[:p],
+            state_slots=self.state_slots[:p], block_size=self.block_size, max_context=bucket,
+            state_dst=None if n == 1 else self.state_dst[:p],
         )  # fmt: skip
 
     def capture(self) -> None:
@@ -198,7 +194,7 @@ class CudaGraphRunner:
         warm-up run (Triton compiles, kernels size their scratch buffers outside the capture)."""
         pool = None
         for c in reversed(self.buckets):
-            for p, n in sorted(self.shapes, key=lambda s: (graph_rows(*s), s[1]), reverse=True):
+            for p, n in sorted(self.shapes, key=lambda s: (s[0] * s[1], s[1]), reverse=True):
                 self._fill_padding(p, n)
                 batch = self.static_batch(p, n, c)
                 self.model.forward(batch, self.kv_cache)
@@ -211,16 +207,18 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
 
     def _fill_padding(self, p: int, n: int) -> None:
-        """The static buffers of a chunk graph of padding sequences only, which it is captured
-        with (a decode graph's: lens 1)."""
+        """The static buffers of a graph of padding only, which it is captured with: decode rows
+        (token 0 at position 0, no context, the scratch slots) or chunks."""
         if n == 1:
-            self.lens.fill_(1)
+            pad = [0, 0, self.scratch_slot, self.scratch_state_slot, 0, 0, 1]
+            self.ids64[:, :p] = torch.tensor(pad, device=self.ids64.device)[:, None]
+            self.ids32[:, :p] = 0
             return
         none = torch.zeros(0, dtype=torch.int64)
         empty = StepInputs(none, none, none, none.bool(), none.view(0, 1), none.view(0, 1), none)
-        g = graph_rows(p, n)
-        self._chunk_rows(empty, self.staged_host.numpy()[: 9 * g].reshape(9, g), p + 1)
-        self._send(empty, g, p + 1)
+        g = p * n
+        self._chunk_rows(empty, self.staged_host.numpy()[: 9 * g].reshape(9, g), p)
+        self._send(empty, g, p)
 
     def keep(self, key: tuple[int, int, int], hidden: torch.Tensor) -> None:
         """A graph's outputs: its hidden rows and, for a model that keeps its step's residual
@@ -230,7 +228,8 @@ class CudaGraphRunner:
     def shape_of(self, step: StepInputs) -> tuple[int, int] | None:
         """(P, n) of the graph that runs the step, None when it runs eagerly (numpy: no torch op
         per check). n = 1: its tokens as decode rows (plain decode; V3's verify chunks). n > 1: the
-        chunk graph of fewest rows with n >= the longest chunk and P >= B, whose padding fits."""
+        chunk graph of fewest rows with n >= the longest chunk and P > B (P = B: chunks that fill
+        it), whose padding sequences fit max_len."""
         lens = step.lens.numpy()
         if not lens.size or step.block_tables.shape[1] > self.width or not step.samples.numpy().all():
             return None
@@ -241,7 +240,7 @@ class CudaGraphRunner:
             sizes = self.sizes
             return (sizes[bisect.bisect_left(sizes, T)], 1) if T <= sizes[-1] else None
         for p, m in self.chunk_graphs:
-            if m >= n and p >= B and -(-(graph_rows(p, m) - T) // (p + 1 - B)) <= self.max_len:
+            if m >= n and (p > B and -(-(p * m - T) // (p - B)) <= self.max_len or p == B and T == p * m):
                 return p, m
         return None
 
@@ -264,11 +263,11 @@ class CudaGraphRunner:
         p, n = self.shape_of(step)
         if self.copied is not None:
             self.copied.synchronize()  # the previous step's copy has read the pinned buffer
-        g = graph_rows(p, n)
+        g = p * n
         rows = self.staged_host.numpy()[: 9 * g].reshape(9, g)
-        end = self._chunk_rows(step, rows, p + 1) if n > 1 else self._decode_rows(step, rows, g)
+        end = self._chunk_rows(step, rows, p) if n > 1 else self._decode_rows(step, rows, g)
         bucket = self.buckets[bisect.bisect_left(self.buckets, end)]
-        self._send(step, g, graph_seqs(p, n))
+        self._send(step, g, p)
         return p, n, bucket
 
     def _decode_rows(self, step: StepInputs, rows: np.ndarray, g: int) -> int:
@@ -330,21 +329,10 @@ class CudaGraphRunner:
         self.graphs[key].replay()
 
 
-def graph_rows(p: int, n: int) -> int:
-    """Rows of the graph of shape (p, n): p decode rows (n = 1), or p chunks of up to n tokens
-    and one row more, so that a padding sequence always takes what the chunks leave."""
-    return p if n == 1 else p * n + 1
-
-
-def graph_seqs(p: int, n: int) -> int:
-    """Sequences of the graph of shape (p, n) (its tables' rows): with chunks, p and the padding one."""
-    return p if n == 1 else p + 1
-
-
 def padding_lens(rows: int, seqs: int) -> np.ndarray:
     """The lengths of `seqs` padding sequences taking `rows` rows (rows >= seqs), as even as can be."""
-    lens = np.full(seqs, rows // seqs, dtype=np.int64)
-    lens[: rows % seqs] += 1
+    lens = np.full(seqs, rows // max(seqs, 1), dtype=np.int64)
+    lens[: rows % max(seqs, 1)] += 1
     return lens
 
 

@@ -84,15 +84,15 @@ def prefilled(model) -> KVCache:
 @pytest.mark.parametrize(
     "ids,dst,padding",
     [
-        ([[21, 30, 31], [22, 40, 41], [23, 50, 51]], [3, 4, 5], [2, 2]),  # verify chunks of 2 drafts
-        ([[21, 30, 31], [22], [23, 50]], [3, 0, 1], [4, 3]),  # 2 drafts; a plain decode; a recompute
+        ([[21, 30, 31], [22, 40, 41], [23, 50, 51]], [3, 4, 5], 3),  # verify chunks of 2 drafts
+        ([[21, 30, 31], [22], [23, 50]], [3, 0, 1], 6),  # 2 drafts; a plain decode; a recompute
     ],
 )
 def test_padded_chunk_batch_gives_the_eager_verify_step(model, ids, dst, padding):
     """Chunks at 15, 3 and 7 that cross CSA groups (rate 4) and the HCA rate (16); a verify
     chunk writes its new state to a spare slot (3, 4, 5), the others in place. Replayed on the
-    graph of 4 chunks of up to 3 tokens: its 4 * 3 + 1 rows less the step's go to 2 padding
-    sequences (tokens 0 at positions 0.. of the scratch block, window block and state slot)."""
+    graph of 4 chunks of up to 3 tokens: its 12 rows less the step's go to a padding sequence
+    (tokens 0 at positions 0.. of the scratch block, window block and state slot)."""
     kv = prefilled(model)
     verify = step(ids, [15, 3, 7], TABLES, WTABLES, [2, 0, 1], dst=dst)
     eager_kv = copy.deepcopy(kv)
@@ -105,8 +105,8 @@ def test_padded_chunk_batch_gives_the_eager_verify_step(model, ids, dst, padding
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     # the static batch is the one ForwardBatch.build makes of the step and the padding
     blocks, wblocks, slot = SPACES
-    padded = step(ids + [[0] * n for n in padding], [15, 3, 7, 0, 0], TABLES + [[blocks] * 5] * 2,
-                  WTABLES + [[wblocks] * 5] * 2, [2, 0, 1, slot, slot], dst=dst + [slot, slot])  # fmt: skip
+    padded = step(ids + [[0] * padding], [15, 3, 7, 0], TABLES + [[blocks] * 5], WTABLES + [[wblocks] * 5],
+                  [2, 0, 1, slot], dst=dst + [slot])  # fmt: skip
     built, static = ForwardBatch.build(padded, BS, as_decode_rows=True), r.static_batch(4, 3, 40)
     for f in fields(built):
         want_f, got_f = getattr(built, f.name), getattr(static, f.name)
@@ -124,8 +124,9 @@ def test_padded_chunk_batch_gives_the_eager_verify_step(model, ids, dst, padding
 
 def test_which_steps_replay_a_chunk_graph(model):
     """A step whose chunks sample and are at most k + 1 tokens, any lengths, replays the chunk
-    graph of fewest rows with room for them (P >= B sequences of up to n >= the longest); a
-    longer chunk, one that does not sample, or padding longer than max_len runs eagerly."""
+    graph of fewest rows with room for them (P >= B sequences of up to n >= the longest tokens,
+    P > B unless they fill it); a longer chunk, one that does not sample, or padding longer than
+    max_len runs eagerly."""
     assert chunk_shapes(64, 3) == sorted(
         {(p, 3) for p in (1, 2, 4, 8, 16, 32, 48, 64)} | {(p, 2) for p in (1, 2, 4, 8, 16)}
     )
@@ -139,12 +140,13 @@ def test_which_steps_replay_a_chunk_graph(model):
         return r.shape_of(st)
 
     assert chunks(3, 3, 3) == (4, 3) and chunks(2, 2, 2) == (4, 2) and chunks(2) == (1, 2)
-    assert chunks(3, 2) == (2, 3) and chunks(2, 1, 2) == (4, 2)  # mixed lengths (a chunk of 1: no drafts)
+    assert chunks(3, 2) == (4, 3) and chunks(2, 1, 2) == (4, 2)  # mixed lengths (a chunk of 1: no drafts)
     assert chunks(*[3] * 20) == (32, 3) and chunks(*[2] * 20) == (32, 3)  # 2 tokens a chunk: up to 16 sequences
     assert chunks(4) is None and chunks(3, samples=False) is None
     assert chunks(1, 1, dst=False) == (2, 1) and chunks(2, 2, dst=False) == (2, 2)  # plain decode: decode graphs
-    # 32 sequences leave 97 - 34 rows to one padding sequence: past max_len; 31 leave 64 to two
-    assert chunks(*[1] * 31, 3) is None and chunks(*[1] * 30, 3) == (32, 3)
+    # 31 sequences leave 96 - 33 rows to one padding sequence: past max_len; 30 leave 64 to two
+    assert chunks(*[1] * 30, 3) is None and chunks(*[1] * 29, 3) == (32, 3)
+    assert chunks(*[1] * 31, 3) is None  # 32 sequences and no larger graph
 
 
 class MixedDrafts:
