@@ -175,7 +175,7 @@ def _llm(path: str, spec: dict | None = None) -> LLM:
 def cpu_graphs(llm: LLM) -> list[tuple[int, int]]:
     """The engine's runner given the CudaGraphRunner its config asks for, over a pool with the
     scratch block, window block and state slot, its replay the static batch run eagerly; returns
-    (sequences, tokens a chunk) of each replay."""
+    (P, n, mixed lengths) of each replay."""
     r, config = llm.engine.runner, llm.engine.config
     max_bs, max_chunk, as_chunks, _ = graph_ladder(config, r.model)
     assert as_chunks and max_chunk == 1 + config.speculative_config.num_speculative_tokens
@@ -185,13 +185,17 @@ def cpu_graphs(llm: LLM) -> list[tuple[int, int]]:
     g = CudaGraphRunner(r.model, r.kv_cache, max_bs=max_bs, max_len=r.max_model_len, scratch_block=spaces[0],
                         scratch_window_block=spaces[1], scratch_state_slot=spaces[2], max_chunk=max_chunk,
                         max_rows=config.max_num_batched_tokens, as_chunks=True)  # fmt: skip
-    replays = []
+    replays, fill = [], g.fill
+
+    def filled(step):  # (P, n, whether the step's chunks differ in length)
+        key = fill(step)
+        replays.append((*key[:2], len(set(step.lens.tolist())) > 1))
+        return key
 
     def replay(key):
-        replays.append(key[:2])
         g.keep(key, r.model.forward(g.static_batch(*key), r.kv_cache))
 
-    g.replay, r.graphs = replay, g
+    g.fill, g.replay, r.graphs = filled, replay, g
     return replays
 
 
@@ -214,7 +218,8 @@ def test_replayed_verify_chunks_give_plain_decodings_tokens(path, plain):
     replays = cpu_graphs(llm)
     outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS)
     assert [o.outputs[0].token_ids for o in outs] == plain
-    assert {n for _, n in replays} >= {1, 2, 3}  # decode, recompute (2 tokens) and verify chunks replayed
+    assert {n for _, n, _ in replays} >= {1, 2, 3}  # graphs of decode rows and of chunks of 2 and 3
+    assert any(mixed for *_, mixed in replays)  # steps of verify chunks beside decodes and recomputes
     spare = llm.engine.spec.spare
     assert spare.num_kept > 0 and spare.num_recomputes > 0 and _held(llm) == (0, 0, 0)
 
@@ -225,4 +230,4 @@ def test_v4_with_mtp_replays_its_decode_and_verify_steps(path, plain):
     replays = cpu_graphs(llm)
     outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS)
     assert [o.outputs[0].token_ids for o in outs] == plain
-    assert {n for _, n in replays} >= {3} and llm.engine.spec.stats.num_drafts > 0 and _held(llm) == (0, 0, 0)
+    assert {n for _, n, _ in replays} >= {1, 3} and llm.engine.spec.stats.num_drafts > 0 and _held(llm) == (0, 0, 0)
