@@ -3,9 +3,10 @@
 padded batch, so that forward (run eagerly here in place of the replay) must give the real rows
 exactly the eager verify step's hidden states and leave every real sequence's records (token
 blocks, window blocks, state slots: the record read and the spare one written) as the eager step
-does, while the padding chunks write only the scratch block, window block and state slot. Through
-the engine: speculative greedy (drafts from a proposer with every accepted length, and MTP) ==
-plain greedy, token for token, with verify steps replayed. Capture and replay themselves need a
+does, while the padding sequences write only the scratch block, window block and state slot, for
+equal chunks and for a mix of a verify chunk, a plain decode and a recompute. Which steps fit which
+graph. Through the engine: speculative greedy (drafts from a proposer with every accepted length,
+and MTP) == plain greedy, token for token, with verify steps replayed, mixed ones among them. Capture and replay themselves need a
 GPU (scripts/gpu_graphs_check.py --verify-k).
 """
 
@@ -48,11 +49,11 @@ def pool(model) -> KVCache:
     )
 
 
-def runner(model, kv: KVCache, max_chunk: int, max_bs: int = 8, **kw) -> CudaGraphRunner:
+def runner(model, kv: KVCache, max_chunk: int, max_bs: int = 8) -> CudaGraphRunner:
     """A chunk-graph runner whose replay runs the static batch eagerly (CPU)."""
     blocks, wblocks, slots = SPACES
     r = CudaGraphRunner(model, kv, max_bs=max_bs, max_len=40, scratch_block=blocks, scratch_window_block=wblocks,
-                        scratch_state_slot=slots, max_chunk=max_chunk, as_chunks=True, **kw)  # fmt: skip
+                        scratch_state_slot=slots, max_chunk=max_chunk, as_chunks=True)  # fmt: skip
     r.buckets = [8, 16, 40]
     r.replay = lambda key: r.keep(key, model.forward(r.static_batch(*key), kv))
     return r
