@@ -8,10 +8,12 @@ CUDA graphs (the default) and with `enforce_eager=True`, and prints per prompt t
 that differs, and the wall time of the generate call (after a warm-up generate on each engine);
 where a prompt differs, the eager run's gap between its two most likely tokens at that step (a
 near tie is what rounding flips; the median gap over all tokens for scale).
-With --verify-k, also for DeepSeek-V3 and V3.2 and each k: the same with speculative decoding
-(n-gram drafts, k a step), whose verify steps replay graphs too (a chunk's tokens as decode rows,
-engine/cuda_graphs.py): graphs against eager with drafts, and against eager without them; the
-row counts how many verify steps the graphs replayed (it must be > 0).
+With --verify-k, also for each architecture and k: the same with speculative decoding (V3 and
+V3.2: n-gram drafts, k a step; V4: its MTP layer's, k a step, so that most verify steps have
+chunks of one length), whose verify steps replay graphs too (engine/cuda_graphs.py: V3/V3.2 a
+chunk's tokens as decode rows, V4 graphs of equal chunks): graphs against eager with drafts, and
+against eager without them; the row counts the verify steps and how many of them the graphs
+replayed (it must be > 0).
 Writes graphs_check.json to --out. Exit status 1 if a float32 run differs or a graphed run
 replayed no verify step.
 """
@@ -47,27 +49,33 @@ def margins(out) -> list[float]:
     return gaps
 
 
-def ngram(k: int) -> dict:
+def speculative(arch: str, k: int) -> dict:
+    """V4: MTP drafts (k a step: chunks of one length); V3/V3.2: n-gram drafts."""
+    if arch == "deepseek_v4":
+        return {"method": "mtp", "num_speculative_tokens": k}
     return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
 def count_verify_replays(llm) -> list[int]:
-    """Counts the runner's graph replays of steps with more rows than sequences (verify steps)."""
-    graphs, seen = llm.engine.runner.graphs, [0]
-    if graphs is not None:
-        run = graphs.run
+    """Counts the verify steps (steps that sample, with more tokens than sequences) and the
+    runner's graph replays of them: [replayed, all]."""
+    runner, seen = llm.engine.runner, [0, 0]
+    prepare, graphs = runner.prepare, runner.graphs
 
-        def counted(step):
-            seen[0] += step.input_ids.numel() > step.lens.numel()
-            return run(step)
+    def prepared(sched):
+        step, sampling = prepare(sched)
+        verify = step.input_ids.numel() > step.lens.numel() and bool(step.samples.all())
+        seen[1] += verify
+        seen[0] += verify and graphs is not None and graphs.fits(step)
+        return step, sampling
 
-        graphs.run = counted
+    runner.prepare = prepared
     return seen
 
 
 def run(
-    path: str, device: str, dtype: str, eager: bool, k: int = 0
-) -> tuple[list[list[int]], float, bool, list[list[float]], int]:
+    path: str, device: str, dtype: str, eager: bool, k: int = 0, arch: str = ""
+) -> tuple[list[list[int]], float, bool, list[list[float]], list[int]]:
     llm = LLM(
         path,
         device=device,
@@ -76,11 +84,11 @@ def run(
         kv_cache_memory_gb=0.25,
         skip_tokenizer_init=True,
         enforce_eager=eager,
-        **({"speculative_config": ngram(k)} if k else {}),
+        **({"speculative_config": speculative(arch, k)} if k else {}),
     )
-    verify_replays = count_verify_replays(llm)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
     llm.generate(prompt_token_ids=prompts(), sampling_params=params)  # warm-up
+    verify_replays = count_verify_replays(llm)  # [replayed, all] of the timed run's verify steps
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     outs = llm.generate(prompt_token_ids=prompts(), sampling_params=params)
@@ -91,7 +99,7 @@ def run(
     if used:
         raise RuntimeError(f"{used} KV blocks still in use after every request finished")
     tokens = [list(o.outputs[0].token_ids) for o in outs]
-    return tokens, took, graphs, [margins(o) for o in outs], verify_replays[0]
+    return tokens, took, graphs, [margins(o) for o in outs], verify_replays
 
 
 def main() -> None:
@@ -99,7 +107,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--archs", default="deepseek_v3,deepseek_v32,deepseek_v4")
-    ap.add_argument("--verify-k", default="", help="comma-separated k: also compare with n-gram speculation (V3, V3.2)")
+    ap.add_argument("--verify-k", default="", help="comma-separated k: also compare with speculation (V4: MTP)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     rows, bad = [], False
@@ -140,9 +148,8 @@ def main() -> None:
                         f"(median gap over all tokens {rows[-1]['median_top2_gap']:.3f})",
                         flush=True,
                     )
-            if arch != "deepseek_v4":
-                for k in [int(k) for k in args.verify_k.split(",") if k.strip()]:
-                    bad |= check_verify(path, arch, args.device, k, args.dtypes.split(","), rows)
+            for k in [int(k) for k in args.verify_k.split(",") if k.strip()]:
+                bad |= check_verify(path, arch, args.device, k, args.dtypes.split(","), rows)
     doc = dict(
         device=torch.cuda.get_device_name(),
         torch=torch.__version__,
@@ -160,16 +167,17 @@ def check_verify(path: str, arch: str, device: str, k: int, dtypes: list[str], r
     """Graphs with drafts against eager with and without drafts; True when it failed."""
     bad = False
     for dt in dtypes:
-        g_tok, g_s, used_graphs, _, replays = run(path, device, dt, eager=False, k=k)
-        e_tok, e_s, _, _, _ = run(path, device, dt, eager=True, k=k)
+        g_tok, g_s, used_graphs, _, (replays, steps) = run(path, device, dt, eager=False, k=k, arch=arch)
+        e_tok, e_s, _, _, _ = run(path, device, dt, eager=True, k=k, arch=arch)
         plain, _, _, _, _ = run(path, device, dt, eager=True)
         same = sum(a == b for a, b in zip(g_tok, e_tok))
         same_plain = sum(a == b for a, b in zip(g_tok, plain))
         bad |= not used_graphs or replays == 0 or dt == "float32" and (same != len(g_tok) or same_plain != len(g_tok))
         rows.append(dict(arch=arch, dtype=dt, verify_k=k, graphs_used=used_graphs, verify_replays=replays,
-                         identical=same, identical_to_plain=same_plain, graphs_s=g_s, eager_s=e_s))  # fmt: skip
+                         verify_steps=steps, identical=same, identical_to_plain=same_plain, graphs_s=g_s,
+                         eager_s=e_s))  # fmt: skip
         print(
-            f"{arch:<13} {dt:<9} k={k} graphs={used_graphs} verify replays {replays}: graphs == eager "
+            f"{arch:<13} {dt:<9} k={k} graphs={used_graphs} verify steps replayed {replays}/{steps}: graphs == eager "
             f"{same}/{len(g_tok)}, == no speculation {same_plain}/{len(g_tok)}; generate: graphs {g_s * 1e3:.0f} ms, "
             f"eager {e_s * 1e3:.0f} ms",
             flush=True,

@@ -6,7 +6,8 @@
 For each tiny architecture this runs 8 prompts (some repeating themselves, so n-gram lookups hit)
 x --tokens greedy tokens (EOS ignored) through `pdserve.LLM` without speculation (decode steps as CUDA
 graph replays, V4's compressors through the decode kernel), then the same engine with
-`speculative_config` for k = 1, 2, 3 (verify steps eager), each with two proposers:
+`speculative_config` for k = 1, 2, 3 (verify steps replay CUDA graphs where they fit:
+engine/cuda_graphs.py), each with two proposers:
 
 - `ngram`: the method users run (random weights accept few drafts);
 - `mixed`: the run without drafts' own tokens with one draft made wrong at a place cycling over

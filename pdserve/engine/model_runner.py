@@ -130,8 +130,9 @@ class ModelRunner:
             and self.tp.size == 1
             and getattr(model, "supports_cuda_graphs", False)
         )
-        max_bs, self.max_chunk, sizes = graph_ladder(config, model)  # max_chunk > 1: verify steps as decode rows
-        graph_rows = sizes[-1] if use_graphs else None  # the largest graph: the memory plan counts its rows
+        max_bs, max_chunk, as_chunks, rows = graph_ladder(config, model)
+        self.max_chunk = 1 if as_chunks else max_chunk  # > 1: verify steps as decode rows (V3), eager too
+        graph_rows = rows if use_graphs else None  # the largest graph: the memory plan counts its rows
         self.memory_figures: MemoryFigures | None = None  # the start-up plan's numbers (CUDA)
         if plans_memory(self.device):
             n = self._planned_blocks(specs, block_bytes, side_bytes, max_pos, graph_rows)
@@ -163,8 +164,9 @@ class ModelRunner:
                 scratch_block=self.num_kv_blocks,
                 scratch_window_block=self.num_window_blocks if self.num_window_blocks else -1,
                 scratch_state_slot=self.num_state_slots if self.num_state_slots else -1,
-                max_chunk=self.max_chunk,
+                max_chunk=max_chunk,
                 max_rows=config.max_num_batched_tokens,
+                as_chunks=as_chunks,
             )
             self.graphs.capture()
         self.eos_token_ids = set(model.config.eos_token_ids) | _ids(config.generation_config().get("eos_token_id"))
@@ -227,7 +229,7 @@ class ModelRunner:
         step, sampling = self.prepare(sched)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # per thread: the engine loop's thread starts on cuda:0
-        if self.graphs is not None and self.graphs.fits(step):  # decode and verify rows: every row samples
+        if self.graphs is not None and self.graphs.fits(step):  # decode and verify steps: every chunk samples
             hidden, last = self.graphs.run(step), torch.cumsum(step.lens, 0) - 1  # [T, hidden], [N]
         else:
             if self.ranks is not None:

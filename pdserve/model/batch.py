@@ -72,8 +72,8 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [T] int64, slot each token's KV record is written to
     seq_ids: torch.Tensor  # [T] int32, each token's sequence (row of block_tables)
     context_lens: torch.Tensor  # [T] int32, positions + 1: the keys 0..p a token attends to
-    decode_rows: torch.Tensor  # [T - Tp] int64, rows of one-token chunks (absorbed paged decode)
-    prefill: PrefillChunks | None  # chunks of more than one token; None when there are none
+    decode_rows: torch.Tensor  # [T - Tp] int64, rows of one-token chunks (absorbed paged decode; as_decode_rows: all)
+    prefill: PrefillChunks | None  # chunks of more than one token; None when there are none (or as_decode_rows)
     logits_indices: torch.Tensor  # [N] int64, rows of the hidden states to compute logits for
     starts: torch.Tensor  # [B] int64, tokens of each sequence already in the cache
     lens: torch.Tensor  # [B] int64, new tokens of each sequence (its rows, in order)

@@ -13,7 +13,7 @@ import torch
 
 from pdserve.config import resolve_model
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.cuda_graphs import CudaGraphRunner, context_buckets, graph_ladder, graph_sizes
+from pdserve.engine.cuda_graphs import CudaGraphRunner, context_buckets, graph_ladder, graph_shapes, graph_sizes
 from pdserve.model.batch import ForwardBatch, StepInputs
 from pdserve.model.kv_cache import KVCache
 from pdserve.model.loader import load_model
@@ -63,7 +63,7 @@ def test_padded_static_batch_gives_the_eager_rows(model):
     runner.replay = lambda key: runner.outputs.__setitem__(key, model.forward(runner.static_batch(*key), kv))
     assert runner.fits(decode)
     got = runner.run(decode)  # 3 rows padded to a graph of 4, contexts up to 8
-    assert list(runner.outputs) == [(4, 8)] and runner.outputs[4, 8].shape[0] == 4
+    assert list(runner.outputs) == [(4, 1, 8)] and runner.outputs[4, 1, 8].shape[0] == 4
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     written = torch.zeros(num_blocks, BS, dtype=torch.bool)  # the decode tokens' slots: 2*4+2, 0*4+3, 9*4+1
     written.view(-1)[[10, 3, 37]] = True
@@ -100,7 +100,7 @@ def test_verify_rows_give_the_eager_chunks_rows(model):
     runner.replay = lambda key: runner.outputs.__setitem__(key, model.forward(runner.static_batch(*key), kv))
     assert runner.fits(verify)
     got = runner.run(verify)  # 7 rows padded to a graph of 8
-    assert list(runner.outputs) == [(8, 16)]
+    assert list(runner.outputs) == [(8, 1, 16)]
     assert runner.seq_ids[:8].tolist() == [0, 0, 0, 0, 1, 2, 2, 7]  # the padding row: its own (scratch) table
     assert runner.positions[:7].tolist() == [6, 7, 8, 9, 3, 5, 6]
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
@@ -116,14 +116,14 @@ def test_the_ladder_and_the_memory_plan_cover_verify_graphs(model):
     drafts, B (k + 1) rows for B up to cuda_graph_max_bs, capped by the step's token budget; a
     model whose decode path is not per token keeps decode-only graphs."""
     cfg = dict(model=resolve_model("tiny:deepseek_v3"), max_num_seqs=64)
-    assert graph_ladder(EngineConfig(**cfg), model)[1:] == (1, graph_sizes(64))
+    assert graph_ladder(EngineConfig(**cfg), model)[1:] == (1, False, 64)
     spec = {"method": "ngram", "num_speculative_tokens": 3}
-    _, chunk, sizes = graph_ladder(EngineConfig(**cfg, speculative_config=spec), model)
-    assert chunk == 4 and sizes[-1] == 256 and {3, 12, 24, 128} <= set(sizes)
+    assert graph_ladder(EngineConfig(**cfg, speculative_config=spec), model)[1:] == (4, False, 256)
+    assert {(3, 1), (12, 1), (24, 1), (128, 1)} <= set(graph_shapes(64, 4))
     capped = EngineConfig(**cfg, speculative_config=spec, max_num_batched_tokens=100)
-    assert graph_ladder(capped, model)[2][-1] == 64
-    plain = type("DecodeOnly", (), {})()  # no verify_as_decode_rows
-    assert graph_ladder(EngineConfig(**cfg, speculative_config=spec), plain)[1:] == (1, graph_sizes(64))
+    assert graph_ladder(capped, model)[3] == 64
+    plain = type("DecodeOnly", (), {})()  # neither verify_as_decode_rows nor verify_as_chunks
+    assert graph_ladder(EngineConfig(**cfg, speculative_config=spec), plain)[1:] == (1, False, 64)
 
 
 def test_what_runs_eagerly(model):
@@ -176,7 +176,7 @@ def test_v4_padded_static_batch_gives_the_eager_rows(tmp_path, kv_cache_dtype):
     runner.replay = lambda key: runner.outputs.__setitem__(key, model.forward(runner.static_batch(*key), kv))
     assert runner.fits(decode)
     got = runner.run(decode)  # 3 rows padded to a graph of 4
-    assert list(runner.outputs) == [(4, 16)]
+    assert list(runner.outputs) == [(4, 1, 16)]
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     for name, region in kv.regions.items():
         n = region.shape[1] - 1  # the scratch is the last block / slot of its space
@@ -195,10 +195,11 @@ def test_static_batch_is_views_of_the_runner_buffers(model):
     from dataclasses import fields
 
     kv = KVCache(model.kv_cache_specs(), model.num_layers, 5, BS, torch.float32, "cpu")
-    runner = CudaGraphRunner(model, kv, max_bs=4, max_len=16, scratch_block=4)
+    runner = CudaGraphRunner(model, kv, max_bs=4, max_len=16, scratch_block=4, max_chunk=3, as_chunks=True)
     kept = {t.untyped_storage().data_ptr() for t in vars(runner).values() if isinstance(t, torch.Tensor)}
-    batch = runner.static_batch(2, 16)
-    for f in fields(batch):
-        value = getattr(batch, f.name)
-        if isinstance(value, torch.Tensor):
-            assert value.untyped_storage().data_ptr() in kept, f.name
+    for n in (1, 3):  # decode rows, and DeepSeek-V4's verify chunks (starts, state_dst)
+        batch = runner.static_batch(2, n, 16)
+        for f in fields(batch):
+            value = getattr(batch, f.name)
+            if isinstance(value, torch.Tensor):
+                assert value.untyped_storage().data_ptr() in kept, f.name

@@ -9,7 +9,8 @@ computed tokens, as rejected drafts' does in the engine; on a pool with per-sequ
 speed-up at an accept length L (tokens a verify step emits on average, 1 <= L <= k + 1) is
 computed, not measured: L x plain step / verify step. The engine is built with k's largest value as
 its speculative_config, so on CUDA a verify step replays a captured graph as a plain step does
-(engine/cuda_graphs.py: a chunk's tokens as decode rows); `graphed` says whether it did.
+(engine/cuda_graphs.py: V3's chunk tokens as decode rows, V4's equal chunks as chunk graphs);
+`graphed` says whether it did.
 """
 
 from __future__ import annotations

@@ -38,9 +38,15 @@ Module and parameter names are transformers' (model.layers.N.self_attn.compresso
 mlp.experts.gate_up_proj, attn_hc.fn, model.hc_head.hc_fn, ...), so a transformers-format
 checkpoint maps one to one; loader.py also maps DeepSeek's release names. With the MTP layer
 (`add_mtp`, speculative decoding's drafts: mtp.py) it is `model.mtp[0]` (the release's `mtp.0.*`),
-the KV pool gets one more layer (`num_layers` L + 1: its window records), `forward` keeps the
-step's residual streams before hc_head in `last_streams` (the layer's input, `mtp_source`), and
-decode steps run eagerly (a graph replay would not refresh them).
+the KV pool gets one more layer (`num_layers` L + 1: its window records) and `forward` keeps the
+step's residual streams before hc_head in `last_streams` (the layer's input, `mtp_source`; a CUDA
+graph's replay sets them to the graph's: engine/cuda_graphs.py).
+
+CUDA graphs: the forward never syncs with the host (step.py builds every index on the device from
+host ints; the routed experts run in one kernel a layer), so decode steps replay graphs, and so do
+speculative decoding's verify steps whose chunks all have the same length (`verify_as_chunks`:
+a chunk's tokens depend on each other through the window and the compressors' state, so they are
+captured as chunks, not as decode rows).
 
 Tensor parallelism (a TPGroup of size > 1) splits the query heads and output groups of attention
 and the experts' intermediate dim (attention.py, moe.py): two all-reduces a layer, as V3.
@@ -111,14 +117,11 @@ class DeepseekV4Model(nn.Module):
 
 class DeepseekV4ForCausalLM(nn.Module):
     supports_mtp = True  # add_mtp, forward_mtp, compute_mtp_logits, mtp_source
+    # graphs need a forward without host syncs: the pool path has none, and the routed experts
+    # run in one kernel a layer (fused_moe with V4's clamp, or fused_moe_fp4)
+    supports_cuda_graphs = True
+    verify_as_chunks = True  # verify steps of equal chunks replay graphs of chunks (engine/cuda_graphs.py)
     last_streams: torch.Tensor | None = None  # [T, N, hidden] of the last forward, with the MTP layer
-
-    @property
-    def supports_cuda_graphs(self) -> bool:
-        # decode graphs need a forward without host syncs: the pool path has none, and the routed
-        # experts run in one kernel a layer (fused_moe with V4's clamp, or fused_moe_fp4); with
-        # the MTP layer the drafts need each step's streams, which a replay does not keep
-        return self.mtp is None
 
     def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
@@ -173,7 +176,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         is `hidden`: that step's residual streams [T, N, hidden] before hc_head."""
         streams = self.last_streams
         if streams is None or streams.shape[0] != hidden.shape[0]:
-            raise RuntimeError("the MTP layer's input needs the last step's streams (an eager forward)")
+            raise RuntimeError("the MTP layer's input needs the last step's streams")
         return streams
 
     @torch.no_grad()

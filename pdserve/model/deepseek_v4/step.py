@@ -1,7 +1,9 @@
 """One DeepSeek-V4 forward's metadata (V4Step) over the paged pool: built on the device once per
 step from the ForwardBatch (block tables, window tables, state slots, starts and lengths) and read
 by every layer. Nothing goes to the host: the shapes come from host ints the batch already
-carries (T, B, `max_context`, whether any chunk is longer than one token).
+carries (T, B, `max_context`; T == B: every chunk is one token), so a step of either kind can be
+captured in a CUDA graph (engine/cuda_graphs.py: decode steps, and speculative decoding's verify
+steps of equal chunks).
 
 Legend: T tokens of the step (all sequences, flat), B sequences, n_b its tokens before the step,
 L_b its new ones, p a token's position, W sliding_window, bs tokens per block, m a compressor's
@@ -90,7 +92,7 @@ def build_step(
 ) -> V4Step:
     """The metadata of one forward over the batch's B sequences (on the batch's device)."""
     pos, seq = batch.positions, batch.seq_ids.long()
-    decode = batch.prefill is None  # every chunk one token: one group a sequence, no window gaps
+    decode = batch.num_tokens == batch.starts.shape[0]  # every chunk one token: one group a sequence, no window gaps
     step = V4Step(
         input_ids=batch.input_ids,
         positions=pos,
