@@ -181,23 +181,36 @@ def route(
 
 
 @triton.jit
-def _swiglu_clamped(gate_ptr, up_ptr, out_ptr, n, limit, BLOCK: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def swiglu_clamped(gate, up, limit, dt: tl.constexpr):
+    """silu(min(gate, limit)) * clamp(up, +-limit) of float32 values that hold dt's (the
+    projections' rounded outputs), rounded where PyTorch rounds; float32 (the GEMV's epilogue too)."""
+    g = tl.minimum(gate, limit)
+    u = tl.minimum(tl.maximum(up, -limit), limit)
+    silu = round_to(g * tl.sigmoid(g), dt)
+    return round_to(silu * u, dt)
+
+
+@triton.jit
+def _swiglu_clamped(gate_ptr, up_ptr, out_ptr, n, limit, s_gate, s_up, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = i < n
     dt = out_ptr.dtype.element_ty
-    g = tl.minimum(tl.load(gate_ptr + i, mask=ok, other=0.0).to(tl.float32), limit)
-    u = tl.load(up_ptr + i, mask=ok, other=0.0).to(tl.float32)
-    u = tl.minimum(tl.maximum(u, -limit), limit)
-    silu = round_to(g * tl.sigmoid(g), dt)
-    tl.store(out_ptr + i, round_to(silu * u, dt).to(dt), mask=ok)
+    g = tl.load(gate_ptr + row * s_gate + i, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + row * s_up + i, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * n + i, swiglu_clamped(g, u, limit, dt).to(dt), mask=ok)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """gate, up [..., I] (same shape and dtype) -> silu(min(gate, limit)) * clamp(up, +-limit)."""
+    """gate, up [..., I] (same shape and dtype; rows may be strided, as the two halves of one
+    [gate | up] GEMM's output are) -> silu(min(gate, limit)) * clamp(up, +-limit), contiguous."""
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"swiglu: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype}")
-    gate, up = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(gate)
+    I = gate.shape[-1]  # noqa: E741
+    g2, u2 = (t.reshape(-1, I) if I else t.reshape(0, 0) for t in (gate, up))
+    g2, u2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (g2, u2))
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if gate.numel():
-        _swiglu_clamped[(cdiv(gate.numel(), SWIGLU_BLOCK),)](gate, up, out, gate.numel(), limit, BLOCK=SWIGLU_BLOCK)
+        grid = (g2.shape[0], cdiv(I, SWIGLU_BLOCK))
+        _swiglu_clamped[grid](g2, u2, out, I, limit, g2.stride(0), u2.stride(0), BLOCK=SWIGLU_BLOCK)
     return out

@@ -222,6 +222,16 @@ def test_route_refuses_what_it_cannot_do():
         route(logits, 9, "sigmoid", 1.0, bias=torch.zeros(8, device=DEVICE))
 
 
+def test_swiglu_reads_the_halves_of_one_gemm(poisoned):
+    """gate and up as the two halves of one [T, 2I] output (a joined bf16 GEMM): strided rows."""
+    g = _gen("swiglu_halves")
+    y = (6 * torch.randn(5, 2 * 1031, generator=g)).to(torch.float16)
+    got = swiglu(*_dev(y[:, :1031], y[:, 1031:]), 4.0).cpu()
+    want = ref.swiglu_ref(y[:, :1031], y[:, 1031:], 4.0)
+    _close(got, want, torch.float16, "swiglu halves")
+    _mostly_equal(got, want)
+
+
 @pytest.mark.parametrize("shape", [(1, 64), (7, 33), (3, 5, 1031)])
 @pytest.mark.parametrize("dtype", [torch.float32, *LOW])
 def test_swiglu_matches_the_shared_expert(shape, dtype, poisoned):

@@ -24,16 +24,26 @@ scatter), so prefill, chunked prefill and decode give the same entries.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pdserve.model import ops
-from pdserve.model.deepseek_v4.layers import V4RMSNorm, normed_records, rope_tail, store_records
+from pdserve.model.deepseek_v4.layers import (
+    V4RMSNorm,
+    joined_rows,
+    normed_records,
+    rope_tail,
+    store_records,
+)
 from pdserve.model.deepseek_v4.step import EntryIndex
 from pdserve.model.fp8 import Block, linear
 
 
 class CompressedKV(nn.Module):
-    """kv_proj / gate_proj [C, hidden], position_bias [m, C] (float32), kv_norm [Dc]."""
+    """kv_proj / gate_proj [C, hidden], position_bias [m, C] (float32), kv_norm [Dc]. The loader
+    joins the two projections' rows (`joined`: one GEMM a step, `project`)."""
+
+    joined = ("kv_proj", "gate_proj")  # linears whose weights share one [2C, hidden] tensor
 
     def __init__(self, hidden: int, dim: int, rate: int, overlap: bool, eps: float) -> None:
         super().__init__()
@@ -61,14 +71,15 @@ class CompressedKV(nn.Module):
         plan, m, dim, C = ix.groups, self.rate, self.dim, self.width
         cos, sin = plan.rope
         if plan.start is not None and dst is None and ops.uses_triton(x):  # a decode step: one kernel, in place
-            kv, gate = self.kv_proj(x), self.gate_proj(x)
+            kv, gate = self.project(x)
             pooled = ops.compress_decode(kv, gate, states, slots, plan.start, self.position_bias, dim, self.overlap)
             normed_records(self.kv_norm, pooled, (cos, sin), entries, plan.slot)  # one kernel on a GPU
             return
         B, n = slots.shape[0], (self.rate - 1) * self.width
         rec = states[slots]  # [B, state_dim]
-        raw_kv = torch.cat([rec[:, :n].reshape(-1, C).to(x.dtype), self.kv_proj(x)])[plan.src]  # [U, m, C]
-        raw_gate = torch.cat([rec[:, n : 2 * n].reshape(-1, C).to(x.dtype), self.gate_proj(x)])[plan.src]
+        kv_x, gate_x = self.project(x)
+        raw_kv = torch.cat([rec[:, :n].reshape(-1, C).to(x.dtype), kv_x])[plan.src]  # [U, m, C]
+        raw_gate = torch.cat([rec[:, n : 2 * n].reshape(-1, C).to(x.dtype), gate_x])[plan.src]
         biased = (raw_gate + self.position_bias).masked_fill(~plan.present[..., None], float("-inf"))  # float32
         kv, gate, prev_kv, prev_gate = raw_kv, biased, None, None
         if self.overlap:
@@ -88,6 +99,15 @@ class CompressedKV(nn.Module):
         )  # norm + rope: one kernel
         dst = slots if dst is None else dst
         states.index_copy_(0, dst, self._record(plan, raw_kv, raw_gate, biased, prev_kv, prev_gate).to(states.dtype))
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_proj(x), gate_proj(x) [T, C]: one GEMM over both weights where the loader joined them
+        (`join_rows`; the two halves of its [T, 2C] output, row-strided views), else two."""
+        w = joined_rows(self.kv_proj.weight, self.gate_proj.weight)
+        if w is None:
+            return self.kv_proj(x), self.gate_proj(x)
+        y = F.linear(x, w)  # [T, 2C]
+        return y[:, : self.width], y[:, self.width :]
 
     def _record(self, plan, raw_kv, raw_gate, biased, prev_kv, prev_gate) -> torch.Tensor:
         """[B, state_dim]: each sequence's last group's first P rows (raw kv, raw gate; zero

@@ -7,7 +7,9 @@ DeepseekV4RMSNorm), unlike V3's. Rope rotates the *last* R dims of each vector a
 pairs (2i, 2i+1) and writes them back in place, so the layout stays [nope | rope].
 Each is one kernel on a GPU (`ops.rms_norm` / `ops.rope_tail`; references in
 kernels/ref_glue.py), and so is a norm whose output also goes to pool records (`normed_records`). `store_records` writes K = V records into a pool region of either kind: values [N, D], or
-"fp8_ds_v4" pages [blocks, records a block, bytes] (`--kv-cache-dtype fp8`).
+"fp8_ds_v4" pages [blocks, records a block, bytes] (`--kv-cache-dtype fp8`). Linears that read one
+input keep their weights as rows of one tensor (`join_rows`, at load), so one GEMM runs them
+(`joined_rows`).
 """
 
 from __future__ import annotations
@@ -67,3 +69,37 @@ def store_records(region: torch.Tensor, slots: torch.Tensor, values: torch.Tenso
         ops.store_kv_fp8_v4(region, slots, values, rope)
     else:
         region.index_copy_(0, slots, values.to(region.dtype))
+
+
+def join_rows(*linears: nn.Module) -> None:
+    """Re-seat the `weight`s of linears that read one input (same dtype, in-features and device)
+    as consecutive row slices of one [sum N, K] tensor, values kept: `joined_rows` then runs them
+    as one GEMM. The parameters keep their names and shapes (loaders, TP shards and dummy fills
+    write into them in place); a weight replaced later simply ends the sharing. FP8 weights stay
+    apart: their scales would not join (`ops.fp8_swiglu` reads the two)."""
+    weights = [m.weight for m in linears]
+    w0 = weights[0]
+    if w0.element_size() == 1 or any(
+        w.dim() != 2 or w.dtype != w0.dtype or w.shape[1] != w0.shape[1] or w.device != w0.device for w in weights
+    ):
+        return
+    joined = torch.cat([w.detach() for w in weights])  # [sum N, K]
+    start = 0
+    for m, w in zip(linears, weights):
+        m.weight = nn.Parameter(joined[start : start + w.shape[0]], requires_grad=w.requires_grad)
+        start += w.shape[0]
+
+
+def joined_rows(*weights: torch.Tensor) -> torch.Tensor | None:
+    """The [sum N, K] tensor whose consecutive row slices `weights` are (`join_rows`), or None."""
+    w0 = weights[0]
+    if w0.dim() != 2 or not w0.is_contiguous():
+        return None
+    at = w0.storage_offset()
+    for w in weights:
+        if w.untyped_storage().data_ptr() != w0.untyped_storage().data_ptr() or not w.is_contiguous():
+            return None
+        if w.dtype != w0.dtype or w.shape[1] != w0.shape[1] or w.storage_offset() != at:
+            return None
+        at += w.numel()
+    return w0.as_strided((sum(w.shape[0] for w in weights), w0.shape[1]), w0.stride())
