@@ -231,11 +231,13 @@ def fp8_swiglu(
     limit: float,
     block: tuple[int, int] = (128, 128),
     config: Config | None = None,
+    joined: tuple[torch.Tensor, torch.Tensor] | None = None,  # (weight [2I, K], scales): gate's rows, then up's
 ) -> torch.Tensor:
     """swiglu(x G^T, x U^T) [M, I] clamped at `limit` (V4's shared expert, glue.swiglu's math): at
     decode M (the GEMV's) one launch, both weights streamed by the same programs and the SwiGLU in
-    its epilogue; else the two linears and glue.swiglu. Reference: the two `ref_fp8.fp8_linear_ref`
-    then `ref_glue.swiglu_ref`."""
+    its epilogue; else one linear over `joined` (the two weights as rows of one, scale blocks
+    lined up) or the two linears, then glue.swiglu on the halves. Reference: the two
+    `ref_fp8.fp8_linear_ref` then `ref_glue.swiglu_ref`."""
     if x.dim() != 2:
         raise ValueError(f"x must be [M, K], got {tuple(x.shape)}")
     for w, s in (gate, up):
@@ -247,6 +249,9 @@ def fp8_swiglu(
     gemv = configs.fp8_gemv_config(capability(x.device), x.shape[0], x.dtype) if config is None else config
     if isinstance(gemv, configs.Fp8GemvConfig) and x.shape[0] > 0:
         return fp8_gemv(x, *gate, block, config=gemv, up=up, swiglu_limit=limit)
+    if joined is not None:
+        y = _linear(x, *joined, block, None, config)
+        return swiglu(y[:, : gate[0].shape[0]], y[:, gate[0].shape[0] :], limit)
     return swiglu(_linear(x, *gate, block, None, config), _linear(x, *up, block, None, config), limit)
 
 

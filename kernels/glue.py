@@ -6,7 +6,8 @@ kernels/ref_glue.py computes them; 4-12 launches of PyTorch each otherwise):
   - `route`: the router after its GEMM: scores (sqrt-softplus or sigmoid), the top-k of scores +
     bias (ties: the lowest expert id) or the hash table's row, the chosen scores normalized and
     scaled, BLOCK_T tokens a program;
-  - `swiglu`: the shared expert's clamped SwiGLU.
+  - `swiglu`: the shared expert's clamped SwiGLU (gate and up may be the row-strided halves of one
+    GEMM's output); `swiglu_clamped`, its arithmetic, is also the FP8 GEMV's SwiGLU epilogue.
 
 Legend: T tokens (rows), D features, R rope dims (trailing), E experts, k experts a token.
 """

@@ -6,7 +6,9 @@ and `hc_post_ref` compute them, ~20 launches of PyTorch a hyper-connection other
      the RMSNorm of the flattened streams is a per-token factor, applied in step 2.
   2. `_hc_pre`: one program a token: the partials summed, the gates and Sinkhorn-Knopp (as
      hyper.py's hc_mix), the streams collapsed by `pre` and, when given, the block's input
-     RMSNorm; writes post [T, N], comb [T, N, N] and the block input [T, D].
+     RMSNorm; writes post [T, N], comb [T, N, N] and the block input [T, D]. Up to FUSE_T tokens
+     (a one-sequence decode step) the projection's last split to arrive (an arrival counter, as
+     the FP8 GEMV's) does this itself: two launches become one.
   3. `_hc_post`: the new streams post * out + comb^T @ h, over (token block, D block) tiles, rounded
      where PyTorch rounds (the products and the matmul in h's dtype, then their sum).
 
@@ -20,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve_kernels._launch import cdiv, next_pow2
+from pdserve_kernels._launch import arrival_counters, cdiv, next_pow2
 from pdserve_kernels.glue import round_to
 
 BLOCK_T, BLOCK_K = 16, 64  # projection tile (tl.dot's smallest M is 16)
@@ -28,11 +30,18 @@ PRE_D, PRE_WARPS = 1024, 8  # features a `_hc_pre` loop iteration: one program a
 BLOCK_D = 256  # a `_hc_post` tile's N x features
 POST_T = 4  # tokens a `_hc_post` tile
 PROGRAMS = 256  # projection programs to aim for (K splits x token blocks)
+# up to this many tokens the projection's last split to arrive runs `_hc_pre`'s work itself (one
+# launch, not two: a decode step of one sequence); its one program walks the tokens in turn, so
+# more tokens take the separate kernel's program a token
+FUSE_T = 1
 
 
 @triton.jit
-def _hc_project(h_ptr, fn_ptr, dots_ptr, sq_ptr, T, K: tl.constexpr, K_SPLIT: tl.constexpr, M: tl.constexpr,
-             MP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+def _hc_project(h_ptr, fn_ptr, dots_ptr, sq_ptr, cnt_ptr, base_ptr, scale_ptr, w_ptr, post_ptr, comb_ptr, x_ptr,
+             T, norm_eps, hc_eps, out_eps, K: tl.constexpr, K_SPLIT: tl.constexpr, M: tl.constexpr,
+             MP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, FUSED: tl.constexpr,
+             N: tl.constexpr, D: tl.constexpr, SP: tl.constexpr, ITERS: tl.constexpr, BLOCK_D: tl.constexpr,
+             HEAD: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     s = tl.program_id(1)
     m = tl.arange(0, MP)
@@ -50,26 +59,53 @@ def _hc_project(h_ptr, fn_ptr, dots_ptr, sq_ptr, T, K: tl.constexpr, K_SPLIT: tl
     rows = s * T + t.to(tl.int64)
     tl.store(dots_ptr + rows[:, None] * MP + m[None, :], acc, mask=t_ok[:, None])
     tl.store(sq_ptr + rows, sq, mask=t_ok)
+    if FUSED > 0:  # the last split to arrive runs `_hc_pre`'s work for the step's FUSED tokens
+        S = tl.num_programs(1)
+        tl.debug_barrier()  # every thread's partial stores before the counter's release
+        arrived = tl.atomic_add(cnt_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+        if arrived == S - 1:
+            for i in tl.static_range(FUSED):  # FUSED <= BLOCK_T tokens: the whole step
+                tok = tl.program_id(0) * BLOCK_T + i
+                if tok < T:
+                    _pre_token(tok.to(tl.int64), h_ptr, dots_ptr, sq_ptr, base_ptr, scale_ptr, w_ptr, post_ptr,
+                               comb_ptr, x_ptr, T, S, norm_eps, hc_eps, out_eps, N, D, MP, SP, ITERS, BLOCK_D,
+                               HEAD, NORM, ".cg")  # fmt: skip
+            tl.atomic_xchg(cnt_ptr + tl.program_id(0), 0, sem="relaxed", scope="gpu")  # zero for the next launch
 
 
 @triton.jit
 def _hc_pre(h_ptr, dots_ptr, sq_ptr, base_ptr, scale_ptr, w_ptr, post_ptr, comb_ptr, x_ptr, T, S,
          norm_eps, hc_eps, out_eps, N: tl.constexpr, D: tl.constexpr, MP: tl.constexpr, SP: tl.constexpr,
          ITERS: tl.constexpr, BLOCK_D: tl.constexpr, HEAD: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
-    t = tl.program_id(0).to(tl.int64)
+    _pre_token(tl.program_id(0).to(tl.int64), h_ptr, dots_ptr, sq_ptr, base_ptr, scale_ptr, w_ptr, post_ptr,
+               comb_ptr, x_ptr, T, S, norm_eps, hc_eps, out_eps, N, D, MP, SP, ITERS, BLOCK_D, HEAD, NORM, "")  # fmt: skip
+
+
+@triton.jit
+def _pre_token(t, h_ptr, dots_ptr, sq_ptr, base_ptr, scale_ptr, w_ptr, post_ptr, comb_ptr, x_ptr, T, S,
+               norm_eps, hc_eps, out_eps, N: tl.constexpr, D: tl.constexpr, MP: tl.constexpr, SP: tl.constexpr,
+               ITERS: tl.constexpr, BLOCK_D: tl.constexpr, HEAD: tl.constexpr, NORM: tl.constexpr,
+               CACHE: tl.constexpr):  # fmt: skip
+    """Token t's gates, Sinkhorn mix and block input from the S partials (CACHE ".cg": partials
+    other programs of this launch wrote, read past the L1)."""
     s = tl.arange(0, SP)
     n = tl.arange(0, N)
     s_ok = s < S
     rows = dots_ptr + (s * T + t) * MP  # [SP] this token's partial rows
-    r = tl.rsqrt(tl.sum(tl.load(sq_ptr + s * T + t, mask=s_ok, other=0.0), axis=0) / (N * D) + norm_eps)
-    pre = tl.sum(tl.load(rows[:, None] + n[None, :], mask=s_ok[:, None], other=0.0), axis=0) * r
+    r = tl.sum(tl.load(sq_ptr + s * T + t, mask=s_ok, other=0.0, cache_modifier=CACHE), axis=0)
+    r = tl.rsqrt(r / (N * D) + norm_eps)
+    pre = tl.sum(tl.load(rows[:, None] + n[None, :], mask=s_ok[:, None], other=0.0, cache_modifier=CACHE), axis=0) * r
     pre = tl.sigmoid(pre * tl.load(scale_ptr) + tl.load(base_ptr + n)) + hc_eps  # [N]
     if not HEAD:
-        post = tl.sum(tl.load(rows[:, None] + N + n[None, :], mask=s_ok[:, None], other=0.0), axis=0) * r
+        post = tl.load(rows[:, None] + N + n[None, :], mask=s_ok[:, None], other=0.0, cache_modifier=CACHE)
+        post = tl.sum(post, axis=0) * r
         post = 2.0 * tl.sigmoid(post * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + n))
         tl.store(post_ptr + t * N + n, post)
         ij = n[:, None] * N + n[None, :]  # [N, N]: row i, column j
-        c = tl.sum(tl.load(rows[:, None, None] + 2 * N + ij[None, :, :], mask=s_ok[:, None, None], other=0.0), axis=0)
+        c = tl.load(
+            rows[:, None, None] + 2 * N + ij[None, :, :], mask=s_ok[:, None, None], other=0.0, cache_modifier=CACHE
+        )
+        c = tl.sum(c, axis=0)
         c = c * r * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * N + ij)
         c = tl.exp(c - tl.max(c, axis=1)[:, None])
         comb = c / tl.sum(c, axis=1)[:, None] + hc_eps  # softmax over j, + eps
@@ -154,16 +190,18 @@ def hc_pre(
     x = h.new_empty(T, D)
     if T == 0:
         return post, comb, x
-    _hc_project[(tblocks, splits)](
-        h, fn, dots, sq, T, K=K, K_SPLIT=k_split, M=M, MP=MP, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K
-    )
     norm = norm_weight is not None
-    _hc_pre[(T,)](
-        h, dots, sq, base, scale, norm_weight if norm else base, post if post is not None else sq,
-        comb if comb is not None else sq, x, T, splits, norm_eps, hc_eps, out_eps, N=N, D=D, MP=MP,
-        SP=next_pow2(splits), ITERS=max(iters, 1), BLOCK_D=min(PRE_D, next_pow2(D)), HEAD=head, NORM=norm,
-        num_warps=PRE_WARPS,
+    outs = (norm_weight if norm else base, post if post is not None else sq, comb if comb is not None else sq, x)
+    pre = dict(N=N, D=D, MP=MP, SP=next_pow2(splits), ITERS=max(iters, 1), BLOCK_D=min(PRE_D, next_pow2(D)),
+               HEAD=head, NORM=norm)  # fmt: skip
+    fused = T <= FUSE_T
+    cnt = arrival_counters(h.device, tblocks, "hc_pre") if fused else sq
+    _hc_project[(tblocks, splits)](
+        h, fn, dots, sq, cnt, base, scale, *outs, T, norm_eps, hc_eps, out_eps, K=K, K_SPLIT=k_split, M=M,
+        BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, FUSED=FUSE_T if fused else 0, **pre, num_warps=PRE_WARPS if fused else 4,
     )  # fmt: skip
+    if not fused:
+        _hc_pre[(T,)](h, dots, sq, base, scale, *outs, T, splits, norm_eps, hc_eps, out_eps, **pre, num_warps=PRE_WARPS)
     return post, comb, x
 
 

@@ -97,15 +97,16 @@ def compress_decode(kv, gate, states, slots, positions, position_bias, dim: int,
     return kernel(kv, gate, states, slots, positions, position_bias, dim, overlap)
 
 
-def fp8_swiglu(x, gate, up, limit: float, block: tuple[int, int]):
+def fp8_swiglu(x, gate, up, limit: float, block: tuple[int, int], joined=None):
     """swiglu(x @ gate^T, x @ up^T, limit) [..., I], gate / up = (e4m3 weight [I, K], its block
     scales): at decode rows one kernel on a GPU (kernels/fp8_gemm.py's fp8_swiglu: the FP8 GEMV
-    with the SwiGLU in its epilogue); else two FP8 linears and the SwiGLU."""
+    with the SwiGLU in its epilogue); else one FP8 linear over `joined` (both weights as rows of
+    one, with their scales) or two, and the SwiGLU."""
     x2 = x.reshape(-1, x.shape[-1])
     if _triton(x):
         from pdserve_kernels.fp8_gemm import fp8_swiglu as kernel
 
-        y = kernel(x2 if x2.stride(-1) == 1 else x2.contiguous(), gate, up, limit, block)
+        y = kernel(x2 if x2.stride(-1) == 1 else x2.contiguous(), gate, up, limit, block, joined=joined)
     else:
         from pdserve_kernels.ref_fp8 import fp8_linear_ref
 

@@ -154,16 +154,19 @@ def test_swiglu_pair_matches_reference(M, I, K, block, mode, dtype):  # noqa: E7
 
 
 def test_swiglu_pair_above_the_gemv_rows():
-    """Past the GEMV's rows fp8_swiglu takes the two GEMMs and the SwiGLU kernel: the same values."""
-    M, I, K, block, dtype, limit = 19, 40, 64, (32, 32), torch.float32, 0.7
+    """Past the GEMV's rows fp8_swiglu takes the GEMM on the joined [gate; up] rows (or on each)
+    and the SwiGLU kernel on the halves: the same values."""
+    M, I, K, block, dtype, limit = 19, 64, 64, (32, 32), torch.float32, 0.7
     gen = torch.Generator().manual_seed(seed_of("swiglu_gemm"))
     gate, up = weights(I, K, block, gen), weights(I, K, block, gen)
+    joined = torch.cat([gate[0], up[0]]), torch.cat([gate[1], up[1]])
     x = torch.randn(M, K, generator=gen).to(DEVICE, dtype)
     cfg = configs.Fp8GemmConfig(16, 32, 32, 4, 1)
-    with poisoned_empty():
-        y = fp8_swiglu(x, gate, up, limit, block, config=cfg)
     g, u = (ref_fp8.fp8_linear_ref(x.double(), *w, block) for w in (gate, up))
-    check(y, torch.nn.functional.silu(g.clamp(max=limit)) * u.clamp(-limit, limit), cfg, dtype)
+    for j in (None, joined):
+        with poisoned_empty():
+            y = fp8_swiglu(x, gate, up, limit, block, config=cfg, joined=j)
+        check(y, torch.nn.functional.silu(g.clamp(max=limit)) * u.clamp(-limit, limit), cfg, dtype)
     with pytest.raises(ValueError, match="must match"):
         fp8_swiglu(x, gate, (up[0][:-1], up[1]), limit, block)
 

@@ -84,6 +84,29 @@ def test_hc_pre_matches_the_module(T, N, D, dtype, norm, poisoned):
         _close(a, b, b.dtype if name == "input" else torch.float32, name)
 
 
+def test_hc_pre_of_one_token_is_one_launch_and_replays(poisoned, monkeypatch):
+    """A one-token step (mhc.FUSE_T): the projection's last split to arrive runs the pre-mix, so
+    `_hc_pre` is not launched; its arrival counter is zero again, so a second call (a graph
+    replay) is right too."""
+    from pdserve_kernels import _launch, mhc
+
+    class NotLaunched:
+        def __getitem__(self, grid):
+            raise AssertionError("_hc_pre launched for one token")
+
+    monkeypatch.setattr(mhc, "_hc_pre", NotLaunched())
+    g, N, D = _gen("hc_pre_one"), 4, 72
+    fn, base = 0.2 * torch.randn(24, N * D, generator=g), 0.5 * torch.randn(24, generator=g)
+    scale, w = 1 + torch.rand(3, generator=g), 1 + 0.2 * torch.randn(D, generator=g)
+    for _ in range(2):
+        h = torch.randn(1, N, D, generator=g).to(torch.bfloat16)
+        got = hc_pre(*_dev(h, fn, base, scale), 20, 1e-6, 1e-6, *_dev(w), 1e-5)
+        want = ref.hc_pre_ref(h, fn, base, scale, 20, 1e-6, 1e-6, w, 1e-5)
+        for name, a, b in zip(("post", "comb", "input"), got, want):
+            _close(a, b, b.dtype if name == "input" else torch.float32, name)
+    assert not _launch.arrival_counters(torch.device(DEVICE), 1, "test").any()
+
+
 @pytest.mark.parametrize("T,N,D", [(1, 4, 64), (7, 4, 45)])
 def test_hc_pre_of_the_head_has_pre_gates_only(T, N, D, poisoned):
     g = _gen("head", T, N, D)

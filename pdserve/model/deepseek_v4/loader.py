@@ -240,9 +240,10 @@ def _check_unused_scales(names: dict[str, str], files) -> None:
 def materialize(model: DeepseekV4ForCausalLM, dtype: torch.dtype, device: torch.device) -> None:
     """Every meta parameter becomes an uninitialized one in its final dtype (float32 for the
     parameters transformers keeps in float32; packed FP4, FP8 and their scales keep theirs) and
-    device; buffers keep their dtype. The linears a module names in `joined` (a compressor's kv_proj
-    and gate_proj, a bf16 shared expert's gate_proj and up_proj) get their weights as row slices
-    of one tensor (`layers.join_rows`), under their own names."""
+    device; buffers keep their dtype. The linears a module names in `joined` (projections of one
+    input: a compressor's kv_proj and gate_proj, with a CSA's indexer's and its weights_proj;
+    attention's q_a_proj and kv_proj; a shared expert's gate_proj and up_proj) get their weights
+    (FP8: and scales) as row slices of one tensor (`layers.join_rows`), under their own names."""
     for mod_name, mod in model.named_modules():
         for pname, p in list(mod._parameters.items()):
             full = f"{mod_name}.{pname}" if mod_name else pname
@@ -257,7 +258,7 @@ def materialize(model: DeepseekV4ForCausalLM, dtype: torch.dtype, device: torch.
             mod._buffers[bname] = torch.zeros(b.shape, dtype=b.dtype, device=device)
     for mod in model.modules():  # projections of one input: rows of one tensor, one GEMM
         if getattr(mod, "joined", None):
-            join_rows(*(getattr(mod, name) for name in mod.joined))
+            join_rows(*(mod.get_submodule(name) for name in mod.joined))
     model.tie_weights()
 
 

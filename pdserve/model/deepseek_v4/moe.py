@@ -26,7 +26,7 @@ from torch import nn
 from pdserve.distributed.group import TPGroup
 from pdserve.model import ops
 from pdserve.model.config import ModelConfig
-from pdserve.model.deepseek_v4.layers import joined_rows
+from pdserve.model.deepseek_v4.layers import joined_outputs, joined_weights
 from pdserve.model.fp4 import FP4_BLOCK, frag_experts
 from pdserve.model.fp8 import Block
 from pdserve.model.parallel import ColumnParallelLinear, RowParallelLinear, shard_expert, shard_stacked_experts
@@ -153,10 +153,10 @@ class Experts(nn.Module):
 class SharedExpert(nn.Module):
     """Under TP: intermediate dim split, output a partial sum (no all-reduce of its own). FP8
     (`fp8_block`) as the checkpoint ships it: gate, up and the clamped SwiGLU are one GEMV at
-    decode rows (`ops.fp8_swiglu`); bf16: the loader joins the gate and up rows (`joined`), one
-    GEMM for both, then the SwiGLU kernel on its two halves."""
+    decode rows (`ops.fp8_swiglu`). The loader joins the gate and up rows (`joined`): past the
+    GEMV's rows, and in bf16, one GEMM runs both, then the SwiGLU kernel on its two halves."""
 
-    joined = ("gate_proj", "up_proj")  # linears whose weights share one [2I, hidden] tensor (not FP8)
+    joined = ("gate_proj", "up_proj")  # linears whose weights share one [2I, hidden] tensor
 
     def __init__(self, hidden: int, inter: int, limit: float, tp: TPGroup, fp8_block: Block | None = None) -> None:
         super().__init__()
@@ -171,14 +171,10 @@ class SharedExpert(nn.Module):
     def act(self, x: torch.Tensor) -> torch.Tensor:
         """swiglu(gate_proj(x), up_proj(x)) [T, I] (this rank's I)."""
         gate, up = self.gate_proj, self.up_proj
-        if gate.fp8_block is not None:
+        if gate.fp8_block is not None:  # the joined rows (if any) serve the GEMM path past the GEMV's rows
             w = (gate.weight, gate.weight_scale_inv), (up.weight, up.weight_scale_inv)
-            return ops.fp8_swiglu(x, *w, self.limit, gate.fp8_block)
-        w = joined_rows(gate.weight, up.weight)
-        if w is None:
-            return ops.swiglu(gate(x), up(x), self.limit)
-        y = F.linear(x, w)  # [T, 2I]
-        return ops.swiglu(y[..., : gate.n], y[..., gate.n :], self.limit)
+            return ops.fp8_swiglu(x, *w, self.limit, gate.fp8_block, joined=joined_weights(gate, up))
+        return ops.swiglu(*joined_outputs(x, gate, up), self.limit)
 
 
 class V4MoE(nn.Module):
