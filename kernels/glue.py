@@ -111,7 +111,7 @@ def rms_norm_rope(
 
 
 @triton.jit
-def _route_topk(logits_ptr, bias_ptr, table_ptr, ids_in_ptr, w_ptr, ids_ptr, T, scaling, E: tl.constexpr,
+def _route_topk(logits_ptr, bias_ptr, table_ptr, ids_in_ptr, w_ptr, ids_ptr, T, scaling, s_logit, E: tl.constexpr,
            EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr,
            SQRT_SOFTPLUS: tl.constexpr, HASH: tl.constexpr):  # fmt: skip
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
@@ -119,7 +119,7 @@ def _route_topk(logits_ptr, bias_ptr, table_ptr, ids_in_ptr, w_ptr, ids_ptr, T, 
     kk = tl.arange(0, KP)
     t_ok = t < T
     dt = w_ptr.dtype.element_ty
-    logit = tl.load(logits_ptr + t[:, None] * E + e[None, :], mask=t_ok[:, None] & (e < E)[None, :], other=0.0)
+    logit = tl.load(logits_ptr + t[:, None] * s_logit + e[None, :], mask=t_ok[:, None] & (e < E)[None, :], other=0.0)
     logit = logit.to(tl.float32)
     if SQRT_SOFTPLUS:  # softplus = log1p(exp(x)) (x itself above 20), rounded; then its sqrt, rounded
         y = tl.exp(logit)
@@ -156,7 +156,7 @@ def _route_topk(logits_ptr, bias_ptr, table_ptr, ids_in_ptr, w_ptr, ids_ptr, T, 
 
 
 def route(
-    logits: torch.Tensor,  # [T, E] contiguous, the model dtype
+    logits: torch.Tensor,  # [T, E] the model dtype, rows may be strided (a joined GEMM's)
     top_k: int,
     scoring: str,
     scaling: float,
@@ -169,13 +169,14 @@ def route(
     T, E = logits.shape
     if scoring not in ("sqrtsoftplus", "sigmoid") or (table is None) == (bias is None) or top_k > E:
         raise ValueError(f"route: scoring {scoring!r}, top_k {top_k} of {E}, and either a bias or a hash table")
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     weights = logits.new_empty(T, top_k)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
     if T:
         hashed = table is not None
         _route_topk[(cdiv(T, ROUTE_T),)](
-            logits.contiguous(), bias if not hashed else logits, table if hashed else ids,
-            input_ids if hashed else ids, weights, ids, T, scaling, E=E, EP=next_pow2(E), K=top_k,
+            logits, bias if not hashed else logits, table if hashed else ids,
+            input_ids if hashed else ids, weights, ids, T, scaling, logits.stride(0), E=E, EP=next_pow2(E), K=top_k,
             KP=next_pow2(top_k), BLOCK_T=ROUTE_T, SQRT_SOFTPLUS=scoring == "sqrtsoftplus", HASH=hashed,
         )  # fmt: skip
     return weights, ids

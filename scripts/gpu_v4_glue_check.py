@@ -176,8 +176,9 @@ def launch_cut_cases(T: int, g: torch.Generator, dev: str):
     """Launches cut from the step (docs/kernels.md's launch table) against the code they replaced:
     the shared expert's gate + up + SwiGLU as one FP8 GEMV (two GEMVs and the SwiGLU kernel before;
     past 16 rows both are the same code) or, bf16, one GEMM on the joined [gate; up] rows and the
-    SwiGLU on its halves; a CSA compressor's kv_proj + gate_proj as one GEMM; the routed experts'
-    top-k sum and cast (after an FP4 MoE's 2-way split w2) in one kernel."""
+    SwiGLU on its halves; a CSA compressor's kv_proj + gate_proj as one GEMM; a bf16 MoE's router
+    and shared gate + up as one GEMM; the routed experts' top-k sum and cast (after an FP4 MoE's
+    2-way split w2) in one kernel."""
     from pdserve_kernels.fp8_gemm import fp8_linear, fp8_swiglu
     from pdserve_kernels.fused_moe import sum_pairs
 
@@ -187,12 +188,23 @@ def launch_cut_cases(T: int, g: torch.Generator, dev: str):
     wg, wu = ((D**-0.5 * torch.randn(I, D, generator=g)).to(dev, bf) for _ in "gu")
     wgu = torch.cat([wg, wu])
     wkv = (0.02 * torch.randn(2 * 1024, D, generator=g)).to(dev, bf)  # CSA: kv_proj rows, then gate_proj rows
+    wr, bias = (D**-0.5 * torch.randn(E, D, generator=g)).to(dev, bf), (0.3 * torch.randn(E, generator=g)).to(dev)
+    wrgu = torch.cat([wr, wg, wu])  # bf16 MoE: the router's rows, then the shared expert's gate and up
     part = torch.randn(2, T * K, D, generator=g).to(dev)
     one = lambda n: lambda a, b: [compare(n, a, b, bf)]  # noqa: E731
     # on a GPU the fused GEMV's sums and roundings are the two GEMVs' (the same splits, round to
     # nearest): equal bits but for a rare contraction; the interpreter's casts truncate in the
     # GEMVs it replaced, so on the CPU smoke run only the two-ulp bound holds
     pair = lambda a, b: [compare("fp8_swiglu", a, b, bf, 1.0 if dev == "cpu" else 0.01)]  # noqa: E731
+
+    def moe_in(y_r, y_g, y_u):
+        return (*route(y_r, K, "sqrtsoftplus", 1.5, bias=bias), swiglu(y_g, y_u, limit))
+
+    def moe_in_cmp(a, b):
+        same = torch.equal(a[1].sort(1).values, b[1].sort(1).values)
+        wa, wb = a[0].gather(1, a[1].argsort(1)), b[0].gather(1, b[1].argsort(1))
+        return [{"check": "router+shared.ids", "ok": same}, compare("router+shared.weights", wa, wb, bf),
+                compare("router+shared.swiglu", a[2], b[2], bf)]  # fmt: skip
 
     def kv_gate_cmp(a, b):
         return [compare("compressor.kv", a[0], b[0], bf), compare("compressor.gate", a[1], b[1], bf)]
@@ -205,6 +217,9 @@ def launch_cut_cases(T: int, g: torch.Generator, dev: str):
          lambda: swiglu(F.linear(x, wg), F.linear(x, wu), limit), one("joined_swiglu")),
         ("CSA compressor kv_proj + gate_proj: one GEMM", lambda: (lambda y: (y[:, :1024], y[:, 1024:]))(F.linear(x, wkv)),
          lambda: (F.linear(x, wkv[:1024]), F.linear(x, wkv[1024:])), kv_gate_cmp),
+        ("bf16 router + shared gate + up: one GEMM, route + SwiGLU on its slices",
+         lambda: (lambda y: moe_in(y[:, :E], y[:, E : E + I], y[:, E + I :]))(F.linear(x, wrgu)),
+         lambda: moe_in(F.linear(x, wr), F.linear(x, wg), F.linear(x, wu)), moe_in_cmp),
         ("MoE top-k sum + cast (2 splits, k 6)", lambda: sum_pairs(part, K, bf),
          lambda: part.view(2, T, K, D).sum((0, 2)).to(bf), one("sum_pairs")),
     ]  # fmt: skip

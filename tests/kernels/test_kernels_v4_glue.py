@@ -200,6 +200,19 @@ def test_route_topk_matches_the_router(T, E, k, dtype, scoring, poisoned):
     torch.testing.assert_close(w.gather(1, order), want_w.gather(1, want_order), rtol=ULP[dtype], atol=0)
 
 
+def test_route_reads_the_logits_of_a_joined_gemm(poisoned):
+    """The router's logits as the first E columns of one wider GEMM output (router and shared
+    expert joined): strided rows give the same choice and weights as the contiguous logits."""
+    g = _gen("route_joined")
+    wide = _logits(g, 5, 37 + 64, torch.float32)
+    bias = 0.3 * torch.randn(37, generator=g)
+    got = route(*_dev(wide[:, :37]), 3, "sqrtsoftplus", 2.5, bias=bias.to(DEVICE))
+    want = route(*_dev(wide[:, :37].contiguous()), 3, "sqrtsoftplus", 2.5, bias=bias.to(DEVICE))
+    assert torch.equal(got[1].cpu(), want[1].cpu()) and torch.equal(got[0].cpu(), want[0].cpu())
+    ref_w, ref_ids = ref.route_ref(wide[:, :37], 3, "sqrtsoftplus", 2.5, bias=bias)
+    assert torch.equal(got[1].cpu().sort(1).values, ref_ids.sort(1).values)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_route_ties_pick_the_lowest_expert_ids(dtype):
     """Equal scores + bias: the kernel takes the lowest ids (torch.topk leaves the choice open),

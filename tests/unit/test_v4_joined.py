@@ -91,3 +91,6 @@ def test_materialized_v4_joins_its_pairs(tmp_path):
         assert joined_weights(shared.gate_proj, shared.up_proj) is not None
         fp8 = layer.self_attn.q_a_proj.weight.dtype == torch.float8_e4m3fn
         assert fp8 == (quant == "fp8")
+        # bf16 shared experts join the router's rows too (one GEMM: logits, gate, up); FP8 ones cannot
+        router_joined = joined_weights(layer.mlp.gate, shared.gate_proj, shared.up_proj) is not None
+        assert router_joined == (not fp8)

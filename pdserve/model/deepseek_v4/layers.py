@@ -80,6 +80,8 @@ def join_rows(*linears: nn.Module) -> None:
     and shapes (loaders, TP shards and dummy fills write into them in place); a weight replaced
     later simply ends the sharing."""
     w0 = linears[0].weight
+    if joined_weights(*linears) is not None:  # already rows of one tensor (a wider join holds them)
+        return
     if any(m.weight.dim() != 2 or m.weight.dtype != w0.dtype or m.weight.shape[1] != w0.shape[1] for m in linears):
         return
     if any(m.weight.device != w0.device or getattr(m, "bias", None) is not None for m in linears):

@@ -53,7 +53,10 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden], input_ids [T] -> weights [T, k], expert ids [T, k]."""
-        logits = F.linear(x, self.weight)  # [T, E]
+        return self.route(F.linear(x, self.weight), input_ids)
+
+    def route(self, logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [T, E] (rows may be strided: a joined GEMM's) -> weights [T, k], expert ids [T, k]."""
         if self.hashed:  # scoring, top-k or hash rows, normalization: one kernel on a GPU
             return ops.route(logits, self.top_k, self.scoring, self.scaling, table=self.tid2eid, input_ids=input_ids)
         bias = self.e_score_correction_bias
@@ -178,7 +181,11 @@ class SharedExpert(nn.Module):
 
 
 class V4MoE(nn.Module):
-    """gate (Router), experts, shared_experts: the checkpoint's names under `mlp.`."""
+    """gate (Router), experts, shared_experts: the checkpoint's names under `mlp.`. The router and
+    the shared expert read the same x: with weights of one dtype (bf16; not FP8 shared experts)
+    the loader joins their rows (`joined`) and one GEMM gives the logits, gate and up."""
+
+    joined = ("gate", "shared_experts.gate_proj", "shared_experts.up_proj")
 
     def __init__(self, config: ModelConfig, layer_idx: int, tp: TPGroup | None = None) -> None:
         super().__init__()
@@ -196,5 +203,11 @@ class V4MoE(nn.Module):
     def parts(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The routed and the shared experts' outputs [T, hidden] (this rank's partial sums under
         TP), for a caller that adds them itself (one TP rank: in hc_post's kernel)."""
-        weights, ids = self.gate(x, input_ids)
-        return self.experts(x, weights, ids), self.shared_experts(x)
+        shared = self.shared_experts
+        linears = self.gate, shared.gate_proj, shared.up_proj
+        if joined_weights(*linears) is None:
+            weights, ids = self.gate(x, input_ids)
+            return self.experts(x, weights, ids), shared(x)
+        logits, gate, up = joined_outputs(x, *linears)
+        weights, ids = self.gate.route(logits, input_ids)
+        return self.experts(x, weights, ids), shared.down_proj(ops.swiglu(gate, up, shared.limit))
