@@ -40,7 +40,8 @@ def round_to(x, dt: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_rope(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, store_ptr, slots_ptr, stride_x, rows_per_token, eps,
+def _rms_norm_rope(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, store_ptr, slots_ptr, stride_t, stride_x, heads,
+                   rows_per_token, eps,
                    D: tl.constexpr, PAIRS: tl.constexpr, NORM: tl.constexpr, WEIGHT: tl.constexpr,
                    ROPE_PAIRS: tl.constexpr, INVERSE: tl.constexpr, STORE: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
@@ -49,7 +50,8 @@ def _rms_norm_rope(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, store_ptr, slots_ptr
     col = i[:, None] * 2 + j[None, :]  # [PAIRS, 2]: the row as interleaved pairs
     ok = col < D
     dt = out_ptr.dtype.element_ty
-    y = tl.load(x_ptr + row * stride_x + col, mask=ok, other=0.0).to(tl.float32)
+    x_row = x_ptr + (row // heads) * stride_t + (row % heads) * stride_x  # token, then its head
+    y = tl.load(x_row + col, mask=ok, other=0.0).to(tl.float32)
     if NORM:
         r = tl.rsqrt(tl.sum(tl.sum(y * y, axis=1), axis=0) / D + eps)
         if WEIGHT:  # V4RMSNorm: weight * (x * r) in float32, then rounded
@@ -86,25 +88,27 @@ def rms_norm_rope(
 ) -> torch.Tensor:
     """A new tensor like x: each row RMSNorm'd (when `norm`), then its last R dims roped (when
     `rope`), as ref_glue.rms_norm_ref / rope_tail_ref one after the other; with `store`, row t
-    also written to region[rows[t]] (as region.index_copy_(0, rows, out) after it; x [T, D])."""
+    also written to region[rows[t]] (as region.index_copy_(0, rows, out) after it; x [T, D]).
+    x's token and head strides are its own (the heads of one joined GEMM's output slice: no copy)."""
     D = x.shape[-1]
-    rows = x.reshape(-1, D)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel() == 0 and D % 2 == 0:
+        return out
+    rows = x.reshape(x.shape[0], -1, D) if x.dim() > 1 else x.reshape(-1, 1, D)  # [T, heads, D]: views
     if D % 2 or rows.stride(-1) != 1 or (rope is not None and 2 * rope[0].shape[-1] > D):
         raise ValueError(f"rms_norm_rope: x {tuple(x.shape)} (stride {x.stride()}): want an even, contiguous last dim")
     if store is not None and (
         x.dim() != 2 or store[0].dtype != x.dtype or store[0].shape[-1] != D or not store[0].is_contiguous()
     ):
         raise ValueError("rms_norm_rope: store into a contiguous [N, D] region of x's dtype, from x [T, D]")
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if rows.shape[0] == 0:
-        return out
+    n = rows.shape[0] * rows.shape[1]
     cos, sin = (rope[0].contiguous(), rope[1].contiguous()) if rope is not None else (rows, rows)
-    per = rows.shape[0] // rope[0].shape[0] if rope is not None and rope[0].shape[0] else 1
+    per = n // rope[0].shape[0] if rope is not None and rope[0].shape[0] else 1
     w = weight if weight is not None else rows
     region, slots = store if store is not None else (out, out)
-    _rms_norm_rope[(rows.shape[0],)](
-        rows, w, cos, sin, out, region, slots, rows.stride(0), per, eps, D=D, PAIRS=next_pow2(D // 2), NORM=norm,
-        WEIGHT=weight is not None, ROPE_PAIRS=rope[0].shape[-1] if rope is not None else 0, INVERSE=inverse,
+    _rms_norm_rope[(n,)](
+        rows, w, cos, sin, out, region, slots, rows.stride(0), rows.stride(1), rows.shape[1], per, eps, D=D,
+        PAIRS=next_pow2(D // 2), NORM=norm, WEIGHT=weight is not None, ROPE_PAIRS=rope[0].shape[-1] if rope is not None else 0, INVERSE=inverse,
         STORE=store is not None,
     )  # fmt: skip
     return out

@@ -155,6 +155,10 @@ def test_rms_norm_rope_reads_a_strided_row():
     cos, sin = torch.randn(5, 4, generator=g), torch.randn(5, 4, generator=g)
     got = rms_norm_rope(*_dev(x), None, 1e-6, rope=_dev(cos, sin)).cpu()
     torch.testing.assert_close(got, ref.rope_tail_ref(ref.rms_norm_ref(x, None, 1e-6), cos, sin), rtol=2e-6, atol=1e-6)
+    # heads of a joined GEMM's output slice: token stride 100, not heads x 32
+    x = torch.randn(5, 100, generator=g)[:, :96].view(5, 3, 32)
+    got = rms_norm_rope(*_dev(x), None, 1e-6, rope=_dev(cos, sin)).cpu()
+    torch.testing.assert_close(got, ref.rope_tail_ref(ref.rms_norm_ref(x, None, 1e-6), cos, sin), rtol=2e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("T,D,R,N", [(1, 38, 16, 5), (7, 74, 8, 19), (3, 512, 64, 40)])

@@ -84,7 +84,9 @@ def test_materialized_v4_joins_its_pairs(tmp_path):
         comps = [m for m in model.modules() if isinstance(m, CompressedKV)]
         assert comps and all(joined_weights(c.kv_proj, c.gate_proj) is not None for c in comps)
         csa = [c for c in comps if isinstance(c, CSACompressor)]  # with its indexer's three: one GEMM
-        assert csa and all(joined_weights(*(c.get_submodule(n) for n in c.joined)) is not None for c in csa)
+        assert csa and all(joined_weights(*(c.get_submodule(n) for n in c.joined[0])) is not None for c in csa)
+        attn = next(a for a in (layer.self_attn for layer in model.model.layers) if a.compressor in csa)
+        assert joined_weights(attn.q_b_proj, attn.compressor.indexer.q_b_proj) is not None
         layer = model.model.layers[1]
         assert joined_weights(layer.self_attn.q_a_proj, layer.self_attn.kv_proj) is not None
         shared = layer.mlp.shared_experts

@@ -42,7 +42,7 @@ class CompressedKV(nn.Module):
     """kv_proj / gate_proj [C, hidden], position_bias [m, C] (float32), kv_norm [Dc]. The loader
     joins the two projections' rows (`joined`: one GEMM a step, `project`)."""
 
-    joined = ("kv_proj", "gate_proj")  # linears whose weights share one [2C, hidden] tensor
+    joined = (("kv_proj", "gate_proj"),)  # groups of linears whose weights share one tensor
 
     def __init__(self, hidden: int, dim: int, rate: int, overlap: bool, eps: float) -> None:
         super().__init__()
@@ -166,14 +166,15 @@ class Indexer(CompressedKV):
         self.q_b_proj = linear(q_lora_rank, heads * head_dim, fp8_block=fp8_block)
         self.scorer = IndexScorer(hidden, heads, head_dim)
 
-    def select(self, x, q_res, cos, sin, keys: torch.Tensor, ix: EntryIndex, seq_ids: torch.Tensor, w=None):
+    def select(self, x, q_res, cos, sin, keys: torch.Tensor, ix: EntryIndex, seq_ids: torch.Tensor, w=None, q=None):
         """x [T, hidden], q_res [T, Q], cos/sin [T, R/2] (compress rope), keys [N, Di] (this
         layer's indexer-key region), ix the rate's entries, seq_ids [T] int32, w: weights_proj(x)
-        [T, Hi] when the caller ran it already -> [T, min(topk, Em)] int32: the region rows of
-        each query's top-k visible entries, -1 pad."""
+        [T, Hi] and q: q_b_proj(q_res) [T, Hi*Di] when the caller ran them already (joined GEMMs)
+        -> [T, min(topk, Em)] int32: the region rows of each query's top-k visible entries, -1 pad."""
         if ix.max_seen == 0:
             return ix.seen.new_empty(x.shape[0], 0)
-        q = rope_tail(self.q_b_proj(q_res).view(x.shape[0], self.heads, self.dim), cos, sin)  # [T, Hi, Di]
+        q = self.q_b_proj(q_res) if q is None else q
+        q = rope_tail(q.view(x.shape[0], self.heads, self.dim), cos, sin)  # [T, Hi, Di]
         w = self.scorer.weights_proj(x) if w is None else w
         scale = self.scorer.scale  # applied in the kernel (float32)
         return ops.indexer_topk_paged(q, keys, w, ix.table, seq_ids, ix.seen, ix.page, ix.max_seen, self.topk, scale)
@@ -183,7 +184,7 @@ class CSACompressor(CompressedKV):
     """Compressed sparse attention: overlapping entries at head_dim, filtered by the indexer.
     Its projections and the indexer's read the same x: the loader joins all five (`joined`)."""
 
-    joined = ("kv_proj", "gate_proj", "indexer.kv_proj", "indexer.gate_proj", "indexer.scorer.weights_proj")
+    joined = (("kv_proj", "gate_proj", "indexer.kv_proj", "indexer.gate_proj", "indexer.scorer.weights_proj"),)
 
     def __init__(self, hidden: int, dim: int, rate: int, eps: float, indexer: Indexer) -> None:
         super().__init__(hidden, dim, rate, overlap=True, eps=eps)
@@ -192,5 +193,5 @@ class CSACompressor(CompressedKV):
     def project_all(self, x: torch.Tensor):
         """(kv_proj(x), gate_proj(x)), the indexer's (kv_proj(x), gate_proj(x)) and its
         weights_proj(x), from one GEMM where joined (row-strided views of its output)."""
-        kv, gate, ikv, igate, w = joined_outputs(x, *(self.get_submodule(n) for n in self.joined))
+        kv, gate, ikv, igate, w = joined_outputs(x, *(self.get_submodule(n) for n in self.joined[0]))
         return (kv, gate), (ikv, igate), w

@@ -159,7 +159,7 @@ class SharedExpert(nn.Module):
     decode rows (`ops.fp8_swiglu`). The loader joins the gate and up rows (`joined`): past the
     GEMV's rows, and in bf16, one GEMM runs both, then the SwiGLU kernel on its two halves."""
 
-    joined = ("gate_proj", "up_proj")  # linears whose weights share one [2I, hidden] tensor
+    joined = (("gate_proj", "up_proj"),)  # groups of linears whose weights share one tensor
 
     def __init__(self, hidden: int, inter: int, limit: float, tp: TPGroup, fp8_block: Block | None = None) -> None:
         super().__init__()
@@ -185,7 +185,7 @@ class V4MoE(nn.Module):
     the shared expert read the same x: with weights of one dtype (bf16; not FP8 shared experts)
     the loader joins their rows (`joined`) and one GEMM gives the logits, gate and up."""
 
-    joined = ("gate", "shared_experts.gate_proj", "shared_experts.up_proj")
+    joined = (("gate", "shared_experts.gate_proj", "shared_experts.up_proj"),)
 
     def __init__(self, config: ModelConfig, layer_idx: int, tp: TPGroup | None = None) -> None:
         super().__init__()
