@@ -40,7 +40,7 @@ def _rows(rec, new_ptr, j, j0, ch, c_ok, C: tl.constexpr, dt: tl.constexpr):
 
 
 @triton.jit
-def _compress_decode(kv_ptr, gate_ptr, states_ptr, stride_s, slots_ptr, pos_ptr, bias_ptr, pooled_ptr,
+def _compress_decode(kv_ptr, gate_ptr, s_kv, s_gate, states_ptr, stride_s, slots_ptr, pos_ptr, bias_ptr, pooled_ptr,
                      M: tl.constexpr, MP: tl.constexpr, C: tl.constexpr, DC: tl.constexpr,
                      OVERLAP: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
@@ -53,7 +53,7 @@ def _compress_decode(kv_ptr, gate_ptr, states_ptr, stride_s, slots_ptr, pos_ptr,
     j0, e = n % M, n // M
     rec = states_ptr + tl.load(slots_ptr + b) * stride_s
     P = (M - 1) * C  # pending kv values; the pending gate follows, then the Ca
-    kv_new, gate_new = kv_ptr + b * C, gate_ptr + b * C
+    kv_new, gate_new = kv_ptr + b * s_kv, gate_ptr + b * s_gate
     own = c + DC if OVERLAP else c  # this group's channels of the entry (Cb with overlap)
     kv_own = _rows(rec, kv_new, j, j0, own, c_ok, C, dt)  # [MP, BC]
     graw_own = _rows(rec + P, gate_new, j, j0, own, c_ok, C, dt)
@@ -96,8 +96,8 @@ def _compress_decode(kv_ptr, gate_ptr, states_ptr, stride_s, slots_ptr, pos_ptr,
 
 
 def compress_decode(
-    kv: torch.Tensor,  # [B, C] this step's kv_proj(x), the model dtype
-    gate: torch.Tensor,  # [B, C] gate_proj(x)
+    kv: torch.Tensor,  # [B, C] this step's kv_proj(x), the model dtype (rows may be strided)
+    gate: torch.Tensor,  # [B, C] gate_proj(x) (the halves of one joined GEMM's output, as `CompressedKV.project` gives)
     states: torch.Tensor,  # [S, state_dim] the compressor's state region (advanced in place)
     slots: torch.Tensor,  # [B] int64 state rows
     positions: torch.Tensor,  # [B] int64 the new tokens' positions
@@ -112,10 +112,11 @@ def compress_decode(
     want = 2 * (m - 1) * C + (2 * m * dim if overlap else 0)
     if C != (2 * dim if overlap else dim) or states.shape[1] != want or states.stride(1) != 1:
         raise ValueError(f"compress_decode: kv {tuple(kv.shape)}, states {tuple(states.shape)} for dim {dim}, rate {m}")
+    kv, gate = (t if t.stride(-1) == 1 else t.contiguous() for t in (kv, gate))
     pooled = kv.new_empty(B, dim)
     if B:
         _compress_decode[(B, cdiv(dim, BLOCK_C))](
-            kv.contiguous(), gate.contiguous(), states, states.stride(0), slots, positions, position_bias.contiguous(),
+            kv, gate, kv.stride(0), gate.stride(0), states, states.stride(0), slots, positions, position_bias.contiguous(),
             pooled, M=m, MP=next_pow2(m), C=C, DC=dim, OVERLAP=overlap, BLOCK_C=BLOCK_C,
         )  # fmt: skip
     return pooled

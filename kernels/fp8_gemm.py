@@ -37,6 +37,7 @@ from pdserve_kernels import configs
 from pdserve_kernels._launch import capability, interpreting, sm_count
 from pdserve_kernels.fp8_gemv import fp8_gemv
 from pdserve_kernels.fused_moe_fp8 import _round_e4m3
+from pdserve_kernels.glue import swiglu
 from pdserve_kernels.ref_fp8 import grouped_mm
 
 
@@ -221,6 +222,37 @@ def fp8_grouped_linear(
     if x.dim() != 3:
         raise ValueError(f"x must be [M, G, K], got {tuple(x.shape)}")
     return _linear(x, weight, weight_scale_inv, block, None, config)
+
+
+def fp8_swiglu(
+    x: torch.Tensor,  # [M, K] bf16/fp16 (fp32: parity runs)
+    gate: tuple[torch.Tensor, torch.Tensor],  # (weight [I, K] e4m3, weight_scale_inv [ceil(I/bn), ceil(K/bk)])
+    up: tuple[torch.Tensor, torch.Tensor],  # the same shapes and strides
+    limit: float,
+    block: tuple[int, int] = (128, 128),
+    config: Config | None = None,
+    joined: tuple[torch.Tensor, torch.Tensor] | None = None,  # (weight [2I, K], scales): gate's rows, then up's
+) -> torch.Tensor:
+    """swiglu(x G^T, x U^T) [M, I] clamped at `limit` (V4's shared expert, glue.swiglu's math): at
+    decode M (the GEMV's) one launch, both weights streamed by the same programs and the SwiGLU in
+    its epilogue; else one linear over `joined` (the two weights as rows of one, scale blocks
+    lined up) or the two linears, then glue.swiglu on the halves. Reference: the two
+    `ref_fp8.fp8_linear_ref` then `ref_glue.swiglu_ref`."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [M, K], got {tuple(x.shape)}")
+    for w, s in (gate, up):
+        _check(x, w, s, block, None)
+    if gate[0].shape != up[0].shape or gate[0].stride() != up[0].stride() or gate[1].stride() != up[1].stride():
+        raise ValueError(
+            f"fp8_swiglu: gate {tuple(gate[0].shape)} and up {tuple(up[0].shape)} must match in shape and strides"
+        )
+    gemv = configs.fp8_gemv_config(capability(x.device), x.shape[0], x.dtype) if config is None else config
+    if isinstance(gemv, configs.Fp8GemvConfig) and x.shape[0] > 0:
+        return fp8_gemv(x, *gate, block, config=gemv, up=up, swiglu_limit=limit)
+    if joined is not None:
+        y = _linear(x, *joined, block, None, config)
+        return swiglu(y[:, : gate[0].shape[0]], y[:, gate[0].shape[0] :], limit)
+    return swiglu(_linear(x, *gate, block, None, config), _linear(x, *up, block, None, config), limit)
 
 
 def _linear(x, weight, weight_scale_inv, block, bias, config) -> torch.Tensor:

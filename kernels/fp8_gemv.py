@@ -1,5 +1,8 @@
 """Block-scaled FP8 GEMV: y = x @ W^T for the few rows of a decode step (M <= 16), the weight
-streamed once in one launch; plain or grouped (V4's o_a projection: every group in the launch).
+streamed once in one launch; plain or grouped (V4's o_a projection: every group in the launch),
+or a gate / up pair (V4's shared expert, `SWIGLU`): a program streams the same rows of both
+weights and the last of its splits writes the clamped SwiGLU of the two sums, each first rounded
+to y's dtype as the two projections' outputs were (`glue.swiglu_clamped`: the SwiGLU kernel's math).
 
 Legend: M rows of x, K in features, G groups, R weight rows (out features) a group, N = G * R,
 bn x bk weight block (128 x 128), BN/BK tile, BM the M tile (16 for the dots, next_pow2(M) for
@@ -36,6 +39,7 @@ import triton.language as tl
 from pdserve_kernels import configs
 from pdserve_kernels._launch import arrival_counters, capability, cdiv, interpreting, next_pow2, sm_count
 from pdserve_kernels.fused_moe_fp8 import _round_e4m3
+from pdserve_kernels.glue import round_to, swiglu_clamped
 
 FP8_ACT, X_DOT, IEEE, FMA = 0, 1, 2, 3  # MODE: the inner product of a K step
 
@@ -63,6 +67,8 @@ def _fp8_gemv_kernel(
     x_ptr,
     w_ptr,
     s_ptr,
+    u_ptr,
+    su_ptr,
     y_ptr,
     b_ptr,
     part_ptr,
@@ -72,6 +78,7 @@ def _fp8_gemv_kernel(
     K,
     R,
     STEPS,
+    limit,
     s_xm,
     s_xg,
     s_wn,
@@ -89,6 +96,7 @@ def _fp8_gemv_kernel(
     INTERPRET: tl.constexpr,
     K_C: tl.constexpr,
     S_C: tl.constexpr,
+    SWIGLU: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -107,6 +115,7 @@ def _fp8_gemv_kernel(
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * s_wn + offs_k[None, :]  # W [BN, BK]
     s_ptrs = s_ptr + (offs_n // W_BLOCK_N) * s_sn
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # SWIGLU: the up projection's rows beside the gate's
     # the interpreter cannot loop to a runtime bound: it walks all of K, masked to [k_lo, k_hi)
     for k0 in range(0 if INTERPRET else k_lo, K_C if INTERPRET else k_hi, BLOCK_K):
         k = k0 + offs_k
@@ -115,26 +124,46 @@ def _fp8_gemv_kernel(
         w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0).to(tl.float8e4nv, bitcast=True)
         s = tl.load(s_ptrs + (k0 // W_BLOCK_K) * s_sk, mask=n_ok, other=0.0)
         acc += _step(w, xt, s, x_ptr.dtype.element_ty, MODE, INTERPRET)
+        if SWIGLU:  # the same rows of the up weight (same strides and scale layout as the gate's)
+            w_off = offs_n.to(tl.int64)[:, None] * s_wn + offs_k[None, :] + k0
+            wu = tl.load(u_ptr + w_off, mask=n_ok[:, None] & k_ok[None, :], other=0).to(tl.float8e4nv, bitcast=True)
+            su = tl.load(su_ptr + (offs_n // W_BLOCK_N) * s_sn + (k0 // W_BLOCK_K) * s_sk, mask=n_ok, other=0.0)
+            acc_u += _step(wu, xt, su, x_ptr.dtype.element_ty, MODE, INTERPRET)
     out_ok = n_ok[:, None] & m_ok[None, :]
     y_ptrs = y_ptr + offs_m[None, :] * s_ym + offs_n[:, None]  # y^T [BN, BM]
     if SPLIT:
-        part = part_ptr + offs_m[None, :] * N + offs_n[:, None]  # partials [S, M, N] float32
-        tl.store(part + pid_s * M * N, acc, mask=out_ok)
+        # partials [S, M, N] float32 (SWIGLU: [S, 2, M, N], gate then up)
+        part = part_ptr + offs_m[None, :] * N + offs_n[:, None]
+        PARTS: tl.constexpr = 2 if SWIGLU else 1
+        tl.store(part + pid_s * PARTS * M * N, acc, mask=out_ok)
+        if SWIGLU:
+            tl.store(part + (pid_s * 2 + 1) * M * N, acc_u, mask=out_ok)
         # the barrier orders every thread's partial stores before the counter's release
         tl.debug_barrier()
         arrived = tl.atomic_add(cnt_ptr + pid_t, 1, sem="acq_rel", scope="gpu")
         if arrived == S - 1:  # the last of the tile's splits: sum them in split order
             acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
             for i in range(0, S_C if INTERPRET else S):
-                acc += tl.load(part + i * M * N, mask=out_ok, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_ok)
+                acc += tl.load(part + i * PARTS * M * N, mask=out_ok, other=0.0, cache_modifier=".cg")
+                if SWIGLU:
+                    acc_u += tl.load(part + (i * 2 + 1) * M * N, mask=out_ok, other=0.0, cache_modifier=".cg")
+            _epilogue(acc, acc_u, b_ptr, y_ptrs, offs_n, n_ok, out_ok, limit, HAS_BIAS, SWIGLU)
             tl.atomic_xchg(cnt_ptr + pid_t, 0, sem="relaxed", scope="gpu")  # zero for the next launch
     else:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_ok)
+        _epilogue(acc, acc_u, b_ptr, y_ptrs, offs_n, n_ok, out_ok, limit, HAS_BIAS, SWIGLU)
+
+
+@triton.jit
+def _epilogue(acc, acc_u, b_ptr, y_ptrs, offs_n, n_ok, out_ok, limit, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr):
+    """y^T [BN, BM] = acc (+ bias), or with SWIGLU the clamped SwiGLU of the gate (acc) and up
+    (acc_u) sums, each first rounded to y's dtype as the two projections' outputs are."""
+    dt = y_ptrs.dtype.element_ty
+    if SWIGLU:
+        acc = swiglu_clamped(round_to(acc, dt), round_to(acc_u, dt), limit, dt)
+    elif HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(y_ptrs, acc.to(dt), mask=out_ok)
 
 
 def gemv_splits(tiles: int, steps: int, sms: int, waves: int) -> int:
@@ -150,9 +179,12 @@ def fp8_gemv(
     block: tuple[int, int] = (128, 128),  # (bn, bk)
     bias: torch.Tensor | None = None,  # [N]
     config: configs.Fp8GemvConfig | None = None,
+    up: tuple[torch.Tensor, torch.Tensor] | None = None,  # SwiGLU: the up projection (weight, scale) beside the gate
+    swiglu_limit: float = 0.0,
 ) -> torch.Tensor:
-    """y [M, N] in x's dtype (grouped: [M, G * R], group-major). Inputs are checked by the
-    callers (`fp8_gemm.fp8_linear` / `fp8_grouped_linear`)."""
+    """y [M, N] in x's dtype (grouped: [M, G * R], group-major); with `up`, weight is the gate and
+    y = swiglu(x W^T, x U^T) clamped at swiglu_limit. Inputs are checked by the callers
+    (`fp8_gemm.fp8_linear` / `fp8_grouped_linear` / `fp8_swiglu`)."""
     grouped = x.dim() == 3
     M, G, K = x.shape if grouped else (x.shape[0], 1, x.shape[1])
     N, (bn, bk) = weight.shape[0], block
@@ -171,40 +203,19 @@ def fp8_gemv(
     R = N // G
     tiles = G * cdiv(R, cfg.block_n)
     steps = cdiv(K, block_k)
+    # SwiGLU: a program streams both weights' rows, split as one projection is (each sum in its order)
     splits = gemv_splits(tiles, steps, sm_count(x.device), cfg.waves)
-    part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if splits > 1 else y
+    parts = 2 if up is not None else 1
+    part = torch.empty(splits, parts, M, N, dtype=torch.float32, device=x.device) if splits > 1 else y
     counters = arrival_counters(x.device, tiles, "fp8_gemv") if splits > 1 else y
+    up_w, up_s = up if up is not None else (weight, weight_scale_inv)
     interp = interpreting()
     _fp8_gemv_kernel[(tiles, splits)](
-        x,
-        weight.view(torch.uint8),
-        weight_scale_inv,
-        y,
-        bias if bias is not None else weight_scale_inv,
-        part,
-        counters,
-        M,
-        N,
-        K,
-        R,
-        steps,
-        x.stride(0),
-        x.stride(1) if grouped else 0,
-        weight.stride(0),
-        *weight_scale_inv.stride(),
-        y.stride(0),
-        BLOCK_M=block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=block_k,
-        W_BLOCK_N=bn,
-        W_BLOCK_K=bk,
-        MODE=mode,
-        HAS_BIAS=bias is not None,
-        SPLIT=splits > 1,
-        INTERPRET=interp,
-        K_C=K if interp else 0,
-        S_C=splits if interp else 0,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+        x, weight.view(torch.uint8), weight_scale_inv, up_w.view(torch.uint8), up_s, y,
+        bias if bias is not None else weight_scale_inv, part, counters, M, N, K, R, steps, float(swiglu_limit),
+        x.stride(0), x.stride(1) if grouped else 0, weight.stride(0), *weight_scale_inv.stride(), y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, W_BLOCK_N=bn, W_BLOCK_K=bk, MODE=mode,
+        HAS_BIAS=bias is not None, SPLIT=splits > 1, INTERPRET=interp, K_C=K if interp else 0,
+        S_C=splits if interp else 0, SWIGLU=up is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
     return y

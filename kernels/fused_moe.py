@@ -12,8 +12,8 @@ FP8 block-scaled weights go to `fused_moe_fp8.py` (same alignment, e4m3 GEMMs).
 2. `_w13_kernel`, grid (R / BM, I / BN): act[p, n] = silu(x[t] . gate[e, n]) * (x[t] . up[e, n])
    with gate rows w13[e, n] and up rows w13[e, I + n]; both products share the x tile.
 3. `_w2_kernel`, grid (R / BM, hidden / BN): y_pair[p, :] = topk_weight[p] * act[p] @ w2[e]^T in
-   float32; the top-k sum is `y_pair.view(T, k, hidden).sum(1)` (deterministic, no atomics; the
-   [P, hidden] buffer is small next to the weights a decode step streams).
+   float32; the top-k sum and the cast to x's dtype are one `sum_pairs` (deterministic, no
+   atomics; the [P, hidden] buffer is small next to the weights a decode step streams).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import triton.language as tl
 
 from pdserve_kernels import configs
 from pdserve_kernels._launch import capability, cdiv, interpreting, next_pow2
+from pdserve_kernels.glue import round_to
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
@@ -330,4 +331,35 @@ def fused_moe(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    return y_pair.view(T, top_k, hidden).sum(1).to(x.dtype)
+    return sum_pairs(y_pair[None], top_k, x.dtype)
+
+
+SUM_BLOCK = 1024  # hidden values a `_sum_pairs_kernel` program
+
+
+@triton.jit
+def _sum_pairs_kernel(part_ptr, y_ptr, hidden, s_split, S: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = c < hidden
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(S):  # splits, then the token's k pairs, in order
+        for j in tl.static_range(K):
+            acc += tl.load(part_ptr + s * s_split + (t * K + j) * hidden + c, mask=ok, other=0.0)
+    dt = y_ptr.dtype.element_ty
+    tl.store(y_ptr + t * hidden + c, round_to(acc, dt).to(dt), mask=ok)
+
+
+def sum_pairs(part: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """part [S, T * k, hidden] float32 (each split's per-pair outputs, rows contiguous) -> y [T,
+    hidden] in dtype: the sum over splits and each token's k pairs, rounded once (one launch where
+    torch's sum and cast take two)."""
+    S, P, hidden = part.shape
+    if part.stride(2) != 1 or part.stride(1) != hidden or P % max(top_k, 1):
+        raise ValueError(f"sum_pairs: part {tuple(part.shape)} (strides {part.stride()}) for top_k {top_k}")
+    T = P // top_k if top_k else 0
+    y = torch.empty(T, hidden, dtype=dtype, device=part.device)
+    if T and hidden:
+        grid = (T, cdiv(hidden, SUM_BLOCK))
+        _sum_pairs_kernel[grid](part, y, hidden, part.stride(0), S=S, K=top_k, BLOCK=SUM_BLOCK)
+    return y

@@ -32,7 +32,7 @@ import torch
 
 from pdserve_kernels import configs, ref_fp4
 from pdserve_kernels._launch import capability, cdiv, interpreting, next_pow2, sm_count
-from pdserve_kernels.fused_moe import MAX_KERNEL_ALIGN_PAIRS, moe_align, moe_align_fast
+from pdserve_kernels.fused_moe import MAX_KERNEL_ALIGN_PAIRS, moe_align, moe_align_fast, sum_pairs
 from pdserve_kernels.fused_moe_fp4_frag import _w2_frag_kernel, _w13_frag_kernel
 from pdserve_kernels.fused_moe_fp4_kernels import _swiglu_kernel, _w2_fp4_kernel, _w13_fp4_kernel
 
@@ -201,8 +201,7 @@ def fused_moe_fp4(
         KS_C=ks2 if interp else 0,
         **common,
     )
-    y = y_part[0].view(T, top_k, hidden).sum(1) if sp2 == 1 else y_part.view(sp2, T, top_k, hidden).sum((0, 2))
-    return y.to(x.dtype)
+    return sum_pairs(y_part, top_k, x.dtype)
 
 
 def _check_bytes(w13, w2, w13_scale, w2_scale):
@@ -299,5 +298,4 @@ def _fused_moe_frag(x, w13, w2, s13, s2, topk_weights, topk_ids, swiglu_limit, c
         act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y_part.stride(0),
         N_TILES=tiles2, KS_C=ks2 if interp else 0, **common,
     )  # fmt: skip
-    y = y_part[0].view(T, top_k, hidden).sum(1) if sp2 == 1 else y_part.view(sp2, T, top_k, hidden).sum((0, 2))
-    return y.to(x.dtype)
+    return sum_pairs(y_part, top_k, x.dtype)

@@ -20,7 +20,7 @@ import torch
 
 from pdserve_kernels import configs
 from pdserve_kernels._launch import capability, cdiv, interpreting, next_pow2
-from pdserve_kernels.fused_moe import MAX_KERNEL_ALIGN_PAIRS, moe_align, moe_align_fast
+from pdserve_kernels.fused_moe import MAX_KERNEL_ALIGN_PAIRS, moe_align, moe_align_fast, sum_pairs
 from pdserve_kernels.fused_moe_fp4 import GROUP, _check, split_k
 from pdserve_kernels.fused_moe_fp4_mx8_kernels import _swiglu_mx8_kernel, _w2_mx8_kernel, _w13_mx8_kernel
 
@@ -86,5 +86,4 @@ def fused_moe_fp4_mx8(
         y_part.stride(0), y_part.stride(1),
         BLOCK_N=cfg.w2_block_n, KS_C=ks2 if interp else 0, **common,
     )  # fmt: skip
-    y = y_part[0].view(T, top_k, hidden).sum(1) if sp2 == 1 else y_part.view(sp2, T, top_k, hidden).sum((0, 2))
-    return y.to(x.dtype)
+    return sum_pairs(y_part, top_k, x.dtype)

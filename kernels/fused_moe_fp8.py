@@ -23,7 +23,7 @@ import triton.language as tl
 
 from pdserve_kernels import configs
 from pdserve_kernels._launch import capability, cdiv, interpreting
-from pdserve_kernels.fused_moe import MAX_KERNEL_ALIGN_PAIRS, moe_align, moe_align_fast
+from pdserve_kernels.fused_moe import MAX_KERNEL_ALIGN_PAIRS, moe_align, moe_align_fast, sum_pairs
 
 E4M3_MAX = 448.0
 
@@ -298,4 +298,4 @@ def fused_moe_fp8(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    return y_pair.view(T, top_k, hidden).sum(1).to(x.dtype)
+    return sum_pairs(y_pair[None], top_k, x.dtype)

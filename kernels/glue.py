@@ -6,7 +6,8 @@ kernels/ref_glue.py computes them; 4-12 launches of PyTorch each otherwise):
   - `route`: the router after its GEMM: scores (sqrt-softplus or sigmoid), the top-k of scores +
     bias (ties: the lowest expert id) or the hash table's row, the chosen scores normalized and
     scaled, BLOCK_T tokens a program;
-  - `swiglu`: the shared expert's clamped SwiGLU.
+  - `swiglu`: the shared expert's clamped SwiGLU (gate and up may be the row-strided halves of one
+    GEMM's output); `swiglu_clamped`, its arithmetic, is also the FP8 GEMV's SwiGLU epilogue.
 
 Legend: T tokens (rows), D features, R rope dims (trailing), E experts, k experts a token.
 """
@@ -39,7 +40,8 @@ def round_to(x, dt: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_rope(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, store_ptr, slots_ptr, stride_x, rows_per_token, eps,
+def _rms_norm_rope(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, store_ptr, slots_ptr, stride_t, stride_x, heads,
+                   rows_per_token, eps,
                    D: tl.constexpr, PAIRS: tl.constexpr, NORM: tl.constexpr, WEIGHT: tl.constexpr,
                    ROPE_PAIRS: tl.constexpr, INVERSE: tl.constexpr, STORE: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
@@ -48,7 +50,8 @@ def _rms_norm_rope(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, store_ptr, slots_ptr
     col = i[:, None] * 2 + j[None, :]  # [PAIRS, 2]: the row as interleaved pairs
     ok = col < D
     dt = out_ptr.dtype.element_ty
-    y = tl.load(x_ptr + row * stride_x + col, mask=ok, other=0.0).to(tl.float32)
+    x_row = x_ptr + (row // heads) * stride_t + (row % heads) * stride_x  # token, then its head
+    y = tl.load(x_row + col, mask=ok, other=0.0).to(tl.float32)
     if NORM:
         r = tl.rsqrt(tl.sum(tl.sum(y * y, axis=1), axis=0) / D + eps)
         if WEIGHT:  # V4RMSNorm: weight * (x * r) in float32, then rounded
@@ -85,32 +88,34 @@ def rms_norm_rope(
 ) -> torch.Tensor:
     """A new tensor like x: each row RMSNorm'd (when `norm`), then its last R dims roped (when
     `rope`), as ref_glue.rms_norm_ref / rope_tail_ref one after the other; with `store`, row t
-    also written to region[rows[t]] (as region.index_copy_(0, rows, out) after it; x [T, D])."""
+    also written to region[rows[t]] (as region.index_copy_(0, rows, out) after it; x [T, D]).
+    x's token and head strides are its own (the heads of one joined GEMM's output slice: no copy)."""
     D = x.shape[-1]
-    rows = x.reshape(-1, D)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel() == 0 and D % 2 == 0:
+        return out
+    rows = x.reshape(x.shape[0], -1, D) if x.dim() > 1 else x.reshape(-1, 1, D)  # [T, heads, D]: views
     if D % 2 or rows.stride(-1) != 1 or (rope is not None and 2 * rope[0].shape[-1] > D):
         raise ValueError(f"rms_norm_rope: x {tuple(x.shape)} (stride {x.stride()}): want an even, contiguous last dim")
     if store is not None and (
         x.dim() != 2 or store[0].dtype != x.dtype or store[0].shape[-1] != D or not store[0].is_contiguous()
     ):
         raise ValueError("rms_norm_rope: store into a contiguous [N, D] region of x's dtype, from x [T, D]")
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if rows.shape[0] == 0:
-        return out
+    n = rows.shape[0] * rows.shape[1]
     cos, sin = (rope[0].contiguous(), rope[1].contiguous()) if rope is not None else (rows, rows)
-    per = rows.shape[0] // rope[0].shape[0] if rope is not None and rope[0].shape[0] else 1
+    per = n // rope[0].shape[0] if rope is not None and rope[0].shape[0] else 1
     w = weight if weight is not None else rows
     region, slots = store if store is not None else (out, out)
-    _rms_norm_rope[(rows.shape[0],)](
-        rows, w, cos, sin, out, region, slots, rows.stride(0), per, eps, D=D, PAIRS=next_pow2(D // 2), NORM=norm,
-        WEIGHT=weight is not None, ROPE_PAIRS=rope[0].shape[-1] if rope is not None else 0, INVERSE=inverse,
+    _rms_norm_rope[(n,)](
+        rows, w, cos, sin, out, region, slots, rows.stride(0), rows.stride(1), rows.shape[1], per, eps, D=D,
+        PAIRS=next_pow2(D // 2), NORM=norm, WEIGHT=weight is not None, ROPE_PAIRS=rope[0].shape[-1] if rope is not None else 0, INVERSE=inverse,
         STORE=store is not None,
     )  # fmt: skip
     return out
 
 
 @triton.jit
-def _route_topk(logits_ptr, bias_ptr, table_ptr, ids_in_ptr, w_ptr, ids_ptr, T, scaling, E: tl.constexpr,
+def _route_topk(logits_ptr, bias_ptr, table_ptr, ids_in_ptr, w_ptr, ids_ptr, T, scaling, s_logit, E: tl.constexpr,
            EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr,
            SQRT_SOFTPLUS: tl.constexpr, HASH: tl.constexpr):  # fmt: skip
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
@@ -118,7 +123,7 @@ def _route_topk(logits_ptr, bias_ptr, table_ptr, ids_in_ptr, w_ptr, ids_ptr, T, 
     kk = tl.arange(0, KP)
     t_ok = t < T
     dt = w_ptr.dtype.element_ty
-    logit = tl.load(logits_ptr + t[:, None] * E + e[None, :], mask=t_ok[:, None] & (e < E)[None, :], other=0.0)
+    logit = tl.load(logits_ptr + t[:, None] * s_logit + e[None, :], mask=t_ok[:, None] & (e < E)[None, :], other=0.0)
     logit = logit.to(tl.float32)
     if SQRT_SOFTPLUS:  # softplus = log1p(exp(x)) (x itself above 20), rounded; then its sqrt, rounded
         y = tl.exp(logit)
@@ -155,7 +160,7 @@ def _route_topk(logits_ptr, bias_ptr, table_ptr, ids_in_ptr, w_ptr, ids_ptr, T, 
 
 
 def route(
-    logits: torch.Tensor,  # [T, E] contiguous, the model dtype
+    logits: torch.Tensor,  # [T, E] the model dtype, rows may be strided (a joined GEMM's)
     top_k: int,
     scoring: str,
     scaling: float,
@@ -168,36 +173,50 @@ def route(
     T, E = logits.shape
     if scoring not in ("sqrtsoftplus", "sigmoid") or (table is None) == (bias is None) or top_k > E:
         raise ValueError(f"route: scoring {scoring!r}, top_k {top_k} of {E}, and either a bias or a hash table")
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     weights = logits.new_empty(T, top_k)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
     if T:
         hashed = table is not None
         _route_topk[(cdiv(T, ROUTE_T),)](
-            logits.contiguous(), bias if not hashed else logits, table if hashed else ids,
-            input_ids if hashed else ids, weights, ids, T, scaling, E=E, EP=next_pow2(E), K=top_k,
+            logits, bias if not hashed else logits, table if hashed else ids,
+            input_ids if hashed else ids, weights, ids, T, scaling, logits.stride(0), E=E, EP=next_pow2(E), K=top_k,
             KP=next_pow2(top_k), BLOCK_T=ROUTE_T, SQRT_SOFTPLUS=scoring == "sqrtsoftplus", HASH=hashed,
         )  # fmt: skip
     return weights, ids
 
 
 @triton.jit
-def _swiglu_clamped(gate_ptr, up_ptr, out_ptr, n, limit, BLOCK: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def swiglu_clamped(gate, up, limit, dt: tl.constexpr):
+    """silu(min(gate, limit)) * clamp(up, +-limit) of float32 values that hold dt's (the
+    projections' rounded outputs), rounded where PyTorch rounds; float32 (the GEMV's epilogue too)."""
+    g = tl.minimum(gate, limit)
+    u = tl.minimum(tl.maximum(up, -limit), limit)
+    silu = round_to(g * tl.sigmoid(g), dt)
+    return round_to(silu * u, dt)
+
+
+@triton.jit
+def _swiglu_clamped(gate_ptr, up_ptr, out_ptr, n, limit, s_gate, s_up, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = i < n
     dt = out_ptr.dtype.element_ty
-    g = tl.minimum(tl.load(gate_ptr + i, mask=ok, other=0.0).to(tl.float32), limit)
-    u = tl.load(up_ptr + i, mask=ok, other=0.0).to(tl.float32)
-    u = tl.minimum(tl.maximum(u, -limit), limit)
-    silu = round_to(g * tl.sigmoid(g), dt)
-    tl.store(out_ptr + i, round_to(silu * u, dt).to(dt), mask=ok)
+    g = tl.load(gate_ptr + row * s_gate + i, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + row * s_up + i, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * n + i, swiglu_clamped(g, u, limit, dt).to(dt), mask=ok)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """gate, up [..., I] (same shape and dtype) -> silu(min(gate, limit)) * clamp(up, +-limit)."""
+    """gate, up [..., I] (same shape and dtype; rows may be strided, as the two halves of one
+    [gate | up] GEMM's output are) -> silu(min(gate, limit)) * clamp(up, +-limit), contiguous."""
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"swiglu: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype}")
-    gate, up = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(gate)
+    I = gate.shape[-1]  # noqa: E741
+    g2, u2 = (t.reshape(-1, I) if I else t.reshape(0, 0) for t in (gate, up))
+    g2, u2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (g2, u2))
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if gate.numel():
-        _swiglu_clamped[(cdiv(gate.numel(), SWIGLU_BLOCK),)](gate, up, out, gate.numel(), limit, BLOCK=SWIGLU_BLOCK)
+        grid = (g2.shape[0], cdiv(I, SWIGLU_BLOCK))
+        _swiglu_clamped[grid](g2, u2, out, I, limit, g2.stride(0), u2.stride(0), BLOCK=SWIGLU_BLOCK)
     return out

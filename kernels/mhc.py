@@ -4,12 +4,14 @@ and `hc_post_ref` compute them, ~20 launches of PyTorch a hyper-connection other
   1. `_hc_project`: the streams' projection, split over K = N*D: each program sums x . fn and x . x
      over its K slice for BLOCK_T tokens (one tl.dot, float32 IEEE) into partials [S, T, M];
      the RMSNorm of the flattened streams is a per-token factor, applied in step 2.
-  2. `_hc_pre`: two programs a token (one for the head), each summing the partials it needs: one
+  2. `_hc_pre`: two programs a token (one for the head): one sums the partials it needs and
      collapses the streams by the `pre` gates and, when given, applies the block's input RMSNorm,
-     with the token's whole [N, D] row in registers (one load, no loop: a loop of dependent loads
-     and reductions over D made this kernel ~21 us at T = 1); the other computes the `post` gates
-     and `comb` by Sinkhorn-Knopp (as hyper.py's hc_mix) at the same time. Writes post [T, N],
-     comb [T, N, N] and the block input [T, D].
+     with the token's whole [N, D] row in registers (one load, no loop over D: such a loop of
+     dependent loads and reductions made this step ~21 us a call at T = 1 on an H100); the other
+     computes the `post` gates and `comb` by Sinkhorn-Knopp (as hyper.py's hc_mix) at the same
+     time. Writes post [T, N], comb [T, N, N] and the block input [T, D]. Up to FUSE_T tokens (a
+     one-sequence decode step) the projection's last split to arrive (an arrival counter, as the
+     FP8 GEMV's) does both itself: two launches become one.
   3. `_hc_post`: the new streams post * out + comb^T @ h, over (token block, D block) tiles, rounded
      where PyTorch rounds (the products and the matmul in h's dtype, then their sum).
 
@@ -23,19 +25,26 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve_kernels._launch import cdiv, next_pow2
+from pdserve_kernels._launch import arrival_counters, cdiv, next_pow2
 from pdserve_kernels.glue import round_to
 
 BLOCK_T, BLOCK_K = 16, 64  # projection tile (tl.dot's smallest M is 16)
-PRE_VALUES = 64  # [N, D] values a thread of `_hc_pre` holds: its warps are N * D / 32 / 64 (4..16)
+PRE_VALUES = 64  # [N, D] values a thread holds in the collapse: N * D / 32 / 64 warps (4..16)
 BLOCK_D = 256  # a `_hc_post` tile's N x features
 POST_T = 4  # tokens a `_hc_post` tile
 PROGRAMS = 256  # projection programs to aim for (K splits x token blocks)
+# up to this many tokens the projection's last split to arrive runs `_hc_pre`'s work itself (one
+# launch, not two: a decode step of one sequence); its one program walks the tokens in turn, so
+# more tokens take the separate kernel's program a token
+FUSE_T = 1
 
 
 @triton.jit
-def _hc_project(h_ptr, fn_ptr, dots_ptr, sq_ptr, T, K: tl.constexpr, K_SPLIT: tl.constexpr, M: tl.constexpr,
-             MP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+def _hc_project(h_ptr, fn_ptr, dots_ptr, sq_ptr, cnt_ptr, base_ptr, scale_ptr, w_ptr, post_ptr, comb_ptr, x_ptr,
+             T, norm_eps, hc_eps, out_eps, K: tl.constexpr, K_SPLIT: tl.constexpr, M: tl.constexpr,
+             MP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, FUSED: tl.constexpr,
+             N: tl.constexpr, D: tl.constexpr, SP: tl.constexpr, ITERS: tl.constexpr, BLOCK_D: tl.constexpr,
+             HEAD: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     s = tl.program_id(1)
     m = tl.arange(0, MP)
@@ -53,45 +62,112 @@ def _hc_project(h_ptr, fn_ptr, dots_ptr, sq_ptr, T, K: tl.constexpr, K_SPLIT: tl
     rows = s * T + t.to(tl.int64)
     tl.store(dots_ptr + rows[:, None] * MP + m[None, :], acc, mask=t_ok[:, None])
     tl.store(sq_ptr + rows, sq, mask=t_ok)
+    if FUSED > 0:  # the last split to arrive runs `_hc_pre`'s work for the step's FUSED tokens
+        S = tl.num_programs(1)
+        tl.debug_barrier()  # every thread's partial stores before the counter's release
+        arrived = tl.atomic_add(cnt_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+        if arrived == S - 1:
+            for i in tl.static_range(FUSED):  # FUSED <= BLOCK_T tokens: the whole step
+                tok = tl.program_id(0) * BLOCK_T + i
+                if tok < T:
+                    _pre_token(tok.to(tl.int64), h_ptr, dots_ptr, sq_ptr, base_ptr, scale_ptr, w_ptr, post_ptr,
+                               comb_ptr, x_ptr, T, S, norm_eps, hc_eps, out_eps, N, D, MP, SP, ITERS, BLOCK_D,
+                               HEAD, NORM, ".cg")  # fmt: skip
+            tl.atomic_xchg(cnt_ptr + tl.program_id(0), 0, sem="relaxed", scope="gpu")  # zero for the next launch
 
 
 @triton.jit
 def _hc_pre(h_ptr, dots_ptr, sq_ptr, base_ptr, scale_ptr, w_ptr, post_ptr, comb_ptr, x_ptr, T, S,
          norm_eps, hc_eps, out_eps, N: tl.constexpr, D: tl.constexpr, MP: tl.constexpr, SP: tl.constexpr,
-         ITERS: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
+         ITERS: tl.constexpr, BLOCK_D: tl.constexpr, HEAD: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
+    if tl.program_id(1) == 1:  # grid (T, 2) for a hyper-connection, (T, 1) for the head
+        _mixes_token(t, dots_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, T, S, norm_eps, hc_eps,
+                     N, D, MP, SP, ITERS, "")  # fmt: skip
+    else:
+        _collapse_token(t, h_ptr, dots_ptr, sq_ptr, base_ptr, scale_ptr, w_ptr, x_ptr, T, S, norm_eps, hc_eps,
+                        out_eps, N, D, MP, SP, BLOCK_D, NORM, "")  # fmt: skip
+
+
+@triton.jit
+def _pre_token(t, h_ptr, dots_ptr, sq_ptr, base_ptr, scale_ptr, w_ptr, post_ptr, comb_ptr, x_ptr, T, S,
+               norm_eps, hc_eps, out_eps, N: tl.constexpr, D: tl.constexpr, MP: tl.constexpr, SP: tl.constexpr,
+               ITERS: tl.constexpr, BLOCK_D: tl.constexpr, HEAD: tl.constexpr, NORM: tl.constexpr,
+               CACHE: tl.constexpr):  # fmt: skip
+    """Token t's gates, Sinkhorn mix and block input from the S partials, in one program (CACHE
+    ".cg": partials other programs of this launch wrote, read past the L1)."""
+    if not HEAD:
+        _mixes_token(t, dots_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, T, S, norm_eps, hc_eps,
+                     N, D, MP, SP, ITERS, CACHE)  # fmt: skip
+    _collapse_token(t, h_ptr, dots_ptr, sq_ptr, base_ptr, scale_ptr, w_ptr, x_ptr, T, S, norm_eps, hc_eps,
+                    out_eps, N, D, MP, SP, BLOCK_D, NORM, CACHE)  # fmt: skip
+
+
+@triton.jit
+def _rms_factor(t, sq_ptr, T, S, norm_eps, N: tl.constexpr, D: tl.constexpr, SP: tl.constexpr, CACHE: tl.constexpr):
+    """1 / RMS of token t's flattened streams, from the S partial sums of squares."""
+    s = tl.arange(0, SP)
+    r = tl.sum(tl.load(sq_ptr + s * T + t, mask=s < S, other=0.0, cache_modifier=CACHE), axis=0)
+    return tl.rsqrt(r / (N * D) + norm_eps)
+
+
+@triton.jit
+def _mixed(t, dots_ptr, T, S, first: tl.constexpr, N: tl.constexpr, MP: tl.constexpr, SP: tl.constexpr,
+           CACHE: tl.constexpr):  # fmt: skip
+    """The sum over the S partials of token t's mixes first .. first + N - 1, [N]."""
     s = tl.arange(0, SP)
     n = tl.arange(0, N)
-    s_ok = s < S
-    rows = dots_ptr + (s * T + t) * MP  # [SP] this token's partial rows
-    r = tl.rsqrt(tl.sum(tl.load(sq_ptr + s * T + t, mask=s_ok, other=0.0), axis=0) / (N * D) + norm_eps)
-    if tl.program_id(1) == 1:  # the mixes' program (not the head's): post and comb, beside the collapse
-        post = tl.sum(tl.load(rows[:, None] + N + n[None, :], mask=s_ok[:, None], other=0.0), axis=0) * r
-        post = 2.0 * tl.sigmoid(post * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + n))
-        tl.store(post_ptr + t * N + n, post)
-        ij = n[:, None] * N + n[None, :]  # [N, N]: row i, column j
-        c = tl.sum(tl.load(rows[:, None, None] + 2 * N + ij[None, :, :], mask=s_ok[:, None, None], other=0.0), axis=0)
-        c = c * r * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * N + ij)
-        c = tl.exp(c - tl.max(c, axis=1)[:, None])
-        comb = c / tl.sum(c, axis=1)[:, None] + hc_eps  # softmax over j, + eps
+    rows = dots_ptr + (s * T + t) * MP
+    return tl.sum(
+        tl.load(rows[:, None] + first + n[None, :], mask=(s < S)[:, None], other=0.0, cache_modifier=CACHE), axis=0
+    )
+
+
+@triton.jit
+def _mixes_token(t, dots_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, T, S, norm_eps, hc_eps,
+                 N: tl.constexpr, D: tl.constexpr, MP: tl.constexpr, SP: tl.constexpr, ITERS: tl.constexpr,
+                 CACHE: tl.constexpr):  # fmt: skip
+    """Token t's post gates [N] and Sinkhorn-Knopp comb [N, N]."""
+    r = _rms_factor(t, sq_ptr, T, S, norm_eps, N, D, SP, CACHE)
+    n = tl.arange(0, N)
+    post = 2.0 * tl.sigmoid(_mixed(t, dots_ptr, T, S, N, N, MP, SP, CACHE) * r * tl.load(scale_ptr + 1)
+                            + tl.load(base_ptr + N + n))  # fmt: skip
+    tl.store(post_ptr + t * N + n, post)
+    s = tl.arange(0, SP)
+    rows = dots_ptr + (s * T + t) * MP
+    ij = n[:, None] * N + n[None, :]  # [N, N]: row i, column j
+    c = tl.load(
+        rows[:, None, None] + 2 * N + ij[None, :, :], mask=(s < S)[:, None, None], other=0.0, cache_modifier=CACHE
+    )
+    c = tl.sum(c, axis=0) * r * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * N + ij)
+    c = tl.exp(c - tl.max(c, axis=1)[:, None])
+    comb = c / tl.sum(c, axis=1)[:, None] + hc_eps  # softmax over j, + eps
+    comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)  # columns
+    for _ in range(ITERS - 1):
+        comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)  # rows
         comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)  # columns
-        for _ in range(ITERS - 1):
-            comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)  # rows
-            comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)  # columns
-        tl.store(comb_ptr + t * N * N + ij, comb)
-    else:  # the collapse: the whole [N, D] row in one load, kept in registers for the norm
-        pre = tl.sum(tl.load(rows[:, None] + n[None, :], mask=s_ok[:, None], other=0.0), axis=0) * r
-        pre = tl.sigmoid(pre * tl.load(scale_ptr) + tl.load(base_ptr + n)) + hc_eps  # [N]
-        dt = x_ptr.dtype.element_ty
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < D
-        hv = tl.load(h_ptr + t * N * D + n[:, None] * D + d[None, :], mask=d_ok[None, :], other=0.0)
-        xv = round_to(tl.sum(pre[:, None] * hv.to(tl.float32), axis=0), dt)  # [BLOCK_D], as `.to(h.dtype)`
-        if NORM:  # V4RMSNorm of the collapsed streams
-            rr = tl.rsqrt(tl.sum(xv * xv, axis=0) / D + out_eps)
-            w = tl.load(w_ptr + d, mask=d_ok, other=0.0)
-            xv = round_to(w * (xv * rr), dt)
-        tl.store(x_ptr + t * D + d, xv.to(dt), mask=d_ok)
+    tl.store(comb_ptr + t * N * N + ij, comb)
+
+
+@triton.jit
+def _collapse_token(t, h_ptr, dots_ptr, sq_ptr, base_ptr, scale_ptr, w_ptr, x_ptr, T, S, norm_eps, hc_eps,
+                    out_eps, N: tl.constexpr, D: tl.constexpr, MP: tl.constexpr, SP: tl.constexpr,
+                    BLOCK_D: tl.constexpr, NORM: tl.constexpr, CACHE: tl.constexpr):  # fmt: skip
+    """Token t's block input [D]: its streams collapsed by the pre gates, RMSNorm'd when NORM; the
+    whole [N, D] row in one load (BLOCK_D >= D), kept in registers for the norm."""
+    r = _rms_factor(t, sq_ptr, T, S, norm_eps, N, D, SP, CACHE)
+    n = tl.arange(0, N)
+    pre = tl.sigmoid(_mixed(t, dots_ptr, T, S, 0, N, MP, SP, CACHE) * r * tl.load(scale_ptr) + tl.load(base_ptr + n))
+    pre = pre + hc_eps  # [N]
+    dt = x_ptr.dtype.element_ty
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    hv = tl.load(h_ptr + t * N * D + n[:, None] * D + d[None, :], mask=d_ok[None, :], other=0.0)
+    xv = round_to(tl.sum(pre[:, None] * hv.to(tl.float32), axis=0), dt)  # [BLOCK_D], as `.to(h.dtype)`
+    if NORM:  # V4RMSNorm of the collapsed streams
+        rr = tl.rsqrt(tl.sum(xv * xv, axis=0) / D + out_eps)
+        xv = round_to(tl.load(w_ptr + d, mask=d_ok, other=0.0) * (xv * rr), dt)
+    tl.store(x_ptr + t * D + d, xv.to(dt), mask=d_ok)
 
 
 @triton.jit
@@ -149,17 +225,20 @@ def hc_pre(
     x = h.new_empty(T, D)
     if T == 0:
         return post, comb, x
-    _hc_project[(tblocks, splits)](
-        h, fn, dots, sq, T, K=K, K_SPLIT=k_split, M=M, MP=MP, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K
-    )
     norm = norm_weight is not None
-    BD = next_pow2(D)
-    _hc_pre[(T, 1 if head else 2)](
-        h, dots, sq, base, scale, norm_weight if norm else base, post if post is not None else sq,
-        comb if comb is not None else sq, x, T, splits, norm_eps, hc_eps, out_eps, N=N, D=D, MP=MP,
-        SP=next_pow2(splits), ITERS=max(iters, 1), BLOCK_D=BD, NORM=norm,
-        num_warps=min(16, max(4, N * BD // (32 * PRE_VALUES))),
+    outs = (norm_weight if norm else base, post if post is not None else sq, comb if comb is not None else sq, x)
+    bd = next_pow2(D)
+    warps = min(16, max(4, N * bd // (32 * PRE_VALUES)))
+    pre = dict(N=N, D=D, MP=MP, SP=next_pow2(splits), ITERS=max(iters, 1), BLOCK_D=bd, HEAD=head, NORM=norm)
+    fused = T <= FUSE_T
+    cnt = arrival_counters(h.device, tblocks, "hc_pre") if fused else sq
+    _hc_project[(tblocks, splits)](
+        h, fn, dots, sq, cnt, base, scale, *outs, T, norm_eps, hc_eps, out_eps, K=K, K_SPLIT=k_split, M=M,
+        BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, FUSED=FUSE_T if fused else 0, **pre, num_warps=warps if fused else 4,
     )  # fmt: skip
+    if not fused:
+        grid = (T, 1 if head else 2)
+        _hc_pre[grid](h, dots, sq, base, scale, *outs, T, splits, norm_eps, hc_eps, out_eps, **pre, num_warps=warps)
     return post, comb, x
 
 

@@ -78,6 +78,7 @@ FAMILIES = (
 
 def v4_glue_cases() -> list:
     from pdserve_kernels.compress import compress_decode
+    from pdserve_kernels.fused_moe import sum_pairs
     from pdserve_kernels.glue import rms_norm_rope, route, swiglu
     from pdserve_kernels.mhc import hc_post, hc_pre
     from pdserve_kernels.v4_step import rate_entries, window_rope
@@ -108,6 +109,8 @@ def v4_glue_cases() -> list:
             ("v4_glue", f"router T={T}", lambda T=T: route(_e(T, 256, dtype=bf), 6, "sqrtsoftplus", 1.5, bias=_e(256, dtype=f32))),
             ("v4_glue", f"hash router T={T}", lambda T=T: route(_e(T, 256, dtype=bf), 6, "sqrtsoftplus", 1.5, table=torch.zeros(1000, 6, dtype=torch.int64), input_ids=torch.zeros(T, dtype=torch.int64))),
             ("v4_glue", f"swiglu T={T}", lambda T=T: swiglu(_e(T, 2048, dtype=bf), _e(T, 2048, dtype=bf), 10.0)),
+            ("v4_glue", f"swiglu of one [gate | up] GEMM T={T}", lambda T=T: (lambda y: swiglu(y[:, :2048], y[:, 2048:], 10.0))(_e(T, 4096, dtype=bf))),
+            ("v4_glue", f"MoE top-k sum (2 splits, k 6) T={T}", lambda T=T: sum_pairs(_e(2, 6 * T, 4096, dtype=f32), 6, bf)),
         ]  # fmt: skip
         for what, dim, m, overlap in (("CSA", 512, 4, True), ("indexer", 128, 4, True), ("HCA", 512, 128, False)):
             C, i64 = (2 if overlap else 1) * dim, torch.int64
@@ -432,7 +435,7 @@ def _gemv_cases(configs):
     import dataclasses
 
     from pdserve_kernels import fp8_gemm
-    from pdserve_kernels.fp8_gemm import fp8_grouped_linear, fp8_linear
+    from pdserve_kernels.fp8_gemm import fp8_grouped_linear, fp8_linear, fp8_swiglu
 
     f8, f32 = torch.float8_e4m3fn, torch.float32
     w = lambda n, k: (_e(n, k, dtype=f8), _e(n // 128, k // 128, dtype=f32))  # noqa: E731
@@ -444,7 +447,10 @@ def _gemv_cases(configs):
         ("fp8_gemv", "bf16 fma M=1 (V4-Flash o_b)", lambda: fp8_linear(_e(1, 8192), *w(4096, 8192), config=fma())),
         ("fp8_gemv", "bf16 M=1 (V4-Flash o_a, 8 groups)", lambda: fp8_grouped_linear(_e(1, 8, 4096), *w(8192, 4096))),
         ("fp8_gemv", "bf16 M=64 (V4-Flash o_a, 8 groups)", lambda: fp8_grouped_linear(_e(64, 8, 4096), *w(8192, 4096))),
-    ]
+        *[("fp8_gemv", f"bf16 M={M} (V4-Flash shared gate + up + SwiGLU)", lambda M=M: fp8_swiglu(_e(M, 4096), w(2048, 4096), w(2048, 4096), 10.0))
+          for M in (1, 16)],
+        ("fp8_gemv", "float32 M=1 (V4-Flash shared gate + up + SwiGLU)", lambda: fp8_swiglu(_e(1, 4096, dtype=f32), w(2048, 4096), w(2048, 4096), 10.0)),
+    ]  # fmt: skip
 
 
 def _config_str(const: dict) -> str:

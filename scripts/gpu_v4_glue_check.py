@@ -1,7 +1,9 @@
 """DeepSeek-V4's fused glue on a GPU: each kernel against the PyTorch code the model runs on the
 CPU (kernels/ref_glue.py, step.py), at V4-Flash's shapes (hidden 4096, 4 streams, 256 experts,
 top-6, 64 heads of 512, bf16; the decode step's metadata at window 128, block 64, rates 4 and
-128, contexts to 4K), with the time of each in a CUDA graph (kernel vs torch).
+128, contexts to 4K), with the time of each in a CUDA graph (kernel vs torch); and the launches
+cut since (`launch_cut_cases`: the shared expert's fused gate + up + SwiGLU, the joined bf16
+GEMMs, the MoE's top-k sum) against the code they replaced.
 
     python scripts/gpu_v4_glue_check.py [--tokens 1,16,64,128] [--out DIR]
 
@@ -15,6 +17,7 @@ if a check fails.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -22,9 +25,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 
 from pdserve.model import ops
 from pdserve.model.deepseek_v4.compressor import CompressedKV
+from pdserve.model.deepseek_v4.layers import join_rows
 from pdserve.model.deepseek_v4.step import decode_group_plan
 from pdserve_kernels import ref_glue as ref
 from pdserve_kernels.glue import rms_norm_rope, route, swiglu
@@ -99,18 +104,20 @@ def compressor_case(T: int, g: torch.Generator, dev: str, dim: int, m: int, over
     ix = SimpleNamespace(groups=decode_group_plan(batch, m, table, page, lambda p: (cs, cs.flip(0))))
     entries = torch.zeros(T * 80 * page + page, dim, device=dev, dtype=torch.bfloat16)
     rows = ix.groups.slot.long()
+    joined = copy.deepcopy(comp)  # the loader's layout: kv_proj and gate_proj rows of one weight
+    join_rows(joined.kv_proj, joined.gate_proj)
 
-    def run(backend: str):
+    def run(backend: str, module: CompressedKV):
         st, en = states.clone(), entries.clone()
         ops.set_backend(backend)
         try:
             with torch.no_grad():
-                comp.update(x, ix, slots, en, st)
+                module.update(x, ix, slots, en, st)
         finally:
             ops.set_backend(None)
         return en[rows], st[slots]
 
-    return lambda: run("triton"), lambda: run("torch")
+    return lambda: run("triton", joined), lambda: run("torch", comp)
 
 
 def cases(T: int, g: torch.Generator, dev: str):
@@ -162,6 +169,59 @@ def cases(T: int, g: torch.Generator, dev: str):
         ("swiglu (shared expert)", lambda: swiglu(gate, up, 10.0), lambda: ref.swiglu_ref(gate, up, 10.0), one("swiglu")),
         ("CSA compressor decode (Dc 512, rate 4)", *compressor_case(T, g, dev, 512, 4, True), comp_cmp),
         ("HCA compressor decode (Dc 512, rate 128)", *compressor_case(T, g, dev, 512, 128, False), comp_cmp),
+    ]  # fmt: skip
+
+
+def launch_cut_cases(T: int, g: torch.Generator, dev: str):
+    """Launches cut from the step (docs/kernels.md's launch table) against the code they replaced:
+    the shared expert's gate + up + SwiGLU as one FP8 GEMV (two GEMVs and the SwiGLU kernel before;
+    past 16 rows both are the same code) or, bf16, one GEMM on the joined [gate; up] rows and the
+    SwiGLU on its halves; a CSA compressor's kv_proj + gate_proj as one GEMM; a bf16 MoE's router
+    and shared gate + up as one GEMM; the routed experts' top-k sum and cast (after an FP4 MoE's
+    2-way split w2) in one kernel."""
+    from pdserve_kernels.fp8_gemm import fp8_linear, fp8_swiglu
+    from pdserve_kernels.fused_moe import sum_pairs
+
+    bf, I, block, limit = torch.bfloat16, 2048, (128, 128), 10.0
+    x = torch.randn(T, D, generator=g).to(dev, bf)
+    w8 = [ops.quant_block_fp8((D**-0.5 * torch.randn(I, D, generator=g)).to(dev), block) for _ in "gu"]
+    wg, wu = ((D**-0.5 * torch.randn(I, D, generator=g)).to(dev, bf) for _ in "gu")
+    wgu = torch.cat([wg, wu])
+    wkv = (0.02 * torch.randn(2 * 1024, D, generator=g)).to(dev, bf)  # CSA: kv_proj rows, then gate_proj rows
+    wr, bias = (D**-0.5 * torch.randn(E, D, generator=g)).to(dev, bf), (0.3 * torch.randn(E, generator=g)).to(dev)
+    wrgu = torch.cat([wr, wg, wu])  # bf16 MoE: the router's rows, then the shared expert's gate and up
+    part = torch.randn(2, T * K, D, generator=g).to(dev)
+    one = lambda n: lambda a, b: [compare(n, a, b, bf)]  # noqa: E731
+    # on a GPU the fused GEMV's sums and roundings are the two GEMVs' (the same splits, round to
+    # nearest): equal bits but for a rare contraction; the interpreter's casts truncate in the
+    # GEMVs it replaced, so on the CPU smoke run only the two-ulp bound holds
+    pair = lambda a, b: [compare("fp8_swiglu", a, b, bf, 1.0 if dev == "cpu" else 0.01)]  # noqa: E731
+
+    def moe_in(y_r, y_g, y_u):
+        return (*route(y_r, K, "sqrtsoftplus", 1.5, bias=bias), swiglu(y_g, y_u, limit))
+
+    def moe_in_cmp(a, b):
+        same = torch.equal(a[1].sort(1).values, b[1].sort(1).values)
+        wa, wb = a[0].gather(1, a[1].argsort(1)), b[0].gather(1, b[1].argsort(1))
+        return [{"check": "router+shared.ids", "ok": same}, compare("router+shared.weights", wa, wb, bf),
+                compare("router+shared.swiglu", a[2], b[2], bf)]  # fmt: skip
+
+    def kv_gate_cmp(a, b):
+        return [compare("compressor.kv", a[0], b[0], bf), compare("compressor.gate", a[1], b[1], bf)]
+
+    return [
+        ("shared expert FP8 gate + up + SwiGLU (one GEMV at T <= 16)", lambda: fp8_swiglu(x, *w8, limit, block),
+         lambda: swiglu(fp8_linear(x, *w8[0], block), fp8_linear(x, *w8[1], block), limit), pair),
+        ("shared expert bf16 gate + up: one GEMM on [gate; up] + SwiGLU",
+         lambda: (lambda y: swiglu(y[:, :I], y[:, I:], limit))(F.linear(x, wgu)),
+         lambda: swiglu(F.linear(x, wg), F.linear(x, wu), limit), one("joined_swiglu")),
+        ("CSA compressor kv_proj + gate_proj: one GEMM", lambda: (lambda y: (y[:, :1024], y[:, 1024:]))(F.linear(x, wkv)),
+         lambda: (F.linear(x, wkv[:1024]), F.linear(x, wkv[1024:])), kv_gate_cmp),
+        ("bf16 router + shared gate + up: one GEMM, route + SwiGLU on its slices",
+         lambda: (lambda y: moe_in(y[:, :E], y[:, E : E + I], y[:, E + I :]))(F.linear(x, wrgu)),
+         lambda: moe_in(F.linear(x, wr), F.linear(x, wg), F.linear(x, wu)), moe_in_cmp),
+        ("MoE top-k sum + cast (2 splits, k 6)", lambda: sum_pairs(part, K, bf),
+         lambda: part.view(2, T, K, D).sum((0, 2)).to(bf), one("sum_pairs")),
     ]  # fmt: skip
 
 
@@ -277,7 +337,8 @@ def main() -> int:
     print("| ---: | --- | ---: | ---: | --- |")
     for T in [int(t) for t in args.tokens.split(",")]:
         g = torch.Generator().manual_seed(T)
-        for name, kernel, torch_fn, cmp in cases(T, g, args.device) + step_cases(T, g, args.device):
+        every = cases(T, g, args.device) + step_cases(T, g, args.device) + launch_cut_cases(T, g, args.device)
+        for name, kernel, torch_fn, cmp in every:
             checks = cmp(kernel(), torch_fn())
             failed += sum(not c["ok"] for c in checks)
             us = (graph_us(kernel), graph_us(torch_fn)) if gpu else (0.0, 0.0)

@@ -8,6 +8,15 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.model.ops_kv import (  # noqa: F401  (re-exported: callers use ops.<name>)
+    fp8_record_bytes,
+    fp8_v4_record_bytes,
+    gather_kv_fp8_v4,
+    pack_kv_fp8,
+    pack_kv_fp8_v4,
+    store_kv_fp8_v4,
+    unpack_kv_fp8,
+)
 from pdserve_kernels import ref
 
 _forced: str | None = None
@@ -224,26 +233,6 @@ def paged_mla_decode(
     return sparse_mla_decode(q, kv, idx[:, None], sm_scale, d_v, sink=sink)
 
 
-def fp8_record_bytes(d_v: int, tail: int) -> int:
-    from pdserve_kernels.kv_fp8 import record_bytes
-
-    return record_bytes(d_v, tail)
-
-
-def pack_kv_fp8(kv: torch.Tensor, d_v: int) -> torch.Tensor:
-    """[N, D] values -> [N, R] uint8 FP8 records (kernels/kv_fp8.py: the same on every device)."""
-    from pdserve_kernels.kv_fp8 import pack_kv_fp8 as pack
-
-    return pack(kv, d_v)
-
-
-def unpack_kv_fp8(records: torch.Tensor, d_v: int, dim: int) -> torch.Tensor:
-    """[N, R] uint8 FP8 records -> [N, dim] float32."""
-    from pdserve_kernels.kv_fp8 import unpack_kv_fp8 as unpack
-
-    return unpack(records, d_v, dim)
-
-
 def sparse_mla_decode_fp8_v4(q, pages, indices, sm_scale: float, rope: int, sink=None):
     """DeepSeek-V4 decode over fp8_ds_v4 pages [Nb, P, R] uint8 (kernels/kv_fp8.py): a KVCache
     region's `layer_pages`, or a step buffer filled by `store_kv_fp8_v4` (or `kv_fp8.copy_kv_fp8_v4`);
@@ -255,45 +244,13 @@ def sparse_mla_decode_fp8_v4(q, pages, indices, sm_scale: float, rope: int, sink
 
         out, lse = kernel(_half(q), pages, indices, sm_scale, rope, sink=sink)
         return out.to(q.dtype), lse
-    from pdserve_kernels.kv_fp8 import V4Record, gather_kv_fp8_v4, unpack_kv_fp8_v4
+    from pdserve_kernels import kv_fp8
 
-    rec = V4Record(q.shape[3], rope)
+    rec = kv_fp8.V4Record(q.shape[3], rope)
     rows, local = _read_rows(
-        indices, lambda flat: unpack_kv_fp8_v4(gather_kv_fp8_v4(pages, flat, rec), rec).to(q.dtype)
+        indices, lambda flat: kv_fp8.unpack_kv_fp8_v4(kv_fp8.gather_kv_fp8_v4(pages, flat, rec), rec).to(q.dtype)
     )
     return ref.sparse_mla_decode_ref(q, rows, local, sm_scale, q.shape[3], sink=sink)
-
-
-def fp8_v4_record_bytes(dim: int, rope: int) -> int:
-    """Bytes of one fp8_ds_v4 record (V4-Flash: dim 512, rope 64 -> 584)."""
-    from pdserve_kernels.kv_fp8 import V4Record
-
-    return V4Record(dim, rope).bytes
-
-
-def pack_kv_fp8_v4(kv: torch.Tensor, rope: int, page: int = 1) -> torch.Tensor:
-    """[n, D] values -> fp8_ds_v4 pages [ceil(n / page), page, R] uint8 (page 1: one record a row)."""
-    from pdserve_kernels.kv_fp8 import V4Record
-    from pdserve_kernels.kv_fp8 import pack_kv_fp8_v4 as pack
-
-    return pack(kv, page, V4Record(kv.shape[1], rope))
-
-
-def store_kv_fp8_v4(pages: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, rope: int) -> None:
-    """Quantize kv [n, D] into the fp8_ds_v4 records of `slots` [n] of pages [Nb, P, R], in place."""
-    from pdserve_kernels.kv_fp8 import V4Record
-    from pdserve_kernels.kv_fp8 import store_kv_fp8_v4 as store
-
-    store(pages, slots, kv, V4Record(kv.shape[1], rope))
-
-
-def gather_kv_fp8_v4(pages: torch.Tensor, slots: torch.Tensor, dim: int, rope: int, page: int = 1) -> torch.Tensor:
-    """The fp8_ds_v4 records of `slots` [n] as new pages [ceil(n / page), page, R], slot i = the
-    i-th of `slots` (bytes, no requantization)."""
-    from pdserve_kernels.kv_fp8 import V4Record
-    from pdserve_kernels.kv_fp8 import gather_kv_fp8_v4 as gather
-
-    return gather(pages, slots, V4Record(dim, rope), page)
 
 
 def indexer_topk_paged(
@@ -394,3 +351,20 @@ def compress_decode(kv, gate, states, slots, positions, position_bias, dim: int,
     from pdserve_kernels.compress import compress_decode as kernel
 
     return kernel(kv, gate, states, slots, positions, position_bias, dim, overlap)
+
+
+def fp8_swiglu(x, gate, up, limit: float, block: tuple[int, int], joined=None):
+    """swiglu(x @ gate^T, x @ up^T, limit) [..., I], gate / up = (e4m3 weight [I, K], its block
+    scales): at decode rows one kernel on a GPU (kernels/fp8_gemm.py's fp8_swiglu: the FP8 GEMV
+    with the SwiGLU in its epilogue); else one FP8 linear over `joined` (both weights as rows of
+    one, with their scales) or two, and the SwiGLU."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if _use_triton(x):
+        from pdserve_kernels.fp8_gemm import fp8_swiglu as kernel
+
+        y = kernel(x2 if x2.stride(-1) == 1 else x2.contiguous(), gate, up, limit, block, joined=joined)
+    else:
+        from pdserve_kernels.ref_fp8 import fp8_linear_ref
+
+        y = swiglu(fp8_linear_ref(x2, *gate, block), fp8_linear_ref(x2, *up, block), limit)
+    return y.view(*x.shape[:-1], gate[0].shape[0])

@@ -3,7 +3,7 @@ linear (`fp8_gemm.fp8_grouped_linear`, V4's o_a) against float64 references: eve
 mode, odd M / N / K (partial weight blocks, N and K not multiples of the tile), one and many K
 splits reduced by the last program to arrive (its counters zero again afterwards), bias, strided
 grouped x, groups whose rows are not a multiple of the tile, and the GEMM / dequant paths of the
-grouped linear. Outputs are NaN-poisoned before each call; inputs are fresh seeded tensors.
+grouped linear; the gate / up pair with the clamped SwiGLU in the GEMV's epilogue (`fp8_swiglu`). Outputs are NaN-poisoned before each call; inputs are fresh seeded tensors.
 
 Runs under the Triton interpreter without CUDA (TRITON_INTERPRET is set before the first triton
 import); on a GPU the same tests run compiled, plus bf16 and a CUDA-graph replay.
@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from pdserve_kernels import _launch, configs, ref_fp8  # noqa: E402
-from pdserve_kernels.fp8_gemm import fp8_grouped_linear, fp8_linear  # noqa: E402
+from pdserve_kernels.fp8_gemm import fp8_grouped_linear, fp8_linear, fp8_swiglu  # noqa: E402
 from pdserve_kernels.fp8_gemv import fp8_gemv, gemv_splits  # noqa: E402
 from tests.helpers.kernels import DEVICE, DTYPES, REL_TOL, poisoned_empty, rel_err, require_interpreter, seed_of  # noqa: E402
 
@@ -129,6 +129,46 @@ def test_grouped_matches_reference(path, dtype):
     g, rows = 2, slice(2 * R, 3 * R)
     alone = ref_fp8.fp8_linear_ref(x[:, g].double(), q[rows], s[2 * R // 16 : 3 * R // 16], block, act_quant=act)
     assert rel_err(y[:, rows], alone) < tol
+
+
+@pytest.mark.parametrize(
+    "M,I,K,block,mode",
+    [(3, 75, 113, (32, 32), "fp8_act"), (1, 130, 200, (128, 128), "fma"), (16, 61, 96, (16, 64), "x_dot")],
+)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_swiglu_pair_matches_reference(M, I, K, block, mode, dtype):  # noqa: E741
+    """fp8_swiglu at decode M: one launch, gate and up rows streamed by the same programs (split K,
+    odd sizes, partial blocks), the clamped SwiGLU in the epilogue; against the two linears and
+    the SwiGLU in float64. The limit clamps a good share of both."""
+    gen = torch.Generator().manual_seed(seed_of("swiglu_pair", M, I, K, mode, str(dtype)))
+    gate, up = weights(I, K, block, gen), weights(I, K, block, gen)
+    x = torch.randn(M, K, generator=gen).to(DEVICE, dtype)
+    cfg, limit = MODES[mode], 0.7
+    with poisoned_empty():
+        y = fp8_swiglu(x, gate, up, limit, block, config=cfg)
+    act = quantizes(cfg, dtype)
+    g, u = (ref_fp8.fp8_linear_ref(x.double(), *w, block, act_quant=act) for w in (gate, up))
+    assert (g > limit).any() and (u.abs() > limit).any()
+    check(y, torch.nn.functional.silu(g.clamp(max=limit)) * u.clamp(-limit, limit), cfg, dtype)
+    assert not _launch.arrival_counters(torch.device(DEVICE), 1, "test").any()
+
+
+def test_swiglu_pair_above_the_gemv_rows():
+    """Past the GEMV's rows fp8_swiglu takes the GEMM on the joined [gate; up] rows (or on each)
+    and the SwiGLU kernel on the halves: the same values."""
+    M, I, K, block, dtype, limit = 19, 64, 64, (32, 32), torch.float32, 0.7
+    gen = torch.Generator().manual_seed(seed_of("swiglu_gemm"))
+    gate, up = weights(I, K, block, gen), weights(I, K, block, gen)
+    joined = torch.cat([gate[0], up[0]]), torch.cat([gate[1], up[1]])
+    x = torch.randn(M, K, generator=gen).to(DEVICE, dtype)
+    cfg = configs.Fp8GemmConfig(16, 32, 32, 4, 1)
+    g, u = (ref_fp8.fp8_linear_ref(x.double(), *w, block) for w in (gate, up))
+    for j in (None, joined):
+        with poisoned_empty():
+            y = fp8_swiglu(x, gate, up, limit, block, config=cfg, joined=j)
+        check(y, torch.nn.functional.silu(g.clamp(max=limit)) * u.clamp(-limit, limit), cfg, dtype)
+    with pytest.raises(ValueError, match="must match"):
+        fp8_swiglu(x, gate, (up[0][:-1], up[1]), limit, block)
 
 
 def test_grouped_mm_is_the_einsum():

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from pdserve_kernels import configs  # noqa: E402
-from pdserve_kernels.fused_moe import fused_moe, moe_align, moe_align_fast  # noqa: E402
+from pdserve_kernels.fused_moe import fused_moe, moe_align, moe_align_fast, sum_pairs  # noqa: E402
 from pdserve_kernels.ref import fused_moe_ref  # noqa: E402
 from tests.helpers.kernels import DEVICE, DTYPES, assert_close, poisoned_empty, require_interpreter, seed_of  # noqa: E402
 
@@ -128,3 +128,22 @@ def test_one_program_align_matches_torch_align(T, E, k, block_m):
         fast = moe_align_fast(ids, E, block_m)
     slow = moe_align(ids, E, block_m)
     assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
+
+
+@pytest.mark.parametrize("S,T,k,hidden", [(1, 1, 6, 64), (3, 5, 3, 1100)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sum_pairs_sums_splits_and_pairs_once(S, T, k, hidden, dtype):
+    """The MoE's last step in one launch: y[t] = sum over splits s and the token's pairs j of
+    part[s, t*k + j], rounded once to x's dtype (to nearest, as torch's cast); hidden over one
+    program's 1024 values, splits of a strided buffer (rows of a wider one)."""
+    gen = torch.Generator().manual_seed(seed_of("sum_pairs", S, T, k, hidden, str(dtype)))
+    part = torch.randn(S + 1, T * k, hidden, generator=gen, dtype=torch.float64)[1:]
+    with poisoned_empty():
+        y = sum_pairs(part.float().to(DEVICE), k, dtype)
+    want = part.float().double().view(S, T, k, hidden).sum((0, 2))
+    assert y.shape == (T, hidden) and y.dtype == dtype and not y.isnan().any()
+    assert_close(y.double().cpu(), want.to(dtype).double(), dtype)
+    if dtype != torch.float32:  # rounded once, to nearest: bit for bit but at float32 sum-order ties
+        assert (y.cpu() != want.to(dtype)).float().mean() < 0.01
+    with pytest.raises(ValueError, match="sum_pairs"):
+        sum_pairs(part.float().to(DEVICE).transpose(1, 2), k, dtype)

@@ -2,7 +2,8 @@
 torch path (`CompressedKV.update`, which the engine tests check against transformers): the same
 entries and the same state records, for CSA (overlapping, rate 4) and HCA (rate 16) compressors,
 positions at every place in a group (the first group, a group's first and last token), fp32 and
-bf16 pools, unused state rows untouched.
+bf16 pools, unused state rows untouched; the CSA cases with the loader's joined kv / gate
+projections (one GEMM: the kernel reads the two halves of its output).
 
 Runs under the Triton interpreter without CUDA; see test_kernels_sparse_mla.py for why
 TRITON_INTERPRET is set here, before the first triton import.
@@ -21,6 +22,7 @@ import pytest  # noqa: E402
 
 from pdserve.model import ops  # noqa: E402
 from pdserve.model.deepseek_v4.compressor import CompressedKV  # noqa: E402
+from pdserve.model.deepseek_v4.layers import join_rows, joined_rows  # noqa: E402
 from pdserve.model.deepseek_v4.step import decode_group_plan  # noqa: E402
 from tests.helpers.kernels import DEVICE, require_interpreter, seed_of  # noqa: E402
 
@@ -54,6 +56,9 @@ def test_compress_decode_is_the_modules_update(overlap, dim, m, dtype):
         comp.position_bias.data.float(),
         comp.kv_norm.weight.data.float(),
     )
+    if overlap:  # the loader's joined projections: one GEMM, the kernel reads its halves' strided rows
+        join_rows(comp.kv_proj, comp.gate_proj)
+        assert joined_rows(comp.kv_proj.weight, comp.gate_proj.weight) is not None
     # positions: the first group (no previous Ca), a group's first / middle / last token, later groups
     starts = torch.tensor([0, 1, m - 1, m, m + 1, 2 * m - 1, 5 * m + 2, 7 * m - 1, 3])
     B, S, width = starts.shape[0], 20, 16

@@ -84,6 +84,29 @@ def test_hc_pre_matches_the_module(T, N, D, dtype, norm, poisoned):
         _close(a, b, b.dtype if name == "input" else torch.float32, name)
 
 
+def test_hc_pre_of_one_token_is_one_launch_and_replays(poisoned, monkeypatch):
+    """A one-token step (mhc.FUSE_T): the projection's last split to arrive runs the pre-mix, so
+    `_hc_pre` is not launched; its arrival counter is zero again, so a second call (a graph
+    replay) is right too."""
+    from pdserve_kernels import _launch, mhc
+
+    class NotLaunched:
+        def __getitem__(self, grid):
+            raise AssertionError("_hc_pre launched for one token")
+
+    monkeypatch.setattr(mhc, "_hc_pre", NotLaunched())
+    g, N, D = _gen("hc_pre_one"), 4, 72
+    fn, base = 0.2 * torch.randn(24, N * D, generator=g), 0.5 * torch.randn(24, generator=g)
+    scale, w = 1 + torch.rand(3, generator=g), 1 + 0.2 * torch.randn(D, generator=g)
+    for _ in range(2):
+        h = torch.randn(1, N, D, generator=g).to(torch.bfloat16)
+        got = hc_pre(*_dev(h, fn, base, scale), 20, 1e-6, 1e-6, *_dev(w), 1e-5)
+        want = ref.hc_pre_ref(h, fn, base, scale, 20, 1e-6, 1e-6, w, 1e-5)
+        for name, a, b in zip(("post", "comb", "input"), got, want):
+            _close(a, b, b.dtype if name == "input" else torch.float32, name)
+    assert not _launch.arrival_counters(torch.device(DEVICE), 1, "test").any()
+
+
 @pytest.mark.parametrize("T,N,D", [(1, 4, 64), (7, 4, 45)])
 def test_hc_pre_of_the_head_has_pre_gates_only(T, N, D, poisoned):
     g = _gen("head", T, N, D)
@@ -132,6 +155,10 @@ def test_rms_norm_rope_reads_a_strided_row():
     cos, sin = torch.randn(5, 4, generator=g), torch.randn(5, 4, generator=g)
     got = rms_norm_rope(*_dev(x), None, 1e-6, rope=_dev(cos, sin)).cpu()
     torch.testing.assert_close(got, ref.rope_tail_ref(ref.rms_norm_ref(x, None, 1e-6), cos, sin), rtol=2e-6, atol=1e-6)
+    # heads of a joined GEMM's output slice: token stride 100, not heads x 32
+    x = torch.randn(5, 100, generator=g)[:, :96].view(5, 3, 32)
+    got = rms_norm_rope(*_dev(x), None, 1e-6, rope=_dev(cos, sin)).cpu()
+    torch.testing.assert_close(got, ref.rope_tail_ref(ref.rms_norm_ref(x, None, 1e-6), cos, sin), rtol=2e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("T,D,R,N", [(1, 38, 16, 5), (7, 74, 8, 19), (3, 512, 64, 40)])
@@ -177,6 +204,19 @@ def test_route_topk_matches_the_router(T, E, k, dtype, scoring, poisoned):
     torch.testing.assert_close(w.gather(1, order), want_w.gather(1, want_order), rtol=ULP[dtype], atol=0)
 
 
+def test_route_reads_the_logits_of_a_joined_gemm(poisoned):
+    """The router's logits as the first E columns of one wider GEMM output (router and shared
+    expert joined): strided rows give the same choice and weights as the contiguous logits."""
+    g = _gen("route_joined")
+    wide = _logits(g, 5, 37 + 64, torch.float32)
+    bias = 0.3 * torch.randn(37, generator=g)
+    got = route(*_dev(wide[:, :37]), 3, "sqrtsoftplus", 2.5, bias=bias.to(DEVICE))
+    want = route(*_dev(wide[:, :37].contiguous()), 3, "sqrtsoftplus", 2.5, bias=bias.to(DEVICE))
+    assert torch.equal(got[1].cpu(), want[1].cpu()) and torch.equal(got[0].cpu(), want[0].cpu())
+    ref_w, ref_ids = ref.route_ref(wide[:, :37], 3, "sqrtsoftplus", 2.5, bias=bias)
+    assert torch.equal(got[1].cpu().sort(1).values, ref_ids.sort(1).values)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_route_ties_pick_the_lowest_expert_ids(dtype):
     """Equal scores + bias: the kernel takes the lowest ids (torch.topk leaves the choice open),
@@ -220,6 +260,16 @@ def test_route_refuses_what_it_cannot_do():
         route(logits, 2, "sigmoid", 1.0)
     with pytest.raises(ValueError, match="top_k 9 of 8"):
         route(logits, 9, "sigmoid", 1.0, bias=torch.zeros(8, device=DEVICE))
+
+
+def test_swiglu_reads_the_halves_of_one_gemm(poisoned):
+    """gate and up as the two halves of one [T, 2I] output (a joined bf16 GEMM): strided rows."""
+    g = _gen("swiglu_halves")
+    y = (6 * torch.randn(5, 2 * 1031, generator=g)).to(torch.float16)
+    got = swiglu(*_dev(y[:, :1031], y[:, 1031:]), 4.0).cpu()
+    want = ref.swiglu_ref(y[:, :1031], y[:, 1031:], 4.0)
+    _close(got, want, torch.float16, "swiglu halves")
+    _mostly_equal(got, want)
 
 
 @pytest.mark.parametrize("shape", [(1, 64), (7, 33), (3, 5, 1031)])

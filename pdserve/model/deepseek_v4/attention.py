@@ -32,7 +32,14 @@ from pdserve.model import ops
 from pdserve.model.config import ModelConfig
 from pdserve.model.deepseek_v4.compressor import CSACompressor, HCACompressor, Indexer
 from pdserve.model.deepseek_v4.config import CSA, HCA, SLIDING
-from pdserve.model.deepseek_v4.layers import V4RMSNorm, fused_store, normed_records, rope_tail, store_records
+from pdserve.model.deepseek_v4.layers import (
+    V4RMSNorm,
+    fused_store,
+    joined_outputs,
+    normed_records,
+    rope_tail,
+    store_records,
+)
 from pdserve.model.deepseek_v4.step import V4Step
 from pdserve.model.fp8 import Block, fp8_params, linear, shard_scales
 from pdserve.model.kv_cache import KVCache
@@ -92,8 +99,12 @@ class V4Attention(nn.Module):
     over its heads: split, it would need an all-reduce of the scores (each query's, of every entry
     it may see) in every CSA layer, and another summation order could flip a near-tie of the top-k
     against TP1; whole, every rank picks TP1's entries bit for bit, for ~9M parameters a layer
-    (V4-Flash).
+    (V4-Flash). q_a_proj and kv_proj read the same x, and in a CSA layer q_b_proj and the
+    indexer's q_b_proj the same q_res: the loader joins each pair's rows (`joined`), so one GEMM
+    (FP8: one GEMV at decode rows) runs both.
     """
+
+    joined: tuple[tuple[str, ...], ...] = (("q_a_proj", "kv_proj"),)  # groups whose weights share one tensor
 
     def __init__(self, config: ModelConfig, layer_idx: int, tp: TPGroup | None = None) -> None:
         super().__init__()
@@ -123,6 +134,7 @@ class V4Attention(nn.Module):
         elif self.kind == CSA:
             indexer = Indexer(hidden, Q, config.index_n_heads, config.index_head_dim, rate, config.index_topk, eps, fp8)
             self.compressor = CSACompressor(hidden, D, rate, eps, indexer)
+            self.joined = (*self.joined, ("q_b_proj", "compressor.indexer.q_b_proj"))
 
     def shard_weight(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """sinks [H] -> this rank's heads [H/tp] (its other parameters live in its submodules)."""
@@ -135,16 +147,22 @@ class V4Attention(nn.Module):
         compressor state of this layer into the pool and reads its keys from there."""
         T = x.shape[0]
         cos, sin = step.rope[self.rope_kind]
-        q_res = self.q_a_norm(self.q_a_proj(x))  # [T, Q]
-        q = ops.rms_norm(self.q_b_proj(q_res).view(T, self.heads, self.head_dim), None, self.eps, rope=(cos, sin))
+        q_a, kv_a = joined_outputs(x, self.q_a_proj, self.kv_proj)  # one GEMM / GEMV where joined at load
+        q_res = self.q_a_norm(q_a)  # [T, Q]
+        iq = None  # the indexer's q_b_proj(q_res), from q_b's GEMM where joined
+        if isinstance(self.compressor, CSACompressor):
+            q_b, iq = joined_outputs(q_res, self.q_b_proj, self.compressor.indexer.q_b_proj)
+        else:
+            q_b = self.q_b_proj(q_res)
+        q = ops.rms_norm(q_b.view(T, self.heads, self.head_dim), None, self.eps, rope=(cos, sin))
         window = _region(kv_cache, "window", layer)  # [Nw, D] values, or fp8_ds_v4 pages
         if step.window_src is None and fused_store(window, x):  # normed, roped and stored by one kernel
-            kv = normed_records(self.kv_norm, self.kv_proj(x), (cos, sin), window, step.window_write)
+            kv = normed_records(self.kv_norm, kv_a, (cos, sin), window, step.window_write)
         else:
-            kv = self._kv(x, cos, sin)  # [T, D]
+            kv = self._kv(kv_a, cos, sin)  # [T, D]
             new = kv if step.window_src is None else kv[step.window_src]
             store_records(window, step.window_write, new, self.rope)  # the records later steps read
-        extra = self._compress(x, q_res, step, kv_cache, layer) if self.compressor is not None else None
+        extra = self._compress(x, q_res, step, kv_cache, layer, iq) if self.compressor is not None else None
         if window.dtype == torch.uint8:
             out = self._attend_fp8(q, kv, window, step, extra)
         else:
@@ -156,9 +174,9 @@ class V4Attention(nn.Module):
         out = self.o_a_proj(out.reshape(T, self.o_a_proj.groups, -1))  # [T, G*Ro]
         return self.o_b_proj(out)
 
-    def _kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] -> the step's K = V records [T, D] (normed, roped)."""
-        return self.kv_norm(self.kv_proj(x), rope=(cos, sin))  # normed and roped in one kernel on a GPU
+    def _kv(self, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """kv_proj(x) [T, D] -> the step's K = V records [T, D] (normed, roped)."""
+        return self.kv_norm(kv, rope=(cos, sin))  # normed and roped in one kernel on a GPU
 
     def _attend_fp8(self, q, kv, window: torch.Tensor, step: V4Step, extra) -> torch.Tensor:
         """The attention over fp8_ds_v4 records: the records each query reads, gathered from both
@@ -180,7 +198,7 @@ class V4Attention(nn.Module):
         return out
 
     def _compress(
-        self, x, q_res, step: V4Step, kv_cache: KVCache, layer: int
+        self, x, q_res, step: V4Step, kv_cache: KVCache, layer: int, iq=None
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Advance every sequence's compressor (and indexer) by its new tokens, in the pool;
         returns the attention's second key source: (this layer's entries region, [N, D] values
@@ -190,12 +208,13 @@ class V4Attention(nn.Module):
         csa = isinstance(comp, CSACompressor)
         name = "csa" if csa else "hca"
         entries = _region(kv_cache, f"{name}_kv", layer)
-        comp.update(x, ix, step.state_slots, entries, kv_cache.layer(f"{name}_state", layer), step.state_dst)
+        own, index, w = comp.project_all(x) if csa else (None, None, None)  # one GEMM where joined
+        comp.update(x, ix, step.state_slots, entries, kv_cache.layer(f"{name}_state", layer), step.state_dst, own)
         if csa:
-            keys = kv_cache.layer("csa_index_k", layer)
-            comp.indexer.update(x, ix, step.state_slots, keys, kv_cache.layer("csa_index_state", layer), step.state_dst)
+            keys, st = kv_cache.layer("csa_index_k", layer), kv_cache.layer("csa_index_state", layer)
+            comp.indexer.update(x, ix, step.state_slots, keys, st, step.state_dst, index)
             cos, sin = step.rope["compress"]
-            rows = comp.indexer.select(x, q_res, cos, sin, keys, ix, step.seq_ids)  # [T, k]
+            rows = comp.indexer.select(x, q_res, cos, sin, keys, ix, step.seq_ids, w, iq)  # [T, k]
         else:
             rows = ix.visible  # [T, Em]
         return (entries, rows[:, None]) if rows.shape[1] else None

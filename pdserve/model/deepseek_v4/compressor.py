@@ -27,13 +27,22 @@ import torch
 from torch import nn
 
 from pdserve.model import ops
-from pdserve.model.deepseek_v4.layers import V4RMSNorm, normed_records, rope_tail, store_records
+from pdserve.model.deepseek_v4.layers import (
+    V4RMSNorm,
+    joined_outputs,
+    normed_records,
+    rope_tail,
+    store_records,
+)
 from pdserve.model.deepseek_v4.step import EntryIndex
 from pdserve.model.fp8 import Block, linear
 
 
 class CompressedKV(nn.Module):
-    """kv_proj / gate_proj [C, hidden], position_bias [m, C] (float32), kv_norm [Dc]."""
+    """kv_proj / gate_proj [C, hidden], position_bias [m, C] (float32), kv_norm [Dc]. The loader
+    joins the two projections' rows (`joined`: one GEMM a step, `project`)."""
+
+    joined = (("kv_proj", "gate_proj"),)  # groups of linears whose weights share one tensor
 
     def __init__(self, hidden: int, dim: int, rate: int, overlap: bool, eps: float) -> None:
         super().__init__()
@@ -52,23 +61,26 @@ class CompressedKV(nn.Module):
         entries: torch.Tensor,
         states: torch.Tensor,
         dst: torch.Tensor | None = None,
+        proj: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """Feed every sequence's new tokens x [T, hidden] (state records states[slots], slots [B]):
         writes the entries of the groups the step touches into `entries` (this layer's region:
         [N, Dc] values or fp8_ds_v4 pages) and each sequence's new record into `states`
         [S, state_dim], at row dst [B] (None: slots; a verify chunk's spare slot leaves the
-        record it read as it was, for the engine to keep if drafts are rejected)."""
+        record it read as it was, for the engine to keep if drafts are rejected). proj: this x's
+        (kv_proj(x), gate_proj(x)) when the caller ran them already (`CSACompressor.project_all`)."""
         plan, m, dim, C = ix.groups, self.rate, self.dim, self.width
         cos, sin = plan.rope
         if plan.start is not None and dst is None and ops.uses_triton(x):  # a decode step: one kernel, in place
-            kv, gate = self.kv_proj(x), self.gate_proj(x)
+            kv, gate = proj if proj is not None else self.project(x)
             pooled = ops.compress_decode(kv, gate, states, slots, plan.start, self.position_bias, dim, self.overlap)
             normed_records(self.kv_norm, pooled, (cos, sin), entries, plan.slot)  # one kernel on a GPU
             return
         B, n = slots.shape[0], (self.rate - 1) * self.width
         rec = states[slots]  # [B, state_dim]
-        raw_kv = torch.cat([rec[:, :n].reshape(-1, C).to(x.dtype), self.kv_proj(x)])[plan.src]  # [U, m, C]
-        raw_gate = torch.cat([rec[:, n : 2 * n].reshape(-1, C).to(x.dtype), self.gate_proj(x)])[plan.src]
+        kv_x, gate_x = proj if proj is not None else self.project(x)
+        raw_kv = torch.cat([rec[:, :n].reshape(-1, C).to(x.dtype), kv_x])[plan.src]  # [U, m, C]
+        raw_gate = torch.cat([rec[:, n : 2 * n].reshape(-1, C).to(x.dtype), gate_x])[plan.src]
         biased = (raw_gate + self.position_bias).masked_fill(~plan.present[..., None], float("-inf"))  # float32
         kv, gate, prev_kv, prev_gate = raw_kv, biased, None, None
         if self.overlap:
@@ -88,6 +100,12 @@ class CompressedKV(nn.Module):
         )  # norm + rope: one kernel
         dst = slots if dst is None else dst
         states.index_copy_(0, dst, self._record(plan, raw_kv, raw_gate, biased, prev_kv, prev_gate).to(states.dtype))
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_proj(x), gate_proj(x) [T, C]: one GEMM over both weights where the loader joined them
+        (`join_rows`; the two halves of its [T, 2C] output, row-strided views), else two."""
+        kv, gate = joined_outputs(x, self.kv_proj, self.gate_proj)
+        return kv, gate
 
     def _record(self, plan, raw_kv, raw_gate, biased, prev_kv, prev_gate) -> torch.Tensor:
         """[B, state_dim]: each sequence's last group's first P rows (raw kv, raw gate; zero
@@ -127,7 +145,10 @@ class IndexScorer(nn.Module):
 
 class Indexer(CompressedKV):
     """The lightning indexer: its own overlapping compressor at Di, q_b_proj [Hi*Di, Q] (FP8 in
-    V4-Flash, kept so with `fp8_block`; its compressor and weights_proj are bf16), scorer."""
+    V4-Flash, kept so with `fp8_block`; its compressor and weights_proj are bf16), scorer. Its
+    CSA compressor joins its projections (`CSACompressor.joined`)."""
+
+    joined = ()
 
     def __init__(
         self,
@@ -145,20 +166,32 @@ class Indexer(CompressedKV):
         self.q_b_proj = linear(q_lora_rank, heads * head_dim, fp8_block=fp8_block)
         self.scorer = IndexScorer(hidden, heads, head_dim)
 
-    def select(self, x, q_res, cos, sin, keys: torch.Tensor, ix: EntryIndex, seq_ids: torch.Tensor) -> torch.Tensor:
+    def select(self, x, q_res, cos, sin, keys: torch.Tensor, ix: EntryIndex, seq_ids: torch.Tensor, w=None, q=None):
         """x [T, hidden], q_res [T, Q], cos/sin [T, R/2] (compress rope), keys [N, Di] (this
-        layer's indexer-key region), ix the rate's entries, seq_ids [T] int32 -> [T, min(topk, Em)]
-        int32: the region rows of each query's top-k visible entries, -1 pad."""
+        layer's indexer-key region), ix the rate's entries, seq_ids [T] int32, w: weights_proj(x)
+        [T, Hi] and q: q_b_proj(q_res) [T, Hi*Di] when the caller ran them already (joined GEMMs)
+        -> [T, min(topk, Em)] int32: the region rows of each query's top-k visible entries, -1 pad."""
         if ix.max_seen == 0:
             return ix.seen.new_empty(x.shape[0], 0)
-        q = rope_tail(self.q_b_proj(q_res).view(x.shape[0], self.heads, self.dim), cos, sin)  # [T, Hi, Di]
-        w, scale = self.scorer.weights_proj(x), self.scorer.scale  # the scale applied in the kernel (float32)
+        q = self.q_b_proj(q_res) if q is None else q
+        q = rope_tail(q.view(x.shape[0], self.heads, self.dim), cos, sin)  # [T, Hi, Di]
+        w = self.scorer.weights_proj(x) if w is None else w
+        scale = self.scorer.scale  # applied in the kernel (float32)
         return ops.indexer_topk_paged(q, keys, w, ix.table, seq_ids, ix.seen, ix.page, ix.max_seen, self.topk, scale)
 
 
 class CSACompressor(CompressedKV):
-    """Compressed sparse attention: overlapping entries at head_dim, filtered by the indexer."""
+    """Compressed sparse attention: overlapping entries at head_dim, filtered by the indexer.
+    Its projections and the indexer's read the same x: the loader joins all five (`joined`)."""
+
+    joined = (("kv_proj", "gate_proj", "indexer.kv_proj", "indexer.gate_proj", "indexer.scorer.weights_proj"),)
 
     def __init__(self, hidden: int, dim: int, rate: int, eps: float, indexer: Indexer) -> None:
         super().__init__(hidden, dim, rate, overlap=True, eps=eps)
         self.indexer = indexer
+
+    def project_all(self, x: torch.Tensor):
+        """(kv_proj(x), gate_proj(x)), the indexer's (kv_proj(x), gate_proj(x)) and its
+        weights_proj(x), from one GEMM where joined (row-strided views of its output)."""
+        kv, gate, ikv, igate, w = joined_outputs(x, *(self.get_submodule(n) for n in self.joined[0]))
+        return (kv, gate), (ikv, igate), w

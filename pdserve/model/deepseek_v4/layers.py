@@ -7,12 +7,15 @@ DeepseekV4RMSNorm), unlike V3's. Rope rotates the *last* R dims of each vector a
 pairs (2i, 2i+1) and writes them back in place, so the layout stays [nope | rope].
 Each is one kernel on a GPU (`ops.rms_norm` / `ops.rope_tail`; references in
 kernels/ref_glue.py), and so is a norm whose output also goes to pool records (`normed_records`). `store_records` writes K = V records into a pool region of either kind: values [N, D], or
-"fp8_ds_v4" pages [blocks, records a block, bytes] (`--kv-cache-dtype fp8`).
+"fp8_ds_v4" pages [blocks, records a block, bytes] (`--kv-cache-dtype fp8`). Linears that read one
+input keep their weights as rows of one tensor (`join_rows`, at load), so one GEMM runs them
+(`joined_rows`).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pdserve.model import ops
@@ -67,3 +70,67 @@ def store_records(region: torch.Tensor, slots: torch.Tensor, values: torch.Tenso
         ops.store_kv_fp8_v4(region, slots, values, rope)
     else:
         region.index_copy_(0, slots, values.to(region.dtype))
+
+
+def join_rows(*linears: nn.Module) -> None:
+    """Re-seat the `weight`s of linears that read one input (same dtype, in-features and device)
+    as consecutive row slices of one [sum N, K] tensor, values kept, so that `joined_outputs` runs
+    them as one GEMM. FP8 linears join their `weight_scale_inv` rows too, when every weight but
+    the last ends on a scale-block edge (else they stay apart). The parameters keep their names
+    and shapes (loaders, TP shards and dummy fills write into them in place); a weight replaced
+    later simply ends the sharing."""
+    w0 = linears[0].weight
+    if joined_weights(*linears) is not None:  # already rows of one tensor (a wider join holds them)
+        return
+    if any(m.weight.dim() != 2 or m.weight.dtype != w0.dtype or m.weight.shape[1] != w0.shape[1] for m in linears):
+        return
+    if any(m.weight.device != w0.device or getattr(m, "bias", None) is not None for m in linears):
+        return
+    names = ["weight"]
+    if getattr(linears[0], "weight_scale_inv", None) is not None:  # FP8: the scale rows must line up
+        blocks = {getattr(m, "fp8_block", None) for m in linears}
+        bn = next(iter(blocks))[0] if len(blocks) == 1 and None not in blocks else 0
+        if not bn or any(m.weight.shape[0] % bn for m in linears[:-1]):
+            return
+        names.append("weight_scale_inv")
+    for name in names:
+        parts = [getattr(m, name) for m in linears]
+        joined, start = torch.cat([p.detach() for p in parts]), 0
+        for m, p in zip(linears, parts):
+            setattr(m, name, nn.Parameter(joined[start : start + p.shape[0]], requires_grad=False))
+            start += p.shape[0]
+
+
+def joined_rows(*weights: torch.Tensor) -> torch.Tensor | None:
+    """The [sum N, K] tensor whose consecutive row slices `weights` are (`join_rows`), or None."""
+    w0 = weights[0]
+    if w0.dim() != 2 or not w0.is_contiguous():
+        return None
+    at = w0.storage_offset()
+    for w in weights:
+        if w.untyped_storage().data_ptr() != w0.untyped_storage().data_ptr() or not w.is_contiguous():
+            return None
+        if w.dtype != w0.dtype or w.shape[1] != w0.shape[1] or w.storage_offset() != at:
+            return None
+        at += w.numel()
+    return w0.as_strided((sum(w.shape[0] for w in weights), w0.shape[1]), w0.stride())
+
+
+def joined_weights(*linears: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight [sum N, K], weight_scale_inv or None) of linears `join_rows` joined, or None."""
+    w = joined_rows(*(m.weight for m in linears))
+    if w is None or getattr(linears[0], "weight_scale_inv", None) is None:
+        return None if w is None else (w, None)
+    s = joined_rows(*(m.weight_scale_inv for m in linears))
+    return None if s is None else (w, s)
+
+
+def joined_outputs(x: torch.Tensor, *linears: nn.Module) -> list[torch.Tensor]:
+    """[m(x) for m in linears], from one GEMM over their joined rows (views of its [T, sum N]
+    output, rows strided) where `join_rows` joined them, else one GEMM each."""
+    joined = joined_weights(*linears)
+    if joined is None:
+        return [m(x) for m in linears]
+    w, s = joined
+    y = F.linear(x, w) if s is None else ops.fp8_linear(x, w, s, linears[0].fp8_block)
+    return list(y.split([m.weight.shape[0] for m in linears], dim=-1))

@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from pdserve.distributed.group import TPGroup
 from pdserve.model.config import ModelConfig
+from pdserve.model.deepseek_v4.layers import join_rows
 from pdserve.model.deepseek_v4.model import FP32_PARAM_PATTERNS, DeepseekV4ForCausalLM
 from pdserve.model.fp4 import check_fp4_shapes, dequantize_fp4, is_fp4, packed_bytes, scales_to_float, ue8m0_bytes
 from pdserve.model.fp8 import FP8, dequantize_block_fp8, is_fp8, model_config_for
@@ -239,7 +240,11 @@ def _check_unused_scales(names: dict[str, str], files) -> None:
 def materialize(model: DeepseekV4ForCausalLM, dtype: torch.dtype, device: torch.device) -> None:
     """Every meta parameter becomes an uninitialized one in its final dtype (float32 for the
     parameters transformers keeps in float32; packed FP4, FP8 and their scales keep theirs) and
-    device; buffers keep their dtype."""
+    device; buffers keep their dtype. Each group of linears a module names in `joined`
+    (projections of one input: a compressor's kv_proj and gate_proj, with a CSA's indexer's and
+    its weights_proj; attention's q_a_proj and kv_proj, a CSA layer's q_b_proj and its indexer's;
+    a shared expert's gate_proj and up_proj, in bf16 with the router) get their weights (FP8: and
+    scales) as row slices of one tensor (`layers.join_rows`), under their own names."""
     for mod_name, mod in model.named_modules():
         for pname, p in list(mod._parameters.items()):
             full = f"{mod_name}.{pname}" if mod_name else pname
@@ -252,6 +257,9 @@ def materialize(model: DeepseekV4ForCausalLM, dtype: torch.dtype, device: torch.
             mod._parameters[pname] = nn.Parameter(torch.empty(p.shape, dtype=dt, device=device), requires_grad=False)
         for bname, b in list(mod._buffers.items()):
             mod._buffers[bname] = torch.zeros(b.shape, dtype=b.dtype, device=device)
+    for mod in model.modules():  # projections of one input: rows of one tensor, one GEMM
+        for group in getattr(mod, "joined", ()):
+            join_rows(*(mod.get_submodule(name) for name in group))
     model.tie_weights()
 
 

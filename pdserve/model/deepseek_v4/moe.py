@@ -26,6 +26,7 @@ from torch import nn
 from pdserve.distributed.group import TPGroup
 from pdserve.model import ops
 from pdserve.model.config import ModelConfig
+from pdserve.model.deepseek_v4.layers import joined_outputs, joined_weights
 from pdserve.model.fp4 import FP4_BLOCK, frag_experts
 from pdserve.model.fp8 import Block
 from pdserve.model.parallel import ColumnParallelLinear, RowParallelLinear, shard_expert, shard_stacked_experts
@@ -52,7 +53,10 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden], input_ids [T] -> weights [T, k], expert ids [T, k]."""
-        logits = F.linear(x, self.weight)  # [T, E]
+        return self.route(F.linear(x, self.weight), input_ids)
+
+    def route(self, logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [T, E] (rows may be strided: a joined GEMM's) -> weights [T, k], expert ids [T, k]."""
         if self.hashed:  # scoring, top-k or hash rows, normalization: one kernel on a GPU
             return ops.route(logits, self.top_k, self.scoring, self.scaling, table=self.tid2eid, input_ids=input_ids)
         bias = self.e_score_correction_bias
@@ -151,7 +155,11 @@ class Experts(nn.Module):
 
 class SharedExpert(nn.Module):
     """Under TP: intermediate dim split, output a partial sum (no all-reduce of its own). FP8
-    (`fp8_block`) as the checkpoint ships it."""
+    (`fp8_block`) as the checkpoint ships it: gate, up and the clamped SwiGLU are one GEMV at
+    decode rows (`ops.fp8_swiglu`). The loader joins the gate and up rows (`joined`): past the
+    GEMV's rows, and in bf16, one GEMM runs both, then the SwiGLU kernel on its two halves."""
+
+    joined = (("gate_proj", "up_proj"),)  # groups of linears whose weights share one tensor
 
     def __init__(self, hidden: int, inter: int, limit: float, tp: TPGroup, fp8_block: Block | None = None) -> None:
         super().__init__()
@@ -161,11 +169,23 @@ class SharedExpert(nn.Module):
         self.down_proj = RowParallelLinear(inter, hidden, tp, reduce=False, what=what, fp8_block=fp8_block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+        return self.down_proj(self.act(x))
+
+    def act(self, x: torch.Tensor) -> torch.Tensor:
+        """swiglu(gate_proj(x), up_proj(x)) [T, I] (this rank's I)."""
+        gate, up = self.gate_proj, self.up_proj
+        if gate.fp8_block is not None:  # the joined rows (if any) serve the GEMM path past the GEMV's rows
+            w = (gate.weight, gate.weight_scale_inv), (up.weight, up.weight_scale_inv)
+            return ops.fp8_swiglu(x, *w, self.limit, gate.fp8_block, joined=joined_weights(gate, up))
+        return ops.swiglu(*joined_outputs(x, gate, up), self.limit)
 
 
 class V4MoE(nn.Module):
-    """gate (Router), experts, shared_experts: the checkpoint's names under `mlp.`."""
+    """gate (Router), experts, shared_experts: the checkpoint's names under `mlp.`. The router and
+    the shared expert read the same x: with weights of one dtype (bf16; not FP8 shared experts)
+    the loader joins their rows (`joined`) and one GEMM gives the logits, gate and up."""
+
+    joined = (("gate", "shared_experts.gate_proj", "shared_experts.up_proj"),)
 
     def __init__(self, config: ModelConfig, layer_idx: int, tp: TPGroup | None = None) -> None:
         super().__init__()
@@ -183,5 +203,11 @@ class V4MoE(nn.Module):
     def parts(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The routed and the shared experts' outputs [T, hidden] (this rank's partial sums under
         TP), for a caller that adds them itself (one TP rank: in hc_post's kernel)."""
-        weights, ids = self.gate(x, input_ids)
-        return self.experts(x, weights, ids), self.shared_experts(x)
+        shared = self.shared_experts
+        linears = self.gate, shared.gate_proj, shared.up_proj
+        if joined_weights(*linears) is None:
+            weights, ids = self.gate(x, input_ids)
+            return self.experts(x, weights, ids), shared(x)
+        logits, gate, up = joined_outputs(x, *linears)
+        weights, ids = self.gate.route(logits, input_ids)
+        return self.experts(x, weights, ids), shared.down_proj(ops.swiglu(gate, up, shared.limit))
