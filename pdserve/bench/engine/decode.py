@@ -166,20 +166,33 @@ def _fill_fp8_records(rows: torch.Tensor, g: torch.Generator) -> None:
 
 @contextmanager
 def _routers_recorded(model: torch.nn.Module):
-    """Forward hooks on the MoE routers (V3's Gate, V4's Router: modules named `...layers.N.mlp.gate`
-    returning (weights, ids)); yields layer -> set of expert ids seen."""
+    """Record the MoE routers' choices (modules named `...layers.N.mlp.gate` returning (weights,
+    ids): V3's Gate, V4's Router; V4's Router is also called through `route` when its GEMM is
+    joined with the shared expert's); yields layer -> set of expert ids seen."""
     seen: dict[int, set[int]] = {}
-    handles = []
+    handles, patched = [], []
     for name, module in model.named_modules():
         if name.endswith("mlp.gate"):
             layer = int(name.split("layers.")[1].split(".")[0])
 
-            def hook(_m, _inp, out, layer=layer):
+            def record(out, layer=layer):
                 seen.setdefault(layer, set()).update(out[1].flatten().tolist())
+                return out
 
-            handles.append(module.register_forward_hook(hook))
+            if hasattr(module, "route"):  # V4: forward calls route, and so does the joined path
+                route = module.route
+                module.route = lambda *a, route=route, record=record, **k: record(route(*a, **k))
+                patched.append(module)
+            else:
+
+                def hook(_module, _inputs, out, record=record) -> None:
+                    record(out)
+
+                handles.append(module.register_forward_hook(hook))
     try:
         yield seen
     finally:
         for h in handles:
             h.remove()
+        for module in patched:
+            del module.route  # the class's method again
