@@ -4,7 +4,7 @@ score[t, c] = sum_h weights[t, h] * relu(q[t, h] . k[cand[t, c]]), -inf where ca
 Grid (C / BC, T): a program gathers BC candidate keys once and scores them against all H index
 heads of its query in one `tl.dot` ([BH, D] x [D, BC]); the ReLU and the weighted head sum stay in
 registers, so only the [T, C] float32 scores reach memory. The top-k selection is `torch.topk`
-(paged: its positions become slots in one more kernel, `_topk_slots`).
+(paged: one kernel, `_select_slots`, selects and turns positions into slots).
 Paged candidates (`indexer_topk_paged`): query t's candidates are positions 0..len-1 of its
 sequence, their slots computed in the kernel from the block table (no [T, C] candidate matrix),
 and the queries are scored in row chunks so the transient scores stay under SCORES_BYTES.
@@ -198,23 +198,94 @@ def indexer_topk_paged(
     for r0 in range(0, T if k else 0, rows):
         r = slice(r0, min(T, r0 + rows))
         paged = (block_tables, seq_ids[r], context_lens[r], page, max_len)
-        top = index_scores(q[r], k_cache, weights[r], None, paged, weight_scale).topk(k, dim=-1)  # positions
-        _topk_slots[(top.indices.shape[0],)](
-            top.values, top.indices, block_tables, block_tables.stride(0), seq_ids[r], out[r], page, k,
-            BLOCK_K=next_pow2(k),
+        select_slots(
+            index_scores(q[r], k_cache, weights[r], None, paged, weight_scale),
+            block_tables,
+            seq_ids[r],
+            page,
+            k,
+            out[r],
+        )
+    return out
+
+
+def select_slots(
+    scores: torch.Tensor,  # [T, C] float32 over positions 0..C-1 of each query's sequence, -inf: none
+    block_tables: torch.Tensor,  # [B, W] int32
+    seq_ids: torch.Tensor,  # [T] int32
+    page: int,
+    k: int,  # 1 <= k <= C
+    out: torch.Tensor | None = None,  # [T, k] int32
+) -> torch.Tensor:
+    """The slots of each row's k largest scores (in position order, ties at the k-th value taken
+    by position), -1 for a chosen -inf: `torch.topk` + the block-table lookup in one launch."""
+    T, C = scores.shape
+    if not 1 <= k <= C or scores.dtype != torch.float32 or not scores.is_contiguous():
+        raise ValueError(
+            f"scores must be contiguous float32 [T, C >= k], got {scores.dtype} {tuple(scores.shape)}, k {k}"
+        )
+    out = torch.empty((T, k), dtype=torch.int32, device=scores.device) if out is None else out
+    tile = min(next_pow2(C), SELECT_TILE)
+    if T:
+        _select_slots[(T,)](
+            scores, C, block_tables, block_tables.stride(0), seq_ids, out, page, k,
+            TILE=tile, TILES=cdiv(C, tile), num_warps=8 if tile >= 2048 else 4,
         )  # fmt: skip
     return out
 
 
+SELECT_TILE = 4096  # scores a program holds in registers (16 a thread at 8 warps); longer rows loop
+
+
 @triton.jit
-def _topk_slots(values_ptr, positions_ptr, bt_ptr, stride_bt, seq_ptr, out_ptr, page, k, BLOCK_K: tl.constexpr):
-    """A query's top-k positions [k] -> their slots (block_tables[seq, p // page] * page + p % page,
-    int32), -1 where the score is infinite (no candidate): one launch for torch's ~12."""
+def _order_keys(s):
+    """float32 -> int64 in [0, 2^32) with the floats' order (negatives' bits flipped)."""
+    b = s.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+    return tl.where(b >= 0x80000000, 0xFFFFFFFF - b, b + 0x80000000)
+
+
+@triton.jit
+def _select_slots(
+    s_ptr, C, bt_ptr, stride_bt, seq_ptr, out_ptr, page, k, TILE: tl.constexpr, TILES: tl.constexpr
+):  # fmt: skip
+    """A query's top-k of its C scores -> their slots (block_tables[seq, p // page] * page + p % page),
+    -1 where the score is infinite (no candidate), in position order: one launch for torch.topk's
+    sort and gather plus the slot lookup. The k-th largest score is found bit by bit (32 counts of
+    "keys >= candidate"), then the scores above it and the first ties at it are compacted by a
+    prefix sum. Rows of one tile stay in registers; longer rows are re-read from L2 each count."""
     t = tl.program_id(0).to(tl.int64)
-    i = tl.arange(0, BLOCK_K)
-    ok = i < k
-    p = tl.load(positions_ptr + t * k + i, mask=ok, other=0)
-    v = tl.load(values_ptr + t * k + i, mask=ok, other=0.0)
-    block = tl.load(bt_ptr + tl.load(seq_ptr + t).to(tl.int64) * stride_bt + p // page, mask=ok, other=0)
-    slots = block.to(tl.int64) * page + p % page
-    tl.store(out_ptr + t * k + i, tl.where((v == float("inf")) | (v == float("-inf")), -1, slots).to(tl.int32), mask=ok)
+    i = tl.arange(0, TILE)
+    row = s_ptr + t * C
+    keys = _order_keys(tl.load(row + i, mask=i < C, other=0.0))
+    keys = tl.where(i < C, keys, -1)  # padding lanes sort below everything, -inf included
+    tau = tl.zeros((), dtype=tl.int64)
+    for bit in tl.static_range(31, -1, -1):
+        cand = tau | (1 << bit)
+        if TILES == 1:
+            n = tl.sum((keys >= cand).to(tl.int32), 0)
+        else:
+            n = tl.zeros((), dtype=tl.int32)
+            for j in range(TILES):
+                x = _order_keys(tl.load(row + j * TILE + i, mask=j * TILE + i < C, other=0.0))
+                n += tl.sum(((x >= cand) & (j * TILE + i < C)).to(tl.int32), 0)
+        tau = tl.where(n >= k, cand, tau)
+    seq = tl.load(seq_ptr + t).to(tl.int64)
+    base = tl.zeros((), dtype=tl.int32)  # slots written so far
+    ties = k - tl.zeros((), dtype=tl.int32)  # ties at tau still to take: k minus the count above tau
+    for j in range(TILES):
+        x = keys if TILES == 1 else _order_keys(tl.load(row + j * TILE + i, mask=j * TILE + i < C, other=0.0))
+        x = tl.where(j * TILE + i < C, x, -1)
+        ties -= tl.sum((x > tau).to(tl.int32), 0)
+    for j in range(TILES):
+        p = j * TILE + i
+        x = keys if TILES == 1 else _order_keys(tl.load(row + p, mask=p < C, other=0.0))
+        x = tl.where(p < C, x, -1)
+        eq = (x == tau).to(tl.int32)
+        take = (x > tau) | ((eq == 1) & (tl.cumsum(eq, 0) <= ties))
+        ties -= tl.sum(eq, 0)
+        at = base + tl.cumsum(take.to(tl.int32), 0) - 1
+        block = tl.load(bt_ptr + seq * stride_bt + p // page, mask=take, other=0)
+        slot = block.to(tl.int64) * page + p % page
+        inf = (x == 0x007FFFFF) | (x == 0xFF800000)  # -inf, +inf as order keys
+        tl.store(out_ptr + t * k + at, tl.where(inf, -1, slot).to(tl.int32), mask=take)
+        base += tl.sum(take.to(tl.int32), 0)

@@ -280,6 +280,23 @@ def cases(families):
                 ),
             )
         )
+        out.append(  # V4-Flash's CSA at 128K: 32,768 entries, the selection's looped path
+            (
+                "indexer",
+                "paged V4-Flash 32K entries",
+                lambda: indexer_topk_paged(
+                    _e(1, 64, 128),
+                    _e(4096, 128),
+                    _e(1, 64, dtype=torch.float32),
+                    torch.zeros(1, 512, dtype=torch.int32),
+                    torch.zeros(1, dtype=torch.int32),
+                    torch.full((1,), 32768, dtype=torch.int32),
+                    64,
+                    32768,
+                    512,
+                ),
+            )
+        )
     if "fp8_gemm" in families:  # V3.2's o_proj (N 7168, K 16384) at every M bucket, bf16 and fp32 x
         from pdserve_kernels import fp8_gemm
         from pdserve_kernels.fp8_gemm import fp8_linear

@@ -101,17 +101,22 @@ def verified_drafts(config) -> int:
     return spec.num_speculative_tokens if spec is not None and config.kv_role != "kv_producer" else 0
 
 
-def graph_ladder(config, model: torch.nn.Module) -> tuple[int, int, bool, int]:
-    """An engine's (max_bs, max_chunk, as_chunks, rows): the largest decode batch captured, the
+def graph_ladder(config, model: torch.nn.Module) -> tuple[int, int, bool, list[tuple[int, int]]]:
+    """An engine's (max_bs, max_chunk, as_chunks, largest): the largest decode batch captured, the
     longest verify chunk replayed (1 + k with speculative decoding, for a model that declares
-    `verify_as_decode_rows` or `verify_as_chunks`; else 1), whether as chunks, and the largest
-    graph's token rows (the memory plan counts them). config: an EngineConfig."""
+    `verify_as_decode_rows` or `verify_as_chunks`; else 1), whether as chunks, and the graphs the
+    memory plan profiles, (P, n): the decode graph of most rows and, as chunks, the chunk graph of
+    most rows (its key buffer holds each chunk's window besides its rows). config: an EngineConfig."""
     max_bs = config.cuda_graph_max_bs or min(config.max_num_seqs, 256)
     k = verified_drafts(config)
     as_rows, as_chunks = (bool(getattr(model, a, False)) for a in ("verify_as_decode_rows", "verify_as_chunks"))
     max_chunk = 1 + k if k and (as_rows or as_chunks) else 1
     shapes = graph_shapes(max_bs, max_chunk, config.max_num_batched_tokens, as_chunks)
-    return max_bs, max_chunk, as_chunks and max_chunk > 1, max(p * n for p, n in shapes)
+    largest = [max((s for s in shapes if s[1] == 1), key=lambda s: s[0])]
+    largest += (
+        [max((s for s in shapes if s[1] > 1), key=lambda s: (s[0] * s[1], s[1]))] if as_chunks and max_chunk > 1 else []
+    )
+    return max_bs, max_chunk, as_chunks and max_chunk > 1, largest
 
 
 class CudaGraphRunner:

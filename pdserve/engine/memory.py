@@ -149,14 +149,15 @@ def profile_peak(
     max_num_batched_tokens: int,
     max_model_len: int,
     max_num_seqs: int,
-    graph_rows: int | None,
+    graph_shapes: list[tuple[int, int]] | None,
     num_speculative_tokens: int = 0,
 ) -> int:
     """Peak activation bytes (CUDA; 0 elsewhere, where the forwards still run) of the steps this
     engine may take: prefill chunks filling max_num_batched_tokens, and min(max_num_seqs,
     max_num_batched_tokens) one-token decodes; with CUDA graphs, the largest captured graph's
-    activations (graph_rows decode rows: with speculative decoding, a verify step's B (k + 1)
-    rows, engine/cuda_graphs.py) are held in the graphs' own pool besides, so they count once more. With
+    activations (graph_shapes (P, n): P decode rows, n = 1 (with verify steps as decode rows, a
+    verify step's B (k + 1)); P chunks of n tokens, n > 1: DeepSeek-V4's verify graphs,
+    engine/cuda_graphs.py) are held in the graphs' own pool besides, so they count once more. With
     speculative decoding (k drafts) also a verify step: chunks of k + 1 tokens, logits and the
     acceptance's working copies at every position."""
     chunk = min(max_num_batched_tokens, max_model_len)
@@ -170,8 +171,9 @@ def profile_peak(
         if verify:
             peaks.append(_peak_of(model, specs, [k + 1] * verify, block_size, dtype, device, every_row=True))
     held = 0
-    if graph_rows is not None:
-        held = peaks[1] if graph_rows == decode else _peak_of(model, specs, [1] * graph_rows, block_size, dtype, device)
+    for p, n in graph_shapes or []:
+        graph = peaks[1] if (p, n) == (decode, 1) else _peak_of(model, specs, [n] * p, block_size, dtype, device)
+        held = max(held, graph)
     return max(peaks) + held
 
 

@@ -130,12 +130,12 @@ class ModelRunner:
             and self.tp.size == 1
             and getattr(model, "supports_cuda_graphs", False)
         )
-        max_bs, max_chunk, as_chunks, rows = graph_ladder(config, model)
+        max_bs, max_chunk, as_chunks, largest = graph_ladder(config, model)
         self.max_chunk = 1 if as_chunks else max_chunk  # > 1: verify steps as decode rows (V3), eager too
-        graph_rows = rows if use_graphs else None  # the largest graph: the memory plan counts its rows
+        graph_shapes = largest if use_graphs else None  # the largest graphs: the memory plan counts them
         self.memory_figures: MemoryFigures | None = None  # the start-up plan's numbers (CUDA)
         if plans_memory(self.device):
-            n = self._planned_blocks(specs, block_bytes, side_bytes, max_pos, graph_rows)
+            n = self._planned_blocks(specs, block_bytes, side_bytes, max_pos, graph_shapes)
         else:
             n = self._num_kv_blocks(block_bytes, config.max_model_len or max_pos, side_bytes)
         self.num_kv_blocks = self.tp.min_control(n)  # the block manager's blocks must exist on every rank
@@ -173,7 +173,7 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.seed, sorted(self.eos_token_ids), config.logprobs_mode)
 
     def _planned_blocks(
-        self, specs: list[KVRegionSpec], block_bytes: int, side_bytes: int, max_pos: int, graph_rows: int | None
+        self, specs: list[KVRegionSpec], block_bytes: int, side_bytes: int, max_pos: int, graph_shapes: list | None
     ) -> int:
         """CUDA: profile the peak activations, then plan the pool in this worker's share of the GPU
         (engine/memory.py); kv_cache_memory_gb asks for that many blocks."""
@@ -188,10 +188,10 @@ class ModelRunner:
             max_num_batched_tokens=c.max_num_batched_tokens,
             max_model_len=max_len,
             max_num_seqs=c.max_num_seqs,
-            graph_rows=graph_rows,
+            graph_shapes=graph_shapes,
             num_speculative_tokens=verified_drafts(c),
         )
-        side_bytes += block_bytes if graph_rows is not None else 0  # the graphs' scratch block
+        side_bytes += block_bytes if graph_shapes is not None else 0  # the graphs' scratch block
         figures = self.memory_figures = measure_figures(
             self.device, peak, c.reserved_memory_mib, side_bytes, block_bytes
         )

@@ -116,14 +116,14 @@ def test_the_ladder_and_the_memory_plan_cover_verify_graphs(model):
     drafts, B (k + 1) rows for B up to cuda_graph_max_bs, capped by the step's token budget; a
     model whose decode path is not per token keeps decode-only graphs."""
     cfg = dict(model=resolve_model("tiny:deepseek_v3"), max_num_seqs=64)
-    assert graph_ladder(EngineConfig(**cfg), model)[1:] == (1, False, 64)
+    assert graph_ladder(EngineConfig(**cfg), model)[1:] == (1, False, [(64, 1)])
     spec = {"method": "ngram", "num_speculative_tokens": 3}
-    assert graph_ladder(EngineConfig(**cfg, speculative_config=spec), model)[1:] == (4, False, 256)
+    assert graph_ladder(EngineConfig(**cfg, speculative_config=spec), model)[1:] == (4, False, [(256, 1)])
     assert {(3, 1), (12, 1), (24, 1), (128, 1)} <= set(graph_shapes(64, 4))
     capped = EngineConfig(**cfg, speculative_config=spec, max_num_batched_tokens=100)
-    assert graph_ladder(capped, model)[3] == 64
+    assert graph_ladder(capped, model)[3] == [(64, 1)]
     plain = type("DecodeOnly", (), {})()  # neither verify_as_decode_rows nor verify_as_chunks
-    assert graph_ladder(EngineConfig(**cfg, speculative_config=spec), plain)[1:] == (1, False, 64)
+    assert graph_ladder(EngineConfig(**cfg, speculative_config=spec), plain)[1:] == (1, False, [(64, 1)])
 
 
 def test_what_runs_eagerly(model):

@@ -95,7 +95,7 @@ def test_the_profile_forwards_run_on_cpu(arch):
         max_num_batched_tokens=40,
         max_model_len=24,  # 40 tokens: chunks of 24 and 16
         max_num_seqs=4,
-        graph_rows=2,
+        graph_shapes=[(2, 1), (2, 3)],
     )
     assert peak == 0
 

@@ -140,4 +140,4 @@ def test_the_memory_profile_runs_a_verify_step(tmp_path):
     runner = LLMEngine(_config(make_tiny_model(tmp_path / "v3", "deepseek_v3"))).runner
     specs = runner.model.kv_cache_specs("auto")
     kw = dict(block_size=4, dtype=runner.dtype, device=runner.device, max_num_batched_tokens=24, max_model_len=64)
-    assert profile_peak(runner.model, specs, **kw, max_num_seqs=8, graph_rows=None, num_speculative_tokens=2) == 0
+    assert profile_peak(runner.model, specs, **kw, max_num_seqs=8, graph_shapes=None, num_speculative_tokens=2) == 0

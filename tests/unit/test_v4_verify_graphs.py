@@ -178,8 +178,11 @@ def cpu_graphs(llm: LLM) -> list[tuple[int, int]]:
     scratch block, window block and state slot, its replay the static batch run eagerly; returns
     (P, n, mixed lengths) of each replay."""
     r, config = llm.engine.runner, llm.engine.config
-    max_bs, max_chunk, as_chunks, _ = graph_ladder(config, r.model)
+    max_bs, max_chunk, as_chunks, largest = graph_ladder(config, r.model)
     assert as_chunks and max_chunk == 1 + config.speculative_config.num_speculative_tokens
+    # the memory plan profiles the decode graph of most rows and the chunk graph of most rows
+    chunks = chunk_shapes(max_bs, max_chunk, config.max_num_batched_tokens)
+    assert largest == [(max_bs, 1), max(chunks, key=lambda s: (s[0] * s[1], s[1]))]
     spaces = (r.num_kv_blocks, r.num_window_blocks, r.num_state_slots)
     r.kv_cache = KVCache(r.model.kv_cache_specs(), r.model.num_layers, spaces[0] + 1, r.block_size, r.dtype,
                          r.device, spaces[1] + 1, spaces[2] + 1)  # fmt: skip
