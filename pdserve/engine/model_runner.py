@@ -22,6 +22,7 @@ import time
 import weakref
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from pdserve.distributed.group import TPGroup
@@ -59,8 +60,12 @@ def plans_memory(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def _pad(table: list[int], width: int) -> list[int]:
-    return table[:width] + [-1] * (width - len(table))
+def _table(rows: list[list[int]], width: int, pad: int) -> torch.Tensor:
+    """[len(rows), width] int64, each row cut or padded to width (numpy: ~10x torch.tensor's lists)."""
+    out = np.full((len(rows), width), pad, dtype=np.int64)
+    for i, r in enumerate(rows):
+        out[i, : min(len(r), width)] = r[:width]
+    return torch.from_numpy(out)
 
 
 def _ids(v: int | list[int] | None) -> set[int]:
@@ -288,10 +293,8 @@ class ModelRunner:
             lens=torch.tensor([s.num_tokens for s in chunks], dtype=torch.int64),
             starts=torch.tensor([s.start for s in chunks], dtype=torch.int64),
             samples=torch.tensor([s.samples for s in chunks], dtype=torch.bool),
-            block_tables=torch.tensor(
-                [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in chunks], dtype=torch.int64
-            ),
-            window_tables=torch.tensor([_pad(s.seq.window_table, width) for s in chunks], dtype=torch.int64),
+            block_tables=_table([s.seq.block_table for s in chunks], width, 0),
+            window_tables=_table([s.seq.window_table for s in chunks], width, -1),
             state_slots=torch.tensor([s.seq.state_slot for s in chunks], dtype=torch.int64),
             state_dst=_state_dst(chunks),
         )
