@@ -7,7 +7,7 @@ stands apart from the step's metadata (step.py) and the kernels proper. A CUDA-g
 roughly one launch gap per kernel, so this is what the B=1 step's "launch gaps" scale with.
 
     PYTHONPATH=. python benchmarks/engine/count_v4_launches.py [--batch 1] [--context 300] \
-        [--quantization none|fp8|fp4] [--backend torch] [--lines]
+        [--quantization none|fp8|fp4] [--backend torch] [--lines] [--verify-k K]
 
 --backend triton (default) takes the paths a GPU takes (the Triton kernels, interpreted; some
 fused paths exist only there); torch counts the CPU's paths. --quantization fp4: V4-Flash's
@@ -111,6 +111,7 @@ def main() -> None:
         "--backend", choices=("triton", "torch"), default="triton", help="triton: the GPU's paths, interpreted"
     )
     p.add_argument("--lines", action="store_true", help="count by line, not by function")
+    p.add_argument("--verify-k", type=int, default=0, help="count a verify step of k drafts a sequence instead")
     args = p.parse_args()
     global LINES
     LINES = args.lines
@@ -134,6 +135,7 @@ def main() -> None:
             model=str(model), device="cpu", dtype="bfloat16", load_format="dummy", kv_block_size=16,
             num_kv_blocks=4 * args.batch * (args.context // 16 + 4), max_num_seqs=args.batch,
             max_model_len=args.context + 8, seed=0,
+            speculative_config={"method": "ngram", "num_speculative_tokens": args.verify_k} if args.verify_k else None,
         )  # fmt: skip
         bench = DecodeBench(cfg)
     seqs = bench.make_batch(args.batch, args.context)
@@ -146,9 +148,15 @@ def main() -> None:
 
     bench.runner.model.forward = counted
     with torch.inference_mode():
-        bench.step(seqs)
+        if args.verify_k:
+            from pdserve.bench.engine.verify import verify_step
+
+            verify_step(bench, seqs, args.verify_k)
+        else:
+            bench.step(seqs)
     total = sum(counter.by_where.values())
-    print(f"{total} launches in one decode forward ({args.num_layers} layers, B={args.batch}):")
+    what = f"verify forward (k = {args.verify_k})" if args.verify_k else "decode forward"
+    print(f"{total} launches in one {what} ({args.num_layers} layers, B={args.batch}):")
     for where, n in counter.by_where.most_common():
         print(f"  {n:5d}  {where}")
 
