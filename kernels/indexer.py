@@ -226,49 +226,49 @@ def select_slots(
         )
     out = torch.empty((T, k), dtype=torch.int32, device=scores.device) if out is None else out
     tile = min(next_pow2(C), SELECT_TILE)
+    search = C <= tile  # a longer row: one program re-reading it 32 times would be slow; torch finds the k-th
+    kth = scores if search else scores.topk(k, dim=-1, sorted=False).values.amin(dim=-1)  # [T]
     if T:
         _select_slots[(T,)](
-            scores, C, block_tables, block_tables.stride(0), seq_ids, out, page, k,
-            TILE=tile, TILES=cdiv(C, tile), num_warps=8 if tile >= 2048 else 4,
+            scores, kth, C, block_tables, block_tables.stride(0), seq_ids, out, page, k,
+            TILE=tile, TILES=cdiv(C, tile), SEARCH=search, num_warps=8 if tile >= 2048 else 4,
         )  # fmt: skip
     return out
 
 
-SELECT_TILE = 4096  # scores a program holds in registers (16 a thread at 8 warps); longer rows loop
+SELECT_TILE = 4096  # scores a program holds in registers (16 a thread at 8 warps)
 
 
 @triton.jit
 def _order_keys(s):
-    """float32 -> int64 in [0, 2^32) with the floats' order (negatives' bits flipped)."""
+    """float32 -> int64 in [0, 2^32) with the floats' order (negatives' bits flipped; -0 as +0)."""
     b = s.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+    b = tl.where(b == 0x80000000, 0, b)
     return tl.where(b >= 0x80000000, 0xFFFFFFFF - b, b + 0x80000000)
 
 
 @triton.jit
 def _select_slots(
-    s_ptr, C, bt_ptr, stride_bt, seq_ptr, out_ptr, page, k, TILE: tl.constexpr, TILES: tl.constexpr
+    s_ptr, kth_ptr, C, bt_ptr, stride_bt, seq_ptr, out_ptr, page, k,
+    TILE: tl.constexpr, TILES: tl.constexpr, SEARCH: tl.constexpr,
 ):  # fmt: skip
     """A query's top-k of its C scores -> their slots (block_tables[seq, p // page] * page + p % page),
     -1 where the score is infinite (no candidate), in position order: one launch for torch.topk's
-    sort and gather plus the slot lookup. The k-th largest score is found bit by bit (32 counts of
-    "keys >= candidate"), then the scores above it and the first ties at it are compacted by a
-    prefix sum. Rows of one tile stay in registers; longer rows are re-read from L2 each count."""
+    sort and gather plus the slot lookup. SEARCH (a row of one tile, in registers): the k-th
+    largest score is found bit by bit (32 counts of "keys >= candidate"); else it is read from
+    kth_ptr [T]. The scores above it and the first ties at it are compacted by a prefix sum."""
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, TILE)
     row = s_ptr + t * C
     keys = _order_keys(tl.load(row + i, mask=i < C, other=0.0))
     keys = tl.where(i < C, keys, -1)  # padding lanes sort below everything, -inf included
-    tau = tl.zeros((), dtype=tl.int64)
-    for bit in tl.static_range(31, -1, -1):
-        cand = tau | (1 << bit)
-        if TILES == 1:
-            n = tl.sum((keys >= cand).to(tl.int32), 0)
-        else:
-            n = tl.zeros((), dtype=tl.int32)
-            for j in range(TILES):
-                x = _order_keys(tl.load(row + j * TILE + i, mask=j * TILE + i < C, other=0.0))
-                n += tl.sum(((x >= cand) & (j * TILE + i < C)).to(tl.int32), 0)
-        tau = tl.where(n >= k, cand, tau)
+    if SEARCH:
+        tau = tl.zeros((), dtype=tl.int64)
+        for bit in tl.static_range(31, -1, -1):
+            cand = tau | (1 << bit)
+            tau = tl.where(tl.sum((keys >= cand).to(tl.int32), 0) >= k, cand, tau)
+    else:
+        tau = _order_keys(tl.load(kth_ptr + t))
     seq = tl.load(seq_ptr + t).to(tl.int64)
     base = tl.zeros((), dtype=tl.int32)  # slots written so far
     ties = k - tl.zeros((), dtype=tl.int32)  # ties at tau still to take: k minus the count above tau

@@ -136,7 +136,7 @@ def test_paged_indexer_matches_reference(lens, page, topk, scale, dtype, monkeyp
 def test_select_slots_ties_and_long_rows(C, k, tile, monkeypatch):
     """The one-launch top-k: scores with many exact ties at the k-th value (small integers, +0 and
     -0, negatives), -inf tails shorter and longer than k, and rows longer than a tile (tile < C:
-    the looped path). Checked against torch.topk in float64: the same multiset of chosen values,
+    the k-th largest from torch, the compaction over several tiles). Checked against torch.topk in float64: the same multiset of chosen values,
     each chosen position distinct and of its row's top k, -1 exactly for chosen -inf; poisoned out."""
     from pdserve_kernels import indexer
 
@@ -148,6 +148,9 @@ def test_select_slots_ties_and_long_rows(C, k, tile, monkeypatch):
     scores[2, C // 2 :] = float("-inf")  # a short context: fewer candidates than k for some k
     scores[3] = 0.0
     scores[3, ::2] = -0.0
+    scores[5, : C // 3] = -0.0  # the k-th largest may be a -0 among +0s: equal keys
+    scores[5, C // 3 :] = 0.0
+    scores[5, -1] = 1.0
     scores[4, 1:] = float("-inf")
     width = -(-C // page)
     tables = torch.randperm(T * width, generator=gen).view(T, width).to(torch.int32)
