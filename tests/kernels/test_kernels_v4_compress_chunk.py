@@ -3,9 +3,10 @@
 (`CompressedKV.update`, which the engine tests check against transformers), on plans that
 `step.group_plan` builds from random batches: verify chunks (2..4 tokens at random starts that
 cross group edges), prefill chunks from 0 and from the middle of a group, a mixed step (chunks of
-different lengths, one-token rows among them); an overlapping (CSA) rate-4 compressor and a
+different lengths, one-token rows among them), and a decode plan (`step.decode_group_plan`) whose
+records go to spare slots; an overlapping (CSA) rate-4 compressor and a
 non-overlapping (HCA-like) rate-8 one, odd Dc; fp32 and bf16 (states bf16 or float32); the new
-records written to spare slots (verify and prefill chunks: the records read then stay as they
+records written to spare slots (verify, decode and prefill: the records read then stay as they
 were) or in place (a chunk from the middle of a group, the mixed step). Entries and
 states are poisoned (NaN) first: an element left unwritten fails.
 
@@ -27,7 +28,7 @@ import pytest  # noqa: E402
 from pdserve.model import ops  # noqa: E402
 from pdserve.model.deepseek_v4.compressor import CompressedKV  # noqa: E402
 from pdserve.model.deepseek_v4.layers import join_rows  # noqa: E402
-from pdserve.model.deepseek_v4.step import group_plan  # noqa: E402
+from pdserve.model.deepseek_v4.step import decode_group_plan, group_plan  # noqa: E402
 from tests.helpers.kernels import DEVICE, require_interpreter, seed_of  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -48,6 +49,8 @@ def _chunks(kind: str, m: int, g: torch.Generator) -> tuple[list[int], list[int]
         return starts, torch.randint(2, 5, (len(starts),), generator=g).tolist()
     if kind == "prefill":  # whole prompts: shorter than a group, a group, several and a bit
         return [0, 0, 0], [m - 1, m, 3 * m + 2]
+    if kind == "decode":  # one token a sequence (a step of verify chunks without drafts)
+        return [0, 1, m - 1, m, 2 * m + 1, 5 * m - 1], [1] * 6
     if kind == "chunked":  # a chunk of a long prompt, from the middle of a group
         return [m + 2, 2 * m, 5], [2 * m + 1, m + 3, 1]
     return [7, 0, 3 * m, 2 * m + 1, 4 * m - 1], [1, 2 * m + 3, 1, 5, 1]  # mixed: decodes beside prefill chunks
@@ -73,14 +76,18 @@ def _state_dim(dim, m, overlap):
     return 2 * (m - 1) * C + (2 * m * dim if overlap else 0)
 
 
-@pytest.mark.parametrize("kind", ["verify", "prefill", "chunked", "mixed"])
+@pytest.mark.parametrize("kind", ["verify", "decode", "prefill", "chunked", "mixed"])
 @pytest.mark.parametrize("overlap,dim,m", [(True, 37, 4), (False, 19, 8)])
 @pytest.mark.parametrize(
     "dtype,state_dtype",
     [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)],
 )
 def test_compress_chunk_is_the_modules_update(kind, overlap, dim, m, dtype, state_dtype):
-    spare = kind in ("verify", "prefill")  # else in place: several groups of a sequence read the record it rewrites
+    spare = kind in (
+        "verify",
+        "decode",
+        "prefill",
+    )  # else in place: several groups of a sequence read the record it rewrites
     g = torch.Generator().manual_seed(seed_of("compress_chunk", kind, overlap, dim, m, dtype, state_dtype, spare))
     comp = _module(dim, m, overlap, dtype, g)
     starts, lens = _chunks(kind, m, g)
@@ -88,7 +95,11 @@ def test_compress_chunk_is_the_modules_update(kind, overlap, dim, m, dtype, stat
     n, L = torch.tensor(starts, device=DEVICE), torch.tensor(lens, device=DEVICE)
     table = (torch.randperm(B * width * 2, generator=g)[: B * width].view(B, width)).to(DEVICE, torch.int32)
     page = BS // m
-    plan = group_plan(SimpleNamespace(starts=n, lens=L, num_tokens=T), m, table, page, False, _Rope())
+    if kind == "decode":  # the decode plan; with spare slots the update takes the two kernels too
+        batch = SimpleNamespace(starts=n, decode_rows=torch.arange(B, device=DEVICE))
+        plan = decode_group_plan(batch, m, table, page, _Rope())
+    else:
+        plan = group_plan(SimpleNamespace(starts=n, lens=L, num_tokens=T), m, table, page, False, _Rope())
     ix = SimpleNamespace(groups=plan)
     x = torch.randn(T, HIDDEN, generator=g).to(DEVICE, dtype)
     states = torch.randn(S, _state_dim(dim, m, overlap), generator=g).to(DEVICE, state_dtype)
