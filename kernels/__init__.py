@@ -40,6 +40,7 @@ _LAZY = {  # name -> module; fp8 / fp4 references and quantizers: pdserve_kernel
     "route": "pdserve_kernels.glue",
     "swiglu": "pdserve_kernels.glue",
     "compress_decode": "pdserve_kernels.compress",
+    "compress_chunk": "pdserve_kernels.compress",
     "copy_blocks": "pdserve_kernels.block_copy",
     "checksum_blocks": "pdserve_kernels.kv_checksum",
 }

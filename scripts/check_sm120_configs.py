@@ -77,7 +77,7 @@ FAMILIES = (
 
 
 def v4_glue_cases() -> list:
-    from pdserve_kernels.compress import compress_decode
+    from pdserve_kernels.compress import compress_chunk, compress_decode
     from pdserve_kernels.fused_moe import sum_pairs
     from pdserve_kernels.glue import rms_norm_rope, route, swiglu
     from pdserve_kernels.mhc import hc_post, hc_pre
@@ -117,6 +117,11 @@ def v4_glue_cases() -> list:
             state = 2 * (m - 1) * C + (2 * m * dim if overlap else 0)
             cases.append(("v4_glue", f"{what} compressor decode B={T}", lambda T=T, dim=dim, m=m, o=overlap, C=C, s=state: compress_decode(
                 _e(T, C, dtype=bf), _e(T, C, dtype=bf), _e(T + 1, s, dtype=bf), torch.zeros(T, dtype=i64), torch.zeros(T, dtype=i64), _e(m, C, dtype=f32), dim, o)))  # fmt: skip
+            # a verify step's chunks (k = 2: 3 tokens a sequence, up to 2 groups each), records to spare slots
+            U, z, zb = 2 * T, lambda *s: torch.zeros(*s, dtype=i64), lambda *s: torch.zeros(*s, dtype=torch.bool)
+            plan = (z(U), z(U, m), zb(U, m), zb(U), z(U), zb(U), z(T), z(T))
+            cases.append(("v4_glue", f"{what} compressor chunk (verify k=2) B={T}", lambda T=T, dim=dim, m=m, o=overlap, C=C, s=state, p=plan: compress_chunk(
+                _e(3 * T, C, dtype=bf), _e(3 * T, C, dtype=bf), _e(2 * T + 1, s, dtype=bf), z(T), z(T), p, _e(m, C, dtype=f32), dim, o)))  # fmt: skip
     return cases
 
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from pdserve.model import ops
 from pdserve.model.deepseek_v4.compressor import CompressedKV
 from pdserve.model.deepseek_v4.layers import join_rows
-from pdserve.model.deepseek_v4.step import decode_group_plan
+from pdserve.model.deepseek_v4.step import decode_group_plan, group_plan
 from pdserve_kernels import ref_glue as ref
 from pdserve_kernels.glue import rms_norm_rope, route, swiglu
 from pdserve_kernels.mhc import hc_post, hc_pre
@@ -77,10 +77,11 @@ def compare(name: str, got, want, dtype, share: float = 0.01) -> dict:
     return {"check": name, "ok": ok, "max_abs": (got - want).abs().max().item(), "share_differing": differ}
 
 
-def compressor_case(T: int, g: torch.Generator, dev: str, dim: int, m: int, overlap: bool):
+def compressor_case(T: int, g: torch.Generator, dev: str, dim: int, m: int, overlap: bool, verify: int = 0):
     """(kernel call, torch call): a V4-Flash compressor's decode update on the Triton path
     (compress_decode) and on the torch path, each on its own copy of the pool; both return the
-    entries written and the state records."""
+    entries written and the state records. verify = k > 0: T sequences' verify chunks of k + 1
+    tokens instead (step.group_plan; compress_chunk's two kernels), the records to spare slots."""
     comp = CompressedKV(D, dim, m, overlap, 1e-6)
     with torch.no_grad():
         for p in comp.parameters():
@@ -94,14 +95,22 @@ def compressor_case(T: int, g: torch.Generator, dev: str, dim: int, m: int, over
     state_dim = 2 * (m - 1) * C + (2 * m * dim if overlap else 0)
     starts = torch.randint(0, 4096, (T,), generator=g)
     starts[: min(T, 4)] = torch.tensor([0, m - 1, m, 2 * m + 1])[: min(T, 4)]
-    x = torch.randn(T, D, generator=g).to(dev, torch.bfloat16)
-    states = torch.randn(T + 3, state_dim, generator=g).to(dev, torch.bfloat16)
-    slots = torch.randperm(T + 3, generator=g)[:T].to(dev)
+    x = torch.randn(T * (verify + 1), D, generator=g).to(dev, torch.bfloat16)
+    states = torch.randn(2 * T + 3, state_dim, generator=g).to(dev, torch.bfloat16)
+    perm = torch.randperm(2 * T + 3, generator=g).to(dev)
+    slots, dst = perm[:T], (perm[T : 2 * T] if verify else None)
     table = (torch.arange(T * 80).view(T, 80) + 1).to(dev, torch.int32)
     page = max(64 // m, 1)
     cs = torch.randn(T, R // 2, generator=g).to(dev)
-    batch = SimpleNamespace(starts=starts.to(dev), decode_rows=torch.arange(T, device=dev))
-    ix = SimpleNamespace(groups=decode_group_plan(batch, m, table, page, lambda p: (cs, cs.flip(0))))
+    if verify:
+        inv = torch.rand(R // 2, generator=g).to(dev) / 64
+        lens = torch.full((T,), verify + 1, device=dev)
+        batch = SimpleNamespace(starts=starts.to(dev), lens=lens, num_tokens=T * (verify + 1))
+        plan = group_plan(batch, m, table, page, False, lambda p: ((p[:, None] * inv).cos(), (p[:, None] * inv).sin()))
+    else:
+        batch = SimpleNamespace(starts=starts.to(dev), decode_rows=torch.arange(T, device=dev))
+        plan = decode_group_plan(batch, m, table, page, lambda p: (cs, cs.flip(0)))
+    ix = SimpleNamespace(groups=plan)
     entries = torch.zeros(T * 80 * page + page, dim, device=dev, dtype=torch.bfloat16)
     rows = ix.groups.slot.long()
     joined = copy.deepcopy(comp)  # the loader's layout: kv_proj and gate_proj rows of one weight
@@ -112,10 +121,10 @@ def compressor_case(T: int, g: torch.Generator, dev: str, dim: int, m: int, over
         ops.set_backend(backend)
         try:
             with torch.no_grad():
-                module.update(x, ix, slots, en, st)
+                module.update(x, ix, slots, en, st, dst=dst)
         finally:
             ops.set_backend(None)
-        return en[rows], st[slots]
+        return en[rows], st[slots if dst is None else torch.cat([slots, dst])]
 
     return lambda: run("triton", joined), lambda: run("torch", comp)
 
@@ -169,6 +178,8 @@ def cases(T: int, g: torch.Generator, dev: str):
         ("swiglu (shared expert)", lambda: swiglu(gate, up, 10.0), lambda: ref.swiglu_ref(gate, up, 10.0), one("swiglu")),
         ("CSA compressor decode (Dc 512, rate 4)", *compressor_case(T, g, dev, 512, 4, True), comp_cmp),
         ("HCA compressor decode (Dc 512, rate 128)", *compressor_case(T, g, dev, 512, 128, False), comp_cmp),
+        ("CSA compressor verify k=2 (Dc 512, rate 4)", *compressor_case(T, g, dev, 512, 4, True, 2), comp_cmp),
+        ("HCA compressor verify k=2 (Dc 512, rate 128)", *compressor_case(T, g, dev, 512, 128, False, 2), comp_cmp),
     ]  # fmt: skip
 
 

@@ -353,6 +353,16 @@ def compress_decode(kv, gate, states, slots, positions, position_bias, dim: int,
     return kernel(kv, gate, states, slots, positions, position_bias, dim, overlap)
 
 
+def compress_chunk(kv, gate, states, slots, dst, plan, position_bias, dim: int, overlap: bool):
+    """A V4 compressor's update over any step's plan (`step.GroupPlan`) in two kernels
+    (kernels/compress.py): the entries [U, Dc] before kv_norm and rope; the new records at dst.
+    Triton only, as `compress_decode`."""
+    from pdserve_kernels.compress import compress_chunk as kernel
+
+    fields = (plan.seq, plan.src, plan.present, plan.first, plan.prev, plan.has_prev, plan.last, plan.pending)
+    return kernel(kv, gate, states, slots, dst, fields, position_bias, dim, overlap)
+
+
 def fp8_swiglu(x, gate, up, limit: float, block: tuple[int, int], joined=None):
     """swiglu(x @ gate^T, x @ up^T, limit) [..., I], gate / up = (e4m3 weight [I, K], its block
     scales): at decode rows one kernel on a GPU (kernels/fp8_gemm.py's fp8_swiglu: the FP8 GEMV

@@ -1,5 +1,5 @@
 """The tiny DeepSeek-V4 through the engine on the GPU's paths (every `ops` call on its Triton kernel,
-interpreted on CPU: the fused glue, the compressor's decode kernel, the decode step's metadata, attention, MoE) against the
+interpreted on CPU: the fused glue, the compressor's decode and prefill kernels, the decode step's metadata, attention, MoE) against the
 same engine on the torch paths the CPU tests check against transformers: the same greedy tokens
 over decodes that cross the compressors' group edges (rates 4 and 16), float32.
 
@@ -24,10 +24,10 @@ require_interpreter()
 from pdserve.engine.request import Request  # noqa: E402
 
 
-def _tokens(tiny, prompts, backend: str) -> list[list[int]]:
+def _tokens(tiny, prompts, backend: str, eng=None) -> list[list[int]]:
     ops.set_backend(backend)
     try:
-        eng = engine(tiny, max_num_seqs=4)
+        eng = eng or engine(tiny, max_num_seqs=4)
         reqs = [Request(request_id=str(i), prompt_token_ids=p, params=greedy(n)) for i, (p, n) in enumerate(prompts)]
         done = run(eng, reqs)
     finally:
@@ -56,6 +56,7 @@ def test_greedy_tokens_equal_on_the_fused_paths(tmp_path, monkeypatch):
         (glue, "rms_norm_rope"),
         (glue, "swiglu"),
         (compress, "compress_decode"),
+        (compress, "compress_chunk"),
         (v4_step, "window_rope"),
         (v4_step, "rate_entries"),
     ):
@@ -74,8 +75,43 @@ def test_greedy_tokens_equal_on_the_fused_paths(tmp_path, monkeypatch):
         "rms_norm_rope",
         "swiglu",
         "compress_decode",
+        "compress_chunk",
         "window_rope",
         "rate_entries",
     }
     assert set(calls) == kernels, calls
     assert got == want
+
+
+class _Drafts:
+    """The target's own next tokens (from a plain run) with one wrong at a cycling place: every
+    accepted length 0..k, so verify chunks' records are both kept and recomputed."""
+
+    def __init__(self, prompts, expected, k: int) -> None:
+        self.expected, self.k, self.calls = {tuple(p): e for (p, _), e in zip(prompts, expected)}, k, 0
+
+    def propose(self, seq, limit: int) -> list[int]:
+        nxt = self.expected[tuple(seq.prompt_token_ids)][seq.num_output_tokens :][:limit]
+        self.calls += 1
+        return [t if i != self.calls % (self.k + 1) else t + 1 for i, t in enumerate(nxt)]
+
+
+def test_speculative_verify_chunks_on_the_fused_paths(tmp_path, monkeypatch):
+    """Verify chunks (k = 2: the compressors' two-kernel update, records into spare slots) on the
+    Triton paths give plain decoding's tokens on the torch paths."""
+    from pdserve_kernels import compress
+
+    spare = []
+    chunk = compress.compress_chunk
+    monkeypatch.setattr(compress, "compress_chunk", lambda *a: spare.append(a[4] is not a[3]) or chunk(*a))
+    tiny = make_tiny_model(tmp_path / "tiny", arch="deepseek_v4", seed=0)
+    g = torch.Generator().manual_seed(12)
+    # verify chunks of 3 tokens from positions 5.. and 13..: across CSA groups (4) and the HCA's (16)
+    prompts = [(torch.randint(4, 800, (n,), generator=g).tolist(), new) for n, new in ((5, 7), (13, 5))]
+    want = _tokens(tiny, prompts, "torch")
+    eng = engine(tiny, max_num_seqs=4, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    eng.spec.proposer = _Drafts(prompts, want, 2)
+    assert _tokens(tiny, prompts, "triton", eng) == want
+    stats, kept = eng.spec.stats, eng.spec.spare
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens and kept.num_kept > 0 and kept.num_recomputes > 0
+    assert any(spare)

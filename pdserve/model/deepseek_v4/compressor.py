@@ -18,7 +18,9 @@ the incomplete group's P = n % m tokens ([m-1, C] each, zero past P) and, with o
 the last complete group ([m, Dc] kv and gate with position bias). `CompressedKV.update` advances
 every sequence of the step at once: it gathers each touched group's m rows from the records and
 the step's projections, pools them all, writes the entries (one scatter) and the new records (one
-scatter), so prefill, chunked prefill and decode give the same entries.
+scatter), so prefill, chunked prefill and decode give the same entries. On the Triton path the
+same in kernels/compress.py: one kernel a decode step, two for any other; this code is the
+reference.
 """
 
 from __future__ import annotations
@@ -71,9 +73,13 @@ class CompressedKV(nn.Module):
         (kv_proj(x), gate_proj(x)) when the caller ran them already (`CSACompressor.project_all`)."""
         plan, m, dim, C = ix.groups, self.rate, self.dim, self.width
         cos, sin = plan.rope
-        if plan.start is not None and dst is None and ops.uses_triton(x):  # a decode step: one kernel, in place
+        if ops.uses_triton(x):
             kv, gate = proj if proj is not None else self.project(x)
-            pooled = ops.compress_decode(kv, gate, states, slots, plan.start, self.position_bias, dim, self.overlap)
+            if plan.start is not None and dst is None:  # a decode step: one kernel, in place
+                pooled = ops.compress_decode(kv, gate, states, slots, plan.start, self.position_bias, dim, self.overlap)
+            else:  # any other step (prefill, mixed, a verify chunk into spare slots): two kernels
+                dst = slots if dst is None else dst
+                pooled = ops.compress_chunk(kv, gate, states, slots, dst, plan, self.position_bias, dim, self.overlap)
             normed_records(self.kv_norm, pooled, (cos, sin), entries, plan.slot)  # one kernel on a GPU
             return
         B, n = slots.shape[0], (self.rate - 1) * self.width
