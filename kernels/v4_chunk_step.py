@@ -1,0 +1,209 @@
+"""DeepSeek-V4's metadata of a step with chunks longer than one token (speculative decoding's verify
+steps, prefill chunks, mixed steps) in a few kernels (model/deepseek_v4/chunk_step.py calls them):
+what model/deepseek_v4/step.py builds with ~200 PyTorch launches a 4-layer verify step comes from
+one launch plus one a compressor rate, the same values:
+
+  - `chunk_window_rope`: programs 0..T-1, one a token: its rows of the key buffer
+    (`step.window_buffer`'s `window`), the row its kv goes to and the row of the kv written there
+    (`window_write`, `window_src`), and both ropes' cos / sin at its position; programs T..T+B-1,
+    one a sequence: its W-1 window-region rows before its chunk (`window_old`);
+  - `chunk_rate_entries`: programs (r, k) of one rate m: token r's seen count, the k-th block of
+    columns of its visible rows (HCA rates) and of sequence r's strided entry table (rates over
+    the block size); group r of the group plan (`step.group_plan`, with the compress rope at e*m)
+    at k = 0, and sequence r's last group and pending count.
+
+The sequence-level prefix sums (each chunk's first row, the groups each sequence touches and the
+group -> sequence search) run inside every program over all B sequences at once (a [BLOCK_B]
+vector), so B is bounded (`MAX_B`; model/deepseek_v4/chunk_step.py leaves larger steps to
+step.py). Integers as step.py computes them: positions and starts are >= 0, lens >= 1, so C's and
+floor division agree wherever they divide (the one quotient that may be -1, (n + L - 1) // m of
+an empty chunk, is taken as (n + L - 1 + m) // m - 1). cos / sin as kernels/v4_step.py's. step.py's
+device check that every window position has a block is not repeated (it is skipped in a CUDA
+graph there too).
+
+Legend: T tokens, B sequences, W sliding window, K = W - 1, Wt columns of a window / block table,
+bs block size, m rate, Em = max_context // m, U groups of rate m (a bound: step.group_plan), R/2
+rope pairs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve_kernels._launch import cdiv, interpreting, next_pow2
+from pdserve_kernels.v4_step import COLS, _rope_row
+
+MAX_B = 256  # sequences a step (the prefix sums' vector)
+
+
+@triton.jit
+def _chunk_window_rope(pos_ptr, seq_ptr, starts_ptr, lens_ptr, wt_ptr, stride_wt, window_ptr, write_ptr, src_ptr,
+                       old_ptr, inv_a, factor_a, cos_a, sin_a, inv_b, factor_b, cos_b, sin_b, T, B, bs,
+                       W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_B: tl.constexpr, HALF: tl.constexpr,
+                       BLOCK_R: tl.constexpr, PRECISE: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    K = W - 1
+    j = tl.arange(0, BLOCK_W)
+    if t < T:  # token t
+        p = tl.load(pos_ptr + t)
+        s = tl.load(seq_ptr + t).to(tl.int64)
+        n = tl.load(starts_ptr + s)
+        i = tl.arange(0, BLOCK_B)
+        lens = tl.load(lens_ptr + i, mask=i < B, other=0)
+        first_row = tl.sum(tl.where(i < s, lens, 0), 0)  # the sequence's first row of the step
+        q = p - W + 1 + j  # [W] positions (p - W, p]
+        rows = tl.where(q < n, s * K + q - n + K, B * K + first_row + q - n)
+        tl.store(window_ptr + t * W + j, tl.where(q >= 0, rows, -1).to(tl.int32), mask=j < W)
+        table = wt_ptr + s * stride_wt
+        # without a window block the token repeats its sequence's last token's write
+        src = tl.where(tl.load(table + p // bs) >= 0, t, first_row + tl.load(lens_ptr + s) - 1)
+        ps = tl.load(pos_ptr + src)
+        tl.store(src_ptr + t, src)
+        tl.store(write_ptr + t, tl.load(table + ps // bs) * bs + ps % bs)
+        _rope_row(p, inv_a, factor_a, cos_a, sin_a, t, HALF, BLOCK_R, PRECISE)
+        _rope_row(p, inv_b, factor_b, cos_b, sin_b, t, HALF, BLOCK_R, PRECISE)
+    else:  # sequence b: its K window records before the chunk
+        b = t - T
+        q = tl.load(starts_ptr + b) - K + j
+        ok = (j < K) & (q >= 0)
+        blocks = tl.load(wt_ptr + b * stride_wt + tl.maximum(q, 0) // bs, mask=ok, other=0)
+        tl.store(old_ptr + b * K + j, tl.where(ok, blocks * bs + tl.maximum(q, 0) % bs, 0), mask=j < K)
+
+
+def chunk_window_rope(
+    positions: torch.Tensor,  # [T] int64, >= 0
+    seq_ids: torch.Tensor,  # [T] int32
+    starts: torch.Tensor,  # [B] int64
+    lens: torch.Tensor,  # [B] int64, >= 1
+    window_tables: torch.Tensor,  # [B, Wt] int64 window-space blocks (-1: none)
+    block_size: int,
+    window: int,
+    ropes: list[tuple[torch.Tensor, float]],  # two (inv_freq [R/2] float32, attention factor)
+) -> tuple[dict, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """(step.window_buffer's fields: window [T, W] int32, window_write [T] int64, window_src [T]
+    int64, window_old [B*K] int64; [(cos, sin) [T, R/2] float32] a rope)."""
+    T, B, dev = positions.shape[0], starts.shape[0], positions.device
+    half = ropes[0][0].shape[0]
+    if len(ropes) != 2 or ropes[1][0].shape[0] != half or window_tables.stride(-1) != 1:
+        raise ValueError("chunk_window_rope: two ropes of one width and a row-major window table")
+    if B > MAX_B or window < 1:
+        raise ValueError(f"chunk_window_rope: at most {MAX_B} sequences and a window, got B {B}, W {window}")
+    i64 = dict(dtype=torch.int64, device=dev)
+    out = dict(
+        window=torch.empty(T, window, dtype=torch.int32, device=dev), window_write=torch.empty(T, **i64),
+        window_src=torch.empty(T, **i64), window_old=torch.empty(B * (window - 1), **i64),
+    )  # fmt: skip
+    cs = [(torch.empty(T, half, device=dev), torch.empty(T, half, device=dev)) for _ in ropes]
+    if T:
+        (inv_a, fa), (inv_b, fb) = ropes
+        _chunk_window_rope[(T + B,)](
+            positions, seq_ids, starts, lens, window_tables, window_tables.stride(0), out["window"],
+            out["window_write"], out["window_src"], out["window_old"], inv_a, fa, *cs[0], inv_b, fb, *cs[1], T, B,
+            block_size, W=window, BLOCK_W=next_pow2(window), BLOCK_B=next_pow2(B), HALF=half,
+            BLOCK_R=next_pow2(half), PRECISE=not interpreting(),
+        )  # fmt: skip
+    return out, cs
+
+
+@triton.jit
+def _chunk_rate_entries(pos_ptr, seq_ptr, starts_ptr, lens_ptr, bt_ptr, stride_bt, every, table_ptr, table_cols,
+                        seen_ptr, visible_ptr, max_seen, gseq_ptr, src_ptr, present_ptr, first_ptr, prev_ptr,
+                        has_prev_ptr, slot_ptr, last_ptr, pending_ptr, inv_ptr, factor, cos_ptr, sin_ptr, T, B, U,
+                        page, M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr, HALF: tl.constexpr,
+                        BLOCK_R: tl.constexpr, COLS: tl.constexpr, TABLE: tl.constexpr, VISIBLE: tl.constexpr,
+                        PRECISE: tl.constexpr):  # fmt: skip
+    r = tl.program_id(0).to(tl.int64)
+    k = tl.program_id(1)
+    c = k * COLS + tl.arange(0, COLS)
+    if TABLE:  # the entry table's row r: every `every`-th block of the block table
+        if r < B:
+            tl.store(table_ptr + r * table_cols + c, tl.load(bt_ptr + r * stride_bt + c * every,
+                     mask=c < table_cols), mask=c < table_cols)  # fmt: skip
+    if r < T:  # token r
+        seen = (tl.load(pos_ptr + r) + 1) // M
+        if VISIBLE:  # rows of the entries it sees, -1 past them
+            seq = tl.load(seq_ptr + r).to(tl.int64)
+            ec = tl.minimum(c, tl.maximum(max_seen - 1, 0))  # entry c (clamped as step.visible_rows does)
+            sees = c < seen
+            blocks = tl.load(bt_ptr + seq * stride_bt + (ec // page) * every, mask=sees, other=0).to(tl.int64)
+            tl.store(visible_ptr + r * max_seen + c, tl.where(sees, blocks * page + ec % page, -1).to(tl.int32),
+                     mask=c < max_seen)  # fmt: skip
+        if k == 0:
+            tl.store(seen_ptr + r, seen.to(tl.int32))
+    if k == 0:
+        if r < U:  # the sequences' groups, as step.group_plan finds them
+            i = tl.arange(0, BLOCK_B)
+            n_all = tl.load(starts_ptr + i, mask=i < B, other=0)
+            lens = tl.load(lens_ptr + i, mask=i < B, other=0)
+            count = (n_all + lens - 1 + M) // M - 1 - n_all // M + 1  # [B] groups touched (0 past B)
+            ends = tl.cumsum(count, 0)
+            if r < B:  # sequence r's last group and what stays pending
+                tl.store(last_ptr + r, tl.sum(tl.where(i == r, ends, 0), 0) - 1)
+                tl.store(pending_ptr + r, (tl.load(starts_ptr + r) + tl.load(lens_ptr + r)) % M)
+            u = tl.minimum(r, tl.sum(count, 0) - 1)  # padding repeats the last group
+            s = tl.sum(((ends <= u) & (i < B)).to(tl.int64), 0)  # its sequence (searchsorted, right)
+            g = u - tl.sum(tl.where(i == s, ends - count, 0), 0)  # its rank in the sequence
+            n, L = tl.load(starts_ptr + s), tl.load(lens_ptr + s)
+            first_row = tl.sum(tl.where(i < s, lens, 0), 0)
+            e = n // M + g  # its entry
+            q = e * M + tl.arange(0, BLOCK_M)  # [m] its positions
+            present = q < n + L
+            src = tl.where(q < n, s * (M - 1) + q - (n // M) * M, B * (M - 1) + first_row + q - n)
+            src = tl.where(present, tl.minimum(tl.maximum(src, 0), B * (M - 1) + T - 1), 0)
+            j = tl.arange(0, BLOCK_M)
+            tl.store(src_ptr + r * M + j, src, mask=j < M)
+            tl.store(present_ptr + r * M + j, present, mask=j < M)
+            tl.store(gseq_ptr + r, s)
+            tl.store(first_ptr + r, g == 0)
+            tl.store(prev_ptr + r, tl.maximum(u - 1, 0))
+            tl.store(has_prev_ptr + r, e >= 1)
+            block = tl.load(bt_ptr + s * stride_bt + (e // page) * every).to(tl.int64)
+            tl.store(slot_ptr + r, block * page + e % page)
+            _rope_row(e * M, inv_ptr, factor, cos_ptr, sin_ptr, r, HALF, BLOCK_R, PRECISE)
+
+
+def chunk_rate_entries(
+    positions: torch.Tensor,  # [T] int64, >= 0
+    seq_ids: torch.Tensor,  # [T] int32
+    starts: torch.Tensor,  # [B] int64
+    lens: torch.Tensor,  # [B] int64, >= 1
+    block_tables: torch.Tensor,  # [B, Wb] int32
+    block_size: int,
+    rate: int,
+    max_seen: int,
+    visible: bool,
+    rope: tuple[torch.Tensor, float],  # the compress rope: inv_freq [R/2] float32, attention factor
+) -> dict:
+    """One rate's entry table (as step.entry_table) and page, seen [T] int32, visible [T, Em] int32
+    (when `visible`, else None) and its group plan's tensors (step.GroupPlan's names, U rows; cos /
+    sin [U, R/2])."""
+    B, T, dev = starts.shape[0], positions.shape[0], positions.device
+    if B > MAX_B or block_tables.stride(-1) != 1:
+        raise ValueError(f"chunk_rate_entries: at most {MAX_B} sequences and a row-major block table, got B {B}")
+    U = (T + B * max(rate - 2, 0)) // rate + B
+    strided = rate > block_size  # one entry a block, in every (m / bs)-th block
+    every, page = (rate // block_size, 1) if strided else (1, block_size // rate)
+    cols = cdiv(block_tables.shape[1], every)
+    table = torch.empty(B, cols, dtype=block_tables.dtype, device=dev) if strided else block_tables
+    half = rope[0].shape[0]
+    i64, b8 = dict(dtype=torch.int64, device=dev), dict(dtype=torch.bool, device=dev)
+    out = dict(
+        seen=torch.empty(T, dtype=torch.int32, device=dev),
+        visible=torch.empty(T, max_seen, dtype=torch.int32, device=dev) if visible else None,
+        seq=torch.empty(U, **i64), src=torch.empty(U, rate, **i64), present=torch.empty(U, rate, **b8),
+        first=torch.empty(U, **b8), prev=torch.empty(U, **i64), has_prev=torch.empty(U, **b8),
+        slot=torch.empty(U, **i64), last=torch.empty(B, **i64), pending=torch.empty(B, **i64),
+        cos=torch.empty(U, half, device=dev), sin=torch.empty(U, half, device=dev),
+    )  # fmt: skip
+    if T and B:
+        blocks = max(cdiv(cols, COLS) if strided else 1, cdiv(max_seen, COLS) if visible else 1)
+        _chunk_rate_entries[(max(T, U), blocks)](
+            positions, seq_ids, starts, lens, block_tables, block_tables.stride(0), every, table, cols,
+            out["seen"], out["visible"] if visible else table, max_seen, out["seq"], out["src"], out["present"],
+            out["first"], out["prev"], out["has_prev"], out["slot"], out["last"], out["pending"], rope[0], rope[1],
+            out["cos"], out["sin"], T, B, U, page, M=rate, BLOCK_M=next_pow2(rate), BLOCK_B=next_pow2(B), HALF=half,
+            BLOCK_R=next_pow2(half), COLS=COLS, TABLE=strided, VISIBLE=visible, PRECISE=not interpreting(),
+        )  # fmt: skip
+    return dict(out, table=table, page=page)
