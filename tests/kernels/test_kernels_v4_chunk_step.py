@@ -2,7 +2,8 @@
 model/deepseek_v4/chunk_step.py) against step.py's torch build of the same step (which the engine
 tests check against transformers): every field of the V4Step, its entry indexes and group plans
 equal (integers bit for bit; cos / sin within an ulp: numpy's cos here, torch's there), on seeded
-random batches: verify steps (every chunk 2..4 tokens), mixed steps (one-token rows among longer
+random batches: verify steps (every chunk 2..4 tokens), chunk graphs' batches (verify chunks of
+different lengths, plain decodes and a padding sequence), mixed steps (one-token rows among longer
 chunks), prefill chunks from 0 and mid-sequence, starts in the first window and the first group,
 window blocks as engine/block_manager.py gives them, rates under and over the block size, block
 sizes 16 and 64, outputs poisoned.
@@ -47,9 +48,13 @@ def poisoned(monkeypatch):
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: fill(empty(*a, **kw)))
 
 
-def _batch(starts: list[int], lens: list[int], bs: int, window: int, seed: int) -> ForwardBatch:
+def _batch(starts: list[int], lens: list[int], bs: int, window: int, seed: int, pad: int = 0) -> ForwardBatch:
     """Chunks lens[b] at starts[b] over random distinct blocks; window blocks as the block manager
-    gives them: the last W-1 positions before each chunk and the chunk's last W-1 (-1 elsewhere)."""
+    gives them: the last W-1 positions before each chunk and the chunk's last W-1 (-1 elsewhere).
+    pad > 0: a chunk graph's batch (engine/cuda_graphs.py): a padding sequence of pad tokens at
+    positions 0.. whose every block and window block is the scratch one, every row a decode row."""
+    if pad:
+        starts, lens = starts + [0], lens + [pad]
     g, B, K = torch.Generator().manual_seed(seed), len(starts), window - 1
     cols = -(-max(n + ln for n, ln in zip(starts, lens)) // bs) + 1
     tables = torch.randperm(B * cols * 3, generator=g)[: B * cols].view(B, cols)
@@ -61,12 +66,14 @@ def _batch(starts: list[int], lens: list[int], bs: int, window: int, seed: int) 
             unwritten = (n == 0 or (n - 1) // bs < i) and i < first_new // bs
             if below or unwritten or i * bs >= n + ln:
                 wtables[b, i] = -1
+    if pad:  # the scratch blocks: one past those handed out
+        tables[-1], wtables[-1] = B * cols * 3, B * cols * 2
     step = StepInputs(
         input_ids=torch.randint(0, 100, (sum(lens),), generator=g), lens=torch.tensor(lens), starts=torch.tensor(starts),
         samples=torch.ones(B, dtype=torch.bool), block_tables=tables, window_tables=wtables,
         state_slots=torch.randperm(2 * B, generator=g)[:B], state_dst=torch.randperm(2 * B, generator=g)[:B],
     )  # fmt: skip
-    return ForwardBatch.build(step, bs).to(DEVICE)
+    return ForwardBatch.build(step, bs, as_decode_rows=pad > 0).to(DEVICE)
 
 
 def _equal(got, want, name: str) -> None:
@@ -127,7 +134,8 @@ def test_chunk_step_equals_step_py(kind, bs, window, dim, csa, hca, poisoned):
     rotary = {"main": RotaryEmbedding(RopeConfig(theta=10000.0), dim), "compress": RotaryEmbedding(YARN, dim)}
     for trial in range(3):
         starts, lens = _chunks(kind, rng, window)
-        batch = _batch(starts, lens, bs, window, rng.randint(0, 2**31))
+        pad = rng.randint(1, 6) if kind == "verify mixed k" else 0  # as a chunk graph pads the step
+        batch = _batch(starts, lens, bs, window, rng.randint(0, 2**31), pad)
         want = build_step(batch, rotary, window, csa, hca)
         got = build_chunk_step(batch, rotary, window, csa, hca)
         _equal(got, want, f"step ({kind} {trial}: starts {starts}, lens {lens})")
