@@ -88,8 +88,8 @@ def chunk_window_rope(
     half = ropes[0][0].shape[0]
     if len(ropes) != 2 or ropes[1][0].shape[0] != half or window_tables.stride(-1) != 1:
         raise ValueError("chunk_window_rope: two ropes of one width and a row-major window table")
-    if B > MAX_B or window < 1:
-        raise ValueError(f"chunk_window_rope: at most {MAX_B} sequences and a window, got B {B}, W {window}")
+    if B > MAX_B or window < 1 or not all(t.is_contiguous() for t in (positions, seq_ids, starts, lens)):
+        raise ValueError(f"chunk_window_rope: at most {MAX_B} sequences, a window and contiguous rows, got B {B}")
     i64 = dict(dtype=torch.int64, device=dev)
     out = dict(
         window=torch.empty(T, window, dtype=torch.int32, device=dev), window_write=torch.empty(T, **i64),
@@ -180,8 +180,11 @@ def chunk_rate_entries(
     (when `visible`, else None) and its group plan's tensors (step.GroupPlan's names, U rows; cos /
     sin [U, R/2])."""
     B, T, dev = starts.shape[0], positions.shape[0], positions.device
-    if B > MAX_B or block_tables.stride(-1) != 1:
-        raise ValueError(f"chunk_rate_entries: at most {MAX_B} sequences and a row-major block table, got B {B}")
+    rows = (positions, seq_ids, starts, lens)
+    if B > MAX_B or block_tables.stride(-1) != 1 or not all(t.is_contiguous() for t in rows):
+        raise ValueError(
+            f"chunk_rate_entries: at most {MAX_B} sequences, a row-major block table and contiguous rows, got B {B}"
+        )
     U = (T + B * max(rate - 2, 0)) // rate + B
     strided = rate > block_size  # one entry a block, in every (m / bs)-th block
     every, page = (rate // block_size, 1) if strided else (1, block_size // rate)

@@ -151,9 +151,9 @@ def test_window_only_step_equals_step_py(poisoned):
 
 def test_steps_the_kernels_do_not_take(monkeypatch):
     """Decode steps (decode_step.py's), the torch path, and more sequences than the kernels'
-    prefix sums hold (the wrappers refuse them)."""
+    prefix sums hold (the wrappers refuse them, and rows that are not contiguous)."""
     from pdserve.model import ops
-    from pdserve_kernels.v4_chunk_step import MAX_B, chunk_rate_entries
+    from pdserve_kernels.v4_chunk_step import MAX_B, chunk_rate_entries, chunk_window_rope
 
     rotary = {"main": RotaryEmbedding(RopeConfig(theta=10000.0), 8), "compress": RotaryEmbedding(YARN, 8)}
     assert chunk_step.MAX_B == MAX_B  # the model's bound is the kernels'
@@ -170,6 +170,9 @@ def test_steps_the_kernels_do_not_take(monkeypatch):
     finally:
         ops.set_backend(None)
     big = _batch([0] * (MAX_B + 1), [2] * (MAX_B + 1), 16, 8, 2)
+    rope = (torch.ones(4, device=DEVICE), 1.0)
     with pytest.raises(ValueError, match="at most"):
-        chunk_rate_entries(big.positions, big.seq_ids, big.starts, big.lens, big.block_tables, 16, 4, 0, False,
-                           (torch.ones(4, device=DEVICE), 1.0))  # fmt: skip
+        chunk_rate_entries(big.positions, big.seq_ids, big.starts, big.lens, big.block_tables, 16, 4, 0, False, rope)
+    strided = torch.stack([chunks.positions, chunks.positions], 1)[:, 0]  # a column: not contiguous
+    with pytest.raises(ValueError, match="contiguous"):
+        chunk_window_rope(strided, chunks.seq_ids, chunks.starts, chunks.lens, chunks.window_tables, 16, 8, [rope] * 2)
