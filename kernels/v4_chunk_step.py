@@ -7,11 +7,11 @@ one launch plus one a compressor rate, the same values:
     (`step.window_buffer`'s `window`), the row each one's kv goes to and the row of the kv written
     there (`window_write`, `window_src`), and both ropes' cos / sin at their positions; then a
     program a block of ROWS sequences: their W-1 window-region rows before the chunk (`window_old`);
-  - `chunk_rate_entries`: programs (block of RATE_ROWS (8) rows r, column block k) of one rate m: tokens
-    r's seen counts, the k-th block of columns of their visible rows (HCA rates) and of sequences
-    r's strided entry table (rates over the block size); at k = 0 groups r of the group plan
-    (`step.group_plan`, with the compress rope at e*m), and sequences r's last group and pending
-    count.
+  - `chunk_rate_entries`: programs (block of RATE_ROWS (8) rows r, column block k) of one rate
+    m: tokens r's seen counts, the k-th block of columns of their visible rows (HCA rates) and of
+    sequences r's strided entry table (rates over the block size); at k = 0 groups r of the group
+    plan (`step.group_plan`, with the compress rope at e*m), and sequences r's last group and
+    pending count.
 
 The sequence-level prefix sums (each chunk's first row, the groups each sequence touches and the
 group -> sequence search) run inside every program over all B sequences at once ([ROWS, BLOCK_B]
@@ -38,7 +38,7 @@ from pdserve_kernels._launch import cdiv, interpreting, next_pow2
 
 MAX_B = 256  # sequences a step (the prefix sums' tiles)
 ROWS = 16  # tokens or sequences a program of `chunk_window_rope`
-RATE_ROWS = 8  # rows a program of `chunk_rate_entries` (its [ROWS, BLOCK_B] tiles: <= 168 registers at 8)
+RATE_ROWS = 8  # rows a program of `chunk_rate_entries` (fewer: more of its tiles are [ROWS, BLOCK_B])
 COLS = 64  # table / visible columns a program
 
 
