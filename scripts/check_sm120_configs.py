@@ -71,6 +71,7 @@ FAMILIES = (
     "fp8_gemv",
     "hc",
     "v4_glue",
+    "v4_chunk_step",
     "block_copy",
     "kv_checksum",
 )
@@ -122,6 +123,29 @@ def v4_glue_cases() -> list:
             plan = (z(U), z(U, m), zb(U, m), zb(U), z(U), zb(U), z(T), z(T))
             cases.append(("v4_glue", f"{what} compressor chunk (verify k=2) B={T}", lambda T=T, dim=dim, m=m, o=overlap, C=C, s=state, p=plan: compress_chunk(
                 _e(3 * T, C, dtype=bf), _e(3 * T, C, dtype=bf), _e(2 * T + 1, s, dtype=bf), z(T), z(T), p, _e(m, C, dtype=f32), dim, o)))  # fmt: skip
+    return cases
+
+
+def v4_chunk_step_cases() -> list:
+    """V4-Flash's metadata of a step of chunks (kernels/v4_chunk_step.py; W 128, bs 64, 64 rope
+    pairs' half 32, rates 4 and 128 at a 128K context): verify steps of k = 2 at B = 1, 64 and the
+    kernels' bound 256 (the prefix sums' vector), and an 8K-token prefill chunk."""
+    from pdserve_kernels.v4_chunk_step import MAX_B, chunk_rate_entries, chunk_window_rope
+
+    i64, yarn, cases = torch.int64, (_e(32, dtype=torch.float32), 1.0), []
+    for B, n in ((1, 3), (64, 3), (MAX_B, 3), (1, 8192)):
+        T = B * n
+        pos, seq, starts, lens = (
+            torch.zeros(T, dtype=i64), torch.zeros(T, dtype=torch.int32), torch.zeros(B, dtype=i64), torch.full((B,), n)
+        )  # fmt: skip
+        tag = f"B={B} T={T}"
+        cases += [
+            ("v4_chunk_step", f"chunk step: window + ropes {tag}", lambda p=pos, s=seq, n0=starts, L=lens, y=yarn:
+             chunk_window_rope(p, s, n0, L, torch.zeros(n0.shape[0], 2048, dtype=i64), 64, 128, [y, y])),
+            *[("v4_chunk_step", f"chunk step: rate {m} entries {tag}", lambda p=pos, s=seq, n0=starts, L=lens, y=yarn, m=m:
+               chunk_rate_entries(p, s, n0, L, torch.zeros(n0.shape[0], 2048, dtype=torch.int32), 64, m,
+                                  1024 if m == 128 else 0, m == 128, y)) for m in (4, 128)],
+        ]  # fmt: skip
     return cases
 
 
@@ -372,6 +396,8 @@ def cases(families):
         )
     if "v4_glue" in families:  # V4-Flash's fused glue (kernels/mhc.py, glue.py) at B=1 and 128
         out += v4_glue_cases()
+    if "v4_chunk_step" in families:
+        out += v4_chunk_step_cases()
     E, k, hidden, inter = 8, 6, 4096, 2048  # V4-Flash expert dims; E small: rows per expert = 6T/8
     routed = lambda T: (_e(T, k, dtype=torch.float32), torch.zeros(T, k, dtype=torch.int32))  # noqa: E731
     for T in (1, 32, 128):  # the three rows-per-expert buckets: <= 16, <= 64, more

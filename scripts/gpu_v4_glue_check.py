@@ -1,8 +1,8 @@
 """DeepSeek-V4's fused glue on a GPU: each kernel against the PyTorch code the model runs on the
 CPU (kernels/ref_glue.py, step.py), at V4-Flash's shapes (hidden 4096, 4 streams, 256 experts,
-top-6, 64 heads of 512, bf16; the decode step's metadata at window 128, block 64, rates 4 and
-128, contexts to 4K), with the time of each in a CUDA graph (kernel vs torch); and the launches
-cut since (`launch_cut_cases`: the shared expert's fused gate + up + SwiGLU, the joined bf16
+top-6, 64 heads of 512, bf16; the decode and verify steps' metadata at window 128, block 64,
+rates 4 and 128, contexts to 4K), with the time of each in a CUDA graph (kernel vs torch); and the
+launches cut since (`launch_cut_cases`: the shared expert's fused gate + up + SwiGLU, the joined bf16
 GEMMs, the MoE's top-k sum) against the code they replaced.
 
     python scripts/gpu_v4_glue_check.py [--tokens 1,16,64,128] [--out DIR]
@@ -237,10 +237,12 @@ def launch_cut_cases(T: int, g: torch.Generator, dev: str):
 
 
 def step_cases(T: int, g: torch.Generator, dev: str):
-    """The decode step's fused pieces (kernels/v4_step.py, the norm's store, the inverse rope, the
-    MoE's add in hc_post, the indexer's slots and weight scale) against the torch code they replaced."""
+    """The decode and verify steps' fused pieces (kernels/v4_step.py, v4_chunk_step.py, the norm's
+    store, the inverse rope, the MoE's add in hc_post, the indexer's slots and weight scale) against
+    the torch code they replaced."""
     from pdserve.model.batch import ForwardBatch, StepInputs
     from pdserve.model.config_base import RopeConfig
+    from pdserve.model.deepseek_v4.chunk_step import build_chunk_step
     from pdserve.model.deepseek_v4.decode_step import build_decode_step
     from pdserve.model.deepseek_v4.step import build_step
     from pdserve.model.rope import RotaryEmbedding
@@ -260,11 +262,14 @@ def step_cases(T: int, g: torch.Generator, dev: str):
 
     def flat(step) -> list:
         out = [step.window, step.window_write, *step.rope["main"], *step.rope["compress"]]
+        out += [t for t in (step.window_src, step.window_old) if t is not None]
         for m in sorted(step.entries):
             ix, gp = step.entries[m], step.entries[m].groups
             out += [
                 ix.table,
                 ix.seen,
+                gp.seq,
+                gp.last,
                 gp.src,
                 gp.present,
                 gp.first,
@@ -276,6 +281,14 @@ def step_cases(T: int, g: torch.Generator, dev: str):
             ]
             out += [ix.visible] if ix.visible is not None else []
         return out
+
+    # a verify step of k = 2: T chunks of 3 tokens (kernels/v4_chunk_step.py), every window block there
+    vstarts = torch.randint(0, ctx - 3, (T,), generator=torch.Generator().manual_seed(T + 1))
+    vstarts[: min(T, 3)] = torch.tensor([ctx - 3, 1, 126])[: min(T, 3)]
+    verify = ForwardBatch.build(
+        StepInputs(torch.zeros(3 * T, dtype=torch.int64), torch.full((T,), 3), vstarts, torch.ones(T, dtype=torch.bool),
+                   tables, tables.flip(1).clone(), torch.arange(T), torch.arange(T, 2 * T)), bs,
+    ).to(dev)  # fmt: skip
 
     def step_cmp(a, b):
         same = all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b) if not x.is_floating_point())
@@ -324,6 +337,9 @@ def step_cases(T: int, g: torch.Generator, dev: str):
     return [
         ("decode-step metadata (W 128, rates 4 + 128)", lambda: flat(build_decode_step(batch, rotary, W, {4}, {128})),
          lambda: flat(build_step(batch, rotary, W, {4}, {128})), step_cmp),
+        ("verify-step metadata (T chunks of 3, W 128, rates 4 + 128)",
+         lambda: flat(build_chunk_step(verify, rotary, W, {4}, {128})),
+         lambda: flat(build_step(verify, rotary, W, {4}, {128})), step_cmp),
         ("kv_norm + rope + window store", store_kernel, store_torch, two("kv_store")),
         ("rope by -angle (attention output, undo)", lambda: rms_norm_rope(q, None, 0.0, norm=False, rope=(cos, sin), inverse=True),
          lambda: ref.rope_tail_ref(q, cos, -sin), one("rope_inverse")),

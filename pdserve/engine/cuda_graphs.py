@@ -22,8 +22,9 @@ graphs in one of two ways, as the model declares:
     graphs. The ladder then also holds the row counts of B = 1, 2, 4, 8, 16 sequences with 1..k
     drafts each and of every batch size with k drafts (`graph_sizes`);
   - `verify_as_chunks` (V4: a chunk's tokens depend on each other through the sliding window and
-    the compressors' state, so the step runs step.py's chunk path, which builds its metadata on
-    the device from host ints alone: T, B and the context bound): graphs of shape (P, n), P
+    the compressors' state, so the step runs its chunk path, whose metadata is built on the
+    device from host ints alone: T, B and the context bound; on a GPU by
+    kernels/v4_chunk_step.py, else by step.py): graphs of shape (P, n), P
     chunks of up to n tokens each, G = P n rows. A step of B chunks that sample, the longest n'
     tokens, replays the graph of fewest rows with n >= n' and P > B, or P = B when its chunks
     fill it (any mix of verify chunks, plain decodes and recomputes); the rows its chunks leave go

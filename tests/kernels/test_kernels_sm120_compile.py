@@ -13,10 +13,10 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.timeout(600)
-# V4's decode-step metadata kernels take rope's cos / sin with libdevice's exact cosf / sinf (the
+# V4's decode- and chunk-step metadata kernels take rope's cos / sin with libdevice's exact cosf / sinf (the
 # values torch gives): for angles past ~1e5 rad (long contexts) it reduces the argument through a
 # 32-byte array on the stack, the one stack use allowed below
-EXACT_TRIG = {"_window_rope", "_rate_entries"}
+EXACT_TRIG = {"_window_rope", "_rate_entries", "_chunk_window_rope", "_chunk_rate_entries"}
 
 
 @pytest.mark.slow
@@ -47,6 +47,7 @@ def test_sm120_configs_compile_within_shared_memory(tmp_path):
         "fp8_gemm",
         "fp8_gemv",
         "hc",
+        "v4_chunk_step",
         "block_copy",
         "kv_checksum",
     }

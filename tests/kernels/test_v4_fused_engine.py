@@ -1,7 +1,9 @@
 """The tiny DeepSeek-V4 through the engine on the GPU's paths (every `ops` call on its Triton kernel,
-interpreted on CPU: the fused glue, the compressor's decode and prefill kernels, the decode step's metadata, attention, MoE) against the
-same engine on the torch paths the CPU tests check against transformers: the same greedy tokens
-over decodes that cross the compressors' group edges (rates 4 and 16), float32.
+interpreted on CPU: the fused glue, the compressor's decode and chunk kernels, the decode and chunk
+steps' metadata, attention, MoE) against the same engine on the torch paths the CPU tests check
+against transformers: the same greedy tokens over decodes that cross the compressors' group edges
+(rates 4 and 16), float32; and with drafts, whose verify steps take the chunk kernels, the same
+tokens as plain decoding on the torch paths.
 
 TRITON_INTERPRET is set before triton's first import, as in the other kernel tests."""
 
@@ -46,7 +48,7 @@ def _counted(monkeypatch, module, name: str, calls: dict) -> None:
 
 
 def test_greedy_tokens_equal_on_the_fused_paths(tmp_path, monkeypatch):
-    from pdserve_kernels import compress, glue, mhc, v4_step
+    from pdserve_kernels import compress, glue, mhc, v4_chunk_step, v4_step
 
     calls: dict = {}
     for module, name in (
@@ -59,6 +61,8 @@ def test_greedy_tokens_equal_on_the_fused_paths(tmp_path, monkeypatch):
         (compress, "compress_chunk"),
         (v4_step, "window_rope"),
         (v4_step, "rate_entries"),
+        (v4_chunk_step, "chunk_window_rope"),
+        (v4_chunk_step, "chunk_rate_entries"),
     ):
         _counted(monkeypatch, module, name, calls)
     tiny = make_tiny_model(tmp_path / "tiny", arch="deepseek_v4", seed=0)
@@ -78,6 +82,8 @@ def test_greedy_tokens_equal_on_the_fused_paths(tmp_path, monkeypatch):
         "compress_chunk",
         "window_rope",
         "rate_entries",
+        "chunk_window_rope",
+        "chunk_rate_entries",
     }
     assert set(calls) == kernels, calls
     assert got == want
@@ -97,11 +103,12 @@ class _Drafts:
 
 
 def test_speculative_verify_chunks_on_the_fused_paths(tmp_path, monkeypatch):
-    """Verify chunks (k = 2: the compressors' two-kernel update, records into spare slots) on the
-    Triton paths give plain decoding's tokens on the torch paths."""
-    from pdserve_kernels import compress
+    """Verify chunks (k = 2: the compressors' two-kernel update, records into spare slots; the chunk
+    step's metadata kernels) on the Triton paths give plain decoding's tokens on the torch paths."""
+    from pdserve_kernels import compress, v4_chunk_step
 
-    spare = []
+    spare, calls = [], {}
+    _counted(monkeypatch, v4_chunk_step, "chunk_rate_entries", calls)
     chunk = compress.compress_chunk
     monkeypatch.setattr(compress, "compress_chunk", lambda *a: spare.append(a[4] is not a[3]) or chunk(*a))
     tiny = make_tiny_model(tmp_path / "tiny", arch="deepseek_v4", seed=0)
@@ -114,4 +121,4 @@ def test_speculative_verify_chunks_on_the_fused_paths(tmp_path, monkeypatch):
     assert _tokens(tiny, prompts, "triton", eng) == want
     stats, kept = eng.spec.stats, eng.spec.spare
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens and kept.num_kept > 0 and kept.num_recomputes > 0
-    assert any(spare)
+    assert any(spare) and calls

@@ -22,9 +22,9 @@ W 128) in bf16 (checked in tests/unit/test_v4_loader.py):
 
 Forward: `forward(batch, kv_cache)` runs the new tokens of B sequences (prefill chunks and
 decode tokens alike, a ForwardBatch) concatenated; sequence b's tokens take positions
-batch.starts[b] onwards. The step's indices are built on the device once (step.py; a decode step's
-by kernels/v4_step.py on the Triton path: decode_step.py) and each
-layer reads and writes its regions of the pool in place (after an exception the sequences' pool
+batch.starts[b] onwards. The step's indices are built on the device once (step.py; on the
+Triton path by kernels: a decode step's in decode_step.py, a step of chunks' in chunk_step.py)
+and each layer reads and writes its regions of the pool in place (after an exception the sequences' pool
 state is half-advanced and must be dropped). Whole-prompt prefill, chunked prefill and one-token
 decode give the same results.
 
@@ -65,6 +65,7 @@ from pdserve.model.batch import ForwardBatch
 from pdserve.model.config import ModelConfig
 from pdserve.model.deepseek_v4.attention import V4Attention
 from pdserve.model.deepseek_v4.cache import kv_cache_specs
+from pdserve.model.deepseek_v4.chunk_step import build_chunk_step, fused_chunk_step
 from pdserve.model.deepseek_v4.config import CSA, HCA
 from pdserve.model.deepseek_v4.decode_step import build_decode_step, fused_decode_step
 from pdserve.model.deepseek_v4.hyper_connections import HyperConnection, HyperHead, hc_residual
@@ -183,8 +184,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     def forward_mtp(self, batch: ForwardBatch, kv_cache: KVCache, prev: torch.Tensor) -> torch.Tensor:
         """The MTP layer over the batch (input_ids: the next tokens; prev [T, N, hidden]: the streams
         they pair with); writes its window records; returns its streams [T, N, hidden]."""
-        build = build_decode_step if fused_decode_step(batch, self.rotary) else build_step
-        step = build(batch, self.rotary, self.config.v4.sliding_window, set(), set())  # window only
+        step = self.step_builder(batch)(batch, self.rotary, self.config.v4.sliding_window, set(), set())  # window only
         return mtp_forward(self.mtp, self.model.embed_tokens, step, kv_cache, self.config.num_hidden_layers, prev)
 
     @torch.no_grad()
@@ -193,9 +193,16 @@ class DeepseekV4ForCausalLM(nn.Module):
         return mtp_logits(self.mtp, self.lm_head, g)
 
     def step(self, batch: ForwardBatch) -> V4Step:
-        """The step's metadata: a decode step's from kernels/v4_step.py on the Triton path, else step.py's."""
-        build = build_decode_step if fused_decode_step(batch, self.rotary) else build_step
-        return build(batch, self.rotary, self.config.v4.sliding_window, *self.rates)
+        """The step's metadata."""
+        return self.step_builder(batch)(batch, self.rotary, self.config.v4.sliding_window, *self.rates)
+
+    def step_builder(self, batch: ForwardBatch):
+        """What builds the step's metadata: on the Triton path a decode step's kernels
+        (kernels/v4_step.py) or, for chunks, kernels/v4_chunk_step.py's (up to its bound on the
+        sequences); else step.py."""
+        if fused_decode_step(batch, self.rotary):
+            return build_decode_step
+        return build_chunk_step if fused_chunk_step(batch, self.rotary) else build_step
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
