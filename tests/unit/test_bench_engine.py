@@ -357,3 +357,22 @@ def test_tp_shard_is_one_ranks_share(model, tmp_path):
                  "--tp-shard", "2", "--out", str(out)]) == 0  # fmt: skip
     report = json.loads(out.read_text())
     assert report["settings"]["tp_shard"] == 2 and report["rows"][0]["step_ms"] > 0
+
+
+def test_host_phases_time_the_runs_phases(capsys):
+    """benchmarks/engine/host_phases.py: the bench's rows with ModelRunner.run's phases timed (CPU:
+    no graphs, so no fits / fill / replay); the run's own median covers prepare and sampling, and
+    the wrapped methods are put back afterwards."""
+    from benchmarks.engine import host_phases
+    from pdserve.engine.model_runner import ModelRunner
+
+    before = (ModelRunner.run, ModelRunner.prepare)
+    out = host_phases.main(
+        ["--model", "tiny-v4", "--batch-sizes", "1,2", "--context", "40", "--long-context", "0", "--warmup", "0",
+         "--steps", "2", "--profile-steps", "0", "--baseline-steps", "0", "--dtype", "float32", "--device", "cpu"]
+    )  # fmt: skip
+    assert (ModelRunner.run, ModelRunner.prepare) == before
+    assert set(out["phases"]) == {"1x40", "2x40"}
+    for p in out["phases"].values():
+        assert set(p) == {"prepare", "_sample", "run"} and 0 < p["prepare"] + p["_sample"] < p["run"]
+    assert "B=2 context=40: phases (median ms) prepare" in capsys.readouterr().out
