@@ -47,11 +47,32 @@ def _counted(monkeypatch, module, name: str, calls: dict) -> None:
     monkeypatch.setattr(module, name, wrapped)
 
 
+class _Drafts:
+    """The target's own next tokens (from a plain run) with one wrong at a cycling place: every
+    accepted length 0..k, so verify chunks' records are both kept and recomputed. No drafts for a
+    sequence's first `plain` tokens: the steps after the prefill are plain decode steps (the decode
+    kernels)."""
+
+    def __init__(self, prompts, expected, k: int, plain: int) -> None:
+        self.expected, self.k, self.plain = {tuple(p): e for (p, _), e in zip(prompts, expected)}, k, plain
+        self.calls = 0
+
+    def propose(self, seq, limit: int) -> list[int]:
+        if seq.num_output_tokens < self.plain:
+            return []
+        nxt = self.expected[tuple(seq.prompt_token_ids)][seq.num_output_tokens :][:limit]
+        self.calls += 1
+        return [t if i != self.calls % (self.k + 1) else t + 1 for i, t in enumerate(nxt)]
+
+
 def test_greedy_tokens_equal_on_the_fused_paths(tmp_path, monkeypatch):
+    """Plain decode steps (the decode kernels), then verify chunks (k = 2: the compressors'
+    two-kernel update with records into spare slots, the chunk step's metadata kernels; the
+    prefill takes them too) on the Triton paths give plain decoding's tokens on the torch paths."""
     from pdserve_kernels import compress, glue, mhc, v4_chunk_step, v4_step
 
     calls: dict = {}
-    for module, name in (
+    kernels = (
         (mhc, "hc_pre"),
         (mhc, "hc_post"),
         (glue, "route"),
@@ -63,62 +84,22 @@ def test_greedy_tokens_equal_on_the_fused_paths(tmp_path, monkeypatch):
         (v4_step, "rate_entries"),
         (v4_chunk_step, "chunk_window_rope"),
         (v4_chunk_step, "chunk_rate_entries"),
-    ):
+    )
+    for module, name in kernels:
         _counted(monkeypatch, module, name, calls)
-    tiny = make_tiny_model(tmp_path / "tiny", arch="deepseek_v4", seed=0)
-    g = torch.Generator().manual_seed(11)
-    # lengths around the rates: decodes cross 4-token groups and the 16-token HCA group
-    prompts = [(torch.randint(4, 800, (n,), generator=g).tolist(), new) for n, new in ((3, 9), (14, 6), (7, 5))]
-    want = _tokens(tiny, prompts, "torch")
-    assert not calls, "the torch paths call no kernel"
-    got = _tokens(tiny, prompts, "triton")
-    kernels = {
-        "hc_pre",
-        "hc_post",
-        "route",
-        "rms_norm_rope",
-        "swiglu",
-        "compress_decode",
-        "compress_chunk",
-        "window_rope",
-        "rate_entries",
-        "chunk_window_rope",
-        "chunk_rate_entries",
-    }
-    assert set(calls) == kernels, calls
-    assert got == want
-
-
-class _Drafts:
-    """The target's own next tokens (from a plain run) with one wrong at a cycling place: every
-    accepted length 0..k, so verify chunks' records are both kept and recomputed."""
-
-    def __init__(self, prompts, expected, k: int) -> None:
-        self.expected, self.k, self.calls = {tuple(p): e for (p, _), e in zip(prompts, expected)}, k, 0
-
-    def propose(self, seq, limit: int) -> list[int]:
-        nxt = self.expected[tuple(seq.prompt_token_ids)][seq.num_output_tokens :][:limit]
-        self.calls += 1
-        return [t if i != self.calls % (self.k + 1) else t + 1 for i, t in enumerate(nxt)]
-
-
-def test_speculative_verify_chunks_on_the_fused_paths(tmp_path, monkeypatch):
-    """Verify chunks (k = 2: the compressors' two-kernel update, records into spare slots; the chunk
-    step's metadata kernels) on the Triton paths give plain decoding's tokens on the torch paths."""
-    from pdserve_kernels import compress, v4_chunk_step
-
-    spare, calls = [], {}
-    _counted(monkeypatch, v4_chunk_step, "chunk_rate_entries", calls)
+    spare = []
     chunk = compress.compress_chunk
     monkeypatch.setattr(compress, "compress_chunk", lambda *a: spare.append(a[4] is not a[3]) or chunk(*a))
     tiny = make_tiny_model(tmp_path / "tiny", arch="deepseek_v4", seed=0)
-    g = torch.Generator().manual_seed(12)
-    # verify chunks of 3 tokens from positions 5.. and 13..: across CSA groups (4) and the HCA's (16)
-    prompts = [(torch.randint(4, 800, (n,), generator=g).tolist(), new) for n, new in ((5, 7), (13, 5))]
+    g = torch.Generator().manual_seed(11)
+    # lengths around the rates: decodes and verify chunks cross 4-token groups and the 16-token HCA group
+    prompts = [(torch.randint(4, 800, (n,), generator=g).tolist(), new) for n, new in ((3, 9), (14, 6))]
     want = _tokens(tiny, prompts, "torch")
+    assert not calls, "the torch paths call no kernel"
     eng = engine(tiny, max_num_seqs=4, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    eng.spec.proposer = _Drafts(prompts, want, 2)
+    eng.spec.proposer = _Drafts(prompts, want, 2, plain=3)
     assert _tokens(tiny, prompts, "triton", eng) == want
+    assert set(calls) == {name for _, name in kernels}, calls
     stats, kept = eng.spec.stats, eng.spec.spare
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens and kept.num_kept > 0 and kept.num_recomputes > 0
-    assert any(spare) and calls
+    assert any(spare)
