@@ -52,6 +52,21 @@ def _rows(rec, new_ptr, j, j0, ch, c_ok, C: tl.constexpr, dt: tl.constexpr):
 
 
 @triton.jit
+def _softmax_pool(kv_own, gate_own, kv_prev, gate_prev, mx, OVERLAP: tl.constexpr, dt: tl.constexpr):
+    """[BC] the entry: sum_j kv_j * softmax_j(gate) over the group's rows (and, with overlap, the
+    previous group's Ca), rounded where PyTorch rounds (the softmax in float32, then dt)."""
+    ex_own = tl.exp(gate_own - mx[None, :])
+    total = tl.sum(ex_own, axis=0)
+    if OVERLAP:
+        ex_prev = tl.exp(gate_prev - mx[None, :])
+        total += tl.sum(ex_prev, axis=0)
+    pooled = tl.sum(round_to(kv_own * round_to(ex_own / total[None, :], dt), dt), axis=0)
+    if OVERLAP:
+        pooled += tl.sum(round_to(kv_prev * round_to(ex_prev / total[None, :], dt), dt), axis=0)
+    return round_to(pooled, dt)
+
+
+@triton.jit
 def _compress_decode(kv_ptr, gate_ptr, s_kv, s_gate, states_ptr, stride_s, slots_ptr, pos_ptr, bias_ptr, pooled_ptr,
                      M: tl.constexpr, MP: tl.constexpr, C: tl.constexpr, DC: tl.constexpr,
                      OVERLAP: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
@@ -72,6 +87,7 @@ def _compress_decode(kv_ptr, gate_ptr, s_kv, s_gate, states_ptr, stride_s, slots
     bias_own = tl.load(bias_ptr + j[:, None] * C + own[None, :], mask=(j < M)[:, None] & c_ok[None, :], other=0.0)
     gate_own = tl.where((j <= j0)[:, None], graw_own + bias_own, float("-inf"))
     mx = tl.max(gate_own, axis=0)
+    kv_prev, gate_prev = kv_own, gate_own  # read only with overlap
     if OVERLAP:  # the previous group's Ca, kept in the state
         kv_ca = _rows(rec, kv_new, j, j0, c, c_ok, C, dt)  # this group's Ca (channels c)
         graw_ca = _rows(rec + P, gate_new, j, j0, c, c_ok, C, dt)
@@ -80,15 +96,8 @@ def _compress_decode(kv_ptr, gate_ptr, s_kv, s_gate, states_ptr, stride_s, slots
         kv_prev = round_to(tl.load(ca, mask=prev_ok, other=0.0).to(tl.float32), dt)
         gate_prev = tl.load(ca + M * DC, mask=prev_ok, other=float("-inf")).to(tl.float32)
         mx = tl.maximum(mx, tl.max(gate_prev, axis=0))
-    ex_own = tl.exp(gate_own - mx[None, :])
-    total = tl.sum(ex_own, axis=0)
-    if OVERLAP:
-        ex_prev = tl.exp(gate_prev - mx[None, :])
-        total += tl.sum(ex_prev, axis=0)
-    pooled = tl.sum(round_to(kv_own * round_to(ex_own / total[None, :], dt), dt), axis=0)
-    if OVERLAP:
-        pooled += tl.sum(round_to(kv_prev * round_to(ex_prev / total[None, :], dt), dt), axis=0)
-    tl.store(pooled_ptr + b * DC + c, round_to(pooled, dt).to(dt), mask=c_ok)
+    pooled = _softmax_pool(kv_own, gate_own, kv_prev, gate_prev, mx, OVERLAP, dt)
+    tl.store(pooled_ptr + b * DC + c, pooled.to(dt), mask=c_ok)
 
     tl.debug_barrier()  # every read of the record is done: write it
     keep = (j < (n + 1) % M)[:, None] & (j < M - 1)[:, None] & c_ok[None, :]
@@ -200,20 +209,14 @@ def _compress_pool(kv_ptr, gate_ptr, s_kv, s_gate, states_ptr, stride_s, slots_p
     kv_own, _, gate_own = _group(kv_ptr, gate_ptr, s_kv, s_gate, states_ptr, stride_s, slots_ptr, src_ptr, present_ptr,
                                  bias_ptr, u, j, own, c_ok, NP, M, C, dt)  # fmt: skip
     mx = tl.max(gate_own, axis=0)
+    kv_prev, gate_prev = kv_own, gate_own  # read only with overlap
     if OVERLAP:
         kv_prev, gate_prev = _prev_ca(kv_ptr, gate_ptr, s_kv, s_gate, states_ptr, stride_s, slots_ptr, src_ptr,
                                       present_ptr, bias_ptr, first_ptr, prev_ptr, has_prev_ptr, seq_ptr, u, j, c, c_ok,
                                       NP, M, C, DC, dt)  # fmt: skip
         mx = tl.maximum(mx, tl.max(gate_prev, axis=0))
-    ex_own = tl.exp(gate_own - mx[None, :])
-    total = tl.sum(ex_own, axis=0)
-    if OVERLAP:
-        ex_prev = tl.exp(gate_prev - mx[None, :])
-        total += tl.sum(ex_prev, axis=0)
-    pooled = tl.sum(round_to(kv_own * round_to(ex_own / total[None, :], dt), dt), axis=0)
-    if OVERLAP:
-        pooled += tl.sum(round_to(kv_prev * round_to(ex_prev / total[None, :], dt), dt), axis=0)
-    tl.store(pooled_ptr + u * DC + c, round_to(pooled, dt).to(dt), mask=c_ok)
+    pooled = _softmax_pool(kv_own, gate_own, kv_prev, gate_prev, mx, OVERLAP, dt)
+    tl.store(pooled_ptr + u * DC + c, pooled.to(dt), mask=c_ok)
 
 
 @triton.jit
