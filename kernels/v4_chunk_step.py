@@ -35,6 +35,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from pdserve_kernels._launch import cdiv, interpreting, next_pow2
+from pdserve_kernels.v4_step import rate_outputs
 
 MAX_B = 256  # sequences a step (the prefix sums' tiles)
 ROWS = 16  # tokens or sequences a program of `chunk_window_rope`
@@ -216,20 +217,11 @@ def chunk_rate_entries(
             f"chunk_rate_entries: at most {MAX_B} sequences, a row-major block table and contiguous rows, got B {B}"
         )
     U = (T + B * max(rate - 2, 0)) // rate + B
-    strided = rate > block_size  # one entry a block, in every (m / bs)-th block
-    every, page = (rate // block_size, 1) if strided else (1, block_size // rate)
-    cols = cdiv(block_tables.shape[1], every)
-    table = torch.empty(B, cols, dtype=block_tables.dtype, device=dev) if strided else block_tables
+    strided, every, page, cols, table, out = rate_outputs(
+        block_tables, block_size, rate, T, B, U, max_seen, visible, rope
+    )
     half = rope[0].shape[0]
-    i64, b8 = dict(dtype=torch.int64, device=dev), dict(dtype=torch.bool, device=dev)
-    out = dict(
-        seen=torch.empty(T, dtype=torch.int32, device=dev),
-        visible=torch.empty(T, max_seen, dtype=torch.int32, device=dev) if visible else None,
-        seq=torch.empty(U, **i64), src=torch.empty(U, rate, **i64), present=torch.empty(U, rate, **b8),
-        first=torch.empty(U, **b8), prev=torch.empty(U, **i64), has_prev=torch.empty(U, **b8),
-        slot=torch.empty(U, **i64), last=torch.empty(B, **i64), pending=torch.empty(B, **i64),
-        cos=torch.empty(U, half, device=dev), sin=torch.empty(U, half, device=dev),
-    )  # fmt: skip
+    out |= dict(seq=torch.empty(U, dtype=torch.int64, device=dev), last=torch.empty(B, dtype=torch.int64, device=dev))
     if T and B:
         blocks = max(cdiv(cols, COLS) if strided else 1, cdiv(max_seen, COLS) if visible else 1)
         _chunk_rate_entries[(cdiv(max(T, U), RATE_ROWS), blocks)](

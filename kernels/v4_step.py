@@ -130,6 +130,39 @@ def _rate_entries(pos_ptr, seq_ptr, starts_ptr, rows_ptr, bt_ptr, stride_bt, eve
         _rope_row(e * M, inv_ptr, factor, cos_ptr, sin_ptr, b, HALF, BLOCK_R, PRECISE)
 
 
+def rate_outputs(
+    block_tables: torch.Tensor,
+    block_size: int,
+    rate: int,
+    T: int,
+    B: int,
+    U: int,
+    max_seen: int,
+    visible: bool,
+    rope: tuple[torch.Tensor, float],
+) -> tuple[bool, int, int, int, torch.Tensor, dict]:
+    """What a rate's entry kernels (here and v4_chunk_step.py) write: whether the table is strided
+    (rate > block size: one entry a block, in every (m / bs)-th block), that stride, the entries a
+    block of the table holds, its columns, the table (the block table itself when not strided), and
+    the outputs, empty: seen [T], visible [T, Em], and the group plan's tensors for U groups and B
+    sequences."""
+    dev = block_tables.device
+    strided = rate > block_size
+    every, page = (rate // block_size, 1) if strided else (1, block_size // rate)
+    cols = cdiv(block_tables.shape[1], every)
+    table = torch.empty(B, cols, dtype=block_tables.dtype, device=dev) if strided else block_tables
+    half = rope[0].shape[0]
+    i64, b8 = dict(dtype=torch.int64, device=dev), dict(dtype=torch.bool, device=dev)
+    out = dict(
+        seen=torch.empty(T, dtype=torch.int32, device=dev),
+        visible=torch.empty(T, max_seen, dtype=torch.int32, device=dev) if visible else None,
+        src=torch.empty(U, rate, **i64), present=torch.empty(U, rate, **b8), first=torch.empty(U, **b8),
+        prev=torch.empty(U, **i64), has_prev=torch.empty(U, **b8), slot=torch.empty(U, **i64),
+        pending=torch.empty(B, **i64), cos=torch.empty(U, half, device=dev), sin=torch.empty(U, half, device=dev),
+    )  # fmt: skip
+    return strided, every, page, cols, table, out
+
+
 def rate_entries(
     positions: torch.Tensor,  # [T] int64, >= 0 (T = B)
     seq_ids: torch.Tensor,  # [T] int32
@@ -144,23 +177,13 @@ def rate_entries(
 ) -> dict:
     """One rate's entry table (as step.entry_table), seen [T] int32, visible [T, Em] int32 (when
     `visible`, else None) and its group plan's tensors (step.GroupPlan's names; cos / sin [B, R/2])."""
-    B, T, dev = starts.shape[0], positions.shape[0], positions.device
+    B, T = starts.shape[0], positions.shape[0]
     if T != B or block_tables.stride(-1) != 1:
         raise ValueError(f"rate_entries: a decode step (T = B), got T {T}, B {B}, and a row-major block table")
-    strided = rate > block_size  # one entry a block, in every (m / bs)-th block
-    every, page = (rate // block_size, 1) if strided else (1, block_size // rate)
-    cols = cdiv(block_tables.shape[1], every)
-    table = torch.empty(B, cols, dtype=block_tables.dtype, device=dev) if strided else block_tables
+    strided, every, page, cols, table, out = rate_outputs(
+        block_tables, block_size, rate, T, B, B, max_seen, visible, rope
+    )
     half = rope[0].shape[0]
-    i64 = dict(dtype=torch.int64, device=dev)
-    out = dict(
-        seen=torch.empty(T, dtype=torch.int32, device=dev),
-        visible=torch.empty(T, max_seen, dtype=torch.int32, device=dev) if visible else None,
-        src=torch.empty(B, rate, **i64), present=torch.empty(B, rate, dtype=torch.bool, device=dev),
-        first=torch.empty(B, dtype=torch.bool, device=dev), prev=torch.empty(B, **i64),
-        has_prev=torch.empty(B, dtype=torch.bool, device=dev), slot=torch.empty(B, **i64),
-        pending=torch.empty(B, **i64), cos=torch.empty(B, half, device=dev), sin=torch.empty(B, half, device=dev),
-    )  # fmt: skip
     if B:
         blocks = max(cdiv(cols, COLS) if strided else 1, cdiv(max_seen, COLS) if visible else 1)
         _rate_entries[(B, blocks)](

@@ -26,12 +26,28 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: a worker a core, at most 4 (each holds torch, and the end-to-end tests start
+    servers of their own; more workers only make them wait on each other)."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
 @pytest.fixture(scope="module")
 def restore_torch_threads():
     """An engine with cpu_threads sets torch's threads process-wide: leave the rest of the suite as found."""
     n = torch.get_num_threads()
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def poisoned():
+    """Every torch.empty of the test is poisoned (benchmarks/kernels/bench_util.poisoned_empty):
+    an output element a kernel leaves unwritten fails the comparison."""
+    from benchmarks.kernels.bench_util import poisoned_empty
+
+    with poisoned_empty():
+        yield
 
 
 # The test now being set up, run or torn down (module fixtures start their processes during the

@@ -15,11 +15,13 @@ def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
 @contextlib.contextmanager
 def poisoned_empty():
     """Every torch.empty inside is filled with NaN (ints: a large sentinel; bytes 0xFF, NaN as
-    e4m3 or ue8m0), so an element a kernel fails to write shows up in the comparison."""
+    e4m3 or ue8m0; bools: True), so an element a kernel fails to write shows up in the comparison."""
     orig = torch.empty
 
     def empty(*args, **kwargs):
         t = orig(*args, **kwargs)
+        if t.dtype == torch.bool:
+            return t.fill_(True)
         return t.fill_(float("nan") if t.is_floating_point() else min(2**30 - 1, torch.iinfo(t.dtype).max))
 
     torch.empty = empty

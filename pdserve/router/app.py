@@ -211,18 +211,26 @@ class _CountRequests:
             await self.app(scope, receive, send)
             return
         route = scope["path"] if scope["path"] in ROUTES else "other"
-        status = 0
+        status, counted = 0, False
+
+        def count() -> None:
+            nonlocal counted
+            if not counted:
+                counted = True
+                self.metrics.requests.labels(route, str(status or 499)).inc()
 
         async def send_status(msg: Message) -> None:
             nonlocal status
             if msg["type"] == "http.response.start":
                 status = msg["status"]
+            elif msg["type"] == "http.response.body" and not msg.get("more_body", False):
+                count()  # before the last byte: a client that has its answer finds it counted
             await send(msg)
 
         try:
             await self.app(scope, receive, send_status)
         finally:
-            self.metrics.requests.labels(route, str(status or 499)).inc()
+            count()  # a response that never finished (the client went away: 499)
 
 
 def _vocab_size(model_dir: str) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import torch
@@ -43,3 +44,24 @@ def require_interpreter() -> None:
 def seed_of(*parts: object) -> int:
     """A seed from a test's parameters, the same in every process (Python's hash() of a string is not)."""
     return zlib.crc32(repr(parts).encode())
+
+
+def assert_fields_equal(got, want, name: str) -> None:
+    """got == want through dicts, dataclasses and (cos, sin) pairs: tensors of the same dtype and
+    shape, equal bit for bit, except the pairs' floats (within 2e-6: numpy's cos against torch's)."""
+    if isinstance(want, dict):
+        assert got.keys() == want.keys(), name
+        for k in want:
+            assert_fields_equal(got[k], want[k], f"{name}.{k}")
+    elif dataclasses.is_dataclass(want):
+        for f in dataclasses.fields(want):
+            assert_fields_equal(getattr(got, f.name), getattr(want, f.name), f"{name}.{f.name}")
+    elif isinstance(want, tuple):  # (cos, sin)
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert a.dtype == b.dtype and a.shape == b.shape, f"{name}[{i}]"
+            torch.testing.assert_close(a.cpu().double(), b.cpu().double(), rtol=0, atol=2e-6, msg=f"{name}[{i}]")
+    elif isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype and got.shape == want.shape, f"{name}: {got.dtype} {got.shape}"
+        assert torch.equal(got.cpu(), want.cpu()), name
+    else:
+        assert got == want, name

@@ -19,7 +19,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-import dataclasses  # noqa: E402
 import random  # noqa: E402
 
 import pytest  # noqa: E402
@@ -30,22 +29,11 @@ from pdserve.model.deepseek_v4 import chunk_step  # noqa: E402
 from pdserve.model.deepseek_v4.chunk_step import build_chunk_step, fused_chunk_step  # noqa: E402
 from pdserve.model.deepseek_v4.step import build_step  # noqa: E402
 from pdserve.model.rope import RotaryEmbedding  # noqa: E402
-from tests.helpers.kernels import DEVICE, require_interpreter, seed_of  # noqa: E402
+from tests.helpers.kernels import DEVICE, assert_fields_equal, require_interpreter, seed_of  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 require_interpreter()
 YARN = RopeConfig(rope_type="yarn", theta=160000.0, factor=16.0, original_max_position_embeddings=64)
-
-
-@pytest.fixture
-def poisoned(monkeypatch):
-    """Outputs the wrappers allocate start as NaN (ints: a sentinel, bools: True)."""
-    empty = torch.empty
-
-    def fill(t):
-        return t.fill_(float("nan") if t.is_floating_point() else True if t.dtype == torch.bool else 2**30 - 1)
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: fill(empty(*a, **kw)))
 
 
 def _batch(starts: list[int], lens: list[int], bs: int, window: int, seed: int, pad: int = 0) -> ForwardBatch:
@@ -74,25 +62,6 @@ def _batch(starts: list[int], lens: list[int], bs: int, window: int, seed: int, 
         state_slots=torch.randperm(2 * B, generator=g)[:B], state_dst=torch.randperm(2 * B, generator=g)[:B],
     )  # fmt: skip
     return ForwardBatch.build(step, bs, as_decode_rows=pad > 0).to(DEVICE)
-
-
-def _equal(got, want, name: str) -> None:
-    if isinstance(want, dict):
-        assert got.keys() == want.keys(), name
-        for k in want:
-            _equal(got[k], want[k], f"{name}.{k}")
-    elif dataclasses.is_dataclass(want):
-        for f in dataclasses.fields(want):
-            _equal(getattr(got, f.name), getattr(want, f.name), f"{name}.{f.name}")
-    elif isinstance(want, tuple):  # (cos, sin)
-        for i, (a, b) in enumerate(zip(got, want, strict=True)):
-            assert a.dtype == b.dtype and a.shape == b.shape, f"{name}[{i}]"
-            torch.testing.assert_close(a.cpu().double(), b.cpu().double(), rtol=0, atol=2e-6, msg=f"{name}[{i}]")
-    elif isinstance(want, torch.Tensor):
-        assert got.dtype == want.dtype and got.shape == want.shape, f"{name}: {got.dtype} {got.shape}"
-        assert torch.equal(got.cpu(), want.cpu()), name
-    else:
-        assert got == want, name
 
 
 def _chunks(kind: str, rng: random.Random, window: int) -> tuple[list[int], list[int]]:
@@ -138,7 +107,7 @@ def test_chunk_step_equals_step_py(kind, bs, window, dim, csa, hca, poisoned):
         batch = _batch(starts, lens, bs, window, rng.randint(0, 2**31), pad)
         want = build_step(batch, rotary, window, csa, hca)
         got = build_chunk_step(batch, rotary, window, csa, hca)
-        _equal(got, want, f"step ({kind} {trial}: starts {starts}, lens {lens})")
+        assert_fields_equal(got, want, f"step ({kind} {trial}: starts {starts}, lens {lens})")
         assert set(got.entries) == csa | hca
 
 
@@ -146,7 +115,9 @@ def test_window_only_step_equals_step_py(poisoned):
     """The MTP layer's step: the window fields and ropes, no compressor rate."""
     rotary = {"main": RotaryEmbedding(RopeConfig(theta=10000.0), 8), "compress": RotaryEmbedding(YARN, 8)}
     batch = _batch([0, 5, 40], [3, 3, 1], 16, 8, seed_of("v4_chunk_step", "mtp"))
-    _equal(build_chunk_step(batch, rotary, 8, set(), set()), build_step(batch, rotary, 8, set(), set()), "step")
+    assert_fields_equal(
+        build_chunk_step(batch, rotary, 8, set(), set()), build_step(batch, rotary, 8, set(), set()), "step"
+    )
 
 
 def test_steps_the_kernels_do_not_take(monkeypatch):

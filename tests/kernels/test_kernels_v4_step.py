@@ -16,7 +16,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-import dataclasses  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -25,22 +24,11 @@ from pdserve.model.config_base import RopeConfig  # noqa: E402
 from pdserve.model.deepseek_v4.decode_step import build_decode_step  # noqa: E402
 from pdserve.model.deepseek_v4.step import build_step  # noqa: E402
 from pdserve.model.rope import RotaryEmbedding  # noqa: E402
-from tests.helpers.kernels import DEVICE, require_interpreter, seed_of  # noqa: E402
+from tests.helpers.kernels import DEVICE, assert_fields_equal, require_interpreter, seed_of  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 require_interpreter()
 YARN = RopeConfig(rope_type="yarn", theta=160000.0, factor=16.0, original_max_position_embeddings=64)
-
-
-@pytest.fixture
-def poisoned(monkeypatch):
-    """Outputs the wrappers allocate start as NaN (ints: a sentinel, bools: True)."""
-    empty = torch.empty
-
-    def fill(t):
-        return t.fill_(float("nan") if t.is_floating_point() else True if t.dtype == torch.bool else 2**30 - 1)
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: fill(empty(*a, **kw)))
 
 
 def _batch(B: int, bs: int, window: int, longest: int, seed: int) -> ForwardBatch:
@@ -60,25 +48,6 @@ def _batch(B: int, bs: int, window: int, longest: int, seed: int) -> ForwardBatc
     return ForwardBatch.build(step, bs).to(DEVICE)
 
 
-def _equal(got, want, name: str) -> None:
-    if isinstance(want, dict):
-        assert got.keys() == want.keys(), name
-        for k in want:
-            _equal(got[k], want[k], f"{name}.{k}")
-    elif dataclasses.is_dataclass(want):
-        for f in dataclasses.fields(want):
-            _equal(getattr(got, f.name), getattr(want, f.name), f"{name}.{f.name}")
-    elif isinstance(want, tuple):  # (cos, sin)
-        for i, (a, b) in enumerate(zip(got, want, strict=True)):
-            assert a.dtype == b.dtype and a.shape == b.shape, f"{name}[{i}]"
-            torch.testing.assert_close(a.cpu().double(), b.cpu().double(), rtol=0, atol=2e-6, msg=f"{name}[{i}]")
-    elif isinstance(want, torch.Tensor):
-        assert got.dtype == want.dtype and got.shape == want.shape, f"{name}: {got.dtype} {got.shape}"
-        assert torch.equal(got.cpu(), want.cpu()), name
-    else:
-        assert got == want, name
-
-
 @pytest.mark.parametrize(
     "B,bs,window,longest,csa,hca",
     [(1, 16, 8, 300, {4}, {128}), (3, 16, 5, 40, {4}, {8}), (7, 8, 16, 531, {4}, {32, 128}), (2, 16, 8, 3, {4}, {16})],
@@ -88,7 +57,7 @@ def test_decode_step_equals_step_py(B, bs, window, longest, csa, hca, poisoned):
     rotary = {"main": RotaryEmbedding(RopeConfig(theta=10000.0), 8), "compress": RotaryEmbedding(YARN, 8)}
     want = build_step(batch, rotary, window, csa, hca)
     got = build_decode_step(batch, rotary, window, csa, hca)
-    _equal(got, want, "step")
+    assert_fields_equal(got, want, "step")
     assert set(got.entries) == csa | hca
 
 

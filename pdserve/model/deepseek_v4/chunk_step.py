@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pdserve.model import ops
 from pdserve.model.batch import ForwardBatch
-from pdserve.model.deepseek_v4.step import EntryIndex, GroupPlan, V4Step
+from pdserve.model.deepseek_v4.step import EntryIndex, V4Step
 from pdserve.model.rope import RotaryEmbedding
 
 MAX_B = 256  # = kernels/v4_chunk_step.MAX_B (not imported here: the CPU path imports no triton)
@@ -47,13 +47,5 @@ def build_chunk_step(
             batch.positions, batch.seq_ids, batch.starts, batch.lens, batch.block_tables, batch.block_size, m,
             batch.max_context // m, m in hca_rates, ropes["compress"],
         )  # fmt: skip
-        groups = GroupPlan(
-            seq=got["seq"], src=got["src"], present=got["present"], first=got["first"], prev=got["prev"],
-            has_prev=got["has_prev"], slot=got["slot"], last=got["last"], pending=got["pending"],
-            rope=(got["cos"], got["sin"]),
-        )  # fmt: skip
-        step.entries[m] = EntryIndex(
-            rate=m, table=got["table"], page=got["page"], seen=got["seen"], max_seen=batch.max_context // m,
-            groups=groups, visible=got["visible"],
-        )  # fmt: skip
+        step.entries[m] = EntryIndex.from_kernel(got, m, batch.max_context // m)
     return step

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pdserve.model import ops
 from pdserve.model.batch import ForwardBatch
-from pdserve.model.deepseek_v4.step import EntryIndex, GroupPlan, V4Step
+from pdserve.model.deepseek_v4.step import EntryIndex, V4Step
 from pdserve.model.rope import RotaryEmbedding
 
 
@@ -42,13 +42,6 @@ def build_decode_step(
             batch.positions, batch.seq_ids, batch.starts, batch.decode_rows, batch.block_tables,
             batch.block_size, m, batch.max_context // m, m in hca_rates, ropes["compress"],
         )  # fmt: skip
-        groups = GroupPlan(
-            seq=batch.decode_rows, src=got["src"], present=got["present"], first=got["first"], prev=got["prev"],
-            has_prev=got["has_prev"], slot=got["slot"], last=batch.decode_rows, pending=got["pending"],
-            rope=(got["cos"], got["sin"]), start=batch.starts,
-        )  # fmt: skip
-        step.entries[m] = EntryIndex(
-            rate=m, table=got["table"], page=got["page"], seen=got["seen"], max_seen=batch.max_context // m,
-            groups=groups, visible=got["visible"],
-        )  # fmt: skip
+        d = batch.decode_rows  # a decode step's group u is sequence u's one group
+        step.entries[m] = EntryIndex.from_kernel(got, m, batch.max_context // m, seq=d, last=d, start=batch.starts)
     return step

@@ -71,6 +71,14 @@ class EntryIndex:
     groups: GroupPlan
     visible: torch.Tensor | None = None  # [T, Em] int32 rows of the entries a query sees (HCA rates)
 
+    @classmethod
+    def from_kernel(cls, got: dict[str, torch.Tensor], rate: int, max_seen: int, **plan: torch.Tensor) -> EntryIndex:
+        """The index a fused step kernel returned as a dict (kernels/v4_step.py, v4_chunk_step.py);
+        `plan` gives the GroupPlan fields a decode step knows without the kernel (seq, last, start)."""
+        fields = ("seq", "src", "present", "first", "prev", "has_prev", "slot", "last", "pending")
+        groups = GroupPlan(**({k: got[k] for k in fields if k in got} | plan), rope=(got["cos"], got["sin"]))
+        return cls(rate, got["table"], got["page"], got["seen"], max_seen, groups, got["visible"])
+
 
 @dataclass
 class V4Step:
