@@ -68,7 +68,7 @@ class Sampler:
     def draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """The sampled token ids [N] and the logits their logprobs come from, still on the device
         (queued, not waited for: `read` is where the host waits for the step)."""
-        x = self.process(logits, seqs)
+        x = self.process(logits, seqs) if self.changes_logits(seqs) else logits.float()
         if all(s.params.greedy for s in seqs):
             tokens = x.argmax(dim=-1)  # [N]
         else:
@@ -76,6 +76,18 @@ class Sampler:
             tokens = torch.where(greedy, x.argmax(dim=-1), self._random(x, seqs))  # [N]
         lp_source = logits if self.logprobs_mode == "raw_logprobs" else x
         return tokens, lp_source
+
+    def changes_logits(self, seqs: list[Sequence]) -> bool:
+        """Whether `process` may change a row: a random row, a grammar, min_tokens still to reach
+        or a penalty. Else a row's token is the argmax of its raw logits (no [N, V] copy: 66 MB at
+        N = 128 for V4's vocabulary)."""
+        for s in seqs:
+            p = s.params
+            if not p.greedy or s.grammar is not None or s.num_output_tokens < p.min_tokens:
+                return True
+            if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+                return True
+        return False
 
     def process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """The logits a row's token is drawn from [N, V] float32 (a copy): masks and penalties,

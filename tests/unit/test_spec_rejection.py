@@ -142,3 +142,35 @@ def test_seeded_rows_keep_the_distribution_and_depend_on_their_seed_alone():
         logits[:50], drafts[:50], num[:50], greedy[:50], torch.Generator().manual_seed(2), seeds=seeds[:50]
     )
     assert torch.equal(again, tokens[:50])
+
+
+@pytest.mark.parametrize("logprobs", [None, 2])
+def test_the_greedy_fast_path_equals_the_general_one(logprobs):
+    """verify.sample on greedy rows without processing (one argmax, acceptance on the host) gives
+    the tokens and logprobs of the general path (processed rows, accept_drafts), on logits with
+    tied maxima, draft counts 0..3, drafts right up to a random position, and drafts outside the
+    vocabulary (clamped, as accept_drafts does)."""
+    from pdserve.engine.spec_decode import verify
+
+    g = torch.Generator().manual_seed(seed_of("greedy-fast-path", logprobs))
+    Vb, sampler = 11, Sampler("cpu", 0, [1])
+    for trial in range(40):
+        counts = torch.randint(0, 4, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist()
+        logits = torch.randint(-3, 3, (sum(counts) + len(counts), Vb), generator=g).float()  # ties
+        target, seqs, row = logits.argmax(-1).tolist(), [], 0
+        for i, n in enumerate(counts):
+            params = SamplingParams(temperature=0.0, logprobs=logprobs)
+            seq = Sequence(Request(request_id=f"r{i}", prompt_token_ids=[2, 3], params=params))
+            wrong = int(torch.randint(0, n + 1, (1,), generator=g))
+            drafts = target[row : row + n]
+            drafts = [
+                t if j < wrong else int(torch.randint(-2, Vb + 3, (1,), generator=g)) for j, t in enumerate(drafts)
+            ]
+            seq.spec_token_ids, row = drafts, row + n + 1
+            seqs.append(seq)
+        assert not sampler.changes_logits(seqs)
+        fast = verify.sample(sampler, logits, seqs, counts)
+        sampler.changes_logits = lambda seqs: True  # the general path: processed rows, accept_drafts
+        general = verify.sample(sampler, logits, seqs, counts)
+        del sampler.changes_logits
+        assert fast == general, (trial, counts)

@@ -48,6 +48,8 @@ def sample(
         while_busy()
     c = torch.tensor(counts, dtype=torch.int64)
     first_row = (torch.cumsum(c + 1, 0) - c - 1).tolist()
+    if not sampler.changes_logits(seqs):  # greedy rows on their raw logits: one argmax, one read
+        return _greedy(sampler, logits, seqs, first_row, counts)
     plain = [i for i, n in enumerate(counts) if n == 0]
     spec = [i for i, n in enumerate(counts) if n > 0]
     out: list[SampledToken | None] = [None] * len(seqs)
@@ -111,6 +113,26 @@ def _verify(
     emitted = [row[: row[-1] + 1] for row in rows_and_counts]
     out = [SampledToken(e[0], more=[SampledToken(t) for t in e[1:]]) for e in emitted]
     _logprobs(sampler, logits[rows] if sampler.logprobs_mode == "raw_logprobs" else x, seqs, counts, emitted, out)
+    return out
+
+
+def _greedy(
+    sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], first_rows: list[int], counts: list[int]
+) -> list[SampledToken]:
+    """`sample` where every row is greedy and `process` would change none: each sequence emits
+    its drafts up to the first that differs from the argmax at its position, then that argmax
+    (`accept_drafts`' greedy rule, drafts clamped into the vocabulary as there), decided on the
+    host from one read of the argmax of every row."""
+    V = logits.shape[1]
+    target = logits.argmax(dim=-1).tolist()  # [R]
+    emitted = []
+    for s, r, n in zip(seqs, first_rows, counts):
+        a = 0
+        while a < n and min(max(s.spec_token_ids[a], 0), V - 1) == target[r + a]:
+            a += 1
+        emitted.append(target[r : r + a + 1])
+    out = [SampledToken(e[0], more=[SampledToken(t) for t in e[1:]]) for e in emitted]
+    _logprobs(sampler, logits, seqs, counts, emitted, out)  # raw = processed logits here
     return out
 
 
