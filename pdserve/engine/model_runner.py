@@ -22,10 +22,10 @@ import time
 import weakref
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
 from pdserve.distributed.group import TPGroup
+from pdserve.engine import step_tables
 from pdserve.engine import tp_protocol as protocol
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import DEFAULT_CPU_KV_GB, EngineConfig
@@ -58,14 +58,6 @@ def plans_memory(device: torch.device) -> bool:
     """Whether the pool is planned in device memory (engine/memory.py): on CUDA; on CPU it is the
     configured size."""
     return device.type == "cuda"
-
-
-def _table(rows: list[list[int]], width: int, pad: int) -> torch.Tensor:
-    """[len(rows), width] int64, each row cut or padded to width (numpy: ~10x torch.tensor's lists)."""
-    out = np.full((len(rows), width), pad, dtype=np.int64)
-    for i, r in enumerate(rows):
-        out[i, : min(len(r), width)] = r[:width]
-    return torch.from_numpy(out)
 
 
 def _ids(v: int | list[int] | None) -> set[int]:
@@ -283,7 +275,8 @@ class ModelRunner:
     def prepare(self, sched: SchedulerOutput) -> tuple[StepInputs, list[Sequence]]:
         """The step's compact inputs (ForwardBatch.build expands them) and the sequences that sample."""
         chunks = sched.scheduled
-        width = max(len(s.seq.block_table) for s in chunks)
+        seqs = [s.seq for s in chunks]
+        width = max(len(s.block_table) for s in seqs)
         input_ids: list[int] = []
         for s in chunks:  # a verify chunk's last num_spec tokens are its drafts
             input_ids.extend(s.seq.tokens_between(s.start, s.start + s.num_tokens - s.num_spec))
@@ -293,8 +286,10 @@ class ModelRunner:
             lens=torch.tensor([s.num_tokens for s in chunks], dtype=torch.int64),
             starts=torch.tensor([s.start for s in chunks], dtype=torch.int64),
             samples=torch.tensor([s.samples for s in chunks], dtype=torch.bool),
-            block_tables=_table([s.seq.block_table for s in chunks], width, 0),
-            window_tables=_table([s.seq.window_table for s in chunks], width, -1),
+            block_tables=torch.from_numpy(step_tables.block_rows(seqs, width)),
+            window_tables=torch.from_numpy(
+                step_tables.window_rows(seqs, [s.start for s in chunks], width, self.window_tokens, self.block_size)
+            ),
             state_slots=torch.tensor([s.seq.state_slot for s in chunks], dtype=torch.int64),
             state_dst=_state_dst(chunks),
         )

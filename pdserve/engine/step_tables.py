@@ -1,0 +1,68 @@
+"""A step's block and window tables as [B, width] int64 numpy, without converting every table's
+Python ints every step (at B = 128 and a 4K context that conversion was ~0.5 ms of host time
+before each replay; the tables' ints barely change from one step to the next).
+
+- Block tables only grow while a sequence holds its blocks (`BlockManager.allocate` appends,
+  `PrefixCache` extends) and `BlockManager.free` replaces the list: each sequence keeps its table
+  as numpy in `seq.table_cache` and converts only what was appended since its last step.
+- Window tables change in place (`trim_window` frees the blocks below the window), but a step
+  reads window blocks of its chunk's last `window_tokens` positions only, and every block below
+  those is already freed (-1) when the step runs (`allocate` trims first): only that tail is
+  converted, the rest of the row is -1 as the table says.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from pdserve.engine.sequence import Sequence
+
+
+def block_array(seq: Sequence) -> np.ndarray:
+    """seq.block_table as int64 numpy (a view of seq.table_cache, valid until the next call)."""
+    table, cache = seq.block_table, seq.table_cache
+    n = len(table)
+    if (
+        cache is None
+        or cache[0] is not table
+        or cache[2] > n
+        or (cache[2] and cache[1][cache[2] - 1] != table[cache[2] - 1])
+    ):
+        cache = (table, np.empty(max(n, 16), dtype=np.int64), 0)  # a new list (freed, reallocated): convert it all
+    _, buf, done = cache
+    if n > buf.size:
+        buf = np.concatenate([buf[:done], np.empty(max(n, 2 * buf.size) - done, dtype=np.int64)])
+    if n > done:
+        buf[done:n] = table[done:n]
+    seq.table_cache = (table, buf, n)
+    return buf[:n]
+
+
+def block_rows(seqs: list[Sequence], width: int) -> np.ndarray:
+    """[B, width] int64: each sequence's block table, 0 past its end (cut to width)."""
+    arrays = [block_array(s)[:width] for s in seqs]
+    out = np.zeros((len(seqs), width), dtype=np.int64)
+    lens = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
+    if arrays:
+        out[np.arange(width) < lens[:, None]] = np.concatenate(arrays)  # row-major: each row's first lens
+    return out
+
+
+def window_rows(
+    seqs: list[Sequence], starts: list[int], width: int, window_tokens: int | None, block_size: int
+) -> np.ndarray:
+    """[B, width] int64: each sequence's window table from the block of position start -
+    window_tokens on (-1 before it, where the table holds -1 too, and past its end)."""
+    out = np.full((len(seqs), width), -1, dtype=np.int64)
+    if window_tokens is None or not seqs:
+        return out
+    lo = np.fromiter((max(0, n - window_tokens) // block_size for n in starts), dtype=np.int64, count=len(seqs))
+    tails = [s.window_table[first:width] for s, first in zip(seqs, lo.tolist())]
+    hi = lo + np.fromiter((len(t) for t in tails), dtype=np.int64, count=len(tails))
+    cols = np.arange(width)
+    out[(cols >= lo[:, None]) & (cols < hi[:, None])] = np.fromiter(
+        itertools.chain.from_iterable(tails), dtype=np.int64, count=int((hi - lo).sum())
+    )
+    return out
