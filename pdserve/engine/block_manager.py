@@ -243,6 +243,8 @@ class BlockManager:
         for i in self._out_of_window(seq):
             self._window.give_back(seq.window_table[i], seq.request_id)
             seq.window_table[i] = FREED
+        if self.window_tokens is not None:  # every block below the window's first is freed now
+            seq.window_trimmed = (seq.window_table, max(self._trimmed(seq), self._first_read_block(seq)))
 
     def free(self, seq: Sequence) -> None:
         """Return all of seq's blocks (in reverse, so a re-admitted sequence tends to get them back)."""
@@ -273,8 +275,20 @@ class BlockManager:
         """Window-table indices holding blocks whose every position is below the window."""
         if self.window_tokens is None:
             return []
-        first_read = max(0, seq.num_computed_tokens - self.window_tokens)  # oldest position a step reads
-        return [i for i, b in enumerate(seq.window_table[: first_read // self.block_size]) if b != FREED]
+        table = seq.window_table
+        return [i for i in range(self._trimmed(seq), self._first_read_block(seq)) if table[i] != FREED]
+
+    def _first_read_block(self, seq: Sequence) -> int:
+        """The window-table index of the oldest position a step of seq reads (at most its length)."""
+        first_read = max(0, seq.num_computed_tokens - self.window_tokens)
+        return min(first_read // self.block_size, len(seq.window_table))
+
+    @staticmethod
+    def _trimmed(seq: Sequence) -> int:
+        """seq's window blocks below this index are freed already (trim_window's mark: a 128K
+        context's table has 2K entries to scan otherwise); a new table (freed, re-admitted): 0."""
+        mark = seq.window_trimmed
+        return mark[1] if mark is not None and mark[0] is seq.window_table else 0
 
     def _window_gaps(self, seq: Sequence, step_end: int) -> list[int]:
         """Window-table indices the step writes (its new positions among the last window_tokens

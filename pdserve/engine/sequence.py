@@ -61,6 +61,7 @@ class Sequence:
         self.window_table: list[int] = []  # window-space blocks (block_manager.py), -1 where freed
         self.state_slot = -1  # state-space slot (block_manager.py), -1: none
         self.table_cache: Any = None  # block_table as numpy, extended as it grows (step_tables.py)
+        self.window_trimmed: Any = None  # (window_table, n): its first n blocks are freed (block_manager.py)
         self.num_computed_tokens = 0
         # prefix caching (prefix_cache.py): hashes of its full blocks, how many of its blocks are
         # findable, the prompt tokens its first admission found cached (None: not admitted yet), and
