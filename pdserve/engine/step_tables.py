@@ -13,8 +13,6 @@ before each replay; the tables' ints barely change from one step to the next).
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 
 from pdserve.engine.sequence import Sequence
@@ -42,11 +40,10 @@ def block_array(seq: Sequence) -> np.ndarray:
 
 def block_rows(seqs: list[Sequence], width: int) -> np.ndarray:
     """[B, width] int64: each sequence's block table, 0 past its end (cut to width)."""
-    arrays = [block_array(s)[:width] for s in seqs]
     out = np.zeros((len(seqs), width), dtype=np.int64)
-    lens = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
-    if arrays:
-        out[np.arange(width) < lens[:, None]] = np.concatenate(arrays)  # row-major: each row's first lens
+    for i, s in enumerate(seqs):  # a row at a time beats one masked scatter at every B (~1 us a row)
+        row = block_array(s)[:width]
+        out[i, : row.size] = row
     return out
 
 
@@ -56,13 +53,10 @@ def window_rows(
     """[B, width] int64: each sequence's window table from the block of position start -
     window_tokens on (-1 before it, where the table holds -1 too, and past its end)."""
     out = np.full((len(seqs), width), -1, dtype=np.int64)
-    if window_tokens is None or not seqs:
+    if window_tokens is None:
         return out
-    lo = np.fromiter((max(0, n - window_tokens) // block_size for n in starts), dtype=np.int64, count=len(seqs))
-    tails = [s.window_table[first:width] for s, first in zip(seqs, lo.tolist())]
-    hi = lo + np.fromiter((len(t) for t in tails), dtype=np.int64, count=len(tails))
-    cols = np.arange(width)
-    out[(cols >= lo[:, None]) & (cols < hi[:, None])] = np.fromiter(
-        itertools.chain.from_iterable(tails), dtype=np.int64, count=int((hi - lo).sum())
-    )
+    for i, (s, start) in enumerate(zip(seqs, starts)):
+        first = max(0, start - window_tokens) // block_size
+        tail = s.window_table[first:width]
+        out[i, first : first + len(tail)] = tail
     return out
