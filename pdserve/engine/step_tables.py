@@ -20,16 +20,11 @@ from pdserve.engine.sequence import Sequence
 
 def block_array(seq: Sequence) -> np.ndarray:
     """seq.block_table as int64 numpy (a view of seq.table_cache, valid until the next call)."""
-    table, cache = seq.block_table, seq.table_cache
-    n = len(table)
-    if (
-        cache is None
-        or cache[0] is not table
-        or cache[2] > n
-        or (cache[2] and cache[1][cache[2] - 1] != table[cache[2] - 1])
-    ):
-        cache = (table, np.empty(max(n, 16), dtype=np.int64), 0)  # a new list (freed, reallocated): convert it all
-    _, buf, done = cache
+    table, n = seq.block_table, len(seq.block_table)
+    kept, buf, done = seq.table_cache or (None, None, 0)
+    # the cache holds the first `done` entries of this very list, if the list only grew since
+    if kept is not table or done > n or (done and buf[done - 1] != table[done - 1]):
+        buf, done = np.empty(max(n, 16), dtype=np.int64), 0  # a new list (freed, re-admitted): all of it
     if n > buf.size:
         buf = np.concatenate([buf[:done], np.empty(max(n, 2 * buf.size) - done, dtype=np.int64)])
     if n > done:
