@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.engine import step_tables
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence, SequenceStatus
@@ -116,16 +117,16 @@ class MTPDrafter:
     def _forward(self, step: StepInputs, prev: torch.Tensor) -> torch.Tensor:
         return self.runner.run_mtp(step, prev)
 
-    @staticmethod
-    def _inputs(seqs: list[Sequence], ids: torch.Tensor, starts: list[int], lens: list[int]) -> StepInputs:
+    def _inputs(self, seqs: list[Sequence], ids: torch.Tensor, starts: list[int], lens: list[int]) -> StepInputs:
         width = max(len(seq.block_table) for seq in seqs)
+        windows = step_tables.window_rows(seqs, starts, width, self.bm.window_tokens, self.bm.block_size)
         return StepInputs(
             input_ids=ids.to(torch.int64),
             lens=torch.tensor(lens, dtype=torch.int64),
             starts=torch.tensor(starts, dtype=torch.int64),
             samples=torch.ones(len(seqs), dtype=torch.bool),
-            block_tables=torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs]),
-            window_tables=torch.tensor([(s.window_table + [-1] * width)[:width] for s in seqs], dtype=torch.int64),
+            block_tables=torch.from_numpy(step_tables.block_rows(seqs, width)),
+            window_tables=torch.from_numpy(windows),
             state_slots=torch.full((len(seqs),), -1, dtype=torch.int64),
         )
 
