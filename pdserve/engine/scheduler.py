@@ -124,17 +124,22 @@ class Scheduler:
         out = SchedulerOutput()
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
         prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        used = 0  # tokens scheduled so far (kept as a count: summing them each time was O(B^2) a step)
         for seq in decodes + prefills:
-            budget = self.max_num_batched_tokens - out.num_batched_tokens  # a preemption may refund
+            budget = self.max_num_batched_tokens - used
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
                 continue
             n = min(seq.num_uncomputed_tokens + seq.num_draft_tokens, budget)  # + its drafts: a verify chunk
             n = self.block_manager.cut(seq, seq.num_computed_tokens, n)  # a prefix checkpoint ends a chunk
+            preempted = len(out.preempted)
             if self._make_room(seq, seq.num_computed_tokens + n, out):
                 self.block_manager.allocate(seq, seq.num_computed_tokens + n)
                 out.scheduled.append(ScheduledSeq.of(seq, n))
+                used += n
+            if len(out.preempted) != preempted:  # a preemption takes its scheduled tokens back
+                used = out.num_batched_tokens
         budget = self.max_num_batched_tokens - out.num_batched_tokens
         if not out.preempted:  # after a preemption blocks are short: let running ones catch up first
             self._admit_waiting(out, budget)
