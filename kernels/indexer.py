@@ -3,8 +3,9 @@
 score[t, c] = sum_h weights[t, h] * relu(q[t, h] . k[cand[t, c]]), -inf where cand = -1.
 Grid (C / BC, T): a program gathers BC candidate keys once and scores them against all H index
 heads of its query in one `tl.dot` ([BH, D] x [D, BC]); the ReLU and the weighted head sum stay in
-registers, so only the [T, C] float32 scores reach memory. The top-k selection is `torch.topk`
-(paged: one kernel, `_select_slots`, selects and turns positions into slots).
+registers, so only the [T, C] float32 scores reach memory. The top-k selection takes ties at the k-th
+score in position order (`ref.topk_first`; paged: one kernel, `_select_slots`, selects and turns
+positions into slots).
 Paged candidates (`indexer_topk_paged`): query t's candidates are positions 0..len-1 of its
 sequence, their slots computed in the kernel from the block table (no [T, C] candidate matrix),
 and the queries are scored in row chunks so the transient scores stay under SCORES_BYTES.
@@ -20,6 +21,7 @@ import triton.language as tl
 
 from pdserve_kernels import configs
 from pdserve_kernels._launch import capability, cdiv, next_pow2
+from pdserve_kernels.ref import topk_first
 
 
 @triton.jit
@@ -164,8 +166,7 @@ def indexer_topk(
     if topk < 1:
         raise ValueError(f"topk must be >= 1, got {topk}")
     scores = index_scores(q, k_cache, weights, candidates)
-    k = min(topk, candidates.shape[1])
-    top = scores.topk(k, dim=-1)
+    top = topk_first(scores, min(topk, candidates.shape[1]))  # ties in position order, as select_slots
     picked = torch.gather(candidates, 1, top.indices)
     return torch.where(torch.isinf(top.values), torch.full_like(picked, -1), picked)
 

@@ -150,10 +150,18 @@ def indexer_topk_ref(
     logits = torch.relu(torch.einsum("thd,tcd->thc", _up(q), keys))
     scores = torch.einsum("th,thc->tc", _up(weights).to(logits.dtype), logits)
     scores = scores.masked_fill(~valid, float("-inf"))
-    k = min(topk, candidates.shape[1])
-    top = scores.topk(k, dim=-1)
+    top = topk_first(scores, min(topk, candidates.shape[1]))
     picked = torch.gather(candidates, 1, top.indices)
     return torch.where(torch.isinf(top.values), torch.full_like(picked, -1), picked).to(torch.int32)
+
+
+def topk_first(scores: torch.Tensor, k: int) -> torch.return_types.topk:
+    """torch.topk over the last dim with ties at the k-th value taken in position order (-0 as +0),
+    the kernels' rule. torch.topk's pick among equal scores changes with the row's length, and
+    ReLU'd index scores tie exactly (at 0) often: a decode step and a prefill of the same prefix
+    would read different entries."""
+    top = scores.sort(dim=-1, descending=True, stable=True)
+    return torch.return_types.topk((top.values[..., :k], top.indices[..., :k]))
 
 
 def indexer_topk_paged_ref(
