@@ -8,7 +8,9 @@ records go to spare slots; an overlapping (CSA) rate-4 compressor and a
 non-overlapping (HCA-like) rate-8 one, odd Dc; fp32 and bf16 (states bf16 or float32); the new
 records written to spare slots (verify, decode and prefill: the records read then stay as they
 were) or in place (a chunk from the middle of a group, the mixed step). Entries and
-states are poisoned (NaN) first: an element left unwritten fails.
+states are poisoned (NaN) first: an element left unwritten fails. The entries within the roundings
+on their path, end to end and stage by stage, and the records equal bit for bit, as in
+test_kernels_v4_compress.py (`_entries_close`).
 
 Runs under the Triton interpreter without CUDA; see test_kernels_sparse_mla.py for why
 TRITON_INTERPRET is set here, before the first triton import.
@@ -25,11 +27,11 @@ from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
 
-from pdserve.model import ops  # noqa: E402
 from pdserve.model.deepseek_v4.compressor import CompressedKV  # noqa: E402
 from pdserve.model.deepseek_v4.layers import join_rows  # noqa: E402
 from pdserve.model.deepseek_v4.step import decode_group_plan, group_plan  # noqa: E402
 from tests.helpers.kernels import DEVICE, require_interpreter, seed_of  # noqa: E402
+from tests.kernels.test_kernels_v4_compress import _entries_close, _pooled_terms, _update  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 require_interpreter()
@@ -82,7 +84,7 @@ def _state_dim(dim, m, overlap):
     "dtype,state_dtype",
     [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)],
 )
-def test_compress_chunk_is_the_modules_update(kind, overlap, dim, m, dtype, state_dtype):
+def test_compress_chunk_is_the_modules_update(kind, overlap, dim, m, dtype, state_dtype, monkeypatch):
     spare = kind in (
         "verify",
         "decode",
@@ -109,27 +111,19 @@ def test_compress_chunk_is_the_modules_update(kind, overlap, dim, m, dtype, stat
         states[dst] = float("nan")  # the spare records must be written whole
     entries = torch.full((2 * B * width * page, dim), float("nan"), device=DEVICE, dtype=dtype)
     got_states, got_entries, before = states.clone(), entries.clone(), states.clone()
-    try:
-        ops.set_backend("torch")
-        with torch.no_grad():
-            comp.update(x, ix, slots, entries, states, dst=dst)
-        ops.set_backend("triton")
-        with torch.no_grad():
-            comp.update(x, ix, slots, got_entries, got_states, dst=dst)
-    finally:
-        ops.set_backend(None)
-    rows = plan.slot.unique()
-    ulp = 1e-5 if dtype == torch.float32 else 2**-7
+    terms = _pooled_terms(comp, monkeypatch, x, ix, slots, entries, states, dst=dst)
+    want_pooled = _update(comp, "torch", monkeypatch, x, ix, slots, entries, states, dst=dst)
+    got_pooled = _update(comp, "triton", monkeypatch, x, ix, slots, got_entries, got_states, dst=dst)
+    rows = plan.slot.long()
     assert got_entries[rows].isfinite().all()
-    torch.testing.assert_close(got_entries[rows].float(), entries[rows].float(), rtol=ulp, atol=1e-5)
+    _entries_close(got_entries[rows], entries[rows], got_pooled, want_pooled, terms, comp, plan.rope, dtype)
     assert got_entries.isnan().sum() == entries.isnan().sum()  # no other entry written
     out = dst if spare else slots
     assert not got_states[out].isnan().any()
-    torch.testing.assert_close(
-        got_states.float(), states.float(), rtol=ulp, atol=1e-5, equal_nan=True
-    )  # -inf gates too
+    # the records: copies of the rows and gate + bias (float32), each rounded once to the state's
+    # dtype from the same float32 value on both sides, no float32 difference before it (-inf gates too)
+    assert torch.equal(got_states, states), "the state records, bit for bit"
     if spare:  # the records read are untouched
         assert torch.equal(got_states[slots], before[slots]) and torch.equal(states[slots], before[slots])
     if dtype != torch.float32:
         assert (got_entries[rows] != entries[rows]).float().mean() <= 0.02
-        assert (got_states[out] != states[out]).float().mean() <= 0.01
