@@ -315,11 +315,14 @@ def _steps(out: CompletionOutput) -> list[tuple[int, dict[int, float]]]:
 
 def compare(case: Case, what: str, got: list[tuple[int, dict]], want: list[tuple[int, dict]]) -> None:
     """Every step of `got`: the same greedy token as `want`'s, and every logprob both give within
-    TOL (TOL_FP8 between two runs on FP8 records)."""
+    TOL (TOL_FP8 between two runs on FP8 records). Where the reference's best two tokens are within
+    that tolerance the pick may differ, and the sequences part there: the comparison ends."""
     tol = TOL_FP8 if case.kv_cache_dtype == "fp8" else TOL
     for j in range(case.new_tokens):
         (t, lp), (t_ref, lp_ref) = got[j], want[j]
         where = f"{what}: step {j} (position {case.prompt_len + j})"
+        if t != t_ref and t in lp_ref and lp_ref[t_ref] - lp_ref[t] <= tol:
+            return  # a near tie, within the tolerance
         assert t == t_ref, f"{where}: token {t} != {t_ref}\n{case}"
         diffs = [abs(v - lp_ref[k]) for k, v in lp.items() if k in lp_ref]
         assert diffs and max(diffs) <= tol, f"{where}: logprobs off by {max(diffs):.2e} (> {tol})\n{case}"
