@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import os
 import random
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -44,6 +43,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import FirstToken, Request
 from pdserve.outputs import CompletionOutput, to_entries
 from pdserve.sampling_params import SamplingParams
+from tests.helpers.oracle import first_topk
 from tests.helpers.v4 import hf_v4_model
 
 VOCAB = 300
@@ -195,23 +195,6 @@ def _case(arch, seed, r, v, hf, prompt_len, new, block_size, fp8, notes) -> Case
         kv_cache_dtype="fp8" if fp8 else "auto",
         notes=notes,
     )
-
-
-@contextmanager
-def first_topk():
-    """torch.topk (function and method) with ties at the k-th value taken in position order: a
-    stable sort, the same values. For the oracle only (module docstring: why)."""
-
-    def topk(x, k, dim=-1, largest=True, sorted=True):  # noqa: A002 - torch's own argument name
-        values, indices = torch.sort(x, dim=dim, descending=largest, stable=True)
-        return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
-
-    saved = torch.topk, torch.Tensor.topk
-    torch.topk = torch.Tensor.topk = topk
-    try:
-        yield
-    finally:
-        torch.topk, torch.Tensor.topk = saved
 
 
 def hf_model(case: Case) -> torch.nn.Module:
