@@ -55,6 +55,7 @@ def default_served_name(model: str) -> str | None:
 
 WorkerRole = Literal["prefill", "decode", "colocated"]
 PolicyName = Literal["round_robin", "least_load", "power_of_two", "cache_aware"]  # router/policies.py
+PrefillPolicyName = Literal["auto", "round_robin", "least_load", "power_of_two", "cache_aware"]
 DEFAULT_PORTS = {"router": 8000, "prefill": 30000, "decode": 30001, "colocated": 30002}
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 RestartPolicy = Literal["on-failure", "always", "never"]  # what `pdserve launch` does when the process exits
@@ -90,7 +91,8 @@ class RouterConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     api_server_count: int = Field(1, ge=1, le=64)  # router processes sharing the port (vLLM's --api-server-count)
-    prefill_policy: PolicyName = "round_robin"
+    # auto: cache_aware among several prefill workers that all keep a prefix cache, else round_robin
+    prefill_policy: PrefillPolicyName = "auto"
     decode_policy: PolicyName = "least_load"
     cache_aware: CacheAwareSettings = Field(default_factory=CacheAwareSettings)  # the cache_aware policy's knobs
     api_key: str | None = None  # clients must send Authorization: Bearer <key> (every route)

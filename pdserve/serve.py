@@ -155,7 +155,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     r("--prefill", action="append", metavar="URL")
     r("--decode", action="append", metavar="URL")
     r("--colocated", action="append", metavar="URL", help="a colocated (prefill + decode in one) worker")
-    r("--prefill-policy", help="round_robin | least_load | power_of_two | cache_aware")
+    r("--prefill-policy", help="auto | round_robin | least_load | power_of_two | cache_aware")
     r("--decode-policy", help="round_robin | least_load | power_of_two | cache_aware")
     r("--cache-threshold", help="cache_aware: share of the prompt a worker must hold to win on cache (default 0.5)")
     r(

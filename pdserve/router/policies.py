@@ -7,6 +7,10 @@ and decode (`--prefill-policy`, `--decode-policy`).
   several routers share the workers).
 - cache_aware: the worker most likely to hold the prompt's prefix in its KV cache, unless the
   load is out of balance (below).
+- auto (prefill's default): cache_aware when there are several workers and each keeps a prefix
+  cache (`WorkerInfo.prefix_caching`), else round_robin: routing by prefix buys nothing where
+  nothing is cached, and with a cache a round robin sends half of a conversation's turns away
+  from the worker holding it.
 
 A policy sees the prompt's token ids; only cache_aware reads them.
 
@@ -38,10 +42,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar, get_args
 
-from pdserve.config import CacheAwareSettings, PolicyName
+from pdserve.config import CacheAwareSettings, PrefillPolicyName
 from pdserve.router.prefix_tree import PrefixTree, chunk_names
 
-POLICY_NAMES: tuple[str, ...] = get_args(PolicyName)
+POLICY_NAMES: tuple[str, ...] = get_args(PrefillPolicyName)
 
 
 class Candidate(Protocol):
@@ -160,6 +164,27 @@ class CacheAware(Policy):
         return 0 if tree is None else tree.tokens
 
 
+class Auto(Policy):
+    """cache_aware among several workers that all keep a prefix cache, round_robin otherwise
+    (a worker whose info the router has not read yet counts as keeping none)."""
+
+    name = "auto"
+
+    def __init__(self, cache: CacheAware) -> None:
+        self.cache, self.plain = cache, RoundRobin()
+
+    def choose(self, workers: Sequence[W], prompt: Sequence[int] = ()) -> W:
+        _need(workers)
+        if len(workers) > 1 and all(_caches(w) for w in workers):
+            return self.cache.choose(workers, prompt)
+        return self.plain.choose(workers, prompt)
+
+
+def _caches(w: Candidate) -> bool:
+    info = getattr(w, "info", None)
+    return bool(info is not None and info.prefix_caching)
+
+
 class PairPolicy:
     """Chooses a PD request's prefill and decode workers together, up front, so that a policy can
     weigh both (today: each role's own policy; a locality-aware pair policy goes here)."""
@@ -181,6 +206,8 @@ def make_policy(
     """cache: cache_aware's settings (default: the config's defaults); observe: its choices (CacheAware)."""
     if name == "cache_aware":
         return CacheAware(cache or CacheAwareSettings(), observe)
+    if name == "auto":
+        return Auto(CacheAware(cache or CacheAwareSettings(), observe))
     if name == "round_robin":
         return RoundRobin()
     if name == "least_load":

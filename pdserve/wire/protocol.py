@@ -43,7 +43,7 @@ from pdserve.disagg.base import KVHandle, TransferFailure
 from pdserve.engine.request import REQUEST_ID_PATTERN, FirstToken, Request
 from pdserve.outputs import TokenLogprobs
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5  # 5: WorkerInfo.prefix_caching
 SECRET_HEADER = "x-pdserve-cluster-secret"
 
 Role = Literal["prefill", "decode", "colocated"]
@@ -134,6 +134,7 @@ class WorkerInfo(_Message):
     instance_id: str | None = None  # this start of its engine (None: no connector)
     kv_metadata_url: str | None = None  # where it serves its transfer metadata (None: no connector)
     gpus: list[str] = Field(default_factory=list)  # UUIDs of the GPUs its ranks use (none on cpu)
+    prefix_caching: bool = False  # it keeps a prefix cache (the router's auto prefill policy reads it)
     pdserve_version: str
 
 

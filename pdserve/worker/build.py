@@ -51,22 +51,7 @@ def build_worker(cfg: WorkerServeConfig) -> FastAPI:
         engine_config, connector, kv_load_failure_policy=t.kv_load_failure_policy, handoff_timeout_s=t.handoff_timeout
     )
     headers = {SECRET_HEADER: cfg.cluster_secret} if cfg.cluster_secret else None
-    info = WorkerInfo(
-        role=cfg.role,
-        engine_id=cfg.engine_id,
-        model=os.path.basename(os.path.abspath(cfg.model)),
-        max_model_len=engine.max_model_len,
-        kv_block_size=engine_config.kv_block_size,
-        num_kv_blocks=engine.num_kv_blocks,
-        max_num_seqs=engine_config.max_num_seqs,
-        device=engine_config.device,
-        dtype=engine_config.resolved_dtype(),
-        transfer_backend=t.backend if connector is not None else None,
-        instance_id=connector.instance_id if connector is not None else None,
-        kv_metadata_url=connector.metadata_url if connector is not None else None,
-        gpus=_gpu_ids(engine_config.device, engine_config.tensor_parallel_size),
-        pdserve_version=__version__,
-    )
+    info = worker_info(cfg, engine, connector)
     metrics = WorkerMetrics()
     state = WorkerState(
         engine=AsyncEngine(engine, metrics, stall_s=w.stall_timeout),
@@ -86,6 +71,28 @@ def build_worker(cfg: WorkerServeConfig) -> FastAPI:
     app.state.on_exit = stopping.set  # serve.py calls it on a stop signal: ranks that die now are stopping too
     app.router.lifespan_context = _lifespan(state, connector, stopping)
     return app
+
+
+def worker_info(cfg: WorkerServeConfig, engine: LLMEngine, connector: KVConnector | None) -> WorkerInfo:
+    """What /internal/info tells the router and the peers about this worker."""
+    engine_config, t = engine.config, cfg.transfer
+    return WorkerInfo(
+        role=cfg.role,
+        engine_id=cfg.engine_id,
+        model=os.path.basename(os.path.abspath(cfg.model)),
+        max_model_len=engine.max_model_len,
+        kv_block_size=engine_config.kv_block_size,
+        num_kv_blocks=engine.num_kv_blocks,
+        max_num_seqs=engine_config.max_num_seqs,
+        device=engine_config.device,
+        dtype=engine_config.resolved_dtype(),
+        transfer_backend=t.backend if connector is not None else None,
+        instance_id=connector.instance_id if connector is not None else None,
+        kv_metadata_url=connector.metadata_url if connector is not None else None,
+        gpus=_gpu_ids(engine_config.device, engine_config.tensor_parallel_size),
+        prefix_caching=engine.block_manager.prefix_cache is not None,
+        pdserve_version=__version__,
+    )
 
 
 def arena_mib(cfg: WorkerServeConfig) -> int:

@@ -1,5 +1,6 @@
 """cache_aware routing on a real tiny PD cluster: two prefill workers and one decode worker behind
-two routers, one cache_aware and one round_robin. A multi-turn chat workload (each turn resends
+two routers, one with the default prefill policy (auto: cache_aware here, since both workers keep a
+prefix cache) and one round_robin. A multi-turn chat workload (each turn resends
 the conversation so far, the previous answer included) through the official openai client, one
 request at a time; which prefill worker served each request is read from the workers' own
 pdserve_prompt_tokens counters. With cache_aware every later turn goes to its conversation's first
@@ -31,7 +32,7 @@ def cluster(tmp_path_factory):
     with Cluster(make_tiny_model(root / "tiny"), root / "logs") as c:
         c.prefills = [c.worker("prefill"), c.worker("prefill")]
         decode = c.worker("decode", peers=c.prefills)
-        c.aware = c.router("--prefill-policy", "cache_aware", prefill=c.prefills, decode=[decode])
+        c.aware = c.router(prefill=c.prefills, decode=[decode])  # the default: auto
         c.rr = c.router("--prefill-policy", "round_robin", prefill=c.prefills, decode=[decode])
         c.wait_healthy()
         yield c

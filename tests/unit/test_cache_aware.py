@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from pdserve.config import CacheAwareSettings
+from pdserve.config import CacheAwareSettings, RouterConfig
 from pdserve.router.policies import CacheAware, make_policy
 from pdserve.router.prefix_tree import CHUNK_TOKENS, PrefixTree, chunk_names
 from pdserve.serve import add_serve_args, config_from_args
@@ -206,3 +206,65 @@ def test_cluster_yaml_reaches_the_router_process():
     assert spec.config.router.cache_aware == CacheAwareSettings(cache_threshold=0.8, balance_abs_threshold=2)
     with pytest.raises(ConfigError, match="router.cache_aware.cache_threshold"):
         parse_config({**pd, "router": {"cache_aware": {"cache_threshold": 2}}}, "c.yaml")
+
+
+# -- auto: prefill's default --
+
+
+@dataclass
+class Info:
+    prefix_caching: bool
+
+
+@dataclass
+class Cached(W):
+    info: Info | None = None
+
+
+def test_auto_routes_by_cache_only_where_every_worker_caches():
+    """A conversation's later turns go home when both workers keep a prefix cache; round robin
+    when one does not, when one's info is not read yet, and nothing is recorded then."""
+    rng = random.Random(5)
+    first = _ids(rng, 4 * C)
+    turns = [first]
+    for _ in range(4):  # each turn resends the conversation so far and adds to it
+        turns.append(turns[-1] + _ids(rng, C))
+    turns = turns[1:]
+    seen: list[tuple[str, int]] = []
+    policy = make_policy("auto", observe=lambda outcome, matched: seen.append((outcome, matched)))
+    assert policy.name == "auto" and RouterConfig().prefill_policy == "auto"
+    both = [Cached("a", info=Info(True)), Cached("b", info=Info(True))]
+    home = policy.choose(both, first)
+    assert [policy.choose(both, t) for t in turns] == [home] * 4
+    assert [o for o, _ in seen] == ["cold"] + ["cache"] * 4
+    for workers in (
+        [Cached("a", info=Info(True)), Cached("b", info=Info(False))],
+        [Cached("a", info=Info(True)), Cached("b")],  # b's /internal/info not read yet
+    ):
+        seen.clear()
+        auto = make_policy("auto", observe=lambda outcome, matched: seen.append((outcome, matched)))
+        assert [auto.choose(workers, t).url for t in [first, *turns]] == ["a", "b", "a", "b", "a"]
+        assert seen == []
+    one = [Cached("a", info=Info(True))]
+    assert make_policy("auto").choose(one, first) is one[0]
+
+
+def test_a_worker_says_whether_it_caches_prefixes(tmp_path):
+    """WorkerInfo.prefix_caching follows the engine's own block manager: on by default, off by flag,
+    and off for a V4 pool whose blocks would split a compressor group (prefix_checkpoints.py)."""
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.tiny_model import make_tiny_model
+    from pdserve.worker.build import worker_info
+
+    def info(arch: str, *flags: str) -> bool:
+        parser = argparse.ArgumentParser()
+        add_serve_args(parser)
+        model = make_tiny_model(tmp_path / arch, arch=arch)
+        cfg = config_from_args(parser.parse_args(["--role", "colocated", "--model", str(model), *flags]))
+        engine = LLMEngine(cfg.worker.engine_config(cfg.model).model_copy(update={"num_kv_blocks": 64}))
+        return worker_info(cfg, engine, None).prefix_caching
+
+    assert info("deepseek_v3")
+    assert not info("deepseek_v3", "--no-enable-prefix-caching")
+    assert info("deepseek_v4", "--kv-block-size", "16")  # the tiny V4's rates: 4 and 16
+    assert not info("deepseek_v4", "--kv-block-size", "8")

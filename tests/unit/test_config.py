@@ -62,7 +62,7 @@ def test_reference_topology():
 
 def test_defaults_fill_in():
     cfg = parse_config(PD)
-    assert cfg.router.host == "127.0.0.1" and cfg.router.prefill_policy == "round_robin"
+    assert cfg.router.host == "127.0.0.1" and cfg.router.prefill_policy == "auto"
     w = cfg.prefill[0]
     assert (w.host, w.device, w.tp_size, w.kv_block_size, w.lease_seconds) == ("127.0.0.1", "cpu", 1, 64, 60.0)
     assert cfg.transfer.backend == "nixl" and cfg.cluster_secret is None
@@ -116,7 +116,7 @@ def test_yaml_and_shape_errors(tmp_path):
         ),
         (_with("router.breaker_failures", 0), "router.breaker_failures: Input should be greater than or equal to 1"),
         (_with("transfer.ucx", {"TLS": "tcp"}), "UCX_* environment variables only; not: ['TLS']"),
-        (_with("router.prefill_policy", "random"), "router.prefill_policy: Input should be 'round_robin'"),
+        (_with("router.prefill_policy", "random"), "router.prefill_policy: Input should be 'auto'"),
         (_with("prefill.0.kv_block_size", 0), "prefill.0.kv_block_size: Input should be greater than or equal to 1"),
         ({"prefill": [{"port": 1}], "decode": [{"port": 2}]}, "model: Field required"),
     ],
