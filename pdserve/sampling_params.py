@@ -69,6 +69,8 @@ class SamplingParams(BaseModel):
     min_tokens: int = Field(0, ge=0)
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
+    # token id -> added to its logit before anything else (OpenAI's logit_bias: -100 bans, +100 forces)
+    logit_bias: dict[int, float] | None = None
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0)  # top-N alternatives besides the sampled token
     skip_special_tokens: bool = True
@@ -82,6 +84,13 @@ class SamplingParams(BaseModel):
         if n != 1:
             raise ValueError(f"n={n} is not supported: pdserve returns exactly one completion per request (n=1)")
         return n
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, bias: dict[int, float] | None) -> dict[int, float] | None:
+        if bias and any(not -100.0 <= b <= 100.0 for b in bias.values()):
+            raise ValueError("logit_bias values must lie in [-100, 100]")
+        return bias or None
 
     @field_validator("top_k")
     @classmethod

@@ -128,6 +128,8 @@ class LLMEngine:
         vocab = self.runner.model.config.vocab_size
         if any(not 0 <= t < vocab for t in req.prompt_token_ids):
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in req.params.logit_bias or ()):
+            raise ValueError(f"logit_bias token ids must lie in [0, {vocab})")
         if req.params.stop and not (self.tokenizer is not None and req.params.detokenize):
             raise ValueError("stop strings need detokenization (a tokenizer, and detokenize=True)")
         if req.role != "colocated" and self.connector is None:

@@ -83,7 +83,7 @@ class Sampler:
         N = 128 for V4's vocabulary)."""
         for s in seqs:
             p = s.params
-            if not p.greedy or s.grammar is not None or s.num_output_tokens < p.min_tokens:
+            if not p.greedy or s.grammar is not None or s.num_output_tokens < p.min_tokens or p.logit_bias:
                 return True
             if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
                 return True
@@ -95,6 +95,7 @@ class Sampler:
         take the argmax of theirs; speculative decoding's rejection sampling uses the same rows."""
         # logits: [N, V]
         x = logits.float().clone()
+        self._logit_bias(x, seqs)
         self._grammar_mask(x, seqs)
         self._min_tokens(x, seqs)
         self._penalties(x, seqs)
@@ -122,6 +123,13 @@ class Sampler:
         mask = self.masks.fill([s.grammar for s in seqs])
         if mask is not None:
             self.masks.apply(x, mask)
+
+    def _logit_bias(self, x: torch.Tensor, seqs: list[Sequence]) -> None:
+        for i, s in enumerate(seqs):
+            bias = s.params.logit_bias
+            if bias:
+                ids = torch.tensor(list(bias), dtype=torch.long, device=x.device)
+                x[i, ids] += torch.tensor(list(bias.values()), dtype=x.dtype, device=x.device)
 
     def _min_tokens(self, x: torch.Tensor, seqs: list[Sequence]) -> None:
         for i, s in enumerate(seqs):

@@ -6,7 +6,7 @@ Requests are strict, as OpenAI is: "5" is not a number and "yes" is not a boolea
 string must be valid Unicode (no lone surrogates: they cannot be encoded, tokenized or echoed).
 The limits appear in the OpenAPI schema, which documents the API and drives the fuzz test.
 Unknown fields are ignored as OpenAI-compatible servers commonly do; fields pdserve knows but does
-not implement (n > 1, best_of, echo, suffix, logit_bias, parallel_tool_calls false with
+not implement (n > 1, best_of, echo, suffix, parallel_tool_calls false with
 tool_choice auto) are refused with 400 by the router.
 """
 

@@ -232,12 +232,24 @@ class RequestValidator:
                 param="n",
                 code="unsupported_parameter",
             )
-        if req.logit_bias:
-            raise OpenAIError(
-                400, "logit_bias is not supported by pdserve", param="logit_bias", code="unsupported_parameter"
-            )
+        self._logit_bias(req)
         if req.stop_token_ids and any(not 0 <= t < self.vocab_size for t in req.stop_token_ids):
             raise OpenAIError(400, f"stop_token_ids must lie in [0, {self.vocab_size})", param="stop_token_ids")
+
+    def _logit_bias(self, req: _Request) -> dict[int, float] | None:
+        """OpenAI's logit_bias: token ids (as strings) of this vocabulary -> a bias in [-100, 100]."""
+        if not req.logit_bias:
+            return None
+        bias = {}
+        for key, value in req.logit_bias.items():
+            if not key.strip().isdecimal() or not 0 <= int(key) < self.vocab_size:
+                raise OpenAIError(
+                    400, f"logit_bias keys must be token ids in [0, {self.vocab_size}), got {key!r}", param="logit_bias"
+                )
+            if not -100.0 <= value <= 100.0:
+                raise OpenAIError(400, f"logit_bias values must lie in [-100, 100], got {value}", param="logit_bias")
+            bias[int(key)] = float(value)
+        return bias
 
     def _fits_untokenized(self, chars: int, max_model_len: int, param: str) -> None:
         """Refuse, without tokenizing, text too long for the context whatever its tokens."""
@@ -295,6 +307,7 @@ class RequestValidator:
                 min_tokens=req.min_tokens,
                 stop=list(req.stop or []),
                 stop_token_ids=list(req.stop_token_ids or []),
+                logit_bias=self._logit_bias(req),
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
                 skip_special_tokens=req.skip_special_tokens,

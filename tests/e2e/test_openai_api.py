@@ -159,6 +159,30 @@ def test_seed_makes_sampling_repeatable(client):
     assert len({tuple(r) for r in runs[1:]}) > 1  # other seeds sample something else
 
 
+def test_logit_bias_through_pd(client):
+    """OpenAI's logit_bias through the prefill worker (first token) and the decode worker (the rest):
+    +100 forces a token, -100 bans the greedy one; out-of-vocabulary ids are a 400 naming the field."""
+    ids = {"return_token_ids": True}
+    forced = client.completions.create(
+        model="tiny", prompt="hello", max_tokens=4, temperature=0, logit_bias={"42": 100}, extra_body=ids
+    )
+    assert forced.choices[0].token_ids == [42] * 4
+    plain = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=1, temperature=0, extra_body=ids)
+    first = plain.choices[0].token_ids[0]
+    banned = client.chat.completions.create(
+        model="tiny",
+        messages=MSGS,
+        max_tokens=3,
+        temperature=0,
+        logit_bias={str(first): -100},
+        extra_body=ids,
+    )
+    assert banned.choices[0].token_ids[0] != first and first not in banned.choices[0].token_ids
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, logit_bias={"99999999": 1})
+    assert e.value.param == "logit_bias"
+
+
 def test_error_objects(cluster, client):
     with pytest.raises(openai.BadRequestError, match="n=2"):
         client.completions.create(model="tiny", prompt="x", max_tokens=2, n=2)

@@ -151,6 +151,16 @@ def test_refusals(validator):
     )
     e = _err(lambda: validator.completion(CompletionRequest(prompt="x", min_tokens=9, max_tokens=2), 64))
     assert e.status == 400 and "min_tokens" in e.message
+    for bias in ({"x": 1}, {"-1": 1}, {str(validator.vocab_size): 1}, {"3": 100.5}, {"3": -101}):
+        e = _err(lambda: validator.completion(CompletionRequest(prompt="x", logit_bias=bias), 64))
+        assert (e.status, e.param) == (400, "logit_bias"), bias
+
+
+def test_logit_bias_reaches_the_sampling_params(validator):
+    msgs = [{"role": "user", "content": "hi"}]
+    p = validator.chat(ChatCompletionRequest(messages=msgs, logit_bias={"5": -100, " 7": 2.5}), 64).params[0]
+    assert p.logit_bias == {5: -100.0, 7: 2.5}
+    assert validator.completion(CompletionRequest(prompt="x", logit_bias={}), 64).params[0].logit_bias is None
 
 
 @pytest.mark.parametrize(

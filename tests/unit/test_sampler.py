@@ -101,6 +101,27 @@ def test_repetition_presence_frequency_penalties():
     assert torch.allclose(lp, torch.log_softmax(want, -1), atol=1e-5)
 
 
+def test_logit_bias_is_added_before_everything_else():
+    """OpenAI's logit_bias: added to the raw logits (greedy rows too), before the penalties;
+    -100 in effect bans a token, +100 forces it; the raw logprobs stay the model's."""
+    x = logits(4, seed=3)
+    best = x.argmax(-1)
+    greedy = seqs(4, temperature=0, logit_bias={int(best[0]): -100.0, 5: 100.0}, logprobs=1)
+    toks = sampler()(x, greedy)
+    assert [t.token_id for t in toks] == [5] * 4
+    assert toks[0].logprobs[0][1] == pytest.approx(torch.log_softmax(x[0], -1)[5].item(), abs=1e-6)
+    banned = sampler()(x[:1], seqs(1, temperature=0, logit_bias={int(best[0]): -100.0}))[0].token_id
+    assert banned == int(x[0].clone().index_fill_(0, best[:1], float("-inf")).argmax())
+    drawn = sampler(seed=9)(x.repeat(50, 1), seqs(200, temperature=1.0, logit_bias={7: 100.0}))
+    assert {t.token_id for t in drawn} == {7}  # a random row sees the bias too
+    z = torch.tensor([2.0, -2.0, 1.0, 0.5] + [0.0] * (V - 4))
+    lp = processed_logprobs(z, outputs=(2,), presence_penalty=0.5, logit_bias={2: 1.5, 3: -0.25})
+    want = z.clone()
+    want[2] += 1.5 - 0.5
+    want[3] -= 0.25
+    assert torch.allclose(lp, torch.log_softmax(want, -1), atol=1e-5)
+
+
 def test_min_tokens_masks_eos_and_stop_token_ids():
     x = torch.zeros(1, V)
     x[0, EOS], x[0, 7], x[0, 4] = 10.0, 9.0, 8.0
@@ -151,12 +172,13 @@ def test_sampling_params_validation_and_round_trip():
         dict(presence_penalty=3),
         dict(stop=[""]),
         dict(logprobs=-1),
+        dict(logit_bias={3: 100.5}),
         dict(bogus=1),
     ]:
         with pytest.raises(ValueError):
             SamplingParams(**bad)
     with pytest.raises(ValueError, match="n=2 is not supported"):
         SamplingParams(n=2)
-    p = SamplingParams(temperature=0.3, stop="x", seed=7, logprobs=2, stop_token_ids=[5])
+    p = SamplingParams(temperature=0.3, stop="x", seed=7, logprobs=2, stop_token_ids=[5], logit_bias={4: -1.0})
     assert p.stop == ["x"]
     assert SamplingParams.from_dict(p.to_dict()) == p
