@@ -44,7 +44,7 @@ from pdserve.engine.request import FirstToken, Request
 from pdserve.outputs import CompletionOutput, to_entries
 from pdserve.sampling_params import SamplingParams
 from tests.helpers.oracle import first_topk
-from tests.helpers.v4 import hf_v4_model
+from tests.helpers.v4 import hf_v4_model, run
 
 VOCAB = 300
 TOP = 5  # logprobs compared a step: the sampled token's and the top 5
@@ -226,17 +226,6 @@ def make_engine(path: Path, case: Case, connector=None, **kw) -> LLMEngine:
         device=DEVICE,
     )
     return LLMEngine(EngineConfig(**{**cfg, **kw}), connector)
-
-
-def run(eng: LLMEngine, requests: list[Request]) -> dict[str, object]:
-    for r in requests:
-        eng.add_request(r)
-    done = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
 
 
 def decode(path: Path, case: Case, prompt: list[int]) -> CompletionOutput:
