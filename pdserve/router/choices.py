@@ -41,7 +41,7 @@ class ChoiceState:
         reasoning = p.in_reasoning
         new = p.feed(c.text)
         if c.finish_reason is not None:
-            end = p.finish()
+            end = p.finish(cut=c.finish_reason == "length")
             new = Parsed(new.reasoning + end.reasoning, new.content + end.content, new.calls + end.calls)
         if reasoning or p.in_reasoning:
             self.reasoning_tokens += len(c.token_ids)

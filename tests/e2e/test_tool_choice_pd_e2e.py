@@ -113,3 +113,40 @@ def test_a_stream_assembles_into_the_message(cluster):
         assert [(c.function.name, c.function.arguments) for c in got.message.tool_calls] == [
             (c.function.name, c.function.arguments) for c in want.message.tool_calls
         ]
+
+
+def test_a_call_cut_by_max_tokens_never_leaks_markup(cluster):
+    """tool_choice "required" with random max_tokens, so the limit falls inside a call: the
+    answer's content (whole, or assembled from the stream's deltas) never carries DSML, its calls
+    are complete and valid, and finish_reason is "length" wherever the limit was hit."""
+    tools = random_tool_sets(8, seed=45)
+    bodies = [
+        dict(tools=t, tool_choice="required", temperature=1.0, seed=i, max_tokens=3 + 5 * i)
+        for i, t in enumerate(tools)
+    ]
+    whole = asyncio.run(_ask(cluster.pd_router, bodies))
+
+    async def streamed(body) -> tuple[str, str | None]:
+        client = _client(cluster.pd_router)
+        try:
+            content, reason = "", None
+            stream = await client.chat.completions.create(model="tiny", messages=MESSAGES, stream=True, **body)
+            async for chunk in stream:
+                for c in chunk.choices:
+                    content += c.delta.content or ""
+                    reason = c.finish_reason or reason
+            return content, reason
+        finally:
+            await client.close()
+
+    cut = 0
+    for body, choice, t in zip(bodies, whole, tools):
+        m = choice.message
+        assert "DSML" not in (m.content or "") and "｜" not in (m.content or ""), m.content
+        for c in m.tool_calls or []:
+            assert_valid_call(c.function.name, c.function.arguments, t)
+        cut += choice.finish_reason == "length"
+        content, reason = asyncio.run(streamed(body))
+        assert "DSML" not in content and "｜" not in content and reason == choice.finish_reason, (content, reason)
+    assert cut  # some limits fell inside a call
+    assert not any(wait_blocks_free(cluster.workers).values())

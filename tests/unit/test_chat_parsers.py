@@ -55,10 +55,11 @@ def spec(tools=TOOLS, thinking=True, reasoning="deepseek_v4", tool_parser="deeps
     return OutputSpec(reasoning, tool_parser if tools else None, frozenset(tools), thinking, frozenset(drop))
 
 
-def parse(text: str, s: OutputSpec, pieces: list[str] | None = None):
-    """(reasoning, content, [(name, arguments)], failures) of text fed whole or in pieces."""
+def parse(text: str, s: OutputSpec, pieces: list[str] | None = None, cut: bool = False):
+    """(reasoning, content, [(name, arguments)], failures) of text fed whole or in pieces (cut: the
+    output ends as one cut by the length limit)."""
     p = s.parser()
-    outs = [p.feed(x) for x in (pieces if pieces is not None else [text])] + [p.finish()]
+    outs = [p.feed(x) for x in (pieces if pieces is not None else [text])] + [p.finish(cut)]
     calls = [(t.call.name, t.call.arguments) for o in outs for t in o.calls]
     assert [t.index for o in outs for t in o.calls] == list(range(len(calls)))
     for o in outs:
@@ -187,6 +188,32 @@ def test_malformed_markup_stays_text(reason):
             calls,
             failures,
         )
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_an_output_cut_anywhere_never_shows_markup(thinking):
+    """The length limit cuts a turn at any character: reasoning and content are prefixes of the
+    turn's (no marker, no start of one), the calls are the complete ones before the cut, and a call
+    or block still being written is dropped ("cut_call"), fed whole or in any pieces."""
+    rng = random.Random(61 + thinking)
+    markers = ("｜DSML｜", "<think>", "</think>")
+    for _ in range(60):
+        turn = random_turn(rng)
+        text = completion(turn, thinking)
+        want = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in turn["tool_calls"] or []]
+        for k in sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, 12))):
+            got = parse(text[:k], spec(thinking=thinking), cut=True)
+            reasoning, content, calls, failures = got
+            assert not any(m in content or m in reasoning for m in markers), text[:k]
+            assert turn["content"].startswith(content) and (turn["reasoning_content"] if thinking else "").startswith(
+                reasoning
+            ), text[:k]
+            assert [(n, json.loads(a)) for n, a in calls] == want[: len(calls)], text[:k]
+            assert set(failures) <= {"cut_call"}, (failures, text[:k])
+            assert parse(text[:k], spec(thinking=thinking), random_pieces(rng, text[:k]), cut=True) == got
+    cut = MALFORMED["unclosed_call"]
+    assert parse("r</think>" + cut, spec(), cut=True) == ("r", "Sure.", [], ["cut_call"])
+    assert parse("r</think>" + cut, spec()) == ("r", cut, [], ["unclosed_call"])  # ended, not cut: the text stands
 
 
 def test_repeated_markup_parses_the_good_calls_and_keeps_the_rest():

@@ -7,7 +7,9 @@
 
 `feed(text)` and `finish()` return what became certain: text is held back only while it may
 still be the start of a marker, and a tool call is given out only once its close marker is in and
-its body parses (so no client ever gets a call it would have to take back). What does not parse
+its body parses (so no client ever gets a call it would have to take back). An output cut by the
+length limit (`finish(cut=True)`) drops what it was still writing of a call or block, and a
+marker's start, so that cut markup never reaches content or reasoning ("cut_call" in `failures`). What does not parse
 stays text in content, exactly as the model wrote it, and its reason is kept in `failures`
 (the router logs and counts them). Think tags never reach content; the special tokens in `drop`
 are removed (the worker's text keeps them so that the markup can be seen at all).
@@ -83,9 +85,15 @@ class OutputParser:
             self._event(is_marker, piece)
         return self._take()
 
-    def finish(self) -> Parsed:
-        for is_marker, piece in self.scanner.finish():
+    def finish(self, cut: bool = False) -> Parsed:
+        """The rest, as the output ends here; cut: it was cut off by the length limit."""
+        for is_marker, piece in self.scanner.finish(cut):
             self._event(is_marker, piece)
+        if cut and self.state in ("block", "call"):  # the calls before it stand; its markup is not text
+            self.failures.append("cut_call")
+            self._pending = self._call = self._run = ""
+            self.state = "done"
+            return self._take()
         if self.state == "block":
             self._settle_run()
         if self.state == "start":

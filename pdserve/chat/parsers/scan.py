@@ -35,9 +35,13 @@ class MarkerScanner:
         self._buf += text
         return self._drain(final=False)
 
-    def finish(self) -> list[Event]:
-        """Everything held back, as the whole text ends here."""
-        return self._drain(final=True)
+    def finish(self, cut: bool = False) -> list[Event]:
+        """Everything held back, as the whole text ends here; cut (the output was cut off): a tail
+        that could still have grown into a marker is dropped instead."""
+        if not cut:
+            return self._drain(final=True)
+        out, self._buf = self._drain(final=False), ""
+        return out
 
     def strip(self, text: str) -> str:
         """`text` without any marker in it."""
