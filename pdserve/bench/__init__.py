@@ -1,6 +1,2 @@
-"""Benchmark client, plots and PD advisor: `pdserve bench` (see cli.py)."""
-
-from pdserve.bench.advisor import Verdict, advise
-from pdserve.bench.cli import main
-
-__all__ = ["Verdict", "advise", "main"]
+"""Benchmark client, plots and PD advisor: `pdserve bench` (pdserve/bench/cli.py `main`; the
+advisor: advisor.py `advise`). The package imports none of its modules: they import each other."""

@@ -24,41 +24,12 @@ A decode worker's cache keeps none: a prompt whose KV is loaded reuses its cache
 
 from __future__ import annotations
 
-from collections import deque
-
+from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.prefix_cache import NO_HIT, CacheHit, PrefixCache
 from pdserve.engine.prefix_checkpoints import Checkpoints
 from pdserve.engine.sequence import Sequence
 
 FREED = -1  # a window-table entry with no block (out of the window, or not yet written)
-
-
-class BlockPool:
-    """A free list of block ids 0..num_blocks-1."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.num_total_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
-        self._used: set[int] = set()
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return len(self._used)
-
-    def take(self) -> int:
-        block = self._free.popleft()
-        self._used.add(block)
-        return block
-
-    def give_back(self, block: int, owner: str) -> None:
-        if block not in self._used:
-            raise RuntimeError(f"{owner}: block {block} freed twice")
-        self._used.remove(block)
-        self._free.appendleft(block)  # so a re-admitted sequence tends to get it back
 
 
 class BlockManager:

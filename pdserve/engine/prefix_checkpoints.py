@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from pdserve.model.kv_cache import STATE, WINDOW, KVRegionSpec
 
 if TYPE_CHECKING:
-    from pdserve.engine.block_manager import BlockPool
+    from pdserve.engine.block_pool import BlockPool
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.sequence import Sequence
 

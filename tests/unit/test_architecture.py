@@ -46,9 +46,10 @@ def _unit(module: str) -> str:
     return ".".join(parts[:2])
 
 
-def _imports() -> dict[str, set[str]]:
+def _imports(typing: bool = False, packages: bool = False) -> dict[str, set[str]]:
     """module -> the pdserve modules it imports at run time (`from pkg import module` counts as
-    that module; imports under `if TYPE_CHECKING:` do not count)."""
+    that module; imports under `if TYPE_CHECKING:` count only with `typing`; with `packages`, a
+    submodule's packages too, whose __init__ runs first, but for the module's own)."""
     paths = {_module(p): p for p in ROOT.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for mod, path in paths.items():
@@ -61,13 +62,20 @@ def _imports() -> dict[str, set[str]]:
             for n in ast.walk(top)
         }
         for node in ast.walk(tree):
-            if id(node) in typing_only:
+            if id(node) in typing_only and not typing:
                 continue
             if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "pdserve":
                 subs = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in paths]
-                deps.update(subs or [node.module])
+                targets = subs or [node.module]
             elif isinstance(node, ast.Import):
-                deps.update(a.name for a in node.names if a.name.split(".")[0] == "pdserve")
+                targets = [a.name for a in node.names if a.name.split(".")[0] == "pdserve"]
+            else:
+                continue
+            deps.update(targets)
+            for t in targets if packages else ():
+                parts = t.split(".")
+                deps.update(p for k in range(2, len(parts)) if (p := ".".join(parts[:k])) in paths and mod != p)
+                deps.difference_update(p for p in list(deps) if mod.startswith(p + "."))  # its own package: begun
     return graph
 
 
@@ -93,7 +101,8 @@ def test_no_import_goes_up_a_layer_or_sideways():
 
 
 def test_no_circles_between_modules():
-    graph = _imports()
+    """Type-only imports count (a checker follows them), and so do the packages an import runs."""
+    graph = _imports(typing=True, packages=True)
     modules = set(graph)
     state: dict[str, int] = {}
     circles: list[list[str]] = []
