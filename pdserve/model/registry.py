@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from pdserve.model.kv_cache import KVRegionSpec
 
 
-class Parsed(Protocol):
+class ParsedConfig(Protocol):
     """A parsed config as the registry sees it (config.py's ModelConfig, which imports this module):
     its model_type picks the entry, the rest goes through to the model's package."""
 
@@ -92,11 +92,11 @@ class ModelEntry:
     def materialize(self, model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
         self._module("loader").materialize(model, dtype, device)
 
-    def kv_cache_specs(self, config: Parsed, kv_cache_dtype: str = "auto") -> list[KVRegionSpec]:
+    def kv_cache_specs(self, config: ParsedConfig, kv_cache_dtype: str = "auto") -> list[KVRegionSpec]:
         return self._module("cache").kv_cache_specs(config, kv_cache_dtype)
 
     def decode_attention_cost(
-        self, config: Parsed, context: int, itemsize: float, record_bytes: int | None = None
+        self, config: ParsedConfig, context: int, itemsize: float, record_bytes: int | None = None
     ) -> tuple[float, int]:
         return self._module("cache").decode_attention_cost(config, context, itemsize, record_bytes)
 
@@ -108,6 +108,6 @@ MODELS: dict[str, ModelEntry] = {
 }
 
 
-def entry(config: Parsed) -> ModelEntry:
+def entry(config: ParsedConfig) -> ModelEntry:
     """The entry of a parsed config (its model_type is one of MODELS: the parser checked)."""
     return MODELS[config.model_type]

@@ -8,11 +8,11 @@
 `feed(text)` and `finish()` return what became certain: text is held back only while it may
 still be the start of a marker, and a tool call is given out only once its close marker is in and
 its body parses (so no client ever gets a call it would have to take back). An output cut by the
-length limit (`finish(cut=True)`) drops what it was still writing of a call or block, and a
-marker's start, so that cut markup never reaches content or reasoning ("cut_call" in `failures`). What does not parse
-stays text in content, exactly as the model wrote it, and its reason is kept in `failures`
-(the router logs and counts them). Think tags never reach content; the special tokens in `drop`
-are removed (the worker's text keeps them so that the markup can be seen at all).
+length limit (`finish(cut=True)`) drops what it was still writing of a call or block, and a marker's
+start, so that cut markup never reaches content or reasoning ("cut_call" in `failures`). What does
+not parse stays text in content, exactly as the model wrote it, and its reason is kept in `failures`
+(the router logs and counts them). Think tags never reach content; the special tokens in `drop` are
+removed (the worker's text keeps them so that the markup can be seen at all).
 
 Feeding the text in any pieces gives the same reasoning, content and calls as feeding it whole
 (tests/unit/test_chat_parsers.py splits at random).
