@@ -3,6 +3,10 @@ Kubernetes) to start a fresh one: a live worker with a dead engine would answer 
 
     watch_engine (event loop, every WATCH_INTERVAL_S)
         a TP rank exited? -> engine.fail(why)       (rank 0 may sit in a collective it never leaves)
+        TP > 1 and a step unfinished for stall_timeout with requests open? -> a rank stopped
+                          answering (SIGSTOP, a hung collective: gloo and NCCL would wait for
+                          COLLECTIVE_TIMEOUT) -> engine.fail(why), kill the ranks (rank 0's
+                          collective then returns with an error, and the worker can exit)
         engine.error set  -> log it, wait EXIT_DELAY_S (/health is 503 with the reason meanwhile,
                              the failed requests' last chunks go out) -> exit_process(EXIT_CODE)
     exit_process: uvicorn's graceful stop (serve.py's app.state.request_stop; else SIGTERM to
@@ -45,9 +49,25 @@ async def watch_engine(
         if dead is not None:
             log.error("%s", dead)
             engine.fail(dead)
+            continue
+        hung = hung_rank(engine)
+        if hung is not None:
+            log.error("%s", hung)
+            engine.fail(hung)
+            engine.engine.runner.ranks.kill()
     log.error("the %s worker's engine failed (%s): exiting for its supervisor to restart it", role, engine.error)
     await asyncio.sleep(EXIT_DELAY_S)
     exit_process(EXIT_CODE)
+
+
+def hung_rank(engine: AsyncEngine) -> str | None:
+    """At TP > 1, a step that has not finished for the stall timeout while requests are open: a
+    rank stopped answering (a step takes milliseconds; the first ones' compiles, seconds). None
+    at TP1, where a stall only makes /health 503."""
+    if engine.engine.runner.ranks is None:
+        return None
+    stalled = engine.stalled()
+    return None if stalled is None else f"a tensor-parallel rank stopped answering: {stalled}"
 
 
 def exit_process(app: FastAPI, code: int) -> None:

@@ -7,7 +7,9 @@ Real `pdserve launch`, real processes. Two faults:
   worker is still up, the worker exits 3, the launcher restarts it, and the router serves the same
   greedy tokens again by itself within SERVE_AGAIN_S;
 - SIGKILL of a tensor-parallel rank of the decode worker (TP2, gloo) mid-stream: the stream ends
-  with an error naming the decode worker, the worker exits, and the same comes back.
+  with an error naming the decode worker, the worker exits, and the same comes back;
+- SIGSTOP of that rank mid-stream (rank 0 then waits in a collective that never returns): caught
+  within the decode worker's stall_timeout (STALL_S), the same error, exit and return.
 """
 
 import json
@@ -26,6 +28,7 @@ from tests.helpers.launch import free_ports, start_launch, stop_group, wait_up
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 SERVE_AGAIN_S = 60
+STALL_S = 3.0  # the decode worker's stall_timeout: a hung rank is caught after it
 TRIGGER = 777  # a token id of the tiny model (vocab 896) that PROMPT does not hold
 PROMPT = [10, 20, 30, 40, 50]
 MODEL = "tiny"
@@ -42,7 +45,9 @@ def cluster(tmp_path_factory):
         "served_model_name": MODEL,
         "router": {"port": ports[0], "health_interval": 0.5},
         "prefill": [{**worker, "port": ports[1], "cpus": str(cpus[0])}],
-        "decode": [{**worker, "port": ports[2], "tp_size": 2, "cpus": ",".join(map(str, cpus))}],
+        "decode": [
+            {**worker, "port": ports[2], "tp_size": 2, "cpus": ",".join(map(str, cpus)), "stall_timeout": STALL_S}
+        ],
         "log_dir": str(tmp / "logs"),
         "startup_timeout": 240,
         "stop_grace_seconds": 5,
@@ -155,3 +160,41 @@ def test_a_killed_tp_rank_takes_its_worker_down_and_back(cluster):
     log = (cluster["logs"] / "decode-0.log").read_text()
     assert f"tensor-parallel rank 1 (pid {rank1}) exited (killed by SIGKILL)" in log
     print(f"decode TP rank SIGKILL: error after {error_s:.2f} s, serving again after {back_s:.1f} s")
+
+
+def test_a_stopped_tp_rank_is_caught_and_its_worker_restarts(cluster):
+    r = _complete(cluster, PROMPT)
+    assert r.status_code == 200, r.text
+    want = r.json()["choices"][0]["token_ids"]
+    worker = _proc(cluster, "decode-0")["pid"]
+    (rank1,) = _children(worker)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 600, "temperature": 0, "ignore_eos": True, "stream": True}
+    try:
+        with (
+            httpx.Client(timeout=60, trust_env=False) as client,
+            client.stream("POST", _url(cluster, 0) + "/v1/completions", json=body) as resp,
+        ):
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            assert [next(lines) for _ in range(4)]  # decode is streaming now
+            t0 = time.monotonic()
+            os.kill(rank1, signal.SIGSTOP)
+            error = next(
+                (json.loads(x[6:])["error"] for x in lines if x.startswith("data: {") and '"error"' in x), None
+            )
+            error_s = time.monotonic() - t0
+    finally:
+        try:
+            os.kill(rank1, signal.SIGKILL)  # gone already, unless the watchdog missed it
+        except ProcessLookupError:
+            pass
+    assert error is not None and STALL_S <= error_s < STALL_S + 5, (error, error_s)
+    assert error["message"].startswith("the decode worker failed"), error
+
+    got, back_s = _serving_again(cluster, "decode-0", worker, t0)
+    assert got == want
+    p = _proc(cluster, "decode-0")
+    assert p["exits"][-1] == "exited with code 3", p
+    log = (cluster["logs"] / "decode-0.log").read_text()
+    assert "a tensor-parallel rank stopped answering: engine step not finished for" in log
+    print(f"decode TP rank SIGSTOP: error after {error_s:.2f} s, serving again after {back_s:.1f} s")
