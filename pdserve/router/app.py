@@ -2,13 +2,18 @@
 
     POST /v1/completions, /v1/chat/completions    validate -> Router.serve (serving.py):
                                                   dispatch (dispatch.py) -> format (responses.py)
+    POST /v1/messages                             Anthropic's Messages API: translated into the chat
+                                                  path (messages.py) -> Router.serve -> messages_format.py
+    POST /v1/messages/count_tokens                the prompt's token count (messages.py)
     POST /tokenize, /detokenize                   a prompt or chat messages <-> token ids (tokenize.py)
     GET  /v1/models, /health, /workers, /metrics
 
 Thin by design: it tokenizes (the chat template for chat), validates, mints a request id, and hands
 the request to the Router (admission, deadlines, streaming). It never serves /internal/*. With
---api-key every route (/health and /metrics too) needs `Authorization: Bearer <key>` (constant-time
-compare). The lifespan opens the HTTP clients, makes the Dispatcher and runs the health prober.
+--api-key every route (/health and /metrics too) needs `Authorization: Bearer <key>` or
+`x-api-key: <key>` (as Anthropic clients send it; constant-time compare). Errors on the Messages
+routes take Anthropic's shape (messages_errors.py). The lifespan opens the HTTP clients, makes the
+Dispatcher and runs the health prober.
 """
 
 from __future__ import annotations
@@ -26,6 +31,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.router.dispatch import Dispatcher
+from pdserve.router.messages import count_tokens, prepare
+from pdserve.router.messages_errors import AnthropicErrors
+from pdserve.router.messages_format import COUNT_TOKENS_RESPONSES, MESSAGES_RESPONSES, MessagesFormatter
+from pdserve.router.messages_protocol import CountTokensRequest, CountTokensResponse, MessagesRequest
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from pdserve.router.policies import make_policy
@@ -58,6 +67,8 @@ READ_BUFSIZE = 1 << 20  # a worker's chunk is one NDJSON line; aiohttp refuses a
 ROUTES = (
     "/v1/completions",
     "/v1/chat/completions",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
     "/v1/models",
     "/tokenize",
     "/detokenize",
@@ -152,6 +163,19 @@ def build_router_app(config: RouterServeConfig) -> FastAPI:
         )
         return await router.serve(fmt, prep, body.stream, request.receive)
 
+    @app.post("/v1/messages", responses=MESSAGES_RESPONSES)
+    async def messages(body: MessagesRequest, request: Request) -> Response:
+        chat, prep = prepare(router.validator, body, router.max_model_len())
+        omit = body.thinking is not None and body.thinking.display == "omitted"
+        fmt = MessagesFormatter(
+            f"msg_{uuid.uuid4().hex}", model_name, router.tokenizer, prep.prompts, router.output_spec(chat, prep), omit
+        )
+        return await router.serve(fmt, prep, body.stream, request.receive)
+
+    @app.post("/v1/messages/count_tokens", responses=COUNT_TOKENS_RESPONSES)
+    async def messages_count_tokens(body: CountTokensRequest) -> CountTokensResponse:
+        return count_tokens(router.validator, body)
+
     @app.post("/tokenize", responses=ERROR_RESPONSES)
     async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:
         return tokenize(router.validator, body, router.max_model_len())
@@ -193,8 +217,14 @@ def build_router_app(config: RouterServeConfig) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
     if settings.api_key:
         app.add_middleware(
-            TokenGuard, token=settings.api_key, header="authorization", protects=lambda _: True, what="API key"
+            TokenGuard,
+            token=settings.api_key,
+            header="authorization",
+            protects=lambda _: True,
+            what="API key",
+            also=("x-api-key",),
         )
+    app.add_middleware(AnthropicErrors)  # outside the guards: their 401 and 413 too
     app.add_middleware(_CountRequests, metrics=metrics)
     return app
 

@@ -113,6 +113,18 @@ class Formatter:
     def failures(self) -> list[str]:
         return []
 
+    def add(self, i: int, c: GenerateChunk) -> None:
+        """A chunk of choice i, for a whole (not streamed) response."""
+        self.choices[i].add(c)
+
+    def stream_end(self) -> bytes:
+        """What a stream ends with once every choice finished: the usage chunk if asked for, [DONE]."""
+        return (self.usage_chunk() if self.include_usage else b"") + DONE
+
+    def stream_error(self, err: OpenAIError) -> bytes:
+        """What a stream ends with when the request fails after it started."""
+        return sse_error(err) + DONE
+
 
 class CompletionFormatter(Formatter):
     def response(self) -> dict:

@@ -1,11 +1,13 @@
-"""Serving one OpenAI request (`Router`): admission, deadlines, draining, the choices' chunks
-merged and turned into server-sent events or one JSON response.
+"""Serving one request (`Router`; OpenAI's endpoints and Anthropic's Messages alike): admission,
+deadlines, draining, the choices' chunks merged and turned into server-sent events or one JSON
+response by the request's Formatter.
 
     Router.serve(fmt, prep, stream)
       admission (over --max-queued-requests: 429 with Retry-After)
       -> one Dispatcher.generate a choice (dispatch.py), merged as they come (_merge)
       -> the first token awaited before answering, so an upstream failure is an HTTP status
-      -> _events (SSE, an error event on failure) or _collect (JSON) with a Formatter (responses.py)
+      -> _events (SSE, an error event on failure) or _collect (JSON) with a Formatter (responses.py,
+         messages_format.py)
 
 Every request has a deadline (--request-timeout) after which it ends with 504 (or an error event if
 streaming), and a shorter one for its first token (--first-token-timeout). A client that
@@ -30,7 +32,7 @@ from pdserve.router.dispatch import Dispatcher
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.openai_protocol import ChatCompletionRequest
 from pdserve.router.pool import WorkerPool
-from pdserve.router.responses import DONE, Formatter, sse_error
+from pdserve.router.responses import Formatter
 from pdserve.router.validation import Prepared, RequestValidator
 from pdserve.serve_config import RouterServeConfig
 from pdserve.tokenizer import Tokenizer
@@ -175,7 +177,7 @@ class Router:
     ) -> None:
         item = first
         while item is not None:
-            fmt.choices[item[0]].add(item[1])
+            fmt.add(*item)
             item = await self._next_unless(merged, deadline)
 
     async def _events(
@@ -188,13 +190,11 @@ class Router:
                 if data is not None:
                     yield data
                 item = await self._next_unless(merged, deadline)
-            if fmt.include_usage:
-                yield fmt.usage_chunk()
+            tail = fmt.stream_end()
             self._done(fmt, t0)
-            yield DONE
+            yield tail
         except OpenAIError as e:
-            yield sse_error(e)
-            yield DONE
+            yield fmt.stream_error(e)
 
     def _done(self, fmt: Formatter, t0: float) -> None:
         self.metrics.e2e.observe(time.monotonic() - t0)

@@ -21,15 +21,26 @@ async def _send_error(send: Send, err: OpenAIError) -> None:
 
 class TokenGuard:
     """ASGI middleware: requests whose path `protects` selects must carry the token, compared in
-    constant time. `header` is read as given ("authorization" expects "Bearer <token>").
+    constant time. `header` is read as given ("authorization" expects "Bearer <token>"); `also`
+    names headers that may carry the bare token instead (the router's x-api-key, as Anthropic
+    clients send it).
 
     Both sides are hashed first, so the comparison takes the same time whatever the given token's
     length and content (hmac.compare_digest alone returns early on a length mismatch)."""
 
-    def __init__(self, app: ASGIApp, token: str, header: str, protects: Callable[[str], bool], what: str) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        token: str,
+        header: str,
+        protects: Callable[[str], bool],
+        what: str,
+        also: tuple[str, ...] = (),
+    ) -> None:
         self.app = app
         self.token = _digest(token.encode())
         self.header = header.lower().encode()
+        self.names = {self.header, *(h.lower().encode() for h in also)}
         self.protects = protects
         self.what = what
 
@@ -43,16 +54,16 @@ class TokenGuard:
         )
 
     def _ok(self, scope: Scope) -> bool:
-        given = b""
-        for name, value in scope.get("headers", []):
-            if name == self.header:
-                given = value
-                break
-        if self.header == b"authorization":
-            scheme, _, given = given.partition(b" ")
-            if scheme.lower() != b"bearer":
-                given = b""
-        return hmac.compare_digest(_digest(given.strip()), self.token)
+        offered = [self._credential(n, v) for n, v in scope.get("headers", []) if n in self.names] or [b""]
+        # every offered credential is compared (a list, not any() over a generator): no early exit
+        return any([hmac.compare_digest(_digest(given.strip()), self.token) for given in offered])
+
+    def _credential(self, name: bytes, value: bytes) -> bytes:
+        """The token a header offers: authorization's after "Bearer ", any other's whole value."""
+        if name != b"authorization":
+            return value
+        scheme, _, given = value.partition(b" ")
+        return given if scheme.lower() == b"bearer" else b""
 
 
 def _digest(token: bytes) -> bytes:

@@ -1,7 +1,7 @@
 """Hostile input against a real router (and the colocated worker behind it): the router's OpenAPI
 schema fuzzed with schemathesis (valid and invalid bodies, wrong methods), then a hand list of
-hostile bodies and requests. Every answer is a 4xx OpenAI error object or a success that matches
-the schema - never a 5xx, never a hang (every call has a timeout) - and afterwards the router and
+hostile bodies and requests. Every answer is a 4xx error object (OpenAI's; Anthropic's on the
+Messages routes) or a success that matches the schema - never a 5xx, never a hang (every call has a timeout) - and afterwards the router and
 the worker are healthy and a normal request still works.
 """
 
@@ -55,6 +55,8 @@ def cluster(tmp_path_factory):
 OPERATIONS = [
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/messages"),
+    ("POST", "/v1/messages/count_tokens"),
     ("POST", "/tokenize"),
     ("POST", "/detokenize"),
     ("GET", "/v1/models"),

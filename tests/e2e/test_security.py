@@ -1,4 +1,4 @@
-"""Security with real processes: the router's --api-key on every route; workers and their NIXL/UCX
+"""Security with real processes: the router's --api-key on every route (as a Bearer token or x-api-key); workers and their NIXL/UCX
 listeners on loopback by default; a worker bound elsewhere serving /internal/* (transfer metadata
 included) only to holders of the cluster secret; NIXL metadata fetched only from configured peers;
 request bodies capped; and no code path that unpickles or evaluates what it is sent.
@@ -69,7 +69,8 @@ BAD_CREDENTIALS = [
     {"Authorization": f"Bearer {API_KEY[:-1]}"},
     {"Authorization": f"Basic {API_KEY}"},
     {"Authorization": API_KEY},
-    {"X-Api-Key": API_KEY},
+    {"X-Api-Key": f"{API_KEY}x"},
+    {"X-Api-Key": f"Bearer {API_KEY}"},
 ]
 
 
@@ -81,10 +82,11 @@ def test_api_key_guards_every_route(cluster, method, path):
         err = _is_error(resp, 401)
         assert err["type"] == "authentication_error" and err["code"] == "invalid_api_key"
         assert resp.headers["www-authenticate"] == "Bearer"
-    ok = httpx.request(method, url, headers=AUTH, json=GOOD if method == "POST" else None, timeout=T)
-    assert ok.status_code != 401
-    if method == "GET" and path != "/no/such/route":
-        assert ok.status_code == 200, ok.text[:300]
+    for headers in (AUTH, {"X-Api-Key": API_KEY}):  # x-api-key: as Anthropic clients send the key
+        ok = httpx.request(method, url, headers=headers, json=GOOD if method == "POST" else None, timeout=T)
+        assert ok.status_code != 401
+        if method == "GET" and path != "/no/such/route":
+            assert ok.status_code == 200, ok.text[:300]
 
 
 def test_api_key_lets_a_request_through_the_pd_path(cluster):
