@@ -30,6 +30,9 @@ from pdserve.engine.sequence import Sequence
 _MASK64 = (1 << 64) - 1
 
 
+F32_MAX = torch.finfo(torch.float32).max
+
+
 def row_seed(seed: int, index: int) -> int:
     """splitmix64 of (seed, index): distinct, well-mixed generator seeds per output position."""
     z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
@@ -149,7 +152,11 @@ class Sampler:
             if p.repetition_penalty != 1.0:
                 seen = torch.tensor(s.token_ids(), dtype=torch.long, device=x.device).unique()
                 row = x[i, seen]
-                x[i, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                # float32: a penalty below its range is 0 (5e-324 is, as a request may send): what a
+                # mask or a ban made -inf stays -inf (not -inf * 0 = NaN, which could be drawn), and
+                # a division overflowing to +inf is the largest finite logit instead
+                scaled = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                x[i, seen] = torch.where(row == float("-inf"), row, scaled.nan_to_num(posinf=F32_MAX))
             if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and s.output_token_ids:
                 out = torch.tensor(s.output_token_ids, dtype=torch.long, device=x.device)
                 counts = torch.bincount(out, minlength=V)[:V].to(x.dtype)  # [V]

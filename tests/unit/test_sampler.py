@@ -101,6 +101,19 @@ def test_repetition_presence_frequency_penalties():
     assert torch.allclose(lp, torch.log_softmax(want, -1), atol=1e-5)
 
 
+def test_a_tiny_repetition_penalty_keeps_masked_tokens_masked():
+    """repetition_penalty 5e-324 (0 in float32): a seen token banned before the penalty (here by
+    min_tokens' EOS ban; a grammar's mask alike) stays -inf, not -inf * 0 = NaN, and no logit
+    becomes +inf: every draw is a token the row allows."""
+    x = torch.tensor([2.0, -2.0, 1.0, 0.5] + [0.0] * (V - 4))
+    lp = processed_logprobs(x, prompt=(0, EOS, 3), repetition_penalty=5e-324, min_tokens=1)
+    assert not lp.isnan().any() and lp[EOS] == float("-inf")
+    assert lp[0] == lp.max()  # 2.0 / 5e-324 overflowed to the largest finite logit
+    toks = {t.token_id for t in sampler(seed=5)(x.repeat(200, 1), seqs(200, prompt=(0, EOS, 3), temperature=1.0,
+            repetition_penalty=5e-324, min_tokens=1))}  # fmt: skip
+    assert EOS not in toks
+
+
 def test_logit_bias_is_added_before_everything_else():
     """OpenAI's logit_bias: added to the raw logits (greedy rows too), before the penalties;
     -100 in effect bans a token, +100 forces it; the raw logprobs stay the model's."""
