@@ -17,7 +17,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import Request
 from pdserve.outputs import RequestOutput
-from pdserve.sampling_params import SamplingParams
+from pdserve.sampling_params import RequestOutputKind, SamplingParams
 
 Message = dict[str, Any]
 
@@ -120,6 +120,7 @@ class LLM:
         ids: list[str] = []
         try:
             for (text, token_ids), p in zip(inputs, params):
+                p = p.model_copy(update={"output_kind": RequestOutputKind.FINAL_ONLY})  # one output each, at the end
                 request_id = str(next(self._counter))
                 self.engine.add_request(
                     Request(request_id=request_id, prompt_token_ids=token_ids, params=p, prompt=text)

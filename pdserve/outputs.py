@@ -1,6 +1,10 @@
 """What the engine returns per request, in vLLM's shapes. Pydantic: workers send them as JSON.
 
-Outputs are cumulative (each carries all tokens and text so far), as vLLM's LLMEngine returns them.
+What an output carries is the request's `SamplingParams.output_kind`: everything so far
+(cumulative, vLLM's default), only what is new since the request's last output (delta: a stream;
+`RequestOutput.add` folds deltas back into the cumulative output), or one output at the end with
+everything (final_only: `LLM.generate`). The other fields are the request's state at that output
+in every kind (cumulative_logprob is the running sum).
 
 finish_reason: "stop" (EOS, a stop token id or a stop string), "length" (max_tokens or
 max_model_len), "abort", "error" (see `RequestOutput.error`), or None while running. A prefill-role
@@ -77,3 +81,23 @@ class RequestOutput(BaseModel):
     # prompt tokens whose KV came from the prefix cache at the request's first admission (vLLM's
     # name; None before it is admitted here, 0 on a decode worker that loaded the prompt's KV)
     num_cached_tokens: int | None = None
+
+    def add(self, later: RequestOutput) -> None:
+        """Fold the request's next delta output into this one (vLLM's `add` with aggregate=True):
+        its new tokens, text and logprobs are appended; of the rest, what `later` sets wins.
+        Costs what `later` holds and a copy of this one's text (a stream's: what is unread)."""
+        mine, new = self.outputs[0], later.outputs[0]
+        mine.token_ids.extend(new.token_ids)
+        mine.text += new.text
+        if new.logprobs is not None:
+            if mine.logprobs is None:
+                mine.logprobs = []
+            mine.logprobs.extend(new.logprobs)
+        mine.finish_reason, mine.stop_reason = new.finish_reason, new.stop_reason
+        if new.cumulative_logprob is not None:
+            mine.cumulative_logprob = new.cumulative_logprob
+        self.finished = self.finished or later.finished
+        self.kv_handoff_sent = self.kv_handoff_sent or later.kv_handoff_sent
+        for name in ("kv_handle", "prefill_text_offset", "error", "transfer_error", "num_cached_tokens"):
+            if getattr(later, name) is not None:
+                setattr(self, name, getattr(later, name))

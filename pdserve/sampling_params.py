@@ -1,16 +1,26 @@
 """How one request is sampled and when it stops. Names and meanings follow vLLM's SamplingParams.
 
-A pydantic model: it crosses processes as JSON (router -> worker), `to_dict`/`from_dict` round-trip.
-Out-of-range values raise ValueError (pydantic's ValidationError is one) naming the field.
+A pydantic model: it crosses processes as JSON (router -> worker), `to_dict`/`from_dict` round-trip
+(all but `output_kind`, which each process sets for its own engine). Out-of-range values raise
+ValueError (pydantic's ValidationError is one) naming the field.
 """
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _GREEDY_EPS = 1e-5  # temperatures below this sample greedily, as vLLM does
+
+
+class RequestOutputKind(enum.Enum):
+    """What the engine's RequestOutputs for a request carry (vLLM's names)."""
+
+    CUMULATIVE = "cumulative"  # every output: all tokens, text and logprobs so far (O(output) a step)
+    DELTA = "delta"  # every output: only what is new since the request's last output (a stream)
+    FINAL_ONLY = "final_only"  # one output, when the request finishes, with everything (LLM.generate)
 
 
 class StructuredOutputsParams(BaseModel):
@@ -77,6 +87,8 @@ class SamplingParams(BaseModel):
     include_stop_str_in_output: bool = False
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # how this process's engine returns the request's outputs; not sent (a worker streams deltas)
+    output_kind: RequestOutputKind = Field(RequestOutputKind.CUMULATIVE, exclude=True)
 
     @field_validator("n")
     @classmethod

@@ -18,6 +18,7 @@ present, special_tokens_map.json and chat_template.jinja. Behaves as transformer
 inside a multi-byte UTF-8 character.
 """
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -85,6 +86,10 @@ class Tokenizer:
     @property
     def all_special_ids(self) -> list[int]:
         return sorted(i for i, t in self._backend.get_added_tokens_decoder().items() if t.special)
+
+    @functools.cached_property
+    def special_id_set(self) -> frozenset[int]:
+        return frozenset(self.all_special_ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
@@ -194,11 +199,18 @@ class Tokenizer:
 class IncrementalDetokenizer:
     """Per-sequence streaming decode: `push` returns only text made of complete characters.
 
-    Decodes a short window of recent tokens (prefix window + new tokens) and emits the
-    part past the prefix. A window whose text ends in U+FFFD holds an incomplete UTF-8
-    character, so nothing is emitted until a later token completes it (or `flush`).
-    Decoding from a prefix rather than from the new token alone keeps the spacing that
-    tokenizers with word-start markers (Metaspace) add only between tokens.
+    A token's text is cut from the decode of the tokens since the last text came out, after those
+    of that text (the prefix): decoding from a prefix rather than the new token alone keeps the
+    spacing that tokenizers with word-start markers (Metaspace) add only between tokens, and the
+    first output decodes after the prompt's last tokens. While the decode ends in U+FFFD (an
+    incomplete UTF-8 character) nothing comes out until a later token completes it (or `flush`).
+    Per token this decodes a few tokens, however long the output.
+
+    tokenizers' DecodeStream (Rust, tokenizers >= 0.22) does it about twice as fast as Python
+    (docs/benchmarking.md); the Python path (`_cut`) runs where it is missing, for a prefix whose
+    text ends inside a character (DecodeStream would not keep it as a prefix), and for a token
+    that DecodeStream refuses (its decode no longer starts with the prefix's: lossy bytes), until
+    text comes out again.
     """
 
     PROMPT_CONTEXT = 5  # prompt tokens kept as decoding context for the first output
@@ -208,37 +220,76 @@ class IncrementalDetokenizer:
         tokenizer: Tokenizer,
         skip_special_tokens: bool = True,
         prompt_token_ids: Sequence[int] | None = None,
+        use_stream: bool = True,
     ):
+        """use_stream: False runs the Python path alone (to compare the two)."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.token_ids: list[int] = list(prompt_token_ids or [])
-        self.read_offset = len(self.token_ids)  # tokens before this are already emitted
-        self.prefix_offset = max(self.read_offset - self.PROMPT_CONTEXT, 0)  # start of the decode window
-        self.text = ""  # everything emitted so far
+        self._backend = tokenizer.backend
+        # ids that decode to nothing wherever they stand: left out, so a run of them (EOS under
+        # ignore_eos) never widens the decode window
+        self._silent = tokenizer.special_id_set if skip_special_tokens else frozenset()
+        self._vocab = tokenizer.vocab_size
+        self._prefix: list[int] = list(prompt_token_ids or [])[-self.PROMPT_CONTEXT :]  # tokens of the last text out
+        self._held: list[int] = []  # tokens since, their text not out yet
+        self._use_stream = use_stream and _decode_stream() is not None
+        self._stream = self._new_stream()
 
     def push(self, token_id: int) -> str:
         """Add one generated token; return the newly complete text (may be "")."""
-        self.token_ids.append(token_id)
-        prefix_text = self._decode(self.prefix_offset, self.read_offset)
-        new_text = self._decode(self.prefix_offset, len(self.token_ids))
-        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+        if token_id in self._silent or token_id >= self._vocab:
             return ""
-        delta = new_text[len(prefix_text) :]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-        self.text += delta
-        return delta
+        self._held.append(token_id)
+        text = None
+        if self._stream is not None:
+            try:
+                text = self._stream.step(self._backend, token_id)
+            except Exception:  # a decode that does not continue the prefix's text: cut it in Python
+                self._stream = None
+        if self._stream is None:
+            text = self._cut(hold=True)
+        if not text:
+            return ""
+        self._prefix, self._held = self._held, []
+        if self._stream is None:
+            self._stream = self._new_stream()
+        return text
 
     def flush(self) -> str:
         """Emit whatever is held back (an incomplete character decodes to U+FFFD)."""
-        prefix_text = self._decode(self.prefix_offset, self.read_offset)
-        new_text = self._decode(self.prefix_offset, len(self.token_ids))
-        delta = new_text[len(prefix_text) :]
-        self.prefix_offset = self.read_offset = len(self.token_ids)
-        self.text += delta
-        return delta
+        text = self._cut(hold=False)
+        self._prefix, self._held, self._stream = [], [], None  # a sequence's end: nothing comes next
+        return text
 
-    def _decode(self, start: int, end: int) -> str:
-        return self.tokenizer.decode(self.token_ids[start:end], skip_special_tokens=self.skip_special_tokens)
+    def _cut(self, hold: bool) -> str:
+        """The held tokens' text: the decode of prefix + held past the prefix's text ("" while it
+        is not longer or, with hold, ends inside a character)."""
+        prefix = self._decode(self._prefix)
+        whole = self._decode(self._prefix + self._held)
+        if hold and (len(whole) <= len(prefix) or whole.endswith(REPLACEMENT_CHAR)):
+            return ""
+        return whole[len(prefix) :]
+
+    def _new_stream(self) -> Any:
+        """A DecodeStream continuing after self._prefix, or None for the Python path."""
+        if not self._use_stream or self._decode(self._prefix).endswith(REPLACEMENT_CHAR):
+            return None
+        return _decode_stream()(ids=self._prefix, skip_special_tokens=self.skip_special_tokens)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+
+@functools.cache
+def _decode_stream() -> type | None:
+    """tokenizers' DecodeStream if it takes a prefix (`ids`, tokenizers >= 0.22), else None."""
+    try:
+        from tokenizers.decoders import DecodeStream
+
+        DecodeStream(ids=[], skip_special_tokens=False)
+    except (ImportError, TypeError):
+        return None
+    return DecodeStream
 
 
 def _read_json(path: Path) -> dict:

@@ -48,7 +48,7 @@ def parse(text: str) -> Scrape:
             if s.name.endswith(("_sum", "_count")) and family.name in (TTFT, HANDOFF, ROUTER_TTFT):
                 key = f"{s.name}{{{s.labels['part']}}}" if "part" in s.labels else s.name
                 out[key] = float(s.value)
-            elif s.name == KV_BYTES:
+            elif s.name in (KV_BYTES, KV_SAVED):
                 out[s.name] = float(s.value)
             elif s.name == HANDOFFS:
                 out[f"{s.name}{{{s.labels.get('via', '')}}}"] = float(s.value)

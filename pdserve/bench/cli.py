@@ -2,7 +2,7 @@
 plot result files, or advise on PD vs colocated.
 
     pdserve bench [--base-url URL] --concurrency 1,8,16 --num-prompts 6,24,32 [--out DIR | r.json] [--plot r.png]
-        [--dataset random | sharegpt FILE | generated-shared-prefix | multi-turn]   (sources.py)
+        [--dataset random | sharegpt FILE | generated-shared-prefix | multi-turn | agentic]   (sources.py)
     pdserve bench plot a.json b.json -o out.png
     pdserve bench advise colocated.json pd.json [--colocated-gpus N --pd-gpus M] [--live --metrics-url URL ...]
       (GPU counts default to what the files recorded: the distinct GPUs behind the router)
@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from pdserve.bench import advisor, breakdown, dataset, report, sources, workers
+from pdserve.bench import advisor, agentic_report, breakdown, dataset, report, sources, workers
 from pdserve.bench.client import WrongKey, fetch_models, run_level
 from pdserve.bench.multiturn import run_conversations
 
@@ -36,6 +36,13 @@ def _int_list(text: str) -> list[int]:
     if not values or any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def _positive_float(text: str) -> float:
@@ -64,15 +71,21 @@ def run_parser() -> argparse.ArgumentParser:
         "--num-prompts",
         type=_int_list,
         default=None,
-        help="requests per level, one per concurrency level (default 6,24,32; multi-turn: conversations)",
+        help="requests per level, one per concurrency level (default 6,24,32; multi-turn: conversations; agentic: sessions)",
     )
     p.add_argument(
         "--request-rate",
         type=_positive_float,
         default=float("inf"),
-        help="Poisson arrivals in req/s (multi-turn: conversations/s; inf: all at once)",
+        help="Poisson arrivals in req/s (multi-turn: conversations/s; agentic: sessions/s; inf: all at once)",
     )
     p.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
+    p.add_argument(
+        "--num-gpus",
+        type=_positive_int,
+        default=None,
+        help="the deployment's GPUs, for throughput per GPU (default: the distinct GPUs behind a pdserve router)",
+    )
     p.add_argument(
         "--slo", default=None, help="goodput SLO, e.g. ttft_ms=500,tpot_ms=50 (keys: ttft_ms, tpot_ms, e2el_ms)"
     )
@@ -158,6 +171,7 @@ def _level(
     concurrency: int,
     rng: random.Random,
     slo: dict[str, float],
+    gpus: int | None,
 ) -> dict[str, Any]:
     from tqdm import tqdm
 
@@ -187,6 +201,8 @@ def _level(
         else:
             result["worker_metrics"] = workers.worker_stats(before, after, duration)
             result["prefix_cache_workers"] = workers.prefix_cache_stats(args.metrics_url, before, after)
+    if args.dataset[0] == "agentic":
+        result.update(agentic_report.level_fields(outputs, result, gpus))
     return result
 
 
@@ -221,10 +237,11 @@ def bench(argv: list[str]) -> int:
         return 2
 
     deployment = _try(breakdown.deployment, args.base_url, args.api_key)
+    gpus = args.num_gpus or (None if isinstance(deployment, str) else deployment["gpus"] or None)  # 0: CPU workers
     results = []
     for i, (concurrency, num) in enumerate(zip(args.concurrency, args.num_prompts)):
         rng = random.Random(f"{args.seed}:{i}")  # each level its own prompts, the same on every run
-        results.append(_level(args, model, make_requests(num, rng), concurrency, rng, slo))
+        results.append(_level(args, model, make_requests(num, rng), concurrency, rng, slo, gpus))
 
     config = {k: v for k, v in vars(args).items() if k != "api_key"}
     config["request_rate"] = "inf" if args.request_rate == float("inf") else args.request_rate
@@ -240,6 +257,8 @@ def bench(argv: list[str]) -> int:
     print(report.format_table(results))
     if _caching_shown(args, results):
         print(report.format_cache_table(results))
+    if args.dataset[0] == "agentic":
+        print(agentic_report.format_table(results))
     parts = breakdown.format_table(results)
     if parts:
         print(parts)
@@ -255,7 +274,7 @@ def bench(argv: list[str]) -> int:
 
 def _caching_shown(args: argparse.Namespace, results: list[dict[str, Any]]) -> bool:
     """The prefix-cache table: for the workloads made for it, or wherever a cache reported."""
-    return args.dataset[0] in ("generated-shared-prefix", "multi-turn") or any(
+    return args.dataset[0] in ("generated-shared-prefix", *sources.CONVERSATIONS) or any(
         r.get("cached_tokens_reported") or (r.get("prefix_cache_workers") or {}).get("queries") for r in results
     )
 

@@ -1,5 +1,5 @@
 """Benchmark prompts: random token ids (exact lengths), ShareGPT conversations, and the two
-prefix-cache workloads.
+prefix-cache workloads (agentic sessions, built on `Conversation`, are agentic.py's).
 
 Random prompts are token-id lists sent as the `prompt` of /v1/completions, the
 way `vllm bench serve --dataset-name random` does, so the server sees exactly
@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Without a tokenizer to size the vocabulary, draw from the byte range: every
 # byte-level BPE vocabulary (DeepSeek's included) holds these ids.
@@ -63,19 +63,25 @@ def load_vocab(tokenizer_paths: list[str | None]) -> Vocab:
 
 @dataclass(frozen=True)
 class Conversation:
-    """A multi-turn conversation: the first turn's prompt, then each later turn's new question; the
-    answers in between are the server's (multiturn.py)."""
+    """A chain of turns: the first turn's prompt, then what each later turn appends after the
+    previous answer (a question; an agent's tool output); the answers are the server's (multiturn.py)."""
 
     first: list[int]
-    questions: list[list[int]]  # one per turn after the first
-    output_len: int  # each turn's answer
+    appended: list[list[int]]  # one per turn after the first
+    output_lens: list[int]  # each turn's answer (max_tokens), one per turn
+    think_s: list[float] = field(default_factory=list)  # s before each later turn is sent; empty: none
 
     @property
     def turns(self) -> int:
-        return 1 + len(self.questions)
+        return 1 + len(self.appended)
+
+    def think(self, turn: int) -> float:
+        """Seconds to wait after turn - 1's answer before sending `turn` (>= 1)."""
+        return self.think_s[turn - 1] if self.think_s else 0.0
 
 
-def _allowed(vocab: Vocab) -> list[int]:
+def allowed_ids(vocab: Vocab) -> list[int]:
+    """The ids prompts are drawn from: the base vocabulary less its special tokens."""
     allowed = [i for i in range(vocab.size) if i not in vocab.excluded]
     if not allowed:
         raise ValueError(f"vocabulary from {vocab.tokenizer} has no usable token ids")
@@ -87,7 +93,7 @@ def _ids(allowed: list[int], n: int, rng: random.Random) -> list[int]:
 
 
 def random_requests(num: int, input_len: int, output_len: int, vocab: Vocab, rng: random.Random) -> list[BenchRequest]:
-    allowed = _allowed(vocab)
+    allowed = allowed_ids(vocab)
     return [BenchRequest(_ids(allowed, input_len, rng), output_len) for _ in range(num)]
 
 
@@ -102,7 +108,7 @@ def shared_prefix_requests(
 ) -> list[BenchRequest]:
     """num_groups x prompts_per_group requests, groups interleaved in a seeded shuffle; each prompt is
     its group's system prompt followed by its own question."""
-    allowed = _allowed(vocab)
+    allowed = allowed_ids(vocab)
     systems = [_ids(allowed, system_prompt_len, rng) for _ in range(num_groups)]
     requests = [
         BenchRequest(system + _ids(allowed, question_len, rng), output_len)
@@ -117,10 +123,12 @@ def conversations(
     num: int, turns: int, input_len: int, question_len: int, output_len: int, vocab: Vocab, rng: random.Random
 ) -> list[Conversation]:
     """num conversations of `turns` turns: an input_len-token first prompt, question_len-token questions."""
-    allowed = _allowed(vocab)
+    allowed = allowed_ids(vocab)
     return [
         Conversation(
-            _ids(allowed, input_len, rng), [_ids(allowed, question_len, rng) for _ in range(turns - 1)], output_len
+            _ids(allowed, input_len, rng),
+            [_ids(allowed, question_len, rng) for _ in range(turns - 1)],
+            [output_len] * turns,
         )
         for _ in range(num)
     ]

@@ -1,13 +1,15 @@
-"""One level of the multi-turn benchmark: conversations, each a chain of requests.
+"""One level of the multi-turn and agentic benchmarks: conversations, each a chain of requests.
 
     conversation: turn 0 prompt = first
-                  turn k+1 prompt = turn k prompt + turn k's answer (its token ids) + question k
-                  one turn at a time; the next is sent when the answer has streamed in full
+                  turn k+1 prompt = turn k prompt + turn k's answer (its token ids) + appended k
+                  one turn at a time; the next is sent when the answer has streamed in full and
+                  the conversation's think time for it has passed (agentic: the tool runs)
 
-At most `concurrency` conversations are in flight, starting at Poisson arrivals of `request_rate`
-conversations/s (inf: all at once). The answer's token ids come from the stream (vLLM's
-return_token_ids, which every payload asks for): a server that sends none fails the later turns
-with that reason rather than sending prompts that were never the conversation.
+At most `concurrency` conversations are in flight (a thinking one holds its place, as a user
+does), starting at Poisson arrivals of `request_rate` conversations/s (inf: all at once). The
+answer's token ids come from the stream (vLLM's return_token_ids, which every payload asks for): a
+server that sends none fails the later turns with that reason rather than sending prompts that
+were never the conversation.
 """
 
 from __future__ import annotations
@@ -61,8 +63,10 @@ async def run_conversations(
                                 if on_done is not None:
                                     on_done(outs[-1])
                             break
-                        prompt = prompt + outs[-1].output_ids + conv.questions[k - 1]
-                    payload = build_payload(endpoint, model, BenchRequest(prompt, conv.output_len))
+                        if conv.think(k):
+                            await asyncio.sleep(conv.think(k))
+                        prompt = prompt + outs[-1].output_ids + conv.appended[k - 1]
+                    payload = build_payload(endpoint, model, BenchRequest(prompt, conv.output_lens[k]))
                     out = await send_request(client, url, payload, headers, t0)
                     out.turn = k
                     outs.append(out)

@@ -11,7 +11,8 @@ prompt tokens served (`total_input_tokens`), found in the cache (`total_cached_t
 (`prefill_tokens_computed` = served - cached) and `prefix_cache_hit_rate` (cached / served); all
 null, with `cached_tokens_reported` false, unless every completed request's usage says. The
 workers' own counters (pdserve_prefix_cache_*) are workers.py's. Multi-turn levels also give
-median TTFT of first turns and of later turns (whose prompts the cache may hold).
+median TTFT of first turns and of later turns (whose prompts the cache may hold); agentic levels
+add agentic_report.py's fields.
 """
 
 from __future__ import annotations
@@ -182,9 +183,7 @@ def format_table(results: list[dict[str, Any]]) -> str:
     rows = [[h for h, _, _ in TABLE_COLUMNS]]
     for r in results:
         rows.append([_fmt(r.get(key), d) if d else str(r.get(key, "-")) for _, key, d in TABLE_COLUMNS])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines = render_rows(rows).splitlines()
     for r in results:
         for error, count in (r.get("error_counts") or {}).items():
             lines.append(f"c={r['max_concurrency']}: {count} failed: {error}")
@@ -227,6 +226,11 @@ def format_cache_table(results: list[dict[str, Any]]) -> str:
     rows = [[h for h, _, _ in CACHE_COLUMNS]]
     for r in results:
         rows.append(["-" if get(r) is None else f"{get(r):.{d}f}" for _, get, d in CACHE_COLUMNS])
+    return render_rows(rows)
+
+
+def render_rows(rows: list[list[str]]) -> str:
+    """A header row and data rows as right-aligned columns, a rule under the header."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))

@@ -8,6 +8,9 @@
     multi-turn                --num-prompts conversations a level, --num-turns turns each: an
                               --input-len first prompt, then the answer (--output-len) and a new
                               --question-len question appended each turn (multiturn.py)
+    agentic                   --num-prompts coding-agent sessions a level sharing a system prefix, each
+                              turn appending the answer and a tool output until the context cap
+                              (the --agentic-* flags; agentic.py)
 
 The token-id workloads go to /v1/completions only (a chat message is text).
 """
@@ -20,9 +23,10 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from pdserve.bench import dataset
+from pdserve.bench import agentic, dataset
 
-DATASETS = ("random", "sharegpt", "generated-shared-prefix", "multi-turn")
+DATASETS = ("random", "sharegpt", "generated-shared-prefix", "multi-turn", "agentic")
+CONVERSATIONS = ("multi-turn", "agentic")  # sent by multiturn.py
 DEFAULT_NUM_PROMPTS = [6, 24, 32]
 
 Workload = list[dataset.BenchRequest] | list[dataset.Conversation]
@@ -35,7 +39,7 @@ def add_dataset_args(p: argparse.ArgumentParser) -> None:
         nargs="+",
         default=["random"],
         metavar="NAME [FILE]",
-        help="random (token ids), sharegpt FILE, generated-shared-prefix, or multi-turn",
+        help="random (token ids), sharegpt FILE, generated-shared-prefix, multi-turn, or agentic",
     )
     p.add_argument("--input-len", type=int, default=256, help="prompt tokens (random; multi-turn: the first turn's)")
     p.add_argument(
@@ -48,6 +52,7 @@ def add_dataset_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gsp-system-prompt-len", type=int, default=2048, help="generated-shared-prefix: shared tokens")
     p.add_argument("--gsp-question-len", type=int, default=128, help="generated-shared-prefix: tokens of each question")
     p.add_argument("--gsp-output-len", type=int, default=256, help="generated-shared-prefix: generated tokens")
+    agentic.add_agentic_args(p)
 
 
 def check_dataset(args: argparse.Namespace) -> None:
@@ -55,7 +60,7 @@ def check_dataset(args: argparse.Namespace) -> None:
     kind = args.dataset[0]
     if kind not in DATASETS:
         raise ValueError(
-            f"unknown dataset {kind!r}: expected random, sharegpt FILE, generated-shared-prefix or multi-turn"
+            f"unknown dataset {kind!r}: expected random, sharegpt FILE, generated-shared-prefix, multi-turn or agentic"
         )
     if kind == "sharegpt" and len(args.dataset) != 2:
         raise ValueError("--dataset sharegpt needs its JSON file: --dataset sharegpt FILE")
@@ -75,7 +80,9 @@ def check_dataset(args: argparse.Namespace) -> None:
     for name in sizes:
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
-    if kind in ("generated-shared-prefix", "multi-turn") and args.endpoint.endswith("/chat/completions"):
+    if kind == "agentic":
+        agentic.shape_from_args(args)
+    if kind in ("generated-shared-prefix", *CONVERSATIONS) and args.endpoint.endswith("/chat/completions"):
         raise ValueError(f"--dataset {kind} sends token ids: use --endpoint /v1/completions")
 
 
@@ -87,12 +94,18 @@ def prompt_source(
     if kind == "sharegpt":
         prompts = dataset.load_sharegpt(args.dataset[1])
         return lambda num, rng: dataset.sharegpt_requests(prompts, num, args.output_len, rng), None
-    root = next((m.get("root") for m in models if m.get("id") == model), None)
+    card = next((m for m in models if m.get("id") == model), {})
+    root = card.get("root")
+    limit = card.get("max_model_len")
+    if kind == "agentic" and limit and args.agentic_max_context > limit:  # every long session's last turns would fail
+        raise ValueError(f"--agentic-max-context {args.agentic_max_context} passes {model}'s max_model_len {limit}")
     vocab = dataset.load_vocab([args.tokenizer, root, model])  # the model card's root is its checkpoint folder
     if vocab.tokenizer is None:
         print(f"note: no tokenizer found, random token ids from 0..{vocab.size - 1}; pass --tokenizer", file=sys.stderr)
 
     def make(num: int, rng: random.Random) -> Workload:
+        if kind == "agentic":
+            return agentic.sessions(num, agentic.shape_from_args(args), vocab, rng)
         if kind == "multi-turn":
             a = args
             return dataset.conversations(num, a.num_turns, a.input_len, a.question_len, a.output_len, vocab, rng)

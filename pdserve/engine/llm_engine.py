@@ -1,5 +1,12 @@
 """The engine loop: add_request -> step (schedule -> run -> sample -> stop checks) -> RequestOutputs.
 
+A step notes the sequences it advanced or ended and builds one output each at its end, as the
+request's `output_kind` asks: the new tokens, text and logprobs since its last output (delta),
+everything so far (cumulative), or everything once it finishes (final_only). Per token the engine
+appends to the sequence and reads only the new end of its text (detokenizer, stop strings, a
+delta), so a step's host work does not grow with the outputs' length, except for cumulative
+outputs, which copy the whole output at every step.
+
 add_request and abort_request may be called from any thread: a Request is validated at once (bad
 input raises ValueError in the caller) and takes effect at the start of the next step(). step()
 itself must be called from one thread at a time.
@@ -29,10 +36,12 @@ from pdserve.engine.sampler import SampledToken
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.spec_decode.decoder import SpecDecoder
-from pdserve.engine.stop import check_stop, visible_text
+from pdserve.engine.stop import check_stop, visible_len
 from pdserve.outputs import CompletionOutput, Logprob, RequestOutput, from_entries
-from pdserve.sampling_params import SamplingParams
+from pdserve.sampling_params import RequestOutputKind, SamplingParams
 from pdserve.structured.matcher import RequestMatcher
+
+Touched = dict[str, Sequence]  # a step's sequences with an output to give, by request id
 
 
 class LLMEngine:
@@ -165,16 +174,16 @@ class LLMEngine:
 
     # -- the step --
     def step(self) -> list[RequestOutput]:
-        outputs: dict[str, RequestOutput] = {}
+        touched: Touched = {}
         with self._lock:
             new, self._new = self._new, []
             aborts, self._aborts = self._aborts, []
         for seq in new:
-            self._admit(seq, outputs)
+            self._admit(seq, touched)
         for request_id in aborts:
-            self._abort(request_id, outputs)
+            self._abort(request_id, touched)
         if self.remote_kv is not None:
-            self._poll_remote(outputs)
+            self._poll_remote(touched)
         if self.spec is not None:  # drafts for requests whose KV arrived: they verify at their first step
             self.spec.propose_waiting(self.scheduler.waiting)
         sched = self.scheduler.schedule()
@@ -183,27 +192,25 @@ class LLMEngine:
             self.runner.copy_records(self.block_manager.take_copies())
             if self.spec is not None:
                 self.spec.begin(sched)
-            sampled = self.runner.run(sched, self._while_step_runs(outputs))
-            self._postprocess(sched, sampled, outputs)
+            sampled = self.runner.run(sched, self._while_step_runs(touched))
+            self._postprocess(sched, sampled, touched)
             if self.spec is not None:
                 self.spec.propose(sched)
             for s in sched.scheduled:  # after the drafts: V4's MTP pass reads the window the step read
                 self.block_manager.trim_window(s.seq)
-            self._hold(outputs)
-        return list(outputs.values())
+            self._hold(touched)
+        return self._outputs(touched)
 
-    def _while_step_runs(self, outputs: dict[str, RequestOutput]) -> Callable[[], None] | None:
+    def _while_step_runs(self, touched: Touched) -> Callable[[], None] | None:
         """Decode with hand-offs or loads outstanding: the connector's work, done while the device
         computes the step, so a hand-off that arrives mid-step has its KV read by the step's end
         and the request runs in the next step (seen only between steps, its read would span the
         next one: a whole step more of its TTFT). None when there is nothing to wait for."""
         if self.remote_kv is None or not self.remote_kv.busy():
             return None
-        return lambda: self._poll_remote(outputs)
+        return lambda: self._poll_remote(touched)
 
-    def _postprocess(
-        self, sched: SchedulerOutput, sampled: list[SampledToken], outputs: dict[str, RequestOutput]
-    ) -> None:
+    def _postprocess(self, sched: SchedulerOutput, sampled: list[SampledToken], touched: Touched) -> None:
         tokens = iter(sampled)
         for s in sched.scheduled:
             seq = s.seq
@@ -226,7 +233,7 @@ class LLMEngine:
                 status = SequenceStatus.FINISHED_REMOTE_DECODE
             if status is not None:
                 self._finish(seq, status)
-            outputs[seq.request_id] = self._output(seq)
+            touched[seq.request_id] = seq
 
     def _append(self, seq: Sequence, tok: SampledToken) -> SequenceStatus | None:
         if tok.logprobs is not None:
@@ -243,7 +250,7 @@ class LLMEngine:
         delta = seq.detokenizer.push(token_id) if seq.detokenizer is not None else ""
         status = check_stop(seq, token_id, delta, self.eos_token_ids, self.max_model_len)
         if status is SequenceStatus.FINISHED_LENGTH and seq.detokenizer is not None:
-            seq.text += seq.detokenizer.flush()  # a cut-off multi-byte character ends as U+FFFD
+            seq.output_text.append(seq.detokenizer.flush())  # a cut-off multi-byte character ends as U+FFFD
         return status
 
     def _decode_one(self, token_id: int) -> str | None:
@@ -257,25 +264,37 @@ class LLMEngine:
         elif seq.request_id not in self.scheduler.held:
             self._forget(seq.request_id)
 
-    def _hold(self, outputs: dict[str, RequestOutput]) -> None:
+    def _hold(self, touched: Touched) -> None:
         holding, self._holding = self._holding, []
         for seq in holding:
             self.remote_kv.hold(seq)
             if seq.request_id not in self.scheduler.held:
                 self._forget(seq.request_id)
-            outputs[seq.request_id] = self._output(seq)
+            touched[seq.request_id] = seq
 
     def _forget(self, request_id: str) -> None:
         with self._lock:
             self._ids.discard(request_id)
 
-    def _output(self, seq: Sequence) -> RequestOutput:
+    def _outputs(self, touched: Touched) -> list[RequestOutput]:
+        """The step's outputs, built once per sequence from its state at the step's end."""
+        outputs = (self._output(seq) for seq in touched.values())
+        return [out for out in outputs if out is not None]
+
+    def _output(self, seq: Sequence) -> RequestOutput | None:
+        kind = seq.params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not seq.finished:
+            return None
+        sent = seq.num_sent_tokens if kind is RequestOutputKind.DELTA else 0
+        shown = seq.num_sent_chars if kind is RequestOutputKind.DELTA else 0
+        visible = max(visible_len(seq), shown)
+        seq.num_sent_tokens, seq.num_sent_chars = seq.num_output_tokens, visible
         completion = CompletionOutput.model_construct(
             index=0,
-            text=visible_text(seq),
-            token_ids=list(seq.output_token_ids),
+            text=seq.output_text.slice(shown, visible),
+            token_ids=seq.output_token_ids[sent:],
             cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            logprobs=seq.logprobs[sent:] if seq.logprobs is not None else None,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
         )
@@ -294,9 +313,9 @@ class LLMEngine:
         )
 
     # -- admission, aborts and PD --
-    def _admit(self, seq: Sequence, outputs: dict[str, RequestOutput]) -> None:
+    def _admit(self, seq: Sequence, touched: Touched) -> None:
         if seq.request.kv_from is not None and seq.first_token is None:  # decode, before its hand-off
-            self._on_remote(self.remote_kv.wait(seq), outputs)
+            self._on_remote(self.remote_kv.wait(seq), touched)
             return
         if seq.first_token is None:
             self.scheduler.add(seq)
@@ -309,39 +328,39 @@ class LLMEngine:
         status = self._push_token(seq, first.token_id)
         if status is not None:  # the first token already ends it: nothing to load (the lease frees prefill)
             seq.status = status
-            self._end(seq, outputs)
+            self._end(seq, touched)
             return
         self.scheduler.add_remote(seq)
 
-    def _abort(self, request_id: str, outputs: dict[str, RequestOutput]) -> None:
+    def _abort(self, request_id: str, touched: Touched) -> None:
         if self.remote_kv is not None:
             events = self.remote_kv.abort(request_id)
             if events is not None:
-                self._on_remote(events, outputs)
+                self._on_remote(events, touched)
                 return
         seq = self.scheduler.find(request_id)
         if seq is None:
             return
         self._finish(seq, SequenceStatus.FINISHED_ABORTED)
-        outputs[request_id] = self._output(seq)
+        touched[request_id] = seq
 
-    def _poll_remote(self, outputs: dict[str, RequestOutput]) -> None:
+    def _poll_remote(self, touched: Touched) -> None:
         """Hand-offs first: a request they make ready gets its load started by the poll."""
-        self._on_remote(self.remote_kv.take_handoffs(), outputs)
-        self._on_remote(self.remote_kv.poll(), outputs)
+        self._on_remote(self.remote_kv.take_handoffs(), touched)
+        self._on_remote(self.remote_kv.poll(), touched)
 
-    def _on_remote(self, events: RemoteEvents, outputs: dict[str, RequestOutput]) -> None:
+    def _on_remote(self, events: RemoteEvents, touched: Touched) -> None:
         for request_id in events.freed:
             self._forget(request_id)
         for seq in events.ended:
-            self._end(seq, outputs)
+            self._end(seq, touched)
         for seq in events.ready:
-            self._admit(seq, outputs)
+            self._admit(seq, touched)
 
-    def _end(self, seq: Sequence, outputs: dict[str, RequestOutput]) -> None:
+    def _end(self, seq: Sequence, touched: Touched) -> None:
         """Output a sequence finished outside the scheduler's queues (it holds no blocks)."""
         self._forget(seq.request_id)
-        outputs[seq.request_id] = self._output(seq)
+        touched[seq.request_id] = seq
 
     # -- queries --
     def has_unfinished_requests(self) -> bool:

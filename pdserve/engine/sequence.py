@@ -74,8 +74,11 @@ class Sequence:
         self.spec_token_ids: list[int] = []  # drafts to verify after the last token (spec_decode/)
         self.arrival = arrival  # admission order key: larger = younger
         # output state
-        self.text = ""
+        self.output_text = OutputText()
         self.detokenizer: Any = None  # IncrementalDetokenizer, or None when not detokenizing
+        # what the request's outputs have carried so far (delta outputs start after it)
+        self.num_sent_tokens = 0
+        self.num_sent_chars = 0
         self.logprobs: list[dict[int, Logprob]] | None = [] if self.params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.stop_reason: int | str | None = None
@@ -148,9 +151,72 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
 
+    @property
+    def text(self) -> str:
+        """The whole output text: joins it, O(text); per token, read `output_text`'s end instead."""
+        return str(self.output_text)
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self.output_text = OutputText(value)
+
     def __repr__(self) -> str:
         return (
             f"Sequence({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
             f"out={self.num_output_tokens}, computed={self.num_computed_tokens}, blocks={len(self.block_table)}, "
             f"window_blocks={sum(b >= 0 for b in self.window_table)})"
         )
+
+
+class OutputText:
+    """A sequence's output text in pieces: `str +=` would copy the whole text at every token.
+    Appending costs the piece (every JOIN pieces are joined into one, so a long text is a few
+    pieces per JOIN tokens); reading the end (stop strings, a delta output's new text) walks back
+    only over what it reads and at most one joined piece."""
+
+    JOIN = 256
+
+    def __init__(self, text: str = "") -> None:
+        self._pieces: list[str] = [text] if text else []
+        self._len = len(text)
+        self._loose = 0  # pieces appended since the last join
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __str__(self) -> str:
+        whole = "".join(self._pieces)
+        self._pieces, self._loose = ([whole] if whole else []), 0  # asked again, it is not joined again
+        return whole
+
+    def append(self, piece: str) -> None:
+        if not piece:
+            return
+        self._pieces.append(piece)
+        self._len += len(piece)
+        self._loose += 1
+        if self._loose == self.JOIN:
+            self._pieces[-self.JOIN :] = ["".join(self._pieces[-self.JOIN :])]
+            self._loose = 0
+
+    def slice(self, start: int, end: int | None = None) -> str:
+        """text[start:end] for 0 <= start <= end <= len; costs len - start, however long the text."""
+        end = self._len if end is None else end
+        if start >= end:
+            return ""
+        pos, i = self._len, len(self._pieces)
+        while pos > start:  # back to the piece that holds `start`
+            i -= 1
+            pos -= len(self._pieces[i])
+        tail = self._pieces[i][start - pos :] + "".join(self._pieces[i + 1 :])
+        return tail[: end - start]
+
+    def truncate(self, length: int) -> None:
+        """Keep text[:length] (a stop string cut it)."""
+        piece = ""
+        while self._len > length:
+            piece = self._pieces.pop()
+            self._len -= len(piece)
+        if self._len < length:
+            self.append(piece[: length - self._len])
+        self._loose = 0

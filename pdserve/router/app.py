@@ -5,6 +5,9 @@
     POST /v1/messages                             Anthropic's Messages API: translated into the chat
                                                   path (messages.py) -> Router.serve -> messages_format.py
     POST /v1/messages/count_tokens                the prompt's token count (messages.py)
+    POST /v1/responses                            OpenAI's Responses API, stateless: translated into the
+                                                  chat path (responses_api.py) -> Router.serve ->
+                                                  responses_api_format.py
     POST /tokenize, /detokenize                   a prompt or chat messages <-> token ids (tokenize.py)
     GET  /v1/models, /health, /workers, /metrics
 
@@ -47,6 +50,10 @@ from pdserve.router.responses import (
     ChatFormatter,
     CompletionFormatter,
 )
+from pdserve.router.responses_api import prepare as prepare_response
+from pdserve.router.responses_api import settings as response_settings
+from pdserve.router.responses_api_format import RESPONSES_API_RESPONSES, ResponsesFormatter
+from pdserve.router.responses_api_protocol import ResponsesRequest
 from pdserve.router.serving import Router
 from pdserve.router.tokenize import (
     DetokenizeRequest,
@@ -69,6 +76,7 @@ ROUTES = (
     "/v1/chat/completions",
     "/v1/messages",
     "/v1/messages/count_tokens",
+    "/v1/responses",
     "/v1/models",
     "/tokenize",
     "/detokenize",
@@ -175,6 +183,14 @@ def build_router_app(config: RouterServeConfig) -> FastAPI:
     @app.post("/v1/messages/count_tokens", responses=COUNT_TOKENS_RESPONSES)
     async def messages_count_tokens(body: CountTokensRequest) -> CountTokensResponse:
         return count_tokens(router.validator, body)
+
+    @app.post("/v1/responses", responses=RESPONSES_API_RESPONSES)
+    async def responses_api(body: ResponsesRequest, request: Request) -> Response:
+        chat, prep = prepare_response(router.validator, body, router.max_model_len())
+        output = router.output_spec(chat, prep)
+        echo = response_settings(body, prep)
+        fmt = ResponsesFormatter(f"resp_{uuid.uuid4().hex}", model_name, router.tokenizer, prep.prompts, output, echo)
+        return await router.serve(fmt, prep, bool(body.stream), request.receive)
 
     @app.post("/tokenize", responses=ERROR_RESPONSES)
     async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:

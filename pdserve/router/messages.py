@@ -25,14 +25,11 @@ as well).
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Callable
-from typing import Any, TypeVar
-
-from pydantic import ValidationError
+from typing import Any
 
 from pdserve import structured
 from pdserve.chat.dsv4 import END_THINK
+from pdserve.router.chat_translation import chat_request_of, renamed
 from pdserve.router.messages_protocol import (
     CountTokensRequest,
     CountTokensResponse,
@@ -52,7 +49,6 @@ RENAMED = {
     "stop": "stop_sequences",
     "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
 }
-T = TypeVar("T")
 
 
 def prepare(
@@ -68,7 +64,7 @@ def prepare(
             param="tool_choice",
         )
     chat = chat_request(req)
-    prep = _renamed(lambda: validator.chat(chat, max_model_len))
+    prep = renamed(lambda: validator.chat(chat, max_model_len), RENAMED)
     if budget is not None and budget < prep.params[0].max_tokens:  # one at or past max_tokens never binds
         prep.params[0].structured_outputs = _budget(validator, prep, budget)
     return chat, prep
@@ -79,13 +75,14 @@ def count_tokens(validator: RequestValidator, req: CountTokensRequest) -> CountT
     chat = chat_request(req)
     validator.check_model(chat.model)
     tools = [t.model_dump(exclude_none=True) for t in chat.tools] if chat.tools else None
-    ids = _renamed(
+    ids = renamed(
         lambda: validator.chat_prompt(
             [m.for_template() for m in chat.messages],
             tools=tools,
             thinking=chat.thinking.type if chat.thinking is not None else None,
             reasoning_effort=chat.reasoning_effort,
-        )
+        ),
+        RENAMED,
     )
     return CountTokensResponse(input_tokens=len(ids))
 
@@ -111,12 +108,7 @@ def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
             top_p=req.top_p,
             top_k=req.top_k,
         )
-    try:
-        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
-    except ValidationError as e:  # what the chat path's models refuse that the Messages models let by
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise OpenAIError(400, f"{where}: {first['msg']}", param=where) from None
+    return chat_request_of(body)
 
 
 def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
@@ -180,18 +172,6 @@ def _tool_choice(req: CountTokensRequest) -> tuple[Any, bool | None]:
     if tc.type == "any":
         return "required", parallel
     return {"type": "function", "function": {"name": tc.name}}, parallel
-
-
-def _renamed(call: Callable[[], T]) -> T:
-    """call(), its errors naming the Messages request's fields rather than the chat path's."""
-    try:
-        return call()
-    except OpenAIError as e:
-        if e.param is None or e.param.split(".")[0] not in RENAMED:
-            raise
-        chat_name = e.param.split(".")[0]
-        message = re.sub(rf"\b{chat_name}\b", RENAMED[chat_name], e.message)
-        raise OpenAIError(e.status, message, param=RENAMED[chat_name], code=e.code) from None
 
 
 def _budget(validator: RequestValidator, prep: Prepared, budget: int) -> StructuredOutputsParams:

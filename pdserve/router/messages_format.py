@@ -28,28 +28,18 @@ from typing import Any
 from pdserve.chat.parsers import OutputSpec, Parsed, ToolCall
 from pdserve.router.messages_errors import STATUS, error_of
 from pdserve.router.messages_protocol import AnthropicError, CountTokensResponse, MessageResponse
-from pdserve.router.responses import ChatFormatter
+from pdserve.router.responses import NAMED_EVENT, ChatFormatter, sse_event
 from pdserve.tokenizer import Tokenizer
 from pdserve.wire.errors import OpenAIError
 from pdserve.wire.protocol import GenerateChunk
 
 SIGNATURE = ""  # pdserve has no key to sign reasoning with
-_EVENT = {
-    "type": "object",
-    "properties": {"event": {"type": "string"}, "data": {"type": "string", "description": "the event as JSON"}},
-    "required": ["event", "data"],
-}
 _ERRORS = {s: {"model": AnthropicError} for s in (400, 401, 404, 413, 429, 500, *(s for s, _ in STATUS.values()))}
 MESSAGES_RESPONSES: dict[int | str, dict] = {
     **_ERRORS,
-    200: {"model": MessageResponse, "content": {"text/event-stream": {"schema": _EVENT}}},
+    200: {"model": MessageResponse, "content": {"text/event-stream": {"schema": NAMED_EVENT}}},
 }
 COUNT_TOKENS_RESPONSES: dict[int | str, dict] = {**_ERRORS, 200: {"model": CountTokensResponse}}
-
-
-def sse_event(payload: dict[str, Any]) -> bytes:
-    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
-    return b"event: " + payload["type"].encode() + b"\ndata: " + data + b"\n\n"
 
 
 def tool_use_id(call_id: str) -> str:

@@ -5,6 +5,7 @@ vLLM's return_token_ids fields.
 SSE is exactly OpenAI's framing: `data: <json>\\n\\n` per chunk, then `data: [DONE]\\n\\n`; with
 stream_options.include_usage every chunk has "usage": null and a last chunk carries the usage with
 empty choices. An error after the stream started is one `data: {"error": {...}}` event, then [DONE].
+Typed streams (Anthropic's Messages, OpenAI's Responses) name each event: `sse_event`.
 """
 
 from __future__ import annotations
@@ -51,6 +52,12 @@ _EVENT = {
     "required": ["data"],
 }
 _SSE = {"text/event-stream": {"schema": _EVENT}}
+# a typed stream's event: an `event:` line (its type) and a `data:` line
+NAMED_EVENT = {
+    "type": "object",
+    "properties": {"event": {"type": "string"}, "data": {"type": "string", "description": "the event as JSON"}},
+    "required": ["event", "data"],
+}
 _AUTH = {401: {"model": ErrorResponse}}
 COMPLETION_RESPONSES: dict[int | str, dict] = {**ERROR_RESPONSES, 200: {"model": CompletionResponse, "content": _SSE}}
 CHAT_RESPONSES: dict[int | str, dict] = {**ERROR_RESPONSES, 200: {"model": ChatCompletionResponse, "content": _SSE}}
@@ -60,6 +67,12 @@ METRICS_RESPONSES: dict[int | str, dict] = {**_AUTH, 200: {"content": {"text/pla
 
 def sse(payload: dict) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def sse_event(payload: dict) -> bytes:
+    """`event: <its type>` and `data: <it>`, as Anthropic's and the Responses API's streams send them."""
+    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+    return b"event: " + payload["type"].encode() + b"\ndata: " + data + b"\n\n"
 
 
 def sse_error(err: OpenAIError) -> bytes:

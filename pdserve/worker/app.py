@@ -9,8 +9,8 @@ Internal (pdserve.wire.protocol): /internal/generate, /internal/abort, /internal
 PD request's peer - decode: the prefill engine; prefill: the decode engine of kv_to - has its
 transfer metadata fetched first, on the event loop: peers.py). /internal/handoff (decode) gives a
 waiting request (Request.kv_from) its Handoff when the router, not prefill, delivers it.
-The engine's cumulative outputs go out as NDJSON deltas of new output only; a decode worker's
-start after the first token and the text the client already has (FirstToken.text_offset). The first
+The engine's delta outputs go out as NDJSON chunks with their offsets into the request's output; a
+decode worker's start after the first token and the text the client already has (FirstToken.text_offset). The first
 chunk with a new token carries the request's RequestTiming (queue, KV read, compute: timing.py).
 If the reader goes away before the request finished (however the response ends, even before it
 started), the request is aborted, which frees its blocks (and, on prefill, any KV it holds).
@@ -154,16 +154,17 @@ async def _ndjson(chunks: AsyncIterator[GenerateChunk]) -> AsyncIterator[bytes]:
 
 
 async def _chunks(state: WorkerState, req: Request, stream: RequestStream) -> AsyncIterator[GenerateChunk]:
-    """Deltas of the engine's cumulative outputs, from where the client's output stands (decode:
-    after prefill's first token and its text, whose length comes with the hand-off)."""
+    """The engine's deltas as chunks, from where the client's output stands (decode: the engine's
+    output begins with prefill's first token and its text, whose length comes with the hand-off)."""
     decode = req.role == "decode"
+    made = _Made()  # how much output the engine has made
     sent_tokens, sent_text = (1, None) if decode else (0, 0)
     metrics = state.metrics
     timed = False
     async for out in stream:
         if sent_text is None:
             sent_text = out.prefill_text_offset or 0  # None: it ended before its hand-off came
-        chunk = _delta(out, req, sent_tokens, sent_text)
+        chunk = _chunk(out, req, made, sent_tokens, sent_text)
         if not timed and chunk.token_ids:  # this worker's first new token: its timing goes with it
             chunk.timing, timed = stream.timing, True
         if not decode and sent_tokens == 0 and chunk.token_ids:
@@ -175,15 +176,25 @@ async def _chunks(state: WorkerState, req: Request, stream: RequestStream) -> As
             yield chunk
 
 
-def _delta(out: RequestOutput, req: Request, sent_tokens: int, sent_text: int) -> GenerateChunk:
+@dataclass
+class _Made:
+    tokens: int = 0
+    text: int = 0
+
+
+def _chunk(out: RequestOutput, req: Request, made: _Made, sent_tokens: int, sent_text: int) -> GenerateChunk:
+    """The part of a delta output (which starts at `made`) past what was sent; advances `made`."""
     comp = out.outputs[0]
-    logprobs = [to_entries(lp) for lp in comp.logprobs[sent_tokens:]] if comp.logprobs is not None else None
+    skip_tokens, skip_text = max(0, sent_tokens - made.tokens), max(0, sent_text - made.text)
+    made.tokens += len(comp.token_ids)
+    made.text += len(comp.text)
+    logprobs = [to_entries(lp) for lp in comp.logprobs[skip_tokens:]] if comp.logprobs is not None else None
     return GenerateChunk(
         request_id=out.request_id,
         token_offset=sent_tokens,
-        token_ids=comp.token_ids[sent_tokens:],
+        token_ids=comp.token_ids[skip_tokens:],
         text_offset=sent_text,
-        text=comp.text[sent_text:],
+        text=comp.text[skip_text:],
         logprobs=logprobs,
         finish_reason=comp.finish_reason if out.finished else None,
         stop_reason=comp.stop_reason,

@@ -1,10 +1,12 @@
 """Runs an LLMEngine's step loop on its own thread and hands each request's outputs to asyncio.
 
-    HTTP handler --add()--> engine inbox        engine thread: step() -> RequestOutputs
-    HTTP handler <--RequestStream (latest cumulative output, an asyncio.Event)--+
+    HTTP handler --add()--> engine inbox        engine thread: step() -> RequestOutputs (deltas)
+    HTTP handler <--RequestStream (the deltas not yet read, as one; an asyncio.Event)--+
 
-Outputs are cumulative, so a stream keeps only the latest one: a slow reader never makes a queue
-grow, it just reads a bigger delta. The thread sleeps while there is nothing to do, polls often
+Requests are added with output_kind DELTA: each output holds only what is new, so a step's work
+does not grow with the outputs' length. A stream folds the deltas its reader has not taken into
+one (`RequestOutput.add`): a slow reader never makes a queue grow, it just reads a bigger delta.
+The thread sleeps while there is nothing to do, polls often
 while KV loads are in flight, and now and then while prefill holds KV (to see releases and lease
 expiries). If step() raises, the engine is dead (`fail`): every open stream gets an error output
 naming the exception's type (the traceback goes to the log), `alive` turns False, /health says why,
@@ -28,6 +30,7 @@ from pdserve.disagg.base import PeerMetadata
 from pdserve.engine.llm_engine import EngineStats, LLMEngine
 from pdserve.engine.request import Handoff, Request
 from pdserve.outputs import CompletionOutput, RequestOutput
+from pdserve.sampling_params import RequestOutputKind
 from pdserve.wire.protocol import RequestTiming
 from pdserve.worker.fault_hook import FaultHook
 from pdserve.worker.metrics import WorkerMetrics
@@ -47,23 +50,29 @@ class RequestStream:
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
         self._loop = loop
-        self._latest: RequestOutput | None = None
+        self._unread: RequestOutput | None = None  # the deltas put and not yet read, folded
+        self._lock = threading.Lock()  # put (engine thread) against the read (event loop)
         self._event = asyncio.Event()
         self.finished = False
         self.timing: RequestTiming | None = None  # set with the first output holding a new token
 
     def put(self, out: RequestOutput, timing: RequestTiming | None = None) -> None:
-        """Engine thread."""
+        """Engine thread; `out` is the request's next delta."""
         if timing is not None:
             self.timing = timing
-        self._latest = out
+        with self._lock:
+            if self._unread is None:
+                self._unread = out
+            else:
+                self._unread.add(out)
         self._loop.call_soon_threadsafe(self._event.set)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         while not self.finished:
             await self._event.wait()
             self._event.clear()
-            out = self._latest
+            with self._lock:
+                out, self._unread = self._unread, None
             if out is None:
                 continue
             self.finished = out.finished
@@ -145,6 +154,8 @@ class AsyncEngine:
         rid = request.request_id
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use on this worker")
+        delta = request.params.model_copy(update={"output_kind": RequestOutputKind.DELTA})
+        request = request.model_copy(update={"params": delta})
         stream = RequestStream(rid, asyncio.get_running_loop())
         self._streams[rid] = stream
         if self._fault is not None:

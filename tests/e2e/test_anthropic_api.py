@@ -93,7 +93,7 @@ def test_forced_tool_use(cluster):
     """tool_choice any (whole and streamed) and a named tool: tool_use blocks whose input validates."""
     sets = [_tools(seed) for seed in (1, 6, 5)]  # each tool with required parameters but one of seed 5's
     named = "calc"  # of seed 5's: two required parameters
-    ask = dict(model="tiny", max_tokens=600, messages=[{"role": "user", "content": "What is the weather in Paris?"}])
+    ask = dict(model="tiny", max_tokens=2000, messages=[{"role": "user", "content": "What is the weather in Paris?"}])
 
     async def run():
         client = anthropic.AsyncAnthropic(base_url=cluster.main.url, api_key=KEY, max_retries=0, timeout=120)

@@ -1,7 +1,7 @@
 """Hostile input against a real router (and the colocated worker behind it): the router's OpenAPI
 schema fuzzed with schemathesis (valid and invalid bodies, wrong methods), then a hand list of
-hostile bodies and requests. Every answer is a 4xx error object (OpenAI's; Anthropic's on the
-Messages routes) or a success that matches the schema - never a 5xx, never a hang (every call has a timeout) - and afterwards the router and
+hostile bodies and requests. Every answer is a 4xx error object (OpenAI's, /v1/responses too;
+Anthropic's on the Messages routes) or a success that matches the schema - never a 5xx, never a hang (every call has a timeout) - and afterwards the router and
 the worker are healthy and a normal request still works.
 """
 
@@ -57,6 +57,7 @@ OPERATIONS = [
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/messages"),
     ("POST", "/v1/messages/count_tokens"),
+    ("POST", "/v1/responses"),
     ("POST", "/tokenize"),
     ("POST", "/detokenize"),
     ("GET", "/v1/models"),
@@ -226,6 +227,15 @@ HOSTILE: list[tuple[str, str, bytes, dict[str, str], int]] = [
         {},
         400,
     ),
+    ("a Responses input past the context", "/v1/responses", json.dumps({"input": "y" * (7 << 20)}).encode(), {}, 400),
+    (
+        "a Responses item of no known type",
+        "/v1/responses",
+        b'{"input": [{"type": "item_reference", "id": "x"}]}',
+        {},
+        400,
+    ),
+    ("previous_response_id", "/v1/responses", b'{"input": "x", "previous_response_id": "resp_1"}', {}, 400),
     ("an internal route", "/internal/generate", b"{}", {}, 404),
     ("an unknown route", "/v1/embeddings", b"{}", {}, 404),
 ]

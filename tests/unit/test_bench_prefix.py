@@ -39,7 +39,7 @@ def test_shared_prefix_groups_really_share_their_system_prompt():
 def test_conversations_shapes():
     convs = dataset.conversations(3, 4, 30, 6, 5, VOCAB, random.Random(1))
     assert len(convs) == 3 and all(c.turns == 4 and len(c.first) == 30 for c in convs)
-    assert all(len(c.questions) == 3 and all(len(q) == 6 for q in c.questions) for c in convs)
+    assert all(len(c.appended) == 3 and all(len(q) == 6 for q in c.appended) for c in convs)
     assert len({tuple(c.first) for c in convs}) == 3
 
 
@@ -71,8 +71,8 @@ def test_each_turn_resends_the_conversation_with_the_answer(monkeypatch):
     outs, _ = _run([conv])
     assert [o.turn for o in outs] == [0, 1, 2] and all(o.success for o in outs)
     assert sent[0] == conv.first
-    assert sent[1] == conv.first + outs[0].output_ids + conv.questions[0]
-    assert sent[2] == sent[1] + outs[1].output_ids + conv.questions[1]
+    assert sent[1] == conv.first + outs[0].output_ids + conv.appended[0]
+    assert sent[2] == sent[1] + outs[1].output_ids + conv.appended[1]
     assert [len(p) for p in sent] == [20, 27, 34]
 
 
@@ -211,3 +211,22 @@ def test_prefix_cache_table_ratios_and_sources(tmp_path, capsys):
     assert [r["computed_from"] for r in s["runs"] if r["deployment"] == "colocated"][0] == "not reported"
     printed = table.format_summary(s)
     assert "no cache / cache:" in printed and "done (>= 3x, >= 5x)" in printed and "not reported" in printed
+
+
+def test_router_breakdown_reads_the_kv_bytes_saved():
+    """The router's saved-bytes counter reaches the breakdown (its "KV saved MB/req" column)."""
+    from pdserve.bench import breakdown
+
+    text = "\n".join(
+        [
+            "# TYPE pdserve_router_pd_handoff_seconds histogram",
+            'pdserve_router_pd_handoff_seconds_count{part="kv_transfer"} 2.0',
+            'pdserve_router_pd_handoff_seconds_sum{part="kv_transfer"} 0.5',
+            "# TYPE pdserve_router_kv_transfer_bytes counter",
+            "pdserve_router_kv_transfer_bytes_total 100.0",
+            "# TYPE pdserve_router_kv_transfer_bytes_saved counter",
+            "pdserve_router_kv_transfer_bytes_saved_total 300.0",
+        ]
+    )
+    b = breakdown.breakdown({}, breakdown.parse(text + "\n"))
+    assert (b["kv_transfers"], b["kv_bytes_per_request"], b["kv_bytes_saved_per_request"]) == (2, 50.0, 150.0)
