@@ -38,7 +38,7 @@ WORKER_FLAGS = {
     "gpu_memory_utilization": "worker.gpu_memory_utilization",
     "max_num_seqs": "worker.max_num_seqs", "max_num_batched_tokens": "worker.max_num_batched_tokens",
     "engine_id": "worker.engine_id", "advertise_host": "worker.advertise_host", "lease_seconds": "worker.lease_seconds",
-    "max_open_requests": "worker.max_open_requests", "stall_timeout": "worker.stall_timeout", "peer": "peers",
+    "max_open_requests": "worker.max_open_requests", "stall_timeout": "worker.stall_timeout", "drain_timeout": "worker.drain_timeout", "peer": "peers",
     "enforce_eager": "worker.enforce_eager", "cuda_graph_max_bs": "worker.cuda_graph_max_bs", "kv_cache_dtype": "worker.kv_cache_dtype",
     "quantization": "worker.quantization", "fp4_moe_backend": "worker.fp4_moe_backend",
     "enable_prefix_caching": "worker.enable_prefix_caching", "speculative_config": "worker.speculative_config",
@@ -150,6 +150,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     w(
         "--stall-timeout",
         help="seconds without a finished engine step, while requests are open, before /health says 503 (default 60)",
+    )
+    w(
+        "--drain-timeout",
+        help="on SIGTERM: seconds to serve the open requests (new ones refused) before exiting (default 30)",
     )
     r = functools.partial(p.add_argument_group("router").add_argument, default=argparse.SUPPRESS)
     r("--prefill", action="append", metavar="URL")

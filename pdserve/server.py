@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ def run_server(app: Any, host: str, port: int, sockets: list[Any] | None = None,
         timeout_graceful_shutdown=5,
         timeout_keep_alive=75,
     )
-    server = _Server(config, getattr(app.state, "on_exit", None), announce)
+    server = _Server(config, getattr(app.state, "on_exit", None), announce, getattr(app.state, "drain", None))
     app.state.request_stop = lambda: setattr(server, "should_exit", True)  # a worker whose engine failed
     server.run(sockets=sockets)
 
@@ -151,11 +152,15 @@ def _router_process(cfg_json: str, sock: Any, index: int, parent: int) -> None:
 
 class _Server(uvicorn.Server):
     """uvicorn's server, telling the app when a stop signal arrives (the router then ends its open
-    streams with an error event at once, rather than when the graceful-shutdown time runs out)."""
+    streams with an error event at once, rather than when the graceful-shutdown time runs out); a
+    worker drains first (worker/drain.py), a second signal stops it at once."""
 
-    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None] | None, announce: str | None = None) -> None:
+    def __init__(
+        self, config: uvicorn.Config, on_exit: Callable[[], None] | None, announce: str | None = None, drain: Any = None
+    ) -> None:
         super().__init__(config)
         self._on_exit = on_exit
+        self._drain = drain  # a worker's Drain (worker/drain.py); None: stop at once
         self._announce = announce
 
     async def startup(self, sockets: list[Any] | None = None) -> None:
@@ -166,4 +171,13 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self._on_exit is not None:
             self._on_exit()
+        drain = self._drain
+        if drain is not None and not drain.draining:  # a worker's first stop signal: drain, then stop
+            drain.start()
+            threading.Thread(target=self._stop_when_drained, name="drain", daemon=True).start()
+            return
         super().handle_exit(sig, frame)
+
+    def _stop_when_drained(self) -> None:
+        self._drain.wait()
+        self.should_exit = True  # uvicorn's loop sees it within 0.1 s

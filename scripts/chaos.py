@@ -115,6 +115,15 @@ class Launch:
             return {}
         return {p["name"]: p for p in procs}
 
+    def router_url(self, timeout: float) -> str:
+        """The router's URL from the launcher's status file (written beside "pdserve is up", not before it)."""
+        deadline = time.monotonic() + timeout
+        while "router" not in (procs := self.processes()):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no router in {self.folder / 'logs' / 'status.json'} after {timeout:g} s")
+            time.sleep(0.2)
+        return procs["router"]["url"]
+
     def pid_of(self, target: str) -> int:
         procs = self.processes()
         if target == "tp_rank":
@@ -376,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         launch = Launch(cluster_yaml(args, folder), folder)
         try:
             launch.wait_up(600)
-            url = launch.processes()["router"]["url"]
+            url = launch.router_url(30)
             result = asyncio.run(chaos(args, launch, url))
         finally:
             launch.stop()

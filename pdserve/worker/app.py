@@ -32,6 +32,7 @@ from pdserve.wire.http import BodyLimit, TokenGuard
 from pdserve.wire.metrics import CONTENT_TYPE, render
 from pdserve.wire.protocol import SECRET_HEADER, Ack, GenerateChunk, RequestRef, WorkerHealth, WorkerInfo
 from pdserve.worker.async_engine import AsyncEngine, RequestStream
+from pdserve.worker.drain import Drain
 from pdserve.worker.metrics import WorkerMetrics
 from pdserve.worker.peers import PeerMetadataFetcher
 
@@ -47,6 +48,11 @@ class WorkerState:
     max_open_requests: int  # admitted and unfinished; beyond this /internal/generate answers 429
     kv_metadata: bytes | None  # the connector's peer_metadata() (prefill and decode roles)
     peers: PeerMetadataFetcher | None  # decode role
+    drain: Drain | None = None  # a stop signal drains the worker first (drain.py)
+
+
+def _draining(state: WorkerState) -> bool:
+    return state.drain is not None and state.drain.draining
 
 
 def build_worker_app(state: WorkerState, cluster_secret: str | None) -> FastAPI:
@@ -58,13 +64,14 @@ def build_worker_app(state: WorkerState, cluster_secret: str | None) -> FastAPI:
     async def health() -> JSONResponse:
         stats = state.engine.stats()
         stalled = state.engine.stalled()
-        ok = state.engine.alive and stalled is None
+        draining = "draining: stopping once its open requests end" if _draining(state) else None
+        ok = state.engine.alive and stalled is None and draining is None
         body = WorkerHealth(
             status="ok" if ok else "unhealthy",
             role=state.info.role,
             engine_id=state.info.engine_id,
             instance_id=state.info.instance_id,
-            reason=None if ok else (state.engine.error or stalled or "engine stopped"),
+            reason=None if ok else (state.engine.error or stalled or draining or "engine stopped"),
             engine_heartbeat_age_s=round(state.engine.heartbeat_age(), 3),
             num_requests_running=stats.num_running,
             num_requests_waiting=stats.num_waiting,
@@ -98,6 +105,8 @@ def build_worker_app(state: WorkerState, cluster_secret: str | None) -> FastAPI:
     @app.post("/internal/generate")
     async def generate(req: Request) -> GuardedStreamingResponse:
         _check_role(state.info.role, req)
+        if _draining(state):
+            raise OpenAIError(503, f"worker {state.info.engine_id} is draining", code="engine_unavailable")
         if state.engine.num_open >= state.max_open_requests:
             raise too_busy(f"worker {state.info.engine_id}")
         ref = req.kv_handle or req.kv_from or req.kv_to

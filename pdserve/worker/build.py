@@ -31,6 +31,7 @@ from pdserve.serve_config import WorkerServeConfig
 from pdserve.wire.protocol import SECRET_HEADER, WorkerInfo
 from pdserve.worker.app import WorkerState, build_worker_app
 from pdserve.worker.async_engine import AsyncEngine
+from pdserve.worker.drain import Drain
 from pdserve.worker.failure import exit_process, watch_engine
 from pdserve.worker.metrics import WorkerMetrics
 from pdserve.worker.peers import PeerMetadataFetcher
@@ -53,11 +54,13 @@ def build_worker(cfg: WorkerServeConfig) -> FastAPI:
     headers = {SECRET_HEADER: cfg.cluster_secret} if cfg.cluster_secret else None
     info = worker_info(cfg, engine, connector)
     metrics = WorkerMetrics()
+    async_engine = AsyncEngine(engine, metrics, stall_s=w.stall_timeout)
     state = WorkerState(
-        engine=AsyncEngine(engine, metrics, stall_s=w.stall_timeout),
+        engine=async_engine,
         info=info,
         metrics=metrics,
         max_open_requests=w.max_open_requests or max(8 * engine_config.max_num_seqs, 256),
+        drain=Drain(async_engine, w.drain_timeout),
         kv_metadata=connector.peer_metadata() if connector is not None else None,
         # the handshake is part of the transfer's time: never longer than the transfer timeout.
         # decode: its prefill peers'; prefill: its decode peers' (to hand off to them directly)
@@ -69,6 +72,7 @@ def build_worker(cfg: WorkerServeConfig) -> FastAPI:
     app.state.exit_code = 0  # set when the engine failed (failure.py): what `pdserve serve` exits with
     stopping = threading.Event()
     app.state.on_exit = stopping.set  # serve.py calls it on a stop signal: ranks that die now are stopping too
+    app.state.drain = state.drain  # server.py: a stop signal drains the worker first
     app.router.lifespan_context = _lifespan(state, connector, stopping)
     return app
 
