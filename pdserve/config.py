@@ -147,12 +147,8 @@ class WorkerConfig(_Strict):
         None, ge=1
     )  # admitted at once before 429 (default max(8 x max_num_seqs, 256))
     restart: RestartPolicy = "on-failure"  # launch: restart this worker when it dies
-    # SIGTERM: refuse new requests and serve the open ones (and the KV held for decode) this many
-    # seconds at most before exiting (worker/drain.py); a second signal stops at once
-    drain_timeout: float = Field(30.0, ge=0)
-    stall_timeout: float = Field(
-        60.0, gt=0
-    )  # seconds without a finished engine step, with requests open, before /health is 503
+    drain_timeout: float = Field(30.0, ge=0)  # SIGTERM: seconds serving the open requests before exit (drain.py)
+    stall_timeout: float = Field(60.0, gt=0)  # no finished step this long, requests open: /health 503 (TP > 1: exit)
 
     @field_validator("device")
     @classmethod
