@@ -14,8 +14,8 @@ import httpx
 import jsonschema
 import pytest
 
-from pdserve.tiny_model import make_tiny_model
-from tests.helpers.cluster import Cluster, wait_blocks_free
+from tests.helpers.cluster import wait_blocks_free
+from tests.helpers.router_apis import v4_pd_cluster
 from tests.helpers.tools import random_tool_sets
 
 pytestmark = pytest.mark.timeout(300)
@@ -28,13 +28,7 @@ GREEDY = {"temperature": 0.0}  # not among this client's arguments: the router t
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    root = tmp_path_factory.mktemp("anthropic_api")
-    with Cluster(make_tiny_model(root / "tiny", arch="deepseek_v4", seed=0), root / "logs") as c:
-        prefill = c.worker("prefill", "--kv-block-size", "16")
-        decode = c.worker("decode", "--kv-block-size", "16", peers=[prefill])
-        c.main = c.router("--api-key", KEY, prefill=[prefill], decode=[decode])
-        c.workers = [prefill, decode]
-        c.wait_healthy()
+    with v4_pd_cluster(tmp_path_factory.mktemp("anthropic_api"), KEY) as c:
         yield c
 
 

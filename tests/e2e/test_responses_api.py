@@ -16,8 +16,8 @@ import jsonschema
 import openai
 import pytest
 
-from pdserve.tiny_model import make_tiny_model
-from tests.helpers.cluster import Cluster, wait_blocks_free
+from tests.helpers.cluster import wait_blocks_free
+from tests.helpers.router_apis import v4_pd_cluster
 from tests.helpers.schemas import random_schema
 from tests.helpers.tools import random_tool_sets
 
@@ -30,13 +30,7 @@ GREEDY = {"model": "tiny", "temperature": 0.0}
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    root = tmp_path_factory.mktemp("responses_api")
-    with Cluster(make_tiny_model(root / "tiny", arch="deepseek_v4", seed=0), root / "logs") as c:
-        prefill = c.worker("prefill", "--kv-block-size", "16")
-        decode = c.worker("decode", "--kv-block-size", "16", peers=[prefill])
-        c.main = c.router("--api-key", KEY, prefill=[prefill], decode=[decode])
-        c.workers = [prefill, decode]
-        c.wait_healthy()
+    with v4_pd_cluster(tmp_path_factory.mktemp("responses_api"), KEY) as c:
         yield c
 
 

@@ -21,6 +21,7 @@ from pdserve.serve_config import RouterServeConfig
 from pdserve.tiny_model import make_tiny_model
 from pdserve.tokenizer import Tokenizer
 from pdserve.wire.protocol import GenerateChunk
+from tests.helpers.router_apis import worker_chunks
 from tests.unit.test_chat_parsers import DEEPSEEK_EXAMPLE, MALFORMED, TOOLS, completion, random_pieces, random_turn
 
 pytestmark = pytest.mark.timeout(120)
@@ -33,25 +34,6 @@ def tokenizer(tmp_path_factory):
 
 def formatter(tokenizer, output: OutputSpec | None, usage: bool = True) -> ChatFormatter:
     return ChatFormatter("chatcmpl-1", "m", tokenizer, [[0, 5]], None, False, usage, output=output)
-
-
-def chunks(pieces: list[str], finish: str = "stop") -> list[GenerateChunk]:
-    """One worker chunk per piece, one token each (the token ids only count here)."""
-    out, text_at = [], 0
-    for i, piece in enumerate(pieces):
-        last = i == len(pieces) - 1
-        out.append(
-            GenerateChunk(
-                request_id="r",
-                token_offset=i,
-                token_ids=[7],
-                text_offset=text_at,
-                text=piece,
-                finish_reason=finish if last else None,
-            )
-        )
-        text_at += len(piece)
-    return out
 
 
 def whole(fmt: ChatFormatter, cs: list[GenerateChunk]) -> dict:
@@ -87,7 +69,7 @@ def message_of(m) -> tuple:
 
 
 def test_deepseek_example_whole_and_streamed(tokenizer):
-    body = whole(formatter(tokenizer, v4()), chunks([DEEPSEEK_EXAMPLE]))
+    body = whole(formatter(tokenizer, v4()), worker_chunks([DEEPSEEK_EXAMPLE]))
     resp = ChatCompletion.model_validate(body)
     choice = resp.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
@@ -100,7 +82,7 @@ def test_deepseek_example_whole_and_streamed(tokenizer):
     )
     assert resp.usage.completion_tokens_details.reasoning_tokens == 1
 
-    events = streamed(formatter(tokenizer, v4()), chunks(list(DEEPSEEK_EXAMPLE)))  # one character per chunk
+    events = streamed(formatter(tokenizer, v4()), worker_chunks(list(DEEPSEEK_EXAMPLE)))  # one character per chunk
     deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
     assert deltas[0]["role"] == "assistant" and sum("role" in d for d in deltas) == 1
     calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
@@ -118,11 +100,13 @@ def test_stream_reassembles_to_the_whole_message(tokenizer, thinking):
     rng = random.Random(280 + thinking)
     for _ in range(40):
         text = completion(random_turn(rng), thinking)
-        cs = chunks([text])
+        cs = worker_chunks([text])
         want = ChatCompletion.model_validate(whole(formatter(tokenizer, v4(thinking=thinking)), cs)).choices[0]
         for _ in range(3):
             pieces = random_pieces(rng, text)
-            got = assembled(streamed(formatter(tokenizer, v4(thinking=thinking)), chunks(pieces)), TOOLS).choices[0]
+            got = assembled(
+                streamed(formatter(tokenizer, v4(thinking=thinking)), worker_chunks(pieces)), TOOLS
+            ).choices[0]
             (wc, wr, wcalls), (gc, gr, gcalls) = message_of(want.message), message_of(got.message)
             assert (gc or None, gr or None) == (wc or None, wr or None)  # the client joins text pieces
             assert [c[:2] for c in gcalls] == [c[:2] for c in wcalls]
@@ -133,11 +117,11 @@ def test_stream_reassembles_to_the_whole_message(tokenizer, thinking):
 def test_malformed_output_finishes_with_the_text_in_content(tokenizer, reason):
     text = "r</think>" + MALFORMED[reason]
     fmt = formatter(tokenizer, v4())
-    events = streamed(fmt, chunks(random_pieces(random.Random(1), text)))
+    events = streamed(fmt, worker_chunks(random_pieces(random.Random(1), text)))
     assert fmt.failures() == [reason]
     got = assembled(events, TOOLS).choices[0]
     assert (got.message.content, got.message.tool_calls, got.finish_reason) == (MALFORMED[reason], None, "stop")
-    body = whole(formatter(tokenizer, v4()), chunks([text]))
+    body = whole(formatter(tokenizer, v4()), worker_chunks([text]))
     assert body["choices"][0]["message"]["content"] == MALFORMED[reason]
 
 
@@ -146,7 +130,7 @@ def test_without_parsers_nothing_changes(tokenizer):
     assert fmt.output is None
     params = SamplingParams(max_tokens=4)
     assert fmt.worker_params(params) is params
-    body = whole(fmt, chunks(["<think>a</think>b"]))
+    body = whole(fmt, worker_chunks(["<think>a</think>b"]))
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "<think>a</think>b"}
     assert "completion_tokens_details" not in body["usage"]
     fmt = formatter(tokenizer, v4())
@@ -155,7 +139,7 @@ def test_without_parsers_nothing_changes(tokenizer):
 
 def test_length_cut_keeps_length_and_parsed_calls(tokenizer):
     cut = DEEPSEEK_EXAMPLE[: -len(f"</{'｜DSML｜'}tool_calls>")]
-    body = whole(formatter(tokenizer, v4()), chunks([cut], finish="length"))
+    body = whole(formatter(tokenizer, v4()), worker_chunks([cut], finish="length"))
     choice = body["choices"][0]
     assert choice["finish_reason"] == "length" and len(choice["message"]["tool_calls"]) == 1
 
@@ -183,7 +167,7 @@ def test_router_picks_parsers_and_counts_failures(tmp_path, caplog):
     assert router.output_spec(none, router.validator.chat(none, 4096)).tool_parser is None
 
     fmt = formatter(router.tokenizer, spec)
-    for c in chunks(["r</think>" + MALFORMED["unknown_tool"]]):
+    for c in worker_chunks(["r</think>" + MALFORMED["unknown_tool"]]):
         fmt.choices[0].add(c)
     with caplog.at_level("WARNING", logger="pdserve.router.serving"):
         router._done(fmt, 0.0)

@@ -16,19 +16,16 @@ from pdserve.router.app import build_router_app
 from pdserve.router.messages import budget_grammar, count_tokens, prepare
 from pdserve.router.messages_protocol import CountTokensRequest, MessagesRequest
 from pdserve.router.openai_protocol import ChatCompletionRequest
-from pdserve.router.validation import RequestValidator
 from pdserve.sampling_params import StructuredOutputsParams
 from pdserve.serve_config import RouterServeConfig
 from pdserve.structured.compiler import compiler_for
 from pdserve.tiny_model import make_tiny_model
-from pdserve.tokenizer import Tokenizer
+from tests.helpers.router_apis import CHAT_TOOL, SCHEMA, v4_validator
 
 pytestmark = pytest.mark.timeout(120)
 KEY = "sk-test"
 USER = [{"role": "user", "content": "hi"}]
-SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOL = {"name": "get_weather", "description": "Weather for a city", "input_schema": SCHEMA}
-CHAT_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city", "parameters": SCHEMA}}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +35,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def validator(model_dir):
-    v = RequestValidator(Tokenizer(model_dir), "tiny", json.load(open(f"{model_dir}/config.json"))["vocab_size"])
-    v.tool_parser = "deepseek_v4"  # as the router sets it for a V4 checkpoint
-    return v
+    return v4_validator(model_dir)
 
 
 def messages(validator, **body):

@@ -20,6 +20,7 @@ from pdserve.tiny_model import make_tiny_model
 from pdserve.tokenizer import Tokenizer
 from pdserve.wire.errors import OpenAIError
 from pdserve.wire.protocol import GenerateChunk
+from tests.helpers.router_apis import worker_chunks
 from tests.unit.test_chat_parsers import DEEPSEEK_EXAMPLE, TOOLS, completion, random_pieces, random_turn
 
 pytestmark = pytest.mark.timeout(120)
@@ -37,29 +38,6 @@ def v4(thinking: bool = True, tools=TOOLS) -> OutputSpec:
 
 def formatter(tokenizer, output: OutputSpec | None, omit: bool = False) -> MessagesFormatter:
     return MessagesFormatter("msg_1", "tiny", tokenizer, [[0, 5, 6]], output, omit)
-
-
-def chunks(
-    pieces: list[str], finish: str = "stop", stop_reason: int | str | None = None, cached: int = 0
-) -> list[GenerateChunk]:
-    """One worker chunk per piece, one token each; the first says how much of the prompt was cached."""
-    out, at = [], 0
-    for i, piece in enumerate(pieces):
-        last = i == len(pieces) - 1
-        out.append(
-            GenerateChunk(
-                request_id="r",
-                token_offset=i,
-                token_ids=[7],
-                text_offset=at,
-                text=piece,
-                finish_reason=finish if last else None,
-                stop_reason=stop_reason if last else None,
-                num_cached_tokens=cached if i == 0 else 0,
-            )
-        )
-        at += len(piece)
-    return out
 
 
 def whole(fmt: MessagesFormatter, cs: list[GenerateChunk]) -> Message:
@@ -101,7 +79,7 @@ def blocks(m: Message) -> list[tuple]:
 
 
 def test_deepseek_example_whole_and_streamed(tokenizer):
-    m = whole(formatter(tokenizer, v4()), chunks([DEEPSEEK_EXAMPLE], cached=2))
+    m = whole(formatter(tokenizer, v4()), worker_chunks([DEEPSEEK_EXAMPLE], cached=2))
     assert blocks(m) == [
         ("thinking", ("The user wants to know the weather in Beijing. I should use the get_weather tool.", "")),
         ("tool_use", "get_weather", {"location": "Beijing", "unit": "celsius"}),
@@ -113,7 +91,7 @@ def test_deepseek_example_whole_and_streamed(tokenizer):
     assert (usage.input_tokens, usage.cache_read_input_tokens, usage.cache_creation_input_tokens) == (1, 2, 0)
     assert usage.output_tokens == 1
 
-    frames = events(formatter(tokenizer, v4()), chunks(list(DEEPSEEK_EXAMPLE), cached=2))  # a character a chunk
+    frames = events(formatter(tokenizer, v4()), worker_chunks(list(DEEPSEEK_EXAMPLE), cached=2))  # a character a chunk
     kinds = [f.event for f in frames]
     assert kinds[:2] == ["message_start", "ping"] and kinds[-2:] == ["message_delta", "message_stop"]
     start = frames[0].json()["message"]
@@ -133,7 +111,7 @@ def test_deepseek_example_whole_and_streamed(tokenizer):
 
 def test_every_block_opens_before_its_deltas_and_closes_once(tokenizer):
     text = completion({"role": "assistant", "reasoning_content": "plan", "content": "Hello", "tool_calls": None}, True)
-    frames = events(formatter(tokenizer, v4()), chunks(list(text)))
+    frames = events(formatter(tokenizer, v4()), worker_chunks(list(text)))
     open_at: int | None = None
     for f in frames:
         e = f.json()
@@ -154,9 +132,9 @@ def test_stream_reassembles_to_the_whole_message(tokenizer, thinking):
     rng = random.Random(42 + thinking)
     for _ in range(40):
         text = completion(random_turn(rng), thinking)
-        want = whole(formatter(tokenizer, v4(thinking)), chunks([text]))
+        want = whole(formatter(tokenizer, v4(thinking)), worker_chunks([text]))
         for _ in range(3):
-            got = assembled(events(formatter(tokenizer, v4(thinking)), chunks(random_pieces(rng, text))))
+            got = assembled(events(formatter(tokenizer, v4(thinking)), worker_chunks(random_pieces(rng, text))))
             assert blocks(got) == blocks(want)
             assert got.stop_reason == want.stop_reason
 
@@ -171,7 +149,7 @@ def test_stream_reassembles_to_the_whole_message(tokenizer, thinking):
     ],
 )
 def test_stop_reasons(tokenizer, finish, stop_reason, want):
-    cs = chunks(["</think>", "Hi"], finish, stop_reason)
+    cs = worker_chunks(["</think>", "Hi"], finish, stop_reason)
     m = whole(formatter(tokenizer, v4()), cs)
     assert (m.stop_reason, m.stop_sequence) == want and blocks(m) == [("text", "Hi")]
     assert (assembled(events(formatter(tokenizer, v4()), cs)).stop_reason) == want[0]
@@ -179,12 +157,12 @@ def test_stop_reasons(tokenizer, finish, stop_reason, want):
 
 def test_a_length_cut_inside_a_call_is_max_tokens_with_no_markup(tokenizer):
     cut = DEEPSEEK_EXAMPLE[: DEEPSEEK_EXAMPLE.index("celsius")]
-    m = whole(formatter(tokenizer, v4()), chunks([cut], "length"))
+    m = whole(formatter(tokenizer, v4()), worker_chunks([cut], "length"))
     assert m.stop_reason == "max_tokens" and [b[0] for b in blocks(m)] == ["thinking"]
 
 
 def test_thinking_display_omitted_keeps_the_blocks_without_their_text(tokenizer):
-    cs = chunks(["secret plan", "</think>", "Hi"])
+    cs = worker_chunks(["secret plan", "</think>", "Hi"])
     m = whole(formatter(tokenizer, v4(), omit=True), cs)
     assert blocks(m) == [("thinking", ("", "")), ("text", "Hi")]
     frames = events(formatter(tokenizer, v4(), omit=True), cs)
@@ -194,12 +172,12 @@ def test_thinking_display_omitted_keeps_the_blocks_without_their_text(tokenizer)
 
 def test_without_parsers_the_text_is_one_text_block(tokenizer):
     fmt = formatter(tokenizer, OutputSpec(None, None))
-    m = whole(fmt, chunks(["<think>a", "</think>b"]))
+    m = whole(fmt, worker_chunks(["<think>a", "</think>b"]))
     assert blocks(m) == [("text", "<think>a</think>b")] and m.stop_reason == "end_turn"
 
 
 def test_an_empty_answer_has_no_blocks(tokenizer):
-    cs = chunks([""])
+    cs = worker_chunks([""])
     assert whole(formatter(tokenizer, v4(False)), cs).content == []
     frames = events(formatter(tokenizer, v4(False)), cs)
     assert [f.event for f in frames] == ["message_start", "ping", "message_delta", "message_stop"]
@@ -211,7 +189,7 @@ def test_an_empty_answer_has_no_blocks(tokenizer):
 )
 def test_a_failure_mid_stream_is_an_error_event(tokenizer, status, kind):
     fmt = formatter(tokenizer, v4())
-    fmt.chunk(0, chunks(["a"])[0])
+    fmt.chunk(0, worker_chunks(["a"])[0])
     frames = list(SSEDecoder().iter_bytes(iter([fmt.stream_error(OpenAIError(status, "the decode worker failed"))])))
     assert [(f.event, f.json()) for f in frames] == [
         ("error", {"type": "error", "error": {"type": kind, "message": "the decode worker failed"}})

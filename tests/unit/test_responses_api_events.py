@@ -22,6 +22,7 @@ from pdserve.tiny_model import make_tiny_model
 from pdserve.tokenizer import Tokenizer
 from pdserve.wire.errors import OpenAIError
 from pdserve.wire.protocol import GenerateChunk
+from tests.helpers.router_apis import worker_chunks
 from tests.unit.test_chat_parsers import DEEPSEEK_EXAMPLE, TOOLS, completion, random_pieces, random_turn
 
 pytestmark = pytest.mark.timeout(120)
@@ -45,26 +46,6 @@ def v4(thinking: bool = True, tools=TOOLS) -> OutputSpec:
 
 def formatter(tokenizer, output: OutputSpec | None) -> ResponsesFormatter:
     return ResponsesFormatter("resp_1", "tiny", tokenizer, [[0, 5, 6]], output, ECHO)
-
-
-def chunks(pieces: list[str], finish: str = "stop", cached: int = 0) -> list[GenerateChunk]:
-    """One worker chunk per piece, one token each; the first says how much of the prompt was cached."""
-    out, at = [], 0
-    for i, piece in enumerate(pieces):
-        last = i == len(pieces) - 1
-        out.append(
-            GenerateChunk(
-                request_id="r",
-                token_offset=i,
-                token_ids=[7],
-                text_offset=at,
-                text=piece,
-                finish_reason=finish if last else None,
-                num_cached_tokens=cached if i == 0 else 0,
-            )
-        )
-        at += len(piece)
-    return out
 
 
 def whole(fmt: ResponsesFormatter, cs: list[GenerateChunk]) -> Response:
@@ -112,7 +93,7 @@ def items(r: Response) -> list[tuple]:
 
 
 def test_deepseek_example_whole_and_streamed(tokenizer):
-    r = whole(formatter(tokenizer, v4()), chunks([DEEPSEEK_EXAMPLE], cached=2))
+    r = whole(formatter(tokenizer, v4()), worker_chunks([DEEPSEEK_EXAMPLE], cached=2))
     assert items(r) == [
         ("reasoning", "The user wants to know the weather in Beijing. I should use the get_weather tool.", "completed"),
         ("function_call", "get_weather", {"location": "Beijing", "unit": "celsius"}, "completed"),
@@ -125,7 +106,7 @@ def test_deepseek_example_whole_and_streamed(tokenizer):
     assert u.output_tokens_details.reasoning_tokens == 1
     assert (r.tool_choice, r.parallel_tool_calls, r.store, r.text.format.type) == ("auto", True, False, "text")
 
-    fs = frames(formatter(tokenizer, v4()), chunks(list(DEEPSEEK_EXAMPLE), cached=2))  # a character a chunk
+    fs = frames(formatter(tokenizer, v4()), worker_chunks(list(DEEPSEEK_EXAMPLE), cached=2))  # a character a chunk
     kinds = [f.event for f in fs]
     assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
     assert kinds[-1] == "response.completed"
@@ -144,7 +125,7 @@ def test_deepseek_example_whole_and_streamed(tokenizer):
 def test_every_item_opens_before_its_events_and_closes_once(tokenizer):
     text = completion({"role": "assistant", "reasoning_content": "plan", "content": "Hello", "tool_calls": None}, True)
     open_at: int | None = None
-    for f in frames(formatter(tokenizer, v4()), chunks(list(text))):
+    for f in frames(formatter(tokenizer, v4()), worker_chunks(list(text))):
         e = f.json()
         if f.event == "response.output_item.added":
             assert open_at is None
@@ -162,14 +143,14 @@ def test_stream_reassembles_to_the_whole_response(tokenizer, thinking):
     rng = random.Random(7 + thinking)
     for _ in range(40):
         text = completion(random_turn(rng), thinking)
-        want = whole(formatter(tokenizer, v4(thinking)), chunks([text]))
+        want = whole(formatter(tokenizer, v4(thinking)), worker_chunks([text]))
         for _ in range(3):
-            got = streamed(frames(formatter(tokenizer, v4(thinking)), chunks(random_pieces(rng, text))))
+            got = streamed(frames(formatter(tokenizer, v4(thinking)), worker_chunks(random_pieces(rng, text))))
             assert items(got) == items(want) and got.status == want.status == "completed"
 
 
 def test_the_length_limit_is_incomplete(tokenizer):
-    cs = chunks(["</think>", "Hel", "lo"], "length")
+    cs = worker_chunks(["</think>", "Hel", "lo"], "length")
     r = whole(formatter(tokenizer, v4()), cs)
     assert (r.status, r.incomplete_details.reason) == ("incomplete", "max_output_tokens")
     assert items(r) == [("message", "Hello", "incomplete")]
@@ -183,17 +164,17 @@ def test_the_length_limit_is_incomplete(tokenizer):
 
 def test_a_length_cut_inside_a_call_leaves_no_markup(tokenizer):
     cut = DEEPSEEK_EXAMPLE[: DEEPSEEK_EXAMPLE.index("celsius")]
-    r = whole(formatter(tokenizer, v4()), chunks([cut], "length"))
+    r = whole(formatter(tokenizer, v4()), worker_chunks([cut], "length"))
     assert r.status == "incomplete" and [i[0] for i in items(r)] == ["reasoning"]
 
 
 def test_without_parsers_the_text_is_one_message(tokenizer):
-    r = whole(formatter(tokenizer, OutputSpec(None, None)), chunks(["<think>a", "</think>b"]))
+    r = whole(formatter(tokenizer, OutputSpec(None, None)), worker_chunks(["<think>a", "</think>b"]))
     assert items(r) == [("message", "<think>a</think>b", "completed")] and r.output_text == "<think>a</think>b"
 
 
 def test_an_empty_answer_has_no_items(tokenizer):
-    cs = chunks([""])
+    cs = worker_chunks([""])
     assert whole(formatter(tokenizer, v4(False)), cs).output == []
     fs = frames(formatter(tokenizer, v4(False)), cs)
     assert [f.event for f in fs] == ["response.created", "response.in_progress", "response.completed"]
@@ -205,7 +186,7 @@ def test_an_empty_answer_has_no_items(tokenizer):
 )
 def test_a_failure_mid_stream_is_an_error_event(tokenizer, status, code, want):
     fmt = formatter(tokenizer, v4())
-    opening = fmt.chunk(0, chunks(["a"])[0])
+    opening = fmt.chunk(0, worker_chunks(["a"])[0])
     fs = list(SSEDecoder().iter_bytes(iter([opening + fmt.stream_error(OpenAIError(status, "the decode worker failed", code=code))])))  # fmt: skip
     error = fs[-1].json()
     assert fs[-1].event == "error" and error["sequence_number"] == len(fs) - 1

@@ -15,16 +15,13 @@ from pdserve.router.app import build_router_app
 from pdserve.router.openai_protocol import ChatCompletionRequest
 from pdserve.router.responses_api import prepare, settings
 from pdserve.router.responses_api_protocol import ResponsesRequest
-from pdserve.router.validation import RequestValidator
 from pdserve.serve_config import RouterServeConfig
 from pdserve.tiny_model import make_tiny_model
-from pdserve.tokenizer import Tokenizer
+from tests.helpers.router_apis import CHAT_TOOL, SCHEMA, v4_validator
 
 pytestmark = pytest.mark.timeout(120)
 KEY = "sk-test"
-SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOL = {"type": "function", "name": "get_weather", "description": "Weather for a city", "parameters": SCHEMA}
-CHAT_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city", "parameters": SCHEMA}}  # fmt: skip
 USER = [{"role": "user", "content": "hi"}]
 
 
@@ -35,9 +32,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def validator(model_dir):
-    v = RequestValidator(Tokenizer(model_dir), "tiny", json.load(open(f"{model_dir}/config.json"))["vocab_size"])
-    v.tool_parser = "deepseek_v4"  # as the router sets it for a V4 checkpoint
-    return v
+    return v4_validator(model_dir)
 
 
 def responses(validator, **body):
