@@ -4,9 +4,8 @@
     pdserve serve --flags ----------------------------------------> ServeConfig (same models)
     ServeConfig -> WorkerServeConfig (prefill | decode | colocated) or RouterServeConfig (serve_config.py)
 
-`pdserve launch` hands each child its ServeConfig as a JSON file (mode 0600: the cluster secret
-and API key never appear in argv), so every setting of the YAML reaches the process that uses it.
-Defaults and limits live here and nowhere else; `load_config` accepts a path or a name from configs/.
+`pdserve launch` hands each child its ServeConfig as a JSON file (mode 0600: secrets never appear
+in argv). Defaults and limits live here and nowhere else; `load_config` takes a path or a name in configs/.
 """
 
 from __future__ import annotations
@@ -105,6 +104,7 @@ class RouterConfig(_Strict):
     prefill_timeout: float = Field(300.0, gt=0)  # seconds a prefill worker has for first token + KV
     max_queued_requests: int = Field(1024, ge=1)  # concurrent requests before 429
     max_attempts: int = Field(3, ge=1)  # workers of a role tried when one refuses, before output
+    migration_limit: int = Field(3, ge=0)  # times a request moves on when its worker fails mid-request (Dynamo's name)
     retry_backoff: float = Field(0.05, ge=0)  # seconds before the second try; doubles each try
     breaker_failures: int = Field(5, ge=1)  # consecutive failed requests that open a worker's breaker
     breaker_cooldown: float = Field(10.0, gt=0)  # seconds an open breaker waits before a trial
@@ -133,11 +133,10 @@ class WorkerConfig(_Strict):
     max_num_batched_tokens: int | None = Field(None, ge=1)
     max_model_len: int | None = Field(None, ge=2)
     enforce_eager: bool = False  # no CUDA graphs for decode steps
+    async_scheduling: bool | None = None  # the overlapped engine loop; None: on for CUDA (engine/config.py)
     enable_prefix_caching: bool = True  # reuse cached KV blocks of earlier prompts (docs/prefix-caching.md)
     kv_cache_dtype: KVCacheDType = "auto"  # fp8: FP8 latent records (V3 / V3.2); part of the KV compatibility hash
-    quantization: Quantization | None = (
-        None  # weights: unset follows the checkpoint (FP8 kept FP8); none dequantizes at load
-    )
+    quantization: Quantization | None = None  # weights: unset follows the checkpoint (FP8 kept FP8); none dequantizes
     fp4_moe_backend: Fp4MoEBackend = "auto"  # FP4 experts' kernel path (engine/config.py)
     cuda_graph_max_bs: int | None = Field(None, ge=1)  # largest decode batch captured (default min(max_num_seqs, 256))
     speculative_config: SpeculativeConfig | None = None  # vLLM's: {"method": "ngram", "num_speculative_tokens": k, ...}
@@ -223,6 +222,7 @@ class WorkerConfig(_Strict):
             max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len,
             enforce_eager=self.enforce_eager,
+            async_scheduling=self.async_scheduling,
             enable_prefix_caching=self.enable_prefix_caching,
             kv_cache_dtype=self.kv_cache_dtype,
             quantization=self.quantization,

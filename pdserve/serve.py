@@ -39,7 +39,7 @@ WORKER_FLAGS = {
     "max_num_seqs": "worker.max_num_seqs", "max_num_batched_tokens": "worker.max_num_batched_tokens",
     "engine_id": "worker.engine_id", "advertise_host": "worker.advertise_host", "lease_seconds": "worker.lease_seconds",
     "max_open_requests": "worker.max_open_requests", "stall_timeout": "worker.stall_timeout", "drain_timeout": "worker.drain_timeout", "peer": "peers",
-    "enforce_eager": "worker.enforce_eager", "cuda_graph_max_bs": "worker.cuda_graph_max_bs", "kv_cache_dtype": "worker.kv_cache_dtype",
+    "enforce_eager": "worker.enforce_eager", "async_scheduling": "worker.async_scheduling", "cuda_graph_max_bs": "worker.cuda_graph_max_bs", "kv_cache_dtype": "worker.kv_cache_dtype",
     "quantization": "worker.quantization", "fp4_moe_backend": "worker.fp4_moe_backend",
     "enable_prefix_caching": "worker.enable_prefix_caching", "speculative_config": "worker.speculative_config",
     "transfer_backend": "transfer.backend", "transfer_timeout": "transfer.timeout",
@@ -54,7 +54,7 @@ ROUTER_FLAGS = {
     "balance_rel_threshold": "router.cache_aware.balance_rel_threshold", "max_tree_size": "router.cache_aware.max_tree_size",
     "api_key": "router.api_key",
     "health_interval": "router.health_interval", "request_timeout": "router.request_timeout",
-    "first_token_timeout": "router.first_token_timeout", "prefill_timeout": "router.prefill_timeout",
+    "first_token_timeout": "router.first_token_timeout", "prefill_timeout": "router.prefill_timeout", "migration_limit": "router.migration_limit",
     "max_queued_requests": "router.max_queued_requests", "max_attempts": "router.max_attempts",
     "retry_backoff": "router.retry_backoff", "breaker_failures": "router.breaker_failures",
     "breaker_cooldown": "router.breaker_cooldown", "api_server_count": "router.api_server_count",
@@ -103,6 +103,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     w("--max-num-seqs")
     w("--max-num-batched-tokens")
     w("--enforce-eager", action="store_true", help="no CUDA graphs: run every decode step eagerly")
+    w(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        help="the overlapped engine loop: step n + 1 launched before step n's tokens are read (default on for CUDA)",
+    )
     w("--kv-cache-dtype", help="auto (the model dtype) | fp8 (FP8 latent records, V3 / V3.2)")
     w(
         "--enable-prefix-caching",
@@ -185,6 +190,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     r("--prefill-timeout", help="seconds a prefill worker has to return the first token and KV")
     r("--max-queued-requests", help="concurrent requests before 429")
     r("--max-attempts", help="workers of a role tried when one refuses, before the first token")
+    r("--migration-limit", help="times a request moves to another worker when its worker fails mid-request (0: never)")
     r("--retry-backoff", help="seconds before the second try; doubles each try")
     r("--breaker-failures", help="consecutive failed requests that open a worker's circuit breaker")
     r("--breaker-cooldown", help="seconds an open breaker waits before a trial request")

@@ -1,7 +1,7 @@
 """Host time per decode step outside the model: what the engine does with each sampled token
 (detokenize, stop strings, logprob entries, the step's RequestOutputs) for B sequences that
-already hold L output tokens. No forward runs: `LLMEngine._postprocess` is given the step's
-sampled tokens, so the time is the engine's own, on the host (CPU).
+already hold L output tokens. No forward runs: `LLMEngine._resolve` reads a step whose
+sampled tokens are given, so the time is the engine's own, on the host (CPU).
 
     python -m benchmarks.engine.bench_outputs [--batch 64] [--lengths 100,16384] [--steps 200]
 
@@ -23,6 +23,7 @@ import tempfile
 import time
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.launched_step import LaunchedStep
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import SampledToken
@@ -68,7 +69,9 @@ def time_steps(eng: LLMEngine, seqs: list[Sequence], stream, steps: int) -> list
         sampled = [_sampled(next(stream)) for _ in seqs]
         t0 = time.perf_counter()
         touched: dict = {}
-        eng._postprocess(sched, sampled, touched)
+        for s in seqs:  # as a launch leaves them: each row's token in flight
+            s.num_inflight += 1
+        eng._resolve((sched, LaunchedStep(seqs, verify=lambda _busy, sampled=sampled: sampled)), touched, poll=False)
         outs = eng._outputs(touched)
         times.append(1e3 * (time.perf_counter() - t0))
         assert all(not o.finished for o in outs)

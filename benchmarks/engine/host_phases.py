@@ -2,7 +2,8 @@
 `ModelRunner.run`'s phases timed on the host clock - `prepare` (the step's inputs from the
 scheduler's lists), the CUDA-graph runner's `fits` and `fill` (host work and the copies it
 enqueues), the replay (the device synchronized before and after: the graph's own time, its launch
-gaps included), the logits and sampling (`_sample`, synchronized), and the whole `run`. The phases'
+gaps included), the sampling (`Sampler.draw`, synchronized), the tokens' read
+(`LaunchedStep.read`), and the whole `run`. The phases'
 sum against `run` and the replay against the row's profiled kernel time split the bench's
 "launch gaps" column into host work and gaps inside the graph.
 
@@ -23,7 +24,7 @@ from collections import defaultdict
 import torch
 
 from pdserve.bench.engine import cli
-from pdserve.engine import cuda_graphs, model_runner
+from pdserve.engine import cuda_graphs, launched_step, model_runner, sampler
 
 PHASES: dict[str, list[float]] = defaultdict(list)
 
@@ -54,7 +55,8 @@ def main(argv: list[str] | None = None) -> dict:
     runner, graphs = model_runner.ModelRunner, cuda_graphs.CudaGraphRunner
     originals = [
         _timed(runner, "prepare"),
-        _timed(runner, "_sample", sync=True),
+        _timed(sampler.Sampler, "draw", sync=True),
+        _timed(launched_step.LaunchedStep, "read", sync=True),
         _timed(runner, "run", sync=True),
         _timed(graphs, "fits"),
         _timed(graphs, "fill"),

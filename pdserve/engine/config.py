@@ -74,6 +74,9 @@ class EngineConfig(BaseModel):
     # CUDA graphs for decode steps (engine/cuda_graphs.py); enforce_eager turns them off (vLLM's
     # name), cuda_graph_max_bs is the largest batch captured (SGLang's; default min(max_num_seqs, 256))
     enforce_eager: bool = False
+    # the overlapped loop (vLLM's async scheduling; llm_engine.py): step n + 1 launched before step
+    # n's tokens are read. None: on for CUDA, off for CPU (where the forward blocks anyway)
+    async_scheduling: bool | None = None
     cuda_graph_max_bs: int | None = Field(None, ge=1)
     # the KV records (vLLM's name): "auto" = the model dtype; "fp8" = FP8 e4m3 latent records with
     # per-128 scales (656 bytes a token-layer for V3 / V3.2, kernels/kv_fp8.py)

@@ -49,12 +49,16 @@ static tables' rows), W block-table width of max_model_len.
 from __future__ import annotations
 
 import bisect
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from pdserve.model.batch import ForwardBatch, StepInputs
 from pdserve.model.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from pdserve.engine.launched_step import Feed
 
 SMALL_BATCH = 16  # chunk graphs of fewer than k + 1 tokens are captured up to this many sequences
 
@@ -255,9 +259,14 @@ class CudaGraphRunner:
         self._checked = (step, self.shape_of(step))  # `fill` of the same step reuses it
         return self._checked[1] is not None
 
-    def run(self, step: StepInputs) -> torch.Tensor:
-        """hidden [T, hidden] of a step that `fits`: fill the buffers, replay the graph."""
+    def run(self, step: StepInputs, feed: Feed | None = None) -> torch.Tensor:
+        """hidden [T, hidden] of a step that `fits`: fill the buffers, replay the graph. feed: input
+        rows the previous step's tokens give on the device (the overlapped loop; launched_step.py)."""
         key = self.fill(step)
+        if feed is not None:  # a decode step's rows are its input_ids rows, in order
+            if key[1] != 1:
+                raise RuntimeError("only a step of decode rows takes in-flight tokens")
+            self.input_ids[feed[0]] = feed[2][feed[1]]
         self.replay(key)
         T = step.input_ids.numel()  # the real rows come first
         if self.streams.get(key) is not None:

@@ -1,19 +1,22 @@
-"""The engine loop: add_request -> step (schedule -> run -> sample -> stop checks) -> RequestOutputs.
+"""The engine loop: add_request -> step (schedule -> launch -> read the step before -> stop checks) -> RequestOutputs.
 
 A step notes the sequences it advanced or ended and builds one output each at its end, as the
-request's `output_kind` asks: the new tokens, text and logprobs since its last output (delta),
-everything so far (cumulative), or everything once it finishes (final_only). Per token the engine
-appends to the sequence and reads only the new end of its text (detokenizer, stop strings, a
-delta), so a step's host work does not grow with the outputs' length, except for cumulative
-outputs, which copy the whole output at every step.
+request's `output_kind` asks (step_outputs.py). Per token the engine appends to the sequence and
+reads only the new end of its text, so a step's host work does not grow with the outputs' length
+(except cumulative outputs', which copy the whole output at every step).
 
 add_request and abort_request may be called from any thread: a Request is validated at once (bad
 input raises ValueError in the caller) and takes effect at the start of the next step(). step()
 itself must be called from one thread at a time.
 
+The overlapped loop (async_scheduling; docs/architecture.md): step() launches step n + 1, then
+reads step n, whose bookkeeping runs while n + 1 computes; a row whose input is a token in flight
+gets it on the device. A step with a row that needs its token on the host first
+(launched_step.needs_host) or drafts is read at once, as in the serial loop.
+
 With a KV connector (PD) the engine owns a RemoteKV (remote_kv.py): held KV, hand-offs and loads,
-polled at each step's start and, on a decode worker waiting for some, while the device computes
-(ModelRunner.run's while_busy): a hand-off landing mid-step runs in the next step.
+polled at each step's start and, in the serial loop on a decode worker waiting for some, while
+the device computes (LaunchedStep.read's while_busy).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pdserve.disagg.stats import TransferStats
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, KVLoadFailurePolicy
 from pdserve.engine.engine_stats import EngineStats, collect_stats
+from pdserve.engine.launched_step import LaunchedStep, needs_host
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.prefix_cache import engine_root
 from pdserve.engine.remote_kv import DEFAULT_HANDOFF_TIMEOUT_S, RemoteEvents, RemoteKV, handoff_problem
@@ -36,12 +40,14 @@ from pdserve.engine.sampler import SampledToken
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.spec_decode.decoder import SpecDecoder
-from pdserve.engine.stop import check_stop, visible_len
-from pdserve.outputs import CompletionOutput, Logprob, RequestOutput, from_entries
-from pdserve.sampling_params import RequestOutputKind, SamplingParams
+from pdserve.engine.step_outputs import request_output
+from pdserve.engine.stop import check_stop
+from pdserve.outputs import Logprob, RequestOutput, from_entries
+from pdserve.sampling_params import SamplingParams
 from pdserve.structured.matcher import RequestMatcher
 
 Touched = dict[str, Sequence]  # a step's sequences with an output to give, by request id
+_Launched = tuple[SchedulerOutput, LaunchedStep]  # a step on the device, its tokens not read yet
 
 
 class LLMEngine:
@@ -95,6 +101,10 @@ class LLMEngine:
         self._aborts: list[str] = []  # abort requests since the last step (taken after the new ones)
         self._ids: set[str] = set()  # every request not yet fully gone (finished ones leave)
         self._arrival = itertools.count()
+        self._inflight: _Launched | None = None  # the overlapped loop's step on the device
+        self._unfreed: list[Sequence] = []  # finished, blocks kept until the steps writing them are read
+        on = config.async_scheduling  # the overlapped loop (vLLM's async scheduling): by default on CUDA
+        self.async_scheduling = self.runner.device.type == "cuda" if on is None else on
 
     @property
     def kv_cache(self):
@@ -111,6 +121,7 @@ class LLMEngine:
         self._validate(request)
         grammar = self._grammar(request.params)
         seq = Sequence(request, arrival=next(self._arrival), peer=peer)
+        seq.token_limit = min(seq.token_limit, self.max_model_len)
         seq.grammar = grammar
         if self.tokenizer is not None and request.params.detokenize:
             from pdserve.tokenizer import IncrementalDetokenizer
@@ -135,8 +146,13 @@ class LLMEngine:
                 f"prompt has {n} tokens; max_model_len is {self.max_model_len} (room for at least one output token is needed)"
             )
         vocab = self.runner.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in req.prompt_token_ids):
-            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        resumed = req.resume.token_ids if req.resume is not None else []
+        if any(not 0 <= t < vocab for t in req.prompt_token_ids + resumed):
+            raise ValueError(f"prompt and resumed token ids must lie in [0, {vocab})")
+        if n + len(resumed) >= self.max_model_len:
+            raise ValueError(
+                f"prompt + resumed output ({n + len(resumed)} tokens) leave no room under max_model_len {self.max_model_len}"
+            )
         if any(not 0 <= t < vocab for t in req.params.logit_bias or ()):
             raise ValueError(f"logit_bias token ids must lie in [0, {vocab})")
         if req.params.stop and not (self.tokenizer is not None and req.params.detokenize):
@@ -188,40 +204,63 @@ class LLMEngine:
             self.spec.propose_waiting(self.scheduler.waiting)
         sched = self.scheduler.schedule()
         self.last_schedule = sched
-        if not sched.is_empty:
-            self.runner.copy_records(self.block_manager.take_copies())
-            if self.spec is not None:
-                self.spec.begin(sched)
-            sampled = self.runner.run(sched, self._while_step_runs(touched))
-            self._postprocess(sched, sampled, touched)
-            if self.spec is not None:
-                self.spec.propose(sched)
-            for s in sched.scheduled:  # after the drafts: V4's MTP pass reads the window the step read
-                self.block_manager.trim_window(s.seq)
-            self._hold(touched)
+        launched = self._launch(sched) if not sched.is_empty else None
+        previous, self._inflight = self._inflight, None
+        if previous is not None:  # the step before, read while this one runs (no KV loads meanwhile:
+            self._resolve(previous, touched, poll=False)  # blocks this schedule preempted are still written)
+        if launched is not None and self._overlaps(sched):
+            self._inflight = launched
+        elif launched is not None:
+            self._resolve(launched, touched, poll=True)
+        self._hold(touched)
         return self._outputs(touched)
 
+    def _launch(self, sched: SchedulerOutput) -> _Launched:
+        """Queue the step on the device and count its tokens computed. A chunk that does not sample
+        registers its blocks now: a prefix checkpoint at its end is copied before the next forward."""
+        self.runner.copy_records(self.block_manager.take_copies())
+        if self.spec is not None:
+            self.spec.begin(sched)
+        step = self.runner.launch(sched, self._inflight[1] if self._inflight is not None else None)
+        for s in sched.scheduled:
+            s.seq.num_computed_tokens += s.num_tokens - s.num_spec  # + accepted drafts, when read
+            s.seq.num_inflight += s.samples
+            if not s.samples:
+                self.block_manager.cache_computed(s.seq)
+        return sched, step
+
+    def _overlaps(self, sched: SchedulerOutput) -> bool:
+        """Whether the next step may launch before this one's tokens are read: not where a row needs
+        its token on the host first (docs/architecture.md, the overlapped loop)."""
+        if not self.async_scheduling or self.spec is not None:
+            return False
+        return not any(s.samples and needs_host(s.seq) for s in sched.scheduled)
+
     def _while_step_runs(self, touched: Touched) -> Callable[[], None] | None:
-        """Decode with hand-offs or loads outstanding: the connector's work, done while the device
-        computes the step, so a hand-off that arrives mid-step has its KV read by the step's end
-        and the request runs in the next step (seen only between steps, its read would span the
-        next one: a whole step more of its TTFT). None when there is nothing to wait for."""
+        """Decode with hand-offs or loads outstanding: the connector's work while the device computes
+        the step, so a hand-off arriving mid-step runs in the next step (seen only between steps, its
+        read would span the next one: a step more of TTFT). None: nothing to wait for."""
         if self.remote_kv is None or not self.remote_kv.busy():
             return None
         return lambda: self._poll_remote(touched)
 
-    def _postprocess(self, sched: SchedulerOutput, sampled: list[SampledToken], touched: Touched) -> None:
-        tokens = iter(sampled)
+    def _resolve(self, launched: _Launched, touched: Touched, poll: bool) -> None:
+        """Read a launched step's tokens and do its bookkeeping: outputs, stop checks, blocks. A
+        sequence that ended while the step ran (a stop read one step late, an abort) drops its token."""
+        sched, step = launched
+        tokens = iter(step.read(self._while_step_runs(touched) if poll else None))
         for s in sched.scheduled:
             seq = s.seq
             tok = next(tokens) if s.samples else None
             # a verify chunk computed its drafts' KV too; only accepted ones (tok.more) count
             accepted = len(tok.more) if tok is not None else 0
-            seq.num_computed_tokens += s.num_tokens - s.num_spec + accepted
+            seq.num_computed_tokens += accepted
             if self.spec is not None:
                 self.spec.settle(s, accepted)
             if tok is None:
-                self.block_manager.cache_computed(seq)
+                continue
+            seq.num_inflight -= 1
+            if seq.finished:
                 continue
             status = self._append(seq, tok)
             for extra in tok.more:
@@ -234,6 +273,13 @@ class LLMEngine:
             if status is not None:
                 self._finish(seq, status)
             touched[seq.request_id] = seq
+        if self.spec is not None:
+            self.spec.propose(sched)
+        for s in sched.scheduled:  # after the drafts: V4's MTP pass reads the window the step read
+            self.block_manager.trim_window(s.seq)
+        for seq in [q for q in self._unfreed if q.num_inflight == 0]:
+            self._unfreed.remove(seq)
+            self.block_manager.free(seq)
 
     def _append(self, seq: Sequence, tok: SampledToken) -> SequenceStatus | None:
         if tok.logprobs is not None:
@@ -258,7 +304,11 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, status: SequenceStatus, error: str | None = None) -> None:
         seq.error = error or seq.error
-        self.scheduler.finish(seq, status)
+        # a launched step still writes its blocks (a stop or abort read while its next row runs):
+        # freed once that step is read, so no KV load lands in them meanwhile
+        self.scheduler.finish(seq, status, free=seq.num_inflight == 0)
+        if seq.num_inflight and status is not SequenceStatus.FINISHED_REMOTE_DECODE:
+            self._unfreed.append(seq)
         if status is SequenceStatus.FINISHED_REMOTE_DECODE:  # leased after the step's drafts pass (MTP's hidden state)
             self._holding.append(seq)
         elif seq.request_id not in self.scheduler.held:
@@ -278,59 +328,42 @@ class LLMEngine:
 
     def _outputs(self, touched: Touched) -> list[RequestOutput]:
         """The step's outputs, built once per sequence from its state at the step's end."""
-        outputs = (self._output(seq) for seq in touched.values())
+        outputs = (request_output(seq) for seq in touched.values())
         return [out for out in outputs if out is not None]
-
-    def _output(self, seq: Sequence) -> RequestOutput | None:
-        kind = seq.params.output_kind
-        if kind is RequestOutputKind.FINAL_ONLY and not seq.finished:
-            return None
-        sent = seq.num_sent_tokens if kind is RequestOutputKind.DELTA else 0
-        shown = seq.num_sent_chars if kind is RequestOutputKind.DELTA else 0
-        visible = max(visible_len(seq), shown)
-        seq.num_sent_tokens, seq.num_sent_chars = seq.num_output_tokens, visible
-        completion = CompletionOutput.model_construct(
-            index=0,
-            text=seq.output_text.slice(shown, visible),
-            token_ids=seq.output_token_ids[sent:],
-            cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-            logprobs=seq.logprobs[sent:] if seq.logprobs is not None else None,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-        )
-        return RequestOutput.model_construct(
-            request_id=seq.request_id,
-            prompt=seq.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            outputs=[completion],
-            finished=seq.finished,
-            kv_handle=seq.kv_handle if seq.status is SequenceStatus.FINISHED_REMOTE_DECODE else None,
-            kv_handoff_sent=seq.handoff_sent,
-            prefill_text_offset=seq.first_token.text_offset if seq.first_token is not None else None,
-            error=seq.error,
-            transfer_error=seq.transfer_error,
-            num_cached_tokens=seq.num_cached_tokens,
-        )
 
     # -- admission, aborts and PD --
     def _admit(self, seq: Sequence, touched: Touched) -> None:
         if seq.request.kv_from is not None and seq.first_token is None:  # decode, before its hand-off
             self._on_remote(self.remote_kv.wait(seq), touched)
             return
-        if seq.first_token is None:
-            self.scheduler.add(seq)
-            return
+        status = self._resume(seq)
         first = seq.first_token
-        if first.logprobs is not None and seq.logprobs is not None:
-            entry = from_entries(first.logprobs)
-            seq.logprobs.append(entry)
-            seq.cumulative_logprob += entry[first.token_id].logprob if first.token_id in entry else 0.0
-        status = self._push_token(seq, first.token_id)
-        if status is not None:  # the first token already ends it: nothing to load (the lease frees prefill)
+        if status is None and first is not None:
+            if first.logprobs is not None and seq.logprobs is not None:
+                entry = from_entries(first.logprobs)
+                seq.logprobs.append(entry)
+                seq.cumulative_logprob += entry[first.token_id].logprob if first.token_id in entry else 0.0
+            status = self._push_token(seq, first.token_id)
+        if status is not None:  # its first token (or resumed output) ends it: nothing to run (a lease frees prefill)
             seq.status = status
             self._end(seq, touched)
-            return
-        self.scheduler.add_remote(seq)
+        elif first is None:
+            self.scheduler.add(seq)
+        else:
+            self.scheduler.add_remote(seq)
+
+    def _resume(self, seq: Sequence) -> SequenceStatus | None:
+        """A migrated request's output so far (Request.resume) becomes its first outputs, once (a
+        decode request is admitted again after its hand-off); their logprobs were sent already."""
+        resume = seq.request.resume
+        if resume is None or seq.output_token_ids:
+            return None
+        status = None
+        for token_id in resume.token_ids:
+            if seq.logprobs is not None:
+                seq.logprobs.append({})
+            status = status or self._push_token(seq, token_id)
+        return status
 
     def _abort(self, request_id: str, touched: Touched) -> None:
         if self.remote_kv is not None:
@@ -367,7 +400,7 @@ class LLMEngine:
         with self._lock:
             pending = bool(self._new or self._aborts)
         remote = self.remote_kv is not None and self.remote_kv.has_pending()
-        return pending or remote or self.scheduler.num_unfinished > 0
+        return pending or remote or self.scheduler.num_unfinished > 0 or self._inflight is not None
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel rank processes, if any (after the step loop has stopped)."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 import weakref
 from collections.abc import Callable
 
@@ -30,6 +29,7 @@ from pdserve.engine import tp_protocol as protocol
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import DEFAULT_CPU_KV_GB, EngineConfig
 from pdserve.engine.cuda_graphs import CudaGraphRunner, all_decode_rows, graph_ladder, verified_drafts
+from pdserve.engine.launched_step import LaunchedStep, feed_from
 from pdserve.engine.memory import MemoryFigures, measure_figures, plan_kv_pool, profile_peak
 from pdserve.engine.model_loading import check_shardable, load_for_engine
 from pdserve.engine.prefix_checkpoints import checkpoint_capacity, window_blocks_per_checkpoint
@@ -42,16 +42,6 @@ from pdserve.model.batch import ForwardBatch, StepInputs
 from pdserve.model.kv_cache import STATE, WINDOW, KVCache, KVRegionSpec
 
 log = logging.getLogger("pdserve.engine")
-WHILE_BUSY_POLL_S = 2e-4  # how late a step's end may be seen while the engine works beside it
-
-
-def work_until(done: Callable[[], bool], work: Callable[[], None], poll_s: float = WHILE_BUSY_POLL_S) -> None:
-    """work() at once and then every poll_s until done(). The sleep gives the GIL to the server's
-    threads, as the blocking read of a step's tokens would."""
-    work()
-    while not done():
-        time.sleep(poll_s)
-        work()
 
 
 def plans_memory(device: torch.device) -> bool:
@@ -217,32 +207,46 @@ class ModelRunner:
         return n
 
     # -- one step (rank 0) --
-    @torch.inference_mode()
     def run(self, sched: SchedulerOutput, while_busy: Callable[[], None] | None = None) -> list[SampledToken]:
         """Forward the scheduled tokens; returns one sampled token per sequence whose chunk
         reached its last token, in scheduled order. while_busy: called (at least once) while the
         device computes a step that samples, every WHILE_BUSY_POLL_S until it is done, instead
         of blocking in the read of the tokens (the engine starts KV loads there)."""
-        step, sampling = self.prepare(sched)
+        return self.launch(sched).read(while_busy)
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, prev: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the step's forward and sampling on the device and start its tokens' copy to the
+        host, without waiting for them. prev: the step launched before, still in flight (the
+        overlapped loop): a row whose input is a token prev sampled reads it on the device."""
+        step, sampling, holes = self.prepare(sched)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # per thread: the engine loop's thread starts on cuda:0
+        feed = feed_from(holes, prev, self.device)
         if self.graphs is not None and self.graphs.fits(step):  # decode and verify steps: every chunk samples
-            hidden, last = self.graphs.run(step), torch.cumsum(step.lens, 0) - 1  # [T, hidden], [N]
+            hidden, last = self.graphs.run(step, feed), torch.cumsum(step.lens, 0) - 1  # [T, hidden], [N]
         else:
             if self.ranks is not None:
                 self.ranks.check_alive()
-                protocol.send_forward(self.tp, step)
-            batch = self._batch(step)
-            hidden, last = self.model.forward(batch.to(self.device), self.kv_cache), batch.logits_indices
+                protocol.send_forward(self.tp, step, fed=feed is not None)
+            batch = self._batch(step).to(self.device)
+            if feed is not None:
+                batch.input_ids[feed[0]] = feed[2][feed[1]]
+                if self.ranks is not None:  # the ranks' ids, in flight too: after this write on the device
+                    self.tp.broadcast(batch.input_ids)
+            hidden, last = self.model.forward(batch, self.kv_cache), batch.logits_indices
         self.last_hidden = hidden if self.keep_hidden else None  # MTP drafts read it (spec_decode/mtp.py)
         if not sampling:
-            return []
+            return LaunchedStep([])
         counts = verify.draft_counts(sched)
-        if counts is not None:  # drafts to verify: logits at each of their positions
+        if counts is not None:  # drafts to verify: logits at each of their positions, sampled on the host
             logits = self.model.compute_logits(hidden[verify.logits_rows(last, counts).to(self.device)])
-            return verify.sample(self.sampler, logits, sampling, counts, while_busy)
+            return LaunchedStep(
+                sampling, verify=lambda busy: verify.sample(self.sampler, logits, sampling, counts, busy)
+            )
         hidden = hidden[last.to(self.device)] if len(last) < hidden.shape[0] else hidden  # [N, hidden]
-        return self._sample(self.model.compute_logits(hidden), sampling, while_busy)  # logits [N, V]
+        tokens, lp_source = self.sampler.draw(self.model.compute_logits(hidden), sampling)  # logits [N, V]
+        return LaunchedStep(sampling, self.sampler.stage(tokens, lp_source, sampling))
 
     @torch.inference_mode()
     def run_mtp(self, step: StepInputs, prev: torch.Tensor) -> torch.Tensor:
@@ -259,27 +263,23 @@ class ModelRunner:
         rows = self.max_chunk > 1 and all_decode_rows(step, self.max_chunk)  # verify steps: as graphs run them
         return ForwardBatch.build(step, self.block_size, as_decode_rows=rows)
 
-    def _sample(
-        self, logits: torch.Tensor, seqs: list[Sequence], while_busy: Callable[[], None] | None
-    ) -> list[SampledToken]:
-        tokens, lp_source = self.sampler.draw(logits, seqs)
-        if while_busy is not None:
-            if self.device.type == "cuda":
-                done = torch.cuda.Event()
-                done.record()
-                work_until(done.query, while_busy)
-            else:
-                while_busy()  # a CPU step's ops have run by now
-        return self.sampler.read(tokens, lp_source, seqs)
-
-    def prepare(self, sched: SchedulerOutput) -> tuple[StepInputs, list[Sequence]]:
-        """The step's compact inputs (ForwardBatch.build expands them) and the sequences that sample."""
+    def prepare(self, sched: SchedulerOutput) -> tuple[StepInputs, list[Sequence], list[tuple[int, Sequence]]]:
+        """The step's compact inputs (ForwardBatch.build expands them), the sequences that sample,
+        and the holes: (row of input_ids, sequence) where the input is the sequence's in-flight
+        token (the overlapped loop; 0 stands in until the device writes it: `launch`)."""
         chunks = sched.scheduled
         seqs = [s.seq for s in chunks]
         width = max(len(s.block_table) for s in seqs)
         input_ids: list[int] = []
+        holes: list[tuple[int, Sequence]] = []
         for s in chunks:  # a verify chunk's last num_spec tokens are its drafts
-            input_ids.extend(s.seq.tokens_between(s.start, s.start + s.num_tokens - s.num_spec))
+            end = s.start + s.num_tokens - s.num_spec
+            input_ids.extend(s.seq.tokens_between(s.start, end))
+            if end > s.seq.num_known_tokens:  # a decode row after a step still in flight
+                if s.num_tokens != 1 or end != s.seq.num_known_tokens + 1:
+                    raise RuntimeError(f"{s.seq!r}: only a decode row's one input may be in flight")
+                holes.append((len(input_ids), s.seq))
+                input_ids.append(0)
             input_ids.extend(s.seq.spec_token_ids[: s.num_spec])
         step = StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64),
@@ -293,7 +293,7 @@ class ModelRunner:
             state_slots=torch.tensor([s.seq.state_slot for s in chunks], dtype=torch.int64),
             state_dst=_state_dst(chunks),
         )
-        return step, [s.seq for s in chunks if s.samples]
+        return step, [s.seq for s in chunks if s.samples], holes
 
     @torch.inference_mode()
     def copy_records(self, copies: list[tuple[str, int, int]]) -> None:
@@ -355,8 +355,10 @@ class ModelRunner:
                 self.tp.broadcast(prev)
                 self.run_mtp(msg.step, prev)
                 continue
-            batch = self._batch(msg.step)
-            self.model.forward(batch.to(self.device), self.kv_cache)
+            batch = self._batch(msg.step).to(self.device)
+            if msg.fed:  # the input ids with rank 0's in-flight tokens
+                self.tp.broadcast(batch.input_ids)
+            self.model.forward(batch, self.kv_cache)
 
     # -- lifecycle --
     def shutdown(self, clean: bool = True) -> None:

@@ -55,9 +55,9 @@ def handoff_problem(
 ) -> str | None:
     """Why a decode request cannot continue from this handle's KV and first token, or None.
     mtp_bytes: the MTP hidden state this engine drafts from (spec_decode/mtp_handoff.py), or None."""
-    n = len(req.prompt_token_ids)
+    n = len(req.prompt_token_ids) + (len(req.resume.token_ids) if req.resume is not None else 0)
     if handle.num_tokens != n:
-        return f"kv_handle holds {handle.num_tokens} tokens but the prompt has {n}"
+        return f"kv_handle holds {handle.num_tokens} tokens but the prompt (and resumed output) has {n}"
     if not 0 <= first.token_id < vocab_size:
         return f"first_token must lie in [0, {vocab_size})"
     if req.params.logprobs is not None and first.logprobs is None:
@@ -142,9 +142,9 @@ class RemoteKV:
         peer = seq.peer
         if seq.request.kv_to is None or peer is None or peer.data is None:
             return False
-        first = FirstToken(
-            token_id=seq.output_token_ids[0],
-            logprobs=to_entries(seq.logprobs[0]) if seq.logprobs else None,
+        first = FirstToken(  # the token prefill sampled: its last output (a migrated request's come first)
+            token_id=seq.output_token_ids[-1],
+            logprobs=to_entries(seq.logprobs[-1]) if seq.logprobs else None,
             text_offset=len(visible_text(seq)),
         )
         handoff = Handoff(request_id=seq.request_id, kv_handle=seq.kv_handle, first_token=first)

@@ -10,6 +10,8 @@ Three shapes of the same model, by role:
                           ... or kv_from=prefill engine: wait for its Handoff (H and the first token),
                               sent over the transfer backend or posted by the router
 
+Any of them may carry resume=Resume(token_ids, text_offset): a request the router migrated from a
+failed worker continues after the output its client already has.
 The router sends a PD request to both workers at once (kv_to / kv_from), so decode has it before
 prefill is done and the hand-off is one notification between the engines (see router/dispatch.py).
 """
@@ -33,6 +35,17 @@ class FirstToken(BaseModel):
 
     token_id: int
     logprobs: list[LogprobEntry] | None = None  # when params.logprobs is set: sampled token first
+    text_offset: int = Field(0, ge=0)  # characters of output text the client already has
+
+
+class Resume(BaseModel):
+    """The output a client already has of a request continued on another worker (the router's
+    migration, router/dispatch.py): the engine takes these tokens as the request's first outputs
+    (its KV computed with the prompt's; a seeded draw, min_tokens and penalties count them) and
+    sends only what follows them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    token_ids: list[int] = Field(min_length=1)
     text_offset: int = Field(0, ge=0)  # characters of output text the client already has
 
 
@@ -67,6 +80,7 @@ class Request(BaseModel):
     first_token: FirstToken | None = None  # decode role: goes with kv_handle
     kv_to: KVPeerRef | None = None  # prefill role: the decode engine to send the Handoff to
     kv_from: KVPeerRef | None = None  # decode role without a handle yet: whose Handoff to wait for
+    resume: Resume | None = None  # a migrated request: the output the client already has
 
     @field_validator("version")
     @classmethod

@@ -86,7 +86,7 @@ class Sampler:
         N = 128 for V4's vocabulary)."""
         for s in seqs:
             p = s.params
-            if not p.greedy or s.grammar is not None or s.num_output_tokens < p.min_tokens or p.logit_bias:
+            if not p.greedy or s.grammar is not None or s.next_output_index < p.min_tokens or p.logit_bias:
                 return True
             if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
                 return True
@@ -111,7 +111,7 @@ class Sampler:
 
     def read(self, tokens: torch.Tensor, lp_source: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
         """draw's tokens (and logprobs where asked) on the host."""
-        return self._outputs(tokens, lp_source, seqs)
+        return self.stage(tokens, lp_source, seqs).read()
 
     # -- logits processing (in place on x: [N, V]) --
     def _grammar_mask(self, x: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -138,7 +138,7 @@ class Sampler:
         for i, s in enumerate(seqs):
             if s.grammar is not None and s.grammar.terminated:  # a complete answer may end: EOS is all it allows
                 continue
-            if s.num_output_tokens < s.params.min_tokens:
+            if s.next_output_index < s.params.min_tokens:
                 stop_ids = list(s.params.stop_token_ids)
                 if not s.params.ignore_eos:
                     stop_ids += self.eos_token_ids
@@ -199,29 +199,60 @@ class Sampler:
         q = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, s in enumerate(seqs):
             if s.params.seed is not None and not s.params.greedy:
-                g = torch.Generator(device=x.device).manual_seed(row_seed(s.params.seed, s.num_output_tokens))
+                g = torch.Generator(device=x.device).manual_seed(row_seed(s.params.seed, s.next_output_index))
                 q[i] = torch.empty_like(probs[i]).exponential_(generator=g)
         # q = 0 would turn a filtered token's 0 / 0 into NaN, which argmax would pick
         q.clamp_(min=torch.finfo(q.dtype).tiny)
         return (probs / q).argmax(dim=-1)
 
-    def _outputs(self, tokens: torch.Tensor, lp_source: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
-        token_list = tokens.tolist()
+    def stage(self, tokens: torch.Tensor, lp_source: torch.Tensor, seqs: list[Sequence]) -> StagedTokens:
+        """Queue the logprobs' device work behind draw's and start the copies to the host, without
+        waiting: the overlapped loop reads them (`StagedTokens.read`) while the next step runs."""
+        parts = {"tokens": tokens}
         rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        ks = [seqs[i].params.logprobs for i in rows]
+        if rows:
+            lp = torch.log_softmax(lp_source[rows].float(), dim=-1)  # [R, V]
+            chosen_lp = lp.gather(1, tokens[rows][:, None])  # [R, 1]
+            parts["chosen_lp"], parts["ranks"] = chosen_lp[:, 0], (lp > chosen_lp).sum(dim=-1) + 1  # [R] each
+            if max(ks) > 0:
+                top = lp.topk(min(max(ks), lp.shape[1]), dim=-1)
+                parts["top_ids"], parts["top_lp"] = top.indices, top.values  # [R, k]
+        return StagedTokens(parts, rows, ks)
+
+
+class StagedTokens:
+    """A step's sampled tokens [N] (and the logprob rows asked for) on their way to the host:
+    non-blocking copies into pinned memory and an event after them on CUDA, the tensors
+    themselves on CPU. `tokens` stays on the device: the next step's inputs (ModelRunner's feed)."""
+
+    def __init__(self, parts: dict[str, torch.Tensor], rows: list[int], ks: list[int]) -> None:
+        self.tokens = parts["tokens"]
+        self.rows, self.ks = rows, ks  # rows asking for logprobs, and how many top entries each
+        self.done: torch.cuda.Event | None = None
+        if self.tokens.is_cuda:  # a non-blocking copy to the CPU lands in pinned memory
+            parts = {k: v.to("cpu", non_blocking=True) for k, v in parts.items()}
+            self.done = torch.cuda.Event()
+            self.done.record()
+        self.host = parts
+
+    def ready(self) -> bool:
+        return self.done is None or self.done.query()
+
+    def read(self) -> list[SampledToken]:
+        """The tokens (waits for their copy alone, not for work queued after it)."""
+        if self.done is not None:
+            self.done.synchronize()
+        h = self.host
+        token_list = h["tokens"].tolist()
         out = [SampledToken(t) for t in token_list]
-        if not rows:
+        if not self.rows:
             return out
-        lp = torch.log_softmax(lp_source[rows].float(), dim=-1)  # [R, V]
-        chosen = tokens[rows]
-        chosen_lp = lp.gather(1, chosen[:, None])  # [R, 1]
-        ranks = (lp > chosen_lp).sum(dim=-1) + 1  # [R]
-        n_top = max(seqs[i].params.logprobs for i in rows)
-        top = lp.topk(min(n_top, lp.shape[1]), dim=-1) if n_top > 0 else None
-        for j, i in enumerate(rows):
-            entries = [(token_list[i], chosen_lp[j, 0].item(), int(ranks[j]))]
-            k = seqs[i].params.logprobs
-            if top is not None and k > 0:
-                ids, vals = top.indices[j, :k].tolist(), top.values[j, :k].tolist()
-                entries += [(t, v, r + 1) for r, (t, v) in enumerate(zip(ids, vals))]
+        chosen, ranks = h["chosen_lp"].tolist(), h["ranks"].tolist()
+        top_ids, top_lp = (h["top_ids"].tolist(), h["top_lp"].tolist()) if "top_ids" in h else ([], [])
+        for j, (i, k) in enumerate(zip(self.rows, self.ks)):
+            entries = [(token_list[i], chosen[j], int(ranks[j]))]
+            if k > 0:
+                entries += [(t, v, r + 1) for r, (t, v) in enumerate(zip(top_ids[j][:k], top_lp[j][:k]))]
             out[i].logprobs = entries
         return out

@@ -122,8 +122,9 @@ class Scheduler:
     # -- the step --
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
-        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        live = [s for s in self.running if not s.ends_in_flight]  # not those a step in flight ends by length
+        decodes = [s for s in live if s.num_uncomputed_tokens == 1]
+        prefills = [s for s in live if s.num_uncomputed_tokens > 1]
         used = 0  # tokens scheduled so far (kept as a count: summing them each time was O(B^2) a step)
         for seq in decodes + prefills:
             budget = self.max_num_batched_tokens - used
@@ -194,14 +195,15 @@ class Scheduler:
             budget -= n
 
     # -- endings --
-    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+    def finish(self, seq: Sequence, status: SequenceStatus, free: bool = True) -> None:
         """Take seq out of its queue; free its blocks unless it hands its KV to a decode worker (its
-        window trimmed by the engine after the step's MTP pass, which reads the whole window)."""
+        window trimmed by the engine after the step's MTP pass, which reads the whole window) or
+        the caller frees them later (free=False: a launched step still writes them)."""
         self._remove(seq)
         seq.status = status
         if status is SequenceStatus.FINISHED_REMOTE_DECODE:
             self.held[seq.request_id] = seq
-        else:
+        elif free:
             self.block_manager.free(seq)
 
     def release_held(self, request_id: str) -> bool:

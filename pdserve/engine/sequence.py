@@ -63,6 +63,12 @@ class Sequence:
         self.table_cache: Any = None  # block_table as numpy, extended as it grows (step_tables.py)
         self.window_trimmed: Any = None  # (window_table, n): its first n blocks are freed (block_manager.py)
         self.num_computed_tokens = 0
+        # the overlapped loop (llm_engine.py): tokens sampled by launched steps that the host has
+        # not read yet; they count in num_tokens (the scheduler's view), not in output_token_ids
+        self.num_inflight = 0
+        self.token_limit = self.num_prompt_tokens + (
+            request.params.max_tokens or 1 << 62
+        )  # the engine caps it at max_model_len
         # prefix caching (prefix_cache.py): hashes of its full blocks, how many of its blocks are
         # findable, the prompt tokens its first admission found cached (None: not admitted yet), and
         # where its cached blocks ended past the hit (a prefill chunk ends there: prefix_checkpoints.py)
@@ -117,7 +123,23 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt, output and in-flight tokens: the positions steps have computed or will compute."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_inflight
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt and output tokens: those whose ids the host has."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def next_output_index(self) -> int:
+        """The output index of the token the next step samples (its seeded draw and min_tokens)."""
+        return len(self.output_token_ids) + self.num_inflight
+
+    @property
+    def ends_in_flight(self) -> bool:
+        """An in-flight token will end it by length: no step after it may be scheduled."""
+        return self.num_inflight > 0 and self.num_tokens >= self.token_limit
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -61,7 +61,7 @@ def check_stop(
         return by_string
     if seq.params.max_tokens is not None and seq.num_output_tokens >= seq.params.max_tokens:
         return SequenceStatus.FINISHED_LENGTH
-    if seq.num_tokens >= max_model_len:
+    if seq.num_known_tokens >= max_model_len:
         return SequenceStatus.FINISHED_LENGTH
     return None
 

@@ -2,9 +2,12 @@
 
 Every message is a fixed header, then (for some commands) one int64 payload:
 
-    header  int64[8]: [PROTOCOL_VERSION, command, a, b, c, d, 0, 0]
+    header  int64[8]: [PROTOCOL_VERSION, command, a, b, c, d, e, 0]
     FORWARD   a=T, b=B, c=W   payload [T + 4B + 2*B*W + d*B]: input_ids | lens | starts | samples |
               d=1: state_dst  state_slots | block_tables | window_tables | state_dst (d = 1 only)
+              e=1: fed        then the step's input_ids [T] again (device group), with the tokens
+                              of the step still in flight that the payload's only has as 0
+                              (the overlapped loop: rank 0 writes them on its device, launched_step.py)
     MTP       as FORWARD      the MTP layer's forward (spec_decode/mtp.py) over those inputs; then
                               its input rows of the model's dtype (device group): [T, H], V4's
                               residual streams [T, N, H] (spec_decode/mtp_handoff.py's row_shape)
@@ -26,7 +29,7 @@ from pdserve.distributed.group import TPGroup
 from pdserve.model.batch import StepInputs
 from pdserve.model.kv_cache import STATE, TOKENS, WINDOW
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 SPACES = (TOKENS, WINDOW, STATE)
 HEADER_LEN = 8
 
@@ -57,19 +60,21 @@ class Message:
     step: StepInputs | None = None  # FORWARD, MTP
     ids: SpaceIds | None = None  # SYNC_KV
     copies: list[tuple[str, int, int]] | None = None  # COPY: (space, src, dst)
+    fed: bool = False  # FORWARD: the input ids follow on the device group
 
 
-def _header(command: Command, a: int = 0, b: int = 0, c: int = 0, d: int = 0) -> torch.Tensor:
+def _header(command: Command, a: int = 0, b: int = 0, c: int = 0, d: int = 0, e: int = 0) -> torch.Tensor:
     h = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    h[:6] = torch.tensor([PROTOCOL_VERSION, int(command), a, b, c, d])
+    h[:7] = torch.tensor([PROTOCOL_VERSION, int(command), a, b, c, d, e])
     return h
 
 
-def send_forward(group: TPGroup, step: StepInputs, command: Command = Command.FORWARD) -> None:
-    """FORWARD (the model's step) or MTP (the MTP layer's forward: the caller broadcasts its input next)."""
+def send_forward(group: TPGroup, step: StepInputs, command: Command = Command.FORWARD, fed: bool = False) -> None:
+    """FORWARD (the model's step) or MTP (the MTP layer's forward: the caller broadcasts its input next).
+    fed: the caller broadcasts the step's input ids next (device group)."""
     B, W = step.block_tables.shape
     dst = [] if step.state_dst is None else [step.state_dst]
-    group.broadcast_control(_header(command, step.input_ids.numel(), B, W, len(dst)))
+    group.broadcast_control(_header(command, step.input_ids.numel(), B, W, len(dst), int(fed)))
     payload = torch.cat(
         [
             step.input_ids,
@@ -104,7 +109,7 @@ def receive(group: TPGroup) -> Message:
     """Ranks 1..N-1: block until rank 0's next message."""
     h = torch.empty(HEADER_LEN, dtype=torch.int64)
     group.broadcast_control(h)
-    version, command, a, b, c, d = h[:6].tolist()
+    version, command, a, b, c, d, e = h[:7].tolist()
     if version != PROTOCOL_VERSION:
         raise RuntimeError(f"TP rank {group.rank}: step message version {version}, expected {PROTOCOL_VERSION}")
     command = Command(command)
@@ -133,4 +138,4 @@ def receive(group: TPGroup) -> Message:
         state_slots=slots,
         state_dst=dst[0] if dst else None,
     )
-    return Message(command, step=step)
+    return Message(command, step=step, fed=bool(e))

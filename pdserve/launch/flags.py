@@ -33,6 +33,7 @@ FLAGS: dict[str, tuple[str, str]] = {
     "gpu_memory_utilization": ("workers", "gpu_memory_utilization"),
     "kv_cache_dtype": ("workers", "kv_cache_dtype"),
     "enforce_eager": ("workers", "enforce_eager"),
+    "async_scheduling": ("workers", "async_scheduling"),
     "enable_prefix_caching": ("workers", "enable_prefix_caching"),
     "speculative_config": ("workers", "speculative_config"),
 }
@@ -100,6 +101,12 @@ def add_launch_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), help=f"{w} kv_cache_dtype")
     p.add_argument("--enforce-eager", action="store_true", default=None, help=f"{w} enforce_eager (no CUDA graphs)")
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=f"{w} async_scheduling (the overlapped engine loop; default on for CUDA)",
+    )
     p.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,

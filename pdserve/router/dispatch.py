@@ -20,6 +20,16 @@ Workers send deltas of new output with their offsets; the router checks that eac
 where the output stands (a decode worker's first chunk starts after the first token) and passes it
 on: nothing is joined or cut here.
 
+Migration: when a worker fails a request it had taken (a WorkerFailed: its stream broke, stopped
+or closed early, or it ended the request with an error of its own), the request goes on elsewhere,
+through the same choice of workers (a failed worker is marked down or counted by its breaker),
+with Request.resume = the tokens and text the client already has: the engine takes them as the
+request's first outputs (through prefill again in PD: the prompt's blocks hit its prefix cache),
+and the new worker's chunks start where the client's output stands. Greedy and seeded requests
+continue exactly (a seeded draw is indexed by output position). At most `migration_limit` times a
+request; then the failure reaches the client, naming the limit. A KV transfer failure is not
+migrated (its own policy: kv_load_failure_policy).
+
 Every HTTP call to a worker goes through Upstream (upstream.py): retries on another worker before
 anything streamed, the circuit breakers' outcomes, fire-and-forget aborts.
 
@@ -43,11 +53,11 @@ import aiohttp
 
 from pdserve.config import RouterConfig
 from pdserve.disagg.base import KVPeerRef
-from pdserve.engine.request import Request
+from pdserve.engine.request import Request, Resume
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import PairPolicy, Policy, RoundRobin
 from pdserve.router.pool import RETRY_AFTER_S, Worker, WorkerPool
-from pdserve.router.upstream import Upstream
+from pdserve.router.upstream import Upstream, WorkerFailed
 from pdserve.sampling_params import SamplingParams
 from pdserve.wire.errors import OpenAIError
 from pdserve.wire.protocol import GenerateChunk
@@ -80,6 +90,48 @@ class Dispatcher:
         """The request's output as chunks of new content only (offsets continue from 0 without
         overlap), the last one with finish_reason. Raises OpenAIError."""
         req = Request(request_id=request_id, prompt_token_ids=prompt, params=params)
+        source = self._source(req, prompt)
+        offsets, sent, migrations = _Offsets(), [], 0
+        failure: WorkerFailed | None = None  # the failure the request is migrating from
+        while True:
+            old = source
+            try:
+                async for chunk in source:
+                    offsets.advance(chunk)
+                    sent += chunk.token_ids
+                    yield chunk
+                return
+            except OpenAIError as e:
+                if not isinstance(e, WorkerFailed):
+                    if failure is not None:  # the migrated request found no worker to take it
+                        raise OpenAIError(
+                            failure.status, f"{failure.message} (migration failed: {e.message})", code=failure.code
+                        ) from None
+                    raise
+                first = failure or e  # what the client is told: the failure the request first met
+                if migrations >= self.s.migration_limit:
+                    raise OpenAIError(
+                        first.status,
+                        f"{first.message} (not migrated: migration_limit {self.s.migration_limit} reached)",
+                        code=first.code,
+                    ) from None
+                migrations += 1
+                self.metrics.migrations.labels(e.role, e.cause).inc()
+                log.warning("%s: migrating after %d tokens (%s: %s)", request_id, len(sent), e.cause, e.message)
+                failure = first
+                resume = Resume(token_ids=list(sent), text_offset=offsets.text) if sent else None
+                req = req.model_copy(update={"resume": resume})
+                try:
+                    source = self._source(req, prompt)
+                except OpenAIError as none:  # no other worker: the failure, with why it stays one
+                    raise OpenAIError(
+                        first.status, f"{first.message} (not migrated: {none.message})", code=first.code
+                    ) from None
+            finally:
+                await old.aclose()
+
+    def _source(self, req: Request, prompt: list[int]) -> AsyncIterator[GenerateChunk]:
+        """The request's chunks from the workers the pool and policies choose now (PD or colocated)."""
         if self.pool.can_pd():
             prefills, decodes = self.pool.candidates("prefill"), self.pool.candidates("decode")
             if not prefills or not decodes:  # a half-open breaker's one trial request is in flight
@@ -89,18 +141,10 @@ class Dispatcher:
                     code="no_healthy_workers", headers={"Retry-After": str(RETRY_AFTER_S)},
                 )  # fmt: skip
             prefill, decode = self.pair.choose(prefills, decodes, prompt)
-            source = self._pd(req, prefill, decode)
-        elif self.pool.available("colocated"):
-            source = self._colocated(req)
-        else:
-            raise self.pool.unavailable()
-        offsets = _Offsets()
-        try:
-            async for chunk in source:
-                offsets.advance(chunk)
-                yield chunk
-        finally:
-            await source.aclose()
+            return self._pd(req, prefill, decode)
+        if self.pool.available("colocated"):
+            return self._colocated(req)
+        raise self.pool.unavailable()
 
     # -- the two paths --
     async def _pd(self, req: Request, prefill: Worker, decode: Worker) -> AsyncIterator[GenerateChunk]:
@@ -121,12 +165,25 @@ class Dispatcher:
             preq = req.model_copy(update={"hold_kv": True, "kv_to": _peer_ref(decode)})
             pw, first = await self._prefill(preq, prefill, on_accepted=open_decode)
             t1 = time.monotonic()
-            if first is not None and first.finish_reason == "error":
-                raise OpenAIError(502, f"the prefill worker failed: {first.error}", code="upstream_error")
+            if first is not None and first.finish_reason == "error" and first.transfer_error is None:
+                raise WorkerFailed(
+                    502,
+                    f"the prefill worker failed: {first.error}",
+                    code="upstream_error",
+                    role="prefill",
+                    cause="worker_error",
+                )
             if first is None or (first.finish_reason is None and first.kv_handle is None) or not first.token_ids:
                 log.warning("%s: prefill worker %s ended without a first token", rid, pw.url)
-                raise OpenAIError(502, "the prefill worker ended without a first token", code="upstream_error")
-            self.metrics.observe_ttft(first.timing, t1 - t0)
+                raise WorkerFailed(
+                    502,
+                    "the prefill worker ended without a first token",
+                    code="upstream_error",
+                    role="prefill",
+                    cause="truncated",
+                )
+            if req.resume is None:  # a migrated request's first token is not its TTFT
+                self.metrics.observe_ttft(first.timing, t1 - t0)
             yield first
             if first.finish_reason is not None:  # the first token already ended it: no KV is held
                 return
@@ -210,7 +267,8 @@ class Dispatcher:
         try:
             async for chunk in self.upstream.read(w, resp, rid):
                 _raise_if_failed(chunk, "colocated")
-                self.metrics.observe_ttft(chunk.timing, time.monotonic() - t0)
+                if req.resume is None:
+                    self.metrics.observe_ttft(chunk.timing, time.monotonic() - t0)
                 finished = chunk.finish_reason is not None
                 yield chunk
         finally:
@@ -235,7 +293,9 @@ def _raise_if_failed(chunk: GenerateChunk, who: str) -> None:
     f = chunk.transfer_error
     if f is not None:
         raise OpenAIError(502, f"KV transfer failed at stage {f.stage}: {f.reason}", code="kv_transfer_failed")
-    raise OpenAIError(502, f"the {who} worker failed: {chunk.error}", code="upstream_error")
+    raise WorkerFailed(
+        502, f"the {who} worker failed: {chunk.error}", code="upstream_error", role=who, cause="worker_error"
+    )
 
 
 class _Offsets:

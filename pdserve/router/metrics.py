@@ -78,6 +78,10 @@ class RouterMetrics:
         self.upstream_errors = Counter(
             "pdserve_router_upstream_errors", "Failed calls to workers", ["role", "kind"], registry=r
         )
+        self.migrations = Counter(
+            "pdserve_router_migrations", "Requests continued on another worker after theirs failed mid-request",
+            ["role", "cause"], registry=r,
+        )  # fmt: skip
         self.retries = Counter(
             "pdserve_router_retries", "Requests sent to another worker after one refused", ["role"], registry=r
         )

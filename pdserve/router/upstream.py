@@ -8,8 +8,9 @@ post a hand-off, tell a worker to abort. Dispatcher (dispatch.py) decides what t
 
 A worker that cannot be reached, answers 503, or is full (429) before anything streamed is retried
 on another worker of the role (at most `max_attempts` workers, with exponential backoff between
-tries); one that cannot be reached is marked down at once. Once output has started, a failure is
-final: an OpenAIError (502/504) raised into the stream, never tokens from a second attempt.
+tries); one that cannot be reached is marked down at once. Once a worker has taken the request, a
+failure is a WorkerFailed (502/504) raised into the stream; the Dispatcher may migrate the request
+(continue it on another worker after the output the client has), never replay what was sent.
 Each request's outcome feeds its worker's circuit breaker (breaker.py). What the client reads names
 the worker's role ("the decode worker failed mid-request"); the log keeps the worker's URL and the
 cause (an aiohttp exception's name) with the request id (`_failure`).
@@ -34,6 +35,21 @@ from pdserve.wire.errors import ErrorResponse, OpenAIError
 from pdserve.wire.protocol import GenerateChunk, RequestRef
 
 log = logging.getLogger("pdserve.router")
+
+
+class WorkerFailed(OpenAIError):
+    """A worker failed a request it had taken: its stream broke, stopped or closed early, or it
+    ended the request with an error of its own. The router may continue the request on another
+    worker (dispatch.py's migration); cause labels the metric."""
+
+    def __init__(self, status: int, message: str, *, code: str, role: str, cause: str) -> None:
+        super().__init__(status, message, code=code)
+        self.role, self.cause = role, cause
+
+    @classmethod
+    def of(cls, e: OpenAIError, w: Worker, cause: str) -> WorkerFailed:
+        return cls(e.status, e.message, code=e.code, role=w.role, cause=cause)
+
 
 CONTROL_TIMEOUT = aiohttp.ClientTimeout(total=5.0)  # abort and hand-off calls
 MAX_BACKOFF_S = 1.0
@@ -166,28 +182,31 @@ class Upstream:
         except TimeoutError:  # the read timeout (request_timeout) between two lines
             self.count(role, "timeout")
             self.pool.report(w, ok=False)
-            raise _failure(504, w, rid, "stopped sending", "read timeout", "upstream_timeout") from None
+            failure = _failure(504, w, rid, "stopped sending", "read timeout", "upstream_timeout")
+            raise WorkerFailed.of(failure, w, "timeout") from None
         except (aiohttp.ClientError, HttpProcessingError, ValueError) as e:  # not a chunk, a line over the read buffer
             self.count(role, "broken_stream")
             self.pool.report(w, ok=False)
             self.pool.mark_down(w, f"stream broke: {type(e).__name__}")
-            raise _failure(502, w, rid, "failed mid-request", f"{type(e).__name__}: {e}", "upstream_error") from None
+            failure = _failure(502, w, rid, "failed mid-request", f"{type(e).__name__}: {e}", "upstream_error")
+            raise WorkerFailed.of(failure, w, "broken_stream") from None
         finally:
             resp.close()  # a stream read to its end has nothing left to drop; one left early drops its connection
             self.pool.release(w)
         if not finished:
             self.count(role, "truncated")
             self.pool.report(w, ok=False)
-            raise _failure(
+            failure = _failure(
                 502, w, rid, "failed mid-request", "stream closed before the request finished", "upstream_error"
             )
+            raise WorkerFailed.of(failure, w, "truncated")
 
     async def post_handoff(self, dw: Worker, dresp: aiohttp.ClientResponse, first: GenerateChunk) -> None:
         """Give decode's waiting request its hand-off over HTTP (prefill did not notify dw itself)."""
         first_token = FirstToken(
-            token_id=first.token_ids[0],
-            logprobs=first.logprobs[0] if first.logprobs else None,
-            text_offset=len(first.text),
+            token_id=first.token_ids[-1],
+            logprobs=first.logprobs[-1] if first.logprobs else None,
+            text_offset=first.text_offset + len(first.text),  # a migrated request's first chunk starts past 0
         )
         handoff = Handoff(request_id=first.request_id, kv_handle=first.kv_handle, first_token=first_token)
         failure: OpenAIError | None = None

@@ -10,7 +10,8 @@ PD request's peer - decode: the prefill engine; prefill: the decode engine of kv
 transfer metadata fetched first, on the event loop: peers.py). /internal/handoff (decode) gives a
 waiting request (Request.kv_from) its Handoff when the router, not prefill, delivers it.
 The engine's delta outputs go out as NDJSON chunks with their offsets into the request's output; a
-decode worker's start after the first token and the text the client already has (FirstToken.text_offset). The first
+decode worker's start after the first token and the text the client already has (FirstToken.text_offset), a
+migrated request's after its Request.resume. The first
 chunk with a new token carries the request's RequestTiming (queue, KV read, compute: timing.py).
 If the reader goes away before the request finished (however the response ends, even before it
 started), the request is aborted, which frees its blocks (and, on prefill, any KV it holds).
@@ -167,7 +168,8 @@ async def _chunks(state: WorkerState, req: Request, stream: RequestStream) -> As
     output begins with prefill's first token and its text, whose length comes with the hand-off)."""
     decode = req.role == "decode"
     made = _Made()  # how much output the engine has made
-    sent_tokens, sent_text = (1, None) if decode else (0, 0)
+    resumed = len(req.resume.token_ids) if req.resume is not None else 0  # a migrated request's output so far
+    sent_tokens, sent_text = (resumed + 1, None) if decode else (resumed, req.resume.text_offset if resumed else 0)
     metrics = state.metrics
     timed = False
     async for out in stream:
@@ -176,7 +178,7 @@ async def _chunks(state: WorkerState, req: Request, stream: RequestStream) -> As
         chunk = _chunk(out, req, made, sent_tokens, sent_text)
         if not timed and chunk.token_ids:  # this worker's first new token: its timing goes with it
             chunk.timing, timed = stream.timing, True
-        if not decode and sent_tokens == 0 and chunk.token_ids:
+        if not decode and sent_tokens == resumed and chunk.token_ids:
             metrics.prompt_tokens.inc(len(req.prompt_token_ids))
         metrics.generation_tokens.inc(len(chunk.token_ids))
         sent_tokens = chunk.token_offset + len(chunk.token_ids)

@@ -22,6 +22,7 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.distributed.group import TPGroup
+from pdserve.engine import tp_protocol as protocol
 from pdserve.model.loader import load_model
 from pdserve.tiny_model import make_tiny_model
 from tests.helpers.cluster import Cluster, wait_blocks_free
@@ -93,14 +94,28 @@ def test_sizes_that_do_not_split_are_refused_before_any_rank_starts(models):
     assert psutil.Process().children(recursive=True) == before
 
 
-@pytest.mark.parametrize("arch,tp", [("deepseek_v3", 2), ("deepseek_v3", 4), ("deepseek_v32", 2), ("deepseek_v32", 4)])
-def test_greedy_tokens_equal_tp1(models, tp1_tokens, arch, tp):
-    llm = LLM(models[arch], tensor_parallel_size=tp, **ENGINE)
+@pytest.mark.parametrize(
+    "arch,tp,overlap",
+    [("deepseek_v3", 2, False), ("deepseek_v3", 4, False), ("deepseek_v32", 2, False), ("deepseek_v32", 4, False),
+     ("deepseek_v3", 2, True), ("deepseek_v32", 4, True)],
+)  # fmt: skip
+def test_greedy_tokens_equal_tp1(models, tp1_tokens, arch, tp, overlap):
+    """overlap: the overlapped loop, rank 0 sending each step's ids with its in-flight tokens."""
+    llm = LLM(models[arch], tensor_parallel_size=tp, async_scheduling=overlap, **ENGINE)
     procs = list(llm.engine.runner.ranks.procs)
+    sent, send = [], protocol.send_forward
+
+    def spy(group, step, command=protocol.Command.FORWARD, fed: bool = False) -> None:
+        sent.append(fed)
+        send(group, step, command, fed=fed)
+
+    protocol.send_forward = spy
     try:
         assert len(procs) == tp - 1
         assert _generate(llm) == tp1_tokens[arch]
+        assert any(sent) == overlap, sent
     finally:
+        protocol.send_forward = send
         llm.engine.shutdown()
     assert [p.returncode for p in procs] == [0] * (tp - 1)  # left on STOP, not killed
     llm.engine.shutdown()  # idempotent

@@ -374,5 +374,5 @@ def test_host_phases_time_the_runs_phases(capsys):
     assert (ModelRunner.run, ModelRunner.prepare) == before
     assert set(out["phases"]) == {"1x40", "2x40"}
     for p in out["phases"].values():
-        assert set(p) == {"prepare", "_sample", "run"} and 0 < p["prepare"] + p["_sample"] < p["run"]
+        assert set(p) == {"prepare", "draw", "read", "run"} and 0 < p["prepare"] + p["draw"] + p["read"] < p["run"]
     assert "B=2 context=40: phases (median ms) prepare" in capsys.readouterr().out

@@ -169,13 +169,13 @@ def test_preemption_recomputes_and_returns_every_block(model_dir):
 def test_chunked_prefill_respects_the_token_budget(model_dir):
     engine = make_engine(model_dir, max_num_batched_tokens=8)
     seen = []
-    original = engine.runner.run
+    original = engine.runner.launch
 
-    def spy(sched, while_busy=None):
+    def spy(sched, prev=None):
         seen.append(sched.num_batched_tokens)
-        return original(sched, while_busy)
+        return original(sched, prev)
 
-    engine.runner.run = spy
+    engine.runner.launch = spy
     add(engine, "long", PROMPTS[-1], greedy(3))
     final = run_all(engine)
     assert max(seen) <= 8 and seen[:2] == [8, 8]
@@ -531,7 +531,7 @@ def test_pd_hand_off_that_arrives_mid_step_runs_in_the_next_step(model_dir):
 
 
 def test_work_until_works_at_least_once_and_until_done():
-    from pdserve.engine.model_runner import work_until
+    from pdserve.engine.launched_step import work_until
 
     calls, answers = [], iter([False, False, True])
     work_until(lambda: next(answers), lambda: calls.append(1), poll_s=0)

@@ -42,19 +42,26 @@ def make_engine(tiny, connector=None, **kw) -> LLMEngine:
 def script(engine: LLMEngine, tokens: dict[str, list[int]]) -> None:
     """Make the engine sample tokens[base id][k] as output token k (base id: the request id before
     its '-'), with logprobs that depend only on the token and k."""
-    run = engine.runner.run
+    launch = engine.runner.launch
 
-    def scripted(sched, while_busy=None):
-        sampled = run(sched, while_busy)
-        for s, tok in zip([s for s in sched.scheduled if s.samples], sampled):
-            k = s.seq.num_output_tokens
-            tok.token_id = tokens[s.seq.request_id.split("-")[0]][k]
-            if tok.logprobs is not None:
-                alts = [(4 + (tok.token_id + j) % 800, -2.0 - j, j + 2) for j in range(len(tok.logprobs) - 1)]
-                tok.logprobs = [(tok.token_id, -0.5 - k / 64, 1), *alts]
-        return sampled
+    def scripted(sched, prev=None):
+        step = launch(sched, prev)
+        read = step.read
 
-    engine.runner.run = scripted
+        def read_scripted(while_busy=None):
+            sampled = read(while_busy)
+            for s, tok in zip([s for s in sched.scheduled if s.samples], sampled):
+                k = s.seq.num_output_tokens
+                tok.token_id = tokens[s.seq.request_id.split("-")[0]][k]
+                if tok.logprobs is not None:
+                    alts = [(4 + (tok.token_id + j) % 800, -2.0 - j, j + 2) for j in range(len(tok.logprobs) - 1)]
+                    tok.logprobs = [(tok.token_id, -0.5 - k / 64, 1), *alts]
+            return sampled
+
+        step.read = read_scripted
+        return step
+
+    engine.runner.launch = scripted
 
 
 def random_case(rng: random.Random, tok) -> tuple[list[int], SamplingParams]:

@@ -83,6 +83,10 @@ class Ahead:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
+    @property
+    def next_output_index(self) -> int:  # verify steps run serially: no token is in flight
+        return len(self.output_token_ids)
+
     def token_ids(self) -> list[int]:
         return self._prompt + self.output_token_ids
 

@@ -1,0 +1,186 @@
+"""A request whose decode worker dies mid-stream goes on on the other one (issue 43, item 1).
+
+Real `pdserve launch`: one prefill and two decode workers (tiny V3, CPU). A greedy stream of 300
+tokens; after its first 40 the decode worker serving it is SIGKILLed. The client's stream goes on
+with no error event: the same token ids and text as an uninterrupted run, usage counting what it
+got; the router counts one migration; once the killed worker is back, every worker holds 0 KV
+blocks. A second router over the same workers with `--migration-limit 0` gives the failure
+instead, naming the limit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+
+import httpx
+import pytest
+import yaml
+
+from pdserve.numa import numa_nodes
+from tests.helpers.launch import free_ports, pdserve, start_launch, stop_group, wait_up
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+MODEL = "tiny"
+PROMPT = [11, 22, 33, 44, 55, 66]
+MAX_TOKENS = 300
+SECRET = "migration-test-secret"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("migration")
+    ports = free_ports(5)
+    cpus = sorted(set(numa_nodes()[0]) & os.sched_getaffinity(0))
+    worker = {
+        "numa_node": 0,
+        "kv_block_size": 16,
+        "num_kv_blocks": 64,
+        "max_num_seqs": 4,
+        "cpus": ",".join(map(str, cpus)),
+    }
+    cfg = {
+        "model": "tiny:deepseek_v3",
+        "served_model_name": MODEL,
+        "router": {"port": ports[0], "health_interval": 0.5},
+        "prefill": [{**worker, "port": ports[1]}],
+        "decode": [{**worker, "port": ports[2]}, {**worker, "port": ports[3]}],
+        "log_dir": str(tmp / "logs"),
+        "startup_timeout": 240,
+        "stop_grace_seconds": 5,
+        "restart_backoff": 0.5,
+        "cluster_secret": SECRET,  # a second router (the limit test) talks to the same workers
+    }
+    config = tmp / "cluster.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    proc, out = start_launch(config, tmp)
+    try:
+        wait_up(proc, out)
+        yield {"proc": proc, "ports": ports, "out": out, "logs": tmp / "logs", "tmp": tmp}
+    finally:
+        stop_group(proc)
+
+
+def _url(cluster, i: int) -> str:
+    return f"http://127.0.0.1:{cluster['ports'][i]}"
+
+
+def _status(cluster) -> dict[str, dict]:
+    return {p["name"]: p for p in json.loads((cluster["logs"] / "status.json").read_text())["processes"]}
+
+
+def _gauge(text: str, name: str) -> float:
+    m = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    return float(m[1]) if m else 0.0
+
+
+def _metrics(url: str) -> str:
+    return httpx.get(url + "/metrics", timeout=5, trust_env=False).text
+
+
+def _body(**extra) -> dict:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    return {**body, "return_token_ids": True, **extra}
+
+
+def _stream_and_kill(router: str, cluster, kill_after: int) -> tuple[list[int], str, dict | None, dict | None, str]:
+    """Stream the request; after kill_after tokens SIGKILL the decode worker running it. (token
+    ids, text, usage, error event or None, the killed worker's name)."""
+    tokens, text, usage, error, killed = [], "", None, None, ""
+    body = _body(stream=True, stream_options={"include_usage": True})
+    with (
+        httpx.Client(timeout=60, trust_env=False) as client,
+        client.stream("POST", router + "/v1/completions", json=body) as resp,
+    ):
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                error = event["error"]
+                continue
+            usage = event.get("usage") or usage
+            for choice in event.get("choices", []):
+                tokens += choice.get("token_ids") or []
+                text += choice.get("text") or ""
+            if not killed and len(tokens) >= kill_after:
+                running = {
+                    n: _gauge(_metrics(_url(cluster, 2 + i)), "pdserve_num_requests_running")
+                    for i, n in enumerate(("decode-0", "decode-1"))
+                }
+                killed = max(running, key=running.get)
+                assert running[killed] == 1, running
+                os.kill(_status(cluster)[killed]["pid"], signal.SIGKILL)
+    return tokens, text, usage, error, killed
+
+
+def _wait_back(cluster, name: str, old_pid: int) -> None:
+    deadline = time.monotonic() + 90
+    while True:
+        p = _status(cluster)[name]
+        if p["pid"] != old_pid and p["state"] == "healthy":
+            try:
+                if (
+                    httpx.get(_url(cluster, 2 + int(name[-1])) + "/health", timeout=2, trust_env=False).status_code
+                    == 200
+                ):
+                    return
+            except httpx.HTTPError:
+                pass
+        assert time.monotonic() < deadline, cluster["out"].read_text()[-3000:]
+        time.sleep(0.3)
+
+
+def test_a_killed_decode_worker_loses_the_client_nothing(cluster):
+    router = _url(cluster, 0)
+    r = httpx.post(router + "/v1/completions", json=_body(), timeout=120, trust_env=False)
+    assert r.status_code == 200, r.text
+    want = r.json()["choices"][0]
+    before = _status(cluster)
+    tokens, text, usage, error, killed = _stream_and_kill(router, cluster, kill_after=40)
+    assert error is None, error
+    assert tokens == want["token_ids"] and text == want["text"]
+    assert usage["completion_tokens"] == MAX_TOKENS and usage["prompt_tokens"] == len(PROMPT)
+    m = _metrics(router)
+    assert _gauge(m, "pdserve_router_migrations_total") == 1, [x for x in m.splitlines() if "migration" in x]
+    _wait_back(cluster, killed, before[killed]["pid"])
+    deadline = time.monotonic() + 30
+    while True:  # the prefill lease and the dead worker's requests are all given back
+        used = {i: _gauge(_metrics(_url(cluster, i)), "pdserve_kv_blocks_used") for i in (1, 2, 3)}
+        if not any(used.values()):
+            break
+        assert time.monotonic() < deadline, used
+        time.sleep(0.5)
+
+
+def test_with_migration_limit_0_the_failure_names_the_limit(cluster):
+    port = free_ports(1)[0]
+    flags = ["--role", "router", "--port", str(port), "--served-model-name", MODEL, "--health-interval", "0.5",
+             "--prefill", _url(cluster, 1), "--decode", _url(cluster, 2), "--decode", _url(cluster, 3), "--migration-limit", "0", "--cluster-secret", SECRET]  # fmt: skip
+    env = {"PDSERVE_CACHE": str(cluster["tmp"] / "cache")}
+    proc = pdserve(
+        "serve", "--model", "tiny:deepseek_v3", *flags, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.3)
+        before = _status(cluster)
+        _, _, _, error, killed = _stream_and_kill(f"http://127.0.0.1:{port}", cluster, kill_after=20)
+        assert error is not None and error["message"].startswith("the decode worker failed mid-request"), error
+        assert "migration_limit 0 reached" in error["message"], error
+        _wait_back(cluster, killed, before[killed]["pid"])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
