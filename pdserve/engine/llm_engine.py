@@ -34,8 +34,9 @@ from pdserve.engine.engine_stats import EngineStats, collect_stats
 from pdserve.engine.launched_step import LaunchedStep, needs_host
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.prefix_cache import engine_root
-from pdserve.engine.remote_kv import DEFAULT_HANDOFF_TIMEOUT_S, RemoteEvents, RemoteKV, handoff_problem
+from pdserve.engine.remote_kv import DEFAULT_HANDOFF_TIMEOUT_S, RemoteEvents, RemoteKV
 from pdserve.engine.request import Handoff, Request
+from pdserve.engine.request_checks import check_request
 from pdserve.engine.sampler import SampledToken
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.sequence import Sequence, SequenceStatus
@@ -118,7 +119,9 @@ class LLMEngine:
     def add_request(self, request: Request, peer: PeerMetadata | None = None) -> None:
         """Admit a request (any thread); invalid ones raise ValueError and leave nothing behind.
         peer: decode role, the prefill engine's metadata the worker fetched (see KVConnector)."""
-        self._validate(request)
+        check_request(
+            request, self.max_model_len, self.runner.model.config.vocab_size, self.tokenizer is not None, self.remote_kv
+        )
         grammar = self._grammar(request.params)
         seq = Sequence(request, arrival=next(self._arrival), peer=peer)
         seq.token_limit = min(seq.token_limit, self.max_model_len)
@@ -136,33 +139,6 @@ class LLMEngine:
                 raise ValueError(f"request id {request.request_id!r} is already in use")
             self._ids.add(request.request_id)
             self._new.append(seq)
-
-    def _validate(self, req: Request) -> None:
-        n = len(req.prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty: give at least one token")
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {n} tokens; max_model_len is {self.max_model_len} (room for at least one output token is needed)"
-            )
-        vocab = self.runner.model.config.vocab_size
-        resumed = req.resume.token_ids if req.resume is not None else []
-        if any(not 0 <= t < vocab for t in req.prompt_token_ids + resumed):
-            raise ValueError(f"prompt and resumed token ids must lie in [0, {vocab})")
-        if n + len(resumed) >= self.max_model_len:
-            raise ValueError(
-                f"prompt + resumed output ({n + len(resumed)} tokens) leave no room under max_model_len {self.max_model_len}"
-            )
-        if any(not 0 <= t < vocab for t in req.params.logit_bias or ()):
-            raise ValueError(f"logit_bias token ids must lie in [0, {vocab})")
-        if req.params.stop and not (self.tokenizer is not None and req.params.detokenize):
-            raise ValueError("stop strings need detokenization (a tokenizer, and detokenize=True)")
-        if req.role != "colocated" and self.connector is None:
-            raise ValueError("hold_kv / kv_handle / kv_from need an engine with a KV connector")
-        if req.kv_handle is not None:
-            problem = handoff_problem(req, req.kv_handle, req.first_token, vocab, self.remote_kv.mtp_bytes)
-            if problem is not None:
-                raise ValueError(problem)
 
     def _grammar(self, params: SamplingParams) -> RequestMatcher | None:
         """The request's matcher (its spec compiled once per engine, then cached); ValueError when
