@@ -104,8 +104,7 @@ class LLMEngine:
         self._arrival = itertools.count()
         self._inflight: _Launched | None = None  # the overlapped loop's step on the device
         self._unfreed: list[Sequence] = []  # finished, blocks kept until the steps writing them are read
-        on = config.async_scheduling  # the overlapped loop (vLLM's async scheduling): by default on CUDA
-        self.async_scheduling = self.runner.device.type == "cuda" if on is None else on
+        self.async_scheduling = config.async_scheduling  # the overlapped loop (vLLM's async scheduling)
 
     @property
     def kv_cache(self):
