@@ -82,6 +82,12 @@ def _health(args: argparse.Namespace) -> int:
     return run_health(args)
 
 
+def _restart(args: argparse.Namespace) -> int:
+    from pdserve.launch.restart_cli import run_restart
+
+    return run_restart(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from pdserve.health_cli import add_health_args
     from pdserve.launch.flags import add_launch_flags
@@ -131,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     hp = sub.add_parser("health", help="GET /health on the router and workers; exit 0 only if all are healthy")
     add_health_args(hp)
     hp.set_defaults(run=_health)
+
+    from pdserve.launch.restart_cli import add_restart_args
+
+    rp = sub.add_parser("restart", help="restart processes of a running launch one at a time (workers drain first)")
+    add_restart_args(rp)
+    rp.set_defaults(run=_restart)
     return p
 
 

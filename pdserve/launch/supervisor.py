@@ -1,5 +1,5 @@
 """The supervisor of a launch: starts the planned processes, waits for their /health, restarts
-the ones that exit and stops them all.
+the ones that exit and stops them all; `pdserve restart` asks it to restart one (restart_cli.py).
 
 Each child is `python -m pdserve serve --config <log_dir>/<name>.json` in its own process group
 (so a stop reaches anything it spawned, such as a tensor-parallel worker's rank processes), logs
@@ -102,6 +102,7 @@ class Child:
     recent: list[float] = field(default_factory=list)  # monotonic times of restarts in the window
     restart_at: float | None = None
     exits: list[str] = field(default_factory=list)  # why each earlier run ended
+    draining: bool = False  # `pdserve restart` asked for it: SIGTERM sent, restarted once it exits
 
 
 class Cluster:
@@ -196,6 +197,7 @@ class Cluster:
         with httpx.Client(trust_env=False, timeout=1.0) as client:
             while self.stop_signal is None:
                 for c in self.children:
+                    self._take_restart_request(c)
                     self._tend(c, client)
                 self.write_status()
                 time.sleep(0.25)
@@ -209,6 +211,18 @@ class Cluster:
         elif c.state == "starting" and self._probe(c, client):
             c.state = "healthy"
             self.say(f"{c.spec.name} is healthy again (restart {c.restarts})")
+
+    def _take_restart_request(self, c: Child) -> None:
+        """`pdserve restart NAME` leaves <log_dir>/restart/NAME: a healthy child gets SIGTERM (a
+        worker drains: its open requests finish or are migrated by the router) and is started
+        again as soon as it exits, whatever its exit code, outside the crash-loop count."""
+        request = self.log_dir / "restart" / c.spec.name
+        if c.draining or c.state != "healthy" or not request.exists():
+            return
+        request.unlink(missing_ok=True)
+        c.draining = True
+        self.say(f"{c.spec.name}: restart requested: SIGTERM to pid {c.popen.pid} (it drains, then starts again)")
+        c.popen.send_signal(signal.SIGTERM)
 
     def _probe(self, c: Child, client: httpx.Client) -> bool:
         try:
@@ -224,6 +238,10 @@ class Cluster:
         cause = f"{c.spec.name} (pid {c.popen.pid}) {_exit_text(rc)}"
         c.exits.append(_exit_text(rc))
         tail = f"last lines of {c.log}:\n{log_tail(c.log)}"
+        if c.draining:  # a requested restart: at once, and not counted as a crash
+            c.state, c.restart_at = "waiting to restart", time.monotonic()
+            self.say(f"{cause}; restarting as requested")
+            return
         if c.spec.restart == "never" or (c.spec.restart == "on-failure" and rc == 0):
             c.state = "stopped"
             self.say(f"{cause}; not restarted (restart: {c.spec.restart}); {tail}")
@@ -243,8 +261,9 @@ class Cluster:
 
     def _restart(self, c: Child) -> None:
         c.restarts += 1
-        c.recent.append(time.monotonic())
-        c.restart_at = None
+        if not c.draining:
+            c.recent.append(time.monotonic())
+        c.restart_at, c.draining = None, False
         header = f"# ---- restart {c.restarts} after: {c.exits[-1]} ----\n"
         c.popen = self._spawn(c.spec, header)
         c.state = "starting"

@@ -1,11 +1,14 @@
-"""A request whose decode worker dies mid-stream goes on on the other one (issue 43, item 1).
+"""A request whose decode worker dies mid-stream goes on on the other one (issue 43, item 1), and
+a rolling restart of every worker under load loses no request (item 2).
 
-Real `pdserve launch`: one prefill and two decode workers (tiny V3, CPU). A greedy stream of 300
+Real `pdserve launch`: two prefill and two decode workers (tiny V3, CPU). A greedy stream of 300
 tokens; after its first 40 the decode worker serving it is SIGKILLed. The client's stream goes on
 with no error event: the same token ids and text as an uninterrupted run, usage counting what it
 got; the router counts one migration; once the killed worker is back, every worker holds 0 KV
 blocks. A second router over the same workers with `--migration-limit 0` gives the failure
-instead, naming the limit.
+instead, naming the limit. `pdserve restart --all` while 6 clients send greedy requests without
+pause: every worker drains and comes back, one at a time; no request fails, every answer is its
+prompt's greedy tokens.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import os
 import re
 import signal
 import subprocess
+import sys
+import threading
 import time
 
 import httpx
@@ -34,7 +39,7 @@ SECRET = "migration-test-secret"
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("migration")
-    ports = free_ports(5)
+    ports = free_ports(6)
     cpus = sorted(set(numa_nodes()[0]) & os.sched_getaffinity(0))
     worker = {
         "numa_node": 0,
@@ -47,7 +52,7 @@ def cluster(tmp_path_factory):
         "model": "tiny:deepseek_v3",
         "served_model_name": MODEL,
         "router": {"port": ports[0], "health_interval": 0.5},
-        "prefill": [{**worker, "port": ports[1]}],
+        "prefill": [{**worker, "port": ports[1]}, {**worker, "port": ports[5]}],
         "decode": [{**worker, "port": ports[2]}, {**worker, "port": ports[3]}],
         "log_dir": str(tmp / "logs"),
         "startup_timeout": 240,
@@ -151,7 +156,7 @@ def test_a_killed_decode_worker_loses_the_client_nothing(cluster):
     _wait_back(cluster, killed, before[killed]["pid"])
     deadline = time.monotonic() + 30
     while True:  # the prefill lease and the dead worker's requests are all given back
-        used = {i: _gauge(_metrics(_url(cluster, i)), "pdserve_kv_blocks_used") for i in (1, 2, 3)}
+        used = {i: _gauge(_metrics(_url(cluster, i)), "pdserve_kv_blocks_used") for i in (1, 2, 3, 5)}
         if not any(used.values()):
             break
         assert time.monotonic() < deadline, used
@@ -184,3 +189,51 @@ def test_with_migration_limit_0_the_failure_names_the_limit(cluster):
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+def test_a_rolling_restart_under_load_loses_no_request(cluster):
+    router = _url(cluster, 0)
+    prompts = [[5 + i, 60 + 3 * i, 7, 200 + i] for i in range(6)]
+    want = {}
+    for p in prompts:
+        r = httpx.post(
+            router + "/v1/completions", json={**_body(max_tokens=40), "prompt": p}, timeout=60, trust_env=False
+        )
+        want[tuple(p)] = r.json()["choices"][0]["token_ids"]
+    stop, failures, served = threading.Event(), [], [0]
+
+    def client(p: list[int]) -> None:
+        with httpx.Client(timeout=120, trust_env=False) as c:
+            while not stop.is_set():
+                try:
+                    r = c.post(router + "/v1/completions", json={**_body(max_tokens=40), "prompt": p})
+                    got = r.json()["choices"][0]["token_ids"] if r.status_code == 200 else None
+                    if got != want[tuple(p)]:
+                        failures.append((r.status_code, r.text[:300]))
+                    served[0] += 1
+                except httpx.HTTPError as e:
+                    failures.append(("connection", repr(e)))
+
+    threads = [threading.Thread(target=client, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(2)
+        before = _status(cluster)
+        out = subprocess.run(
+            [sys.executable, "-m", "pdserve", "restart", "--all", "--status-file", str(cluster["logs"] / "status.json"), "--timeout", "180"],
+            capture_output=True, text=True, timeout=900,
+        )  # fmt: skip
+        time.sleep(2)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=150)
+    assert out.returncode == 0, out.stdout + out.stderr
+    after = _status(cluster)
+    for name in ("prefill-0", "prefill-1", "decode-0", "decode-1"):
+        assert after[name]["pid"] != before[name]["pid"] and after[name]["state"] == "healthy", (name, after[name])
+        assert f"{name}: healthy again as pid {after[name]['pid']}" in out.stdout
+    assert after["router"]["pid"] == before["router"]["pid"]
+    assert not failures, failures[:5]
+    assert served[0] > 20, served
