@@ -27,7 +27,9 @@ with Request.resume = the tokens and text the client already has: the engine tak
 request's first outputs (through prefill again in PD: the prompt's blocks hit its prefix cache),
 and the new worker's chunks start where the client's output stands. Greedy and seeded requests
 continue exactly (a seeded draw is indexed by output position). At most `migration_limit` times a
-request; then the failure reaches the client, naming the limit. A KV transfer failure is not
+request; then the failure reaches the client, naming the limit. While no worker of a role takes
+the migrated request (its only worker restarting), the router asks again every MIGRATION_RETRY_S
+until the request's `request_timeout`; the client's stream just pauses. A KV transfer failure is not
 migrated (its own policy: kv_load_failure_policy).
 
 Every HTTP call to a worker goes through Upstream (upstream.py): retries on another worker before
@@ -63,6 +65,7 @@ from pdserve.wire.errors import OpenAIError
 from pdserve.wire.protocol import GenerateChunk
 
 log = logging.getLogger("pdserve.router")
+MIGRATION_RETRY_S = 0.5  # a migrated request no worker takes yet asks again this often (a restart may be under way)
 
 
 class Dispatcher:
@@ -90,9 +93,10 @@ class Dispatcher:
         """The request's output as chunks of new content only (offsets continue from 0 without
         overlap), the last one with finish_reason. Raises OpenAIError."""
         req = Request(request_id=request_id, prompt_token_ids=prompt, params=params)
+        deadline = time.monotonic() + self.s.request_timeout
         source = self._source(req, prompt)
         offsets, sent, migrations = _Offsets(), [], 0
-        failure: WorkerFailed | None = None  # the failure the request is migrating from
+        failure: WorkerFailed | None = None  # the failure the request first met, when migrating
         while True:
             old = source
             try:
@@ -102,33 +106,38 @@ class Dispatcher:
                     yield chunk
                 return
             except OpenAIError as e:
-                if not isinstance(e, WorkerFailed):
-                    if failure is not None:  # the migrated request found no worker to take it
-                        raise OpenAIError(
-                            failure.status, f"{failure.message} (migration failed: {e.message})", code=failure.code
-                        ) from None
+                first = failure or e  # what the client is told if the request cannot go on
+                if isinstance(e, WorkerFailed):
+                    if migrations >= self.s.migration_limit:
+                        raise _note(first, f"not migrated: migration_limit {self.s.migration_limit} reached") from None
+                    migrations += 1
+                    self.metrics.migrations.labels(e.role, e.cause).inc()
+                    log.warning("%s: migrating after %d tokens (%s: %s)", request_id, len(sent), e.cause, e.message)
+                    failure = first
+                elif failure is None:
                     raise
-                first = failure or e  # what the client is told: the failure the request first met
-                if migrations >= self.s.migration_limit:
-                    raise OpenAIError(
-                        first.status,
-                        f"{first.message} (not migrated: migration_limit {self.s.migration_limit} reached)",
-                        code=first.code,
-                    ) from None
-                migrations += 1
-                self.metrics.migrations.labels(e.role, e.cause).inc()
-                log.warning("%s: migrating after %d tokens (%s: %s)", request_id, len(sent), e.cause, e.message)
-                failure = first
+                elif e.status != 503 or time.monotonic() + MIGRATION_RETRY_S > deadline:
+                    raise _note(first, f"migration failed: {e.message}") from None
+                else:  # no worker took the migrated request: one may be restarting
+                    await asyncio.sleep(MIGRATION_RETRY_S)
                 resume = Resume(token_ids=list(sent), text_offset=offsets.text) if sent else None
                 req = req.model_copy(update={"resume": resume})
-                try:
-                    source = self._source(req, prompt)
-                except OpenAIError as none:  # no other worker: the failure, with why it stays one
-                    raise OpenAIError(
-                        first.status, f"{first.message} (not migrated: {none.message})", code=first.code
-                    ) from None
+                source = await self._next_source(req, prompt, first, deadline)
             finally:
                 await old.aclose()
+
+    async def _next_source(
+        self, req: Request, prompt: list[int], failure: OpenAIError, deadline: float
+    ) -> AsyncIterator[GenerateChunk]:
+        """A migrated request's next source; while no worker of a role is healthy (one restarting),
+        asks again every MIGRATION_RETRY_S until the request's deadline, then fails with why."""
+        while True:
+            try:
+                return self._source(req, prompt)
+            except OpenAIError as none:
+                if none.status != 503 or time.monotonic() + MIGRATION_RETRY_S > deadline:
+                    raise _note(failure, f"not migrated: {none.message}") from None
+                await asyncio.sleep(MIGRATION_RETRY_S)
 
     def _source(self, req: Request, prompt: list[int]) -> AsyncIterator[GenerateChunk]:
         """The request's chunks from the workers the pool and policies choose now (PD or colocated)."""
@@ -274,6 +283,11 @@ class Dispatcher:
         finally:
             if not finished:
                 self.upstream.abort(w, rid)
+
+
+def _note(failure: OpenAIError, why: str) -> OpenAIError:
+    """The failure a request met, with why it was not carried on elsewhere."""
+    return OpenAIError(failure.status, f"{failure.message} ({why})", code=failure.code)
 
 
 def _peer_ref(w: Worker) -> KVPeerRef:

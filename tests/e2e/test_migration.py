@@ -6,7 +6,8 @@ tokens; after its first 40 the decode worker serving it is SIGKILLed. The client
 with no error event: the same token ids and text as an uninterrupted run, usage counting what it
 got; the router counts one migration; once the killed worker is back, every worker holds 0 KV
 blocks. A second router over the same workers with `--migration-limit 0` gives the failure
-instead, naming the limit. `pdserve restart --all` while 6 clients send greedy requests without
+instead, naming the limit; a router that knows only one decode worker keeps the stream waiting
+until the launcher has restarted it, then finishes it. `pdserve restart --all` while 6 clients send greedy requests without
 pause: every worker drains and comes back, one at a time; no request fails, every answer is its
 prompt's greedy tokens.
 """
@@ -163,29 +164,56 @@ def test_a_killed_decode_worker_loses_the_client_nothing(cluster):
         time.sleep(0.5)
 
 
-def test_with_migration_limit_0_the_failure_names_the_limit(cluster):
+def _router(cluster, *flags: str) -> tuple[subprocess.Popen, str]:
+    """A second router over the same workers (the launch's cluster secret), healthy; (process, URL)."""
     port = free_ports(1)[0]
-    flags = ["--role", "router", "--port", str(port), "--served-model-name", MODEL, "--health-interval", "0.5",
-             "--prefill", _url(cluster, 1), "--decode", _url(cluster, 2), "--decode", _url(cluster, 3), "--migration-limit", "0", "--cluster-secret", SECRET]  # fmt: skip
+    args = ["--role", "router", "--port", str(port), "--served-model-name", MODEL, "--health-interval", "0.5",
+            "--prefill", _url(cluster, 1), "--cluster-secret", SECRET, *flags]  # fmt: skip
     env = {"PDSERVE_CACHE": str(cluster["tmp"] / "cache")}
     proc = pdserve(
-        "serve", "--model", "tiny:deepseek_v3", *flags, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+        "serve", "--model", "tiny:deepseek_v3", *args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+    )
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False).status_code == 200:
+                return proc, f"http://127.0.0.1:{port}"
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.3)
+
+
+def test_with_migration_limit_0_the_failure_names_the_limit(cluster):
+    proc, router = _router(
+        cluster, "--decode", _url(cluster, 2), "--decode", _url(cluster, 3), "--migration-limit", "0"
     )
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.3)
         before = _status(cluster)
-        _, _, _, error, killed = _stream_and_kill(f"http://127.0.0.1:{port}", cluster, kill_after=20)
+        _, _, _, error, killed = _stream_and_kill(router, cluster, kill_after=20)
         assert error is not None and error["message"].startswith("the decode worker failed mid-request"), error
         assert "migration_limit 0 reached" in error["message"], error
         _wait_back(cluster, killed, before[killed]["pid"])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def test_with_one_decode_worker_the_stream_waits_for_its_restart(cluster):
+    """A router that knows one decode worker: killed mid-stream, the launcher restarts it, and the
+    migrated request goes on there once it is healthy: the client's stream pauses, nothing else."""
+    r = httpx.post(_url(cluster, 0) + "/v1/completions", json=_body(), timeout=120, trust_env=False)
+    want = r.json()["choices"][0]
+    proc, router = _router(cluster, "--decode", _url(cluster, 2))
+    try:
+        before = _status(cluster)["decode-0"]["pid"]
+        t0 = time.monotonic()
+        tokens, text, usage, error, killed = _stream_and_kill(router, cluster, kill_after=30)
+        took = time.monotonic() - t0
+        assert killed == "decode-0" and error is None, error
+        assert tokens == want["token_ids"] and text == want["text"] and usage["completion_tokens"] == MAX_TOKENS
+        assert _status(cluster)["decode-0"]["pid"] != before
+        print(f"stream paused for the restart and finished {took:.1f} s after it started")
     finally:
         proc.terminate()
         proc.wait(timeout=20)
