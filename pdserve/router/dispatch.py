@@ -21,7 +21,8 @@ where the output stands (a decode worker's first chunk starts after the first to
 on: nothing is joined or cut here.
 
 Migration: when a worker fails a request it had taken (a WorkerFailed: its stream broke, stopped
-or closed early, or it ended the request with an error of its own), the request goes on elsewhere,
+or closed early, its connection dropped while it took the request, or it ended the request with
+an error of its own), the request goes on elsewhere under a new id for the workers (`<id>.<n>`),
 through the same choice of workers (a failed worker is marked down or counted by its breaker),
 with Request.resume = the tokens and text the client already has: the engine takes them as the
 request's first outputs (through prefill again in PD: the prompt's blocks hit its prefix cache),
@@ -95,7 +96,7 @@ class Dispatcher:
         req = Request(request_id=request_id, prompt_token_ids=prompt, params=params)
         deadline = time.monotonic() + self.s.request_timeout
         source = self._source(req, prompt)
-        offsets, sent, migrations = _Offsets(), [], 0
+        offsets, sent, migrations, attempt = _Offsets(), [], 0, 0
         failure: WorkerFailed | None = None  # the failure the request first met, when migrating
         while True:
             old = source
@@ -121,7 +122,10 @@ class Dispatcher:
                 else:  # no worker took the migrated request: one may be restarting
                     await asyncio.sleep(MIGRATION_RETRY_S)
                 resume = Resume(token_ids=list(sent), text_offset=offsets.text) if sent else None
-                req = req.model_copy(update={"resume": resume})
+                attempt += (
+                    1  # a new id for the workers: nothing of an earlier attempt (a late hand-off) is taken for it
+                )
+                req = req.model_copy(update={"resume": resume, "request_id": f"{request_id}.{attempt}"})
                 source = await self._next_source(req, prompt, first, deadline)
             finally:
                 await old.aclose()

@@ -126,7 +126,10 @@ class Upstream:
                 self.pool.release(w)
                 self.count(role, "transport_error")
                 self.abort(w, req.request_id)
-                last = _failure(502, w, req.request_id, "dropped the connection", type(e).__name__, "upstream_error")
+                failure = _failure(502, w, req.request_id, "dropped the connection", type(e).__name__, "upstream_error")
+                last = WorkerFailed.of(
+                    failure, w, "dropped"
+                )  # it may have taken the request: the router may migrate it
                 continue
             except asyncio.CancelledError:  # the client left or a timeout fired: the worker may have admitted it
                 self.pool.release(w)
