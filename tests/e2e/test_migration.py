@@ -25,10 +25,9 @@ import time
 
 import httpx
 import pytest
-import yaml
 
 from pdserve.numa import numa_nodes
-from tests.helpers.launch import free_ports, pdserve, start_launch, stop_group, wait_up
+from tests.helpers.launch import free_ports, pdserve, start_launch, stop_group, wait_up, write_config
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 MODEL = "tiny"
@@ -49,20 +48,12 @@ def cluster(tmp_path_factory):
         "max_num_seqs": 4,
         "cpus": ",".join(map(str, cpus)),
     }
-    cfg = {
-        "model": "tiny:deepseek_v3",
-        "served_model_name": MODEL,
-        "router": {"port": ports[0], "health_interval": 0.5},
-        "prefill": [{**worker, "port": ports[1]}, {**worker, "port": ports[5]}],
-        "decode": [{**worker, "port": ports[2]}, {**worker, "port": ports[3]}],
-        "log_dir": str(tmp / "logs"),
-        "startup_timeout": 240,
-        "stop_grace_seconds": 5,
-        "restart_backoff": 0.5,
-        "cluster_secret": SECRET,  # a second router (the limit test) talks to the same workers
-    }
-    config = tmp / "cluster.yaml"
-    config.write_text(yaml.safe_dump(cfg))
+    config = write_config(  # the helper's router, model, log folder and timeouts; two workers a role
+        tmp, ports, served_model_name=MODEL, restart_backoff=0.5,
+        cluster_secret=SECRET,  # a second router (the limit and one-worker tests) talks to the same workers
+        prefill=[{**worker, "port": ports[1]}, {**worker, "port": ports[5]}],
+        decode=[{**worker, "port": ports[2]}, {**worker, "port": ports[3]}],
+    )  # fmt: skip
     proc, out = start_launch(config, tmp)
     try:
         wait_up(proc, out)
