@@ -85,17 +85,22 @@ class RequestOutput(BaseModel):
     def add(self, later: RequestOutput) -> None:
         """Fold the request's next delta output into this one (vLLM's `add` with aggregate=True):
         its new tokens, text and logprobs are appended; of the rest, what `later` sets wins.
-        Costs what `later` holds and a copy of this one's text (a stream's: what is unread)."""
-        mine, new = self.outputs[0], later.outputs[0]
-        mine.token_ids.extend(new.token_ids)
-        mine.text += new.text
-        if new.logprobs is not None:
-            if mine.logprobs is None:
-                mine.logprobs = []
-            mine.logprobs.extend(new.logprobs)
-        mine.finish_reason, mine.stop_reason = new.finish_reason, new.stop_reason
-        if new.cumulative_logprob is not None:
-            mine.cumulative_logprob = new.cumulative_logprob
+        Costs what `later` holds and a copy of this one's text (a stream's: what is unread).
+        Several sequences (n > 1): each of later's outputs folds into the one of its index."""
+        for new in later.outputs:
+            mine = next((c for c in self.outputs if c.index == new.index), None)
+            if mine is None:
+                self.outputs.append(new.model_copy(deep=True))
+                continue
+            mine.token_ids.extend(new.token_ids)
+            mine.text += new.text
+            if new.logprobs is not None:
+                if mine.logprobs is None:
+                    mine.logprobs = []
+                mine.logprobs.extend(new.logprobs)
+            mine.finish_reason, mine.stop_reason = new.finish_reason, new.stop_reason
+            if new.cumulative_logprob is not None:
+                mine.cumulative_logprob = new.cumulative_logprob
         self.finished = self.finished or later.finished
         self.kv_handoff_sent = self.kv_handoff_sent or later.kv_handoff_sent
         for name in ("kv_handle", "prefill_text_offset", "error", "transfer_error", "num_cached_tokens"):

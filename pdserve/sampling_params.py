@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _GREEDY_EPS = 1e-5  # temperatures below this sample greedily, as vLLM does
+MAX_N = 128  # n and best_of: OpenAI's bound
 
 
 class RequestOutputKind(enum.Enum):
@@ -66,7 +67,8 @@ class StructuredOutputsParams(BaseModel):
 class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)  # sequences returned for the prompt (engine/forks.py)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)  # sequences run, the n best returned (None: n)
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = -1  # -1 or 0: off
@@ -89,13 +91,6 @@ class SamplingParams(BaseModel):
     structured_outputs: StructuredOutputsParams | None = None
     # how this process's engine returns the request's outputs; not sent (a worker streams deltas)
     output_kind: RequestOutputKind = Field(RequestOutputKind.CUMULATIVE, exclude=True)
-
-    @field_validator("n")
-    @classmethod
-    def _only_one(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError(f"n={n} is not supported: pdserve returns exactly one completion per request (n=1)")
-        return n
 
     @field_validator("logit_bias")
     @classmethod
@@ -136,7 +131,14 @@ class SamplingParams(BaseModel):
     def _min_le_max(self) -> SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
         return self
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences the request runs: best_of, or n."""
+        return self.best_of or self.n
 
     @property
     def greedy(self) -> bool:

@@ -112,9 +112,9 @@ class PathCounter:
         if graphs is not None:
             replay = graphs.run
 
-            def counted_replay(step):
+            def counted_replay(step, feed=None):
                 self.replays += 1
-                return replay(step)
+                return replay(step, feed)
 
             graphs.run = counted_replay
 

@@ -20,6 +20,10 @@ state space too (DeepSeek-V4), a hit also needs a checkpoint of both at its end
 (prefix_checkpoints.py): num_checkpoints of them, in window blocks and state slots reserved for them.
 A decode worker's cache keeps none: a prompt whose KV is loaded reuses its cached full blocks
 (`remote_hit`, `allocate_remote`: the load skips them) and gets its window and state by the load.
+
+`fork` starts a sequence from another's computed tokens (n > 1, engine/forks.py): the blocks no
+later step writes are shared (a holder more each), the rest copied, as are its window blocks and
+state slot; the copies are done before the next forward, with the checkpoints' (`take_copies`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.prefix_cache import NO_HIT, CacheHit, PrefixCache
 from pdserve.engine.prefix_checkpoints import Checkpoints
 from pdserve.engine.sequence import Sequence
+from pdserve.model.kv_cache import STATE, TOKENS, WINDOW
 
 FREED = -1  # a window-table entry with no block (out of the window, or not yet written)
 
@@ -43,10 +48,12 @@ class BlockManager:
         num_state_slots: int = 0,
         prefix_root: bytes | None = None,
         num_checkpoints: int = 0,
+        record_span: int = 1,
     ) -> None:
         """window_tokens: the window regions' last_tokens (None: the pool has no window space).
         num_state_slots: slots of the state space (0: none). prefix_root: the prefix cache's
-        hash root (prefix_cache.root_hash; None: no prefix caching)."""
+        hash root (prefix_cache.root_hash; None: no prefix caching). record_span: the most tokens
+        one record of the token space pools (a compressor's rate; kv_cache.py)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
         if window_tokens is not None and num_window_blocks < self.window_blocks_per_seq(window_tokens, block_size):
@@ -55,7 +62,9 @@ class BlockManager:
                 f"window blocks of {block_size} tokens, got {num_window_blocks}"
             )
         self.block_size = block_size
+        self.record_span = record_span
         self.num_total_blocks = num_blocks
+        self._fork_copies: list[tuple[str, int, int]] = []
         self.prefix_cache = PrefixCache(num_blocks, block_size, prefix_root) if prefix_root is not None else None
         self._pool = self.prefix_cache or BlockPool(num_blocks)
         self.window_tokens = window_tokens
@@ -162,8 +171,46 @@ class BlockManager:
         return n
 
     def take_copies(self) -> list[tuple[str, int, int]]:
-        """Record copies (space, src, dst) to do before the next forward (prefix checkpoints)."""
-        return self.checkpoints.take_copies() if self.checkpoints is not None else []
+        """Record copies (space, src, dst) to do before the next forward (forks, prefix checkpoints)."""
+        copies, self._fork_copies = self._fork_copies, []
+        return copies + (self.checkpoints.take_copies() if self.checkpoints is not None else [])
+
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
+        """child (no blocks yet) continues from parent's computed tokens: shares the blocks whose
+        records are all written (every compressor group in them complete: a later step writes
+        an entry into the block holding its group's first position) and gets copies of the
+        rest, of parent's window blocks and of its state slot. False, taking nothing, when the
+        pool is short of them."""
+        computed = parent.num_computed_tokens
+        span = max(self.block_size, self.record_span)
+        num_shared = computed // span * span // self.block_size
+        num_copied = self.blocks_for(computed) - num_shared
+        window = [i for i, b in enumerate(parent.window_table) if b != FREED]
+        if num_copied > self._pool.num_free:
+            return False
+        if window and len(window) > self._window.num_free:
+            return False
+        if parent.state_slot >= 0 and self._states.num_free == 0:
+            return False
+        for block in parent.block_table[:num_shared]:
+            self._pool.share_block(block)
+        child.block_table = parent.block_table[:num_shared]
+        for src in parent.block_table[num_shared : num_shared + num_copied]:
+            child.block_table.append(self._pool.take())
+            self._fork_copies.append((TOKENS, src, child.block_table[-1]))
+        child.window_table = [FREED] * len(parent.window_table)
+        for i in window:
+            child.window_table[i] = self._window.take()
+            self._fork_copies.append((WINDOW, parent.window_table[i], child.window_table[i]))
+        child.window_trimmed = (child.window_table, self._trimmed(parent))
+        if parent.state_slot >= 0:
+            child.state_slot = self._states.take()
+            self._fork_copies.append((STATE, parent.state_slot, child.state_slot))
+        child.num_computed_tokens = computed
+        child.block_hashes = parent.block_hashes[: computed // self.block_size]
+        child.num_registered_blocks = min(parent.num_registered_blocks, num_shared)
+        child.num_cached_tokens = parent.num_cached_tokens
+        return True
 
     def can_allocate(self, seq: Sequence, num_tokens: int, step_end: int | None = None, hit: CacheHit = NO_HIT) -> bool:
         """Blocks for num_tokens tokens, and window blocks for a step that computes the tokens

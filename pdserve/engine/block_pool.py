@@ -7,12 +7,13 @@ from collections import deque
 
 
 class BlockPool:
-    """A free list of block ids 0..num_blocks-1."""
+    """A free list of block ids 0..num_blocks-1; a used block may have several holders (`share_block`:
+    sequences forked from one prompt, engine/forks.py) and is free again when the last gives it back."""
 
     def __init__(self, num_blocks: int) -> None:
         self.num_total_blocks = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
-        self._used: set[int] = set()
+        self._used: dict[int, int] = {}  # used block -> holders
 
     @property
     def num_free(self) -> int:
@@ -24,11 +25,19 @@ class BlockPool:
 
     def take(self) -> int:
         block = self._free.popleft()
-        self._used.add(block)
+        self._used[block] = 1
         return block
 
+    def share_block(self, block: int) -> None:
+        """One more holder of a used block."""
+        self._used[block] += 1
+
     def give_back(self, block: int, owner: str) -> None:
-        if block not in self._used:
+        holders = self._used.get(block)
+        if holders is None:
             raise RuntimeError(f"{owner}: block {block} freed twice")
-        self._used.remove(block)
+        if holders > 1:
+            self._used[block] = holders - 1
+            return
+        del self._used[block]
         self._free.appendleft(block)  # so a re-admitted sequence tends to get it back

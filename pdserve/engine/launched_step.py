@@ -66,6 +66,12 @@ def feed_from(holes: list[tuple[int, Sequence]], prev: LaunchedStep | None, devi
     return dst.to(device, non_blocking=True), src.to(device, non_blocking=True), prev.staged.tokens
 
 
+def wait_for_device(device: torch.device) -> None:
+    """Wait for every step queued on the device (a hand-off of KV no token was read from: forks.py)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def needs_host(seq: Sequence) -> bool:
     """A row whose next step needs this step's token on the host: its grammar's mask, penalties
     over its tokens, or its KV handed to a decode worker once the step is done."""

@@ -31,21 +31,22 @@ from pdserve.disagg.stats import TransferStats
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, KVLoadFailurePolicy
 from pdserve.engine.engine_stats import EngineStats, collect_stats
-from pdserve.engine.launched_step import LaunchedStep, needs_host
+from pdserve.engine.forks import Forker, hands_off_at_fork
+from pdserve.engine.launched_step import LaunchedStep, needs_host, wait_for_device
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.new_sequence import SequenceMaker
 from pdserve.engine.prefix_cache import engine_root
 from pdserve.engine.remote_kv import DEFAULT_HANDOFF_TIMEOUT_S, RemoteEvents, RemoteKV
 from pdserve.engine.request import Handoff, Request
 from pdserve.engine.request_checks import check_request
 from pdserve.engine.sampler import SampledToken
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
-from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.sequence import SeqGroup, Sequence, SequenceStatus
 from pdserve.engine.spec_decode.decoder import SpecDecoder
-from pdserve.engine.step_outputs import request_output
+from pdserve.engine.step_outputs import step_outputs
 from pdserve.engine.stop import check_stop
+from pdserve.model.kv_cache import TOKENS
 from pdserve.outputs import Logprob, RequestOutput, from_entries
-from pdserve.sampling_params import SamplingParams
-from pdserve.structured.matcher import RequestMatcher
 
 Touched = dict[str, Sequence]  # a step's sequences with an output to give, by request id
 _Launched = tuple[SchedulerOutput, LaunchedStep]  # a step on the device, its tokens not read yet
@@ -85,8 +86,15 @@ class LLMEngine:
             num_state_slots=self.runner.num_state_slots,
             prefix_root=engine_root(self.config, self.runner),
             num_checkpoints=self.runner.num_checkpoints,
+            record_span=max(
+                (s.tokens_per_record for s in self.kv_cache.specs.values() if s.space == TOKENS), default=1
+            ),
         )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        vocab_size = self.runner.model.config.vocab_size
+        self.maker = SequenceMaker(self.tokenizer, vocab_size, self.eos_token_ids, self.max_model_len)
+        new_child = lambda parent, index: self.maker.child(parent, index, next(self._arrival))  # noqa: E731
+        self.forker = Forker(self.scheduler, self.block_manager, new_child, config.max_num_batched_tokens)
         self.spec = SpecDecoder.for_engine(config, self.runner, self.block_manager)  # None: none
         self.connector = connector
         self.remote_kv: RemoteKV | None = None
@@ -101,6 +109,7 @@ class LLMEngine:
         self._holding: list[Sequence] = []  # prefill: finished this step, their KV leased at its end
         self._aborts: list[str] = []  # abort requests since the last step (taken after the new ones)
         self._ids: set[str] = set()  # every request not yet fully gone (finished ones leave)
+        self._groups: dict[str, SeqGroup] = {}  # n > 1: the requests' sequences, until all finish
         self._arrival = itertools.count()
         self._inflight: _Launched | None = None  # the overlapped loop's step on the device
         self._unfreed: list[Sequence] = []  # finished, blocks kept until the steps writing them are read
@@ -121,36 +130,14 @@ class LLMEngine:
         check_request(
             request, self.max_model_len, self.runner.model.config.vocab_size, self.tokenizer is not None, self.remote_kv
         )
-        grammar = self._grammar(request.params)
-        seq = Sequence(request, arrival=next(self._arrival), peer=peer)
-        seq.token_limit = min(seq.token_limit, self.max_model_len)
-        seq.grammar = grammar
-        if self.tokenizer is not None and request.params.detokenize:
-            from pdserve.tokenizer import IncrementalDetokenizer
-
-            seq.detokenizer = IncrementalDetokenizer(
-                self.tokenizer,
-                skip_special_tokens=request.params.skip_special_tokens,
-                prompt_token_ids=seq.prompt_token_ids,
-            )
+        seq = self.maker.make(request, next(self._arrival), peer)
         with self._lock:
             if request.request_id in self._ids:
                 raise ValueError(f"request id {request.request_id!r} is already in use")
             self._ids.add(request.request_id)
             self._new.append(seq)
-
-    def _grammar(self, params: SamplingParams) -> RequestMatcher | None:
-        """The request's matcher (its spec compiled once per engine, then cached); ValueError when
-        the grammar library rejects the spec."""
-        spec = params.structured_outputs
-        if spec is None:
-            return None
-        if self.tokenizer is None:
-            raise ValueError("structured outputs need a tokenizer (this engine has skip_tokenizer_init)")
-        from pdserve.structured.compiler import compiler_for
-
-        compiler = compiler_for(self.tokenizer, self.runner.model.config.vocab_size, sorted(self.eos_token_ids))
-        return RequestMatcher(compiler.compile(spec), spec)
+            if seq.group is not None:
+                self._groups[request.request_id] = seq.group
 
     def deliver_handoff(self, handoff: Handoff) -> None:
         """A decode request's hand-off posted over HTTP (any thread); taken at the next step."""
@@ -178,6 +165,7 @@ class LLMEngine:
         if self.spec is not None:  # drafts for requests whose KV arrived: they verify at their first step
             self.spec.propose_waiting(self.scheduler.waiting)
         sched = self.scheduler.schedule()
+        self.forker.fork_scheduled(sched)  # n > 1: the step computes their last prompt token
         self.last_schedule = sched
         launched = self._launch(sched) if not sched.is_empty else None
         previous, self._inflight = self._inflight, None
@@ -202,6 +190,8 @@ class LLMEngine:
             s.seq.num_inflight += s.samples
             if not s.samples:
                 self.block_manager.cache_computed(s.seq)
+            if hands_off_at_fork(s.seq):  # n > 1 on a prefill worker: decode forks (forks.py)
+                self._finish(s.seq, SequenceStatus.FINISHED_REMOTE_DECODE)
         return sched, step
 
     def _overlaps(self, sched: SchedulerOutput) -> bool:
@@ -287,28 +277,34 @@ class LLMEngine:
         if status is SequenceStatus.FINISHED_REMOTE_DECODE:  # leased after the step's drafts pass (MTP's hidden state)
             self._holding.append(seq)
         elif seq.request_id not in self.scheduler.held:
-            self._forget(seq.request_id)
+            self._forget(seq)
 
     def _hold(self, touched: Touched) -> None:
         holding, self._holding = self._holding, []
+        if any(seq.fork_at is not None for seq in holding):  # KV of a step no token was read from
+            wait_for_device(self.runner.device)
         for seq in holding:
             self.remote_kv.hold(seq)
             if seq.request_id not in self.scheduler.held:
-                self._forget(seq.request_id)
+                self._forget(seq)
             touched[seq.request_id] = seq
 
-    def _forget(self, request_id: str) -> None:
+    def _forget(self, seq: Sequence) -> None:
+        """seq's request id is free again once every sequence of its request has finished."""
+        if seq.group is not None and not seq.group.finished:
+            return
         with self._lock:
-            self._ids.discard(request_id)
+            self._ids.discard(seq.request.request_id)
+            self._groups.pop(seq.request.request_id, None)
 
     def _outputs(self, touched: Touched) -> list[RequestOutput]:
         """The step's outputs, built once per sequence from its state at the step's end."""
-        outputs = (request_output(seq) for seq in touched.values())
+        outputs = step_outputs(touched.values())
         return [out for out in outputs if out is not None]
 
     # -- admission, aborts and PD --
     def _admit(self, seq: Sequence, touched: Touched) -> None:
-        if seq.request.kv_from is not None and seq.first_token is None:  # decode, before its hand-off
+        if seq.request.kv_from is not None and seq.kv_handle is None:  # decode, before its hand-off
             self._on_remote(self.remote_kv.wait(seq), touched)
             return
         status = self._resume(seq)
@@ -322,7 +318,7 @@ class LLMEngine:
         if status is not None:  # its first token (or resumed output) ends it: nothing to run (a lease frees prefill)
             seq.status = status
             self._end(seq, touched)
-        elif first is None:
+        elif first is None and seq.kv_handle is None:
             self.scheduler.add(seq)
         else:
             self.scheduler.add_remote(seq)
@@ -346,11 +342,12 @@ class LLMEngine:
             if events is not None:
                 self._on_remote(events, touched)
                 return
+        group = self._groups.get(request_id)  # n > 1: all of its sequences
         seq = self.scheduler.find(request_id)
-        if seq is None:
-            return
-        self._finish(seq, SequenceStatus.FINISHED_ABORTED)
-        touched[request_id] = seq
+        for s in group.seqs if group is not None else [seq] if seq is not None else []:
+            if not s.finished:
+                self._finish(s, SequenceStatus.FINISHED_ABORTED)
+                touched[s.request_id] = s
 
     def _poll_remote(self, touched: Touched) -> None:
         """Hand-offs first: a request they make ready gets its load started by the poll."""
@@ -359,7 +356,8 @@ class LLMEngine:
 
     def _on_remote(self, events: RemoteEvents, touched: Touched) -> None:
         for request_id in events.freed:
-            self._forget(request_id)
+            with self._lock:
+                self._ids.discard(request_id)
         for seq in events.ended:
             self._end(seq, touched)
         for seq in events.ready:
@@ -367,7 +365,7 @@ class LLMEngine:
 
     def _end(self, seq: Sequence, touched: Touched) -> None:
         """Output a sequence finished outside the scheduler's queues (it holds no blocks)."""
-        self._forget(seq.request_id)
+        self._forget(seq)
         touched[seq.request_id] = seq
 
     # -- queries --

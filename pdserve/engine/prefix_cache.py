@@ -154,6 +154,10 @@ class PrefixCache:
         else:
             self._free.appendleft(block)
 
+    def share_block(self, block: int) -> None:
+        """One more holder of a used block (BlockPool.share_block: a forked sequence's shared prompt)."""
+        self._ref[block] += 1
+
     # -- hits --
     def lookup(
         self, seq: Sequence, usable: Callable[[bytes], bool] | None = None, num_loaded: int | None = None

@@ -51,11 +51,20 @@ MAX_EARLY_HANDOFFS = 4096  # hand-offs kept for requests not here yet (each ends
 
 
 def handoff_problem(
-    req: Request, handle: KVHandle, first: FirstToken, vocab_size: int, mtp_bytes: int | None
+    req: Request, handle: KVHandle, first: FirstToken | None, vocab_size: int, mtp_bytes: int | None
 ) -> str | None:
     """Why a decode request cannot continue from this handle's KV and first token, or None.
-    mtp_bytes: the MTP hidden state this engine drafts from (spec_decode/mtp_handoff.py), or None."""
+    mtp_bytes: the MTP hidden state this engine drafts from (spec_decode/mtp_handoff.py), or None.
+    n > 1 (forks.py): the KV of every prompt token but the last and no first token."""
     n = len(req.prompt_token_ids) + (len(req.resume.token_ids) if req.resume is not None else 0)
+    if req.params.num_seqs > 1:
+        if handle.num_tokens != n - 1:
+            return (
+                f"kv_handle holds {handle.num_tokens} tokens; with n > 1 it holds all but the prompt's last ({n - 1})"
+            )
+        return "with n > 1 the decode worker samples every first token: no first_token" if first is not None else None
+    if first is None:
+        return "a hand-off needs the first token prefill sampled"
     if handle.num_tokens != n:
         return f"kv_handle holds {handle.num_tokens} tokens but the prompt (and resumed output) has {n}"
     if not 0 <= first.token_id < vocab_size:
@@ -142,11 +151,13 @@ class RemoteKV:
         peer = seq.peer
         if seq.request.kv_to is None or peer is None or peer.data is None:
             return False
-        first = FirstToken(  # the token prefill sampled: its last output (a migrated request's come first)
-            token_id=seq.output_token_ids[-1],
-            logprobs=to_entries(seq.logprobs[-1]) if seq.logprobs else None,
-            text_offset=len(visible_text(seq)),
-        )
+        first = None  # n > 1: none, each sequence's is sampled by the decode worker (forks.py)
+        if seq.output_token_ids:  # the token prefill sampled: its last output (a migrated request's come first)
+            first = FirstToken(
+                token_id=seq.output_token_ids[-1],
+                logprobs=to_entries(seq.logprobs[-1]) if seq.logprobs else None,
+                text_offset=len(visible_text(seq)),
+            )
         handoff = Handoff(request_id=seq.request_id, kv_handle=seq.kv_handle, first_token=first)
         try:
             self.connector.send_handoff(peer, handoff.model_dump_json(exclude_none=True).encode())

@@ -7,6 +7,8 @@ Three shapes of the same model, by role:
     prefill               ... hold_kv=True: keep the KV pinned for a decode worker after the first token
                               (+ kv_to=decode engine: send it the Handoff when the KV is ready)
     decode                ... kv_handle=H, first_token=FirstToken(...): load H's KV, continue from the token
+                              (n > 1: H holds all but the last prompt token and no first token
+                              comes: the decode worker forks, engine/forks.py)
                           ... or kv_from=prefill engine: wait for its Handoff (H and the first token),
                               sent over the transfer backend or posted by the router
 
@@ -58,7 +60,7 @@ class Handoff(BaseModel):
     version: int = REQUEST_VERSION
     request_id: str = Field(pattern=REQUEST_ID_PATTERN)
     kv_handle: KVHandle
-    first_token: FirstToken
+    first_token: FirstToken | None = None  # None: n > 1, the decode worker samples each first token
 
     @model_validator(mode="after")
     def _same_request(self) -> Handoff:
@@ -93,8 +95,12 @@ class Request(BaseModel):
     def _one_role(self) -> Request:
         if self.hold_kv and self.kv_handle is not None:
             raise ValueError("a request is either prefill (hold_kv) or decode (kv_handle), not both")
-        if (self.kv_handle is None) != (self.first_token is None):
-            raise ValueError("kv_handle and first_token go together (decode role)")
+        if self.first_token is not None and self.kv_handle is None:
+            raise ValueError("first_token goes with kv_handle (decode role)")
+        if self.kv_handle is not None and (self.first_token is None) != (self.params.num_seqs > 1):
+            raise ValueError("a decode request's kv_handle comes with first_token, except with n > 1 (none)")
+        if self.resume is not None and self.params.num_seqs > 1:
+            raise ValueError("resume continues one sequence: not with n > 1")
         if self.kv_to is not None and not self.hold_kv:
             raise ValueError("kv_to names where a prefill request's KV goes: it needs hold_kv")
         if self.kv_from is not None and (self.hold_kv or self.kv_handle is not None):

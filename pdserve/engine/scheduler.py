@@ -27,6 +27,14 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.sequence import Sequence, SequenceStatus
 
 
+def _fork_cut(seq: Sequence, start: int, n: int) -> int:
+    """A chunk of n tokens from start, ended where seq forks (n > 1: before its last prompt
+    token, engine/forks.py) when it crosses that point."""
+    if seq.fork_at is not None and start < seq.fork_at < start + n:
+        return seq.fork_at - start
+    return n
+
+
 @dataclass
 class ScheduledSeq:
     seq: Sequence
@@ -134,6 +142,7 @@ class Scheduler:
                 continue
             n = min(seq.num_uncomputed_tokens + seq.num_draft_tokens, budget)  # + its drafts: a verify chunk
             n = self.block_manager.cut(seq, seq.num_computed_tokens, n)  # a prefix checkpoint ends a chunk
+            n = _fork_cut(seq, seq.num_computed_tokens, n)
             preempted = len(out.preempted)
             if self._make_room(seq, seq.num_computed_tokens + n, out):
                 self.block_manager.allocate(seq, seq.num_computed_tokens + n)
@@ -180,7 +189,7 @@ class Scheduler:
             if seq.num_draft_tokens and not self.block_manager.can_allocate(seq, seq.num_tokens + seq.num_draft_tokens):
                 seq.spec_token_ids = []
             n = min(seq.num_uncomputed_tokens - hit.num_tokens + seq.num_draft_tokens, budget)
-            n = self.block_manager.cut(seq, start, n, hit.num_matched_tokens)
+            n = _fork_cut(seq, start, self.block_manager.cut(seq, start, n, hit.num_matched_tokens))
             # blocks for all its tokens up front, so a long prompt is not preempted between chunks
             # (window blocks only for this chunk: earlier chunks' fall out of the window)
             step_end = start + n

@@ -10,6 +10,7 @@ chunks, a running sequence decodes one token a step, and a preempted one recompu
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pdserve.disagg.base import TransferFailure, TransferStage
@@ -78,6 +79,11 @@ class Sequence:
         self.prefix_junction = 0
         self.num_reused_blocks = 0  # decode: its first blocks that the prefix cache held, not loaded
         self.spec_token_ids: list[int] = []  # drafts to verify after the last token (spec_decode/)
+        # n > 1 (forks.py): its request's sequences, its index among them, and where its prompt
+        # stops to fork (or, on a prefill worker, to hand off): the last prompt token; None after
+        self.group: SeqGroup | None = None
+        self.index = 0
+        self.fork_at: int | None = None
         self.arrival = arrival  # admission order key: larger = younger
         # output state
         self.output_text = OutputText()
@@ -188,6 +194,32 @@ class Sequence:
             f"out={self.num_output_tokens}, computed={self.num_computed_tokens}, blocks={len(self.block_table)}, "
             f"window_blocks={sum(b >= 0 for b in self.window_table)})"
         )
+
+
+@dataclass
+class SeqGroup:
+    """A request's sequences when it asks for several answers (n > 1, best_of: forks.py)."""
+
+    request_id: str
+    n: int  # sequences the request returns
+    size: int  # sequences it runs (best_of, or n)
+    seqs: list[Sequence]  # index order; the children join at the fork
+    hide_logprobs: bool = False  # computed only to rank best_of's sequences
+
+    @property
+    def ranked(self) -> bool:
+        return self.size > self.n
+
+    @property
+    def finished(self) -> bool:
+        """Every sequence finished (a parent that ends before its fork never gets children)."""
+        return all(s.finished for s in self.seqs)
+
+    def best(self) -> list[Sequence]:
+        """The n sequences returned: by cumulative logprob, highest first, when ranked."""
+        if not self.ranked:
+            return list(self.seqs)
+        return sorted(self.seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: self.n]
 
 
 class OutputText:

@@ -153,6 +153,7 @@ def build_router_app(config: RouterServeConfig) -> FastAPI:
             prep.logprobs,
             body.return_token_ids,
             body.stream and body.include_usage(),
+            n=prep.n,
         )
         return await router.serve(fmt, prep, body.stream, request.receive)
 
@@ -167,6 +168,7 @@ def build_router_app(config: RouterServeConfig) -> FastAPI:
             prep.logprobs,
             body.return_token_ids,
             body.stream and body.include_usage(),
+            n=prep.n,
             output=router.output_spec(body, prep),
         )
         return await router.serve(fmt, prep, body.stream, request.receive)

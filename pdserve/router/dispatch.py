@@ -3,6 +3,8 @@
     generate(request)
       PD:        choose (prefill, decode) together (PairPolicy)
                  prefill /internal/generate(hold_kv, kv_to=decode) --> first token + KVHandle --> yielded at once
+                   (n > 1: KVHandle alone, of all but the last prompt token: decode samples every
+                   sequence's first token, engine/forks.py)
                  decode /internal/generate(kv_from=prefill), sent as soon as prefill has the request:
                    it waits there for its hand-off, which prefill's engine sends decode's directly
                    (a NIXL notification) --> deltas --> yielded as they come
@@ -27,7 +29,8 @@ through the same choice of workers (a failed worker is marked down or counted by
 with Request.resume = the tokens and text the client already has: the engine takes them as the
 request's first outputs (through prefill again in PD: the prompt's blocks hit its prefix cache),
 and the new worker's chunks start where the client's output stands. Greedy and seeded requests
-continue exactly (a seeded draw is indexed by output position). At most `migration_limit` times a
+continue exactly (a seeded draw is indexed by output position). A request with n > 1 is not
+migrated (its sequences would each need their own continuation). At most `migration_limit` times a
 request; then the failure reaches the client, naming the limit. While no worker of a role takes
 the migrated request (its only worker restarting), the router asks again every MIGRATION_RETRY_S
 until the request's `request_timeout`; the client's stream just pauses. A KV transfer failure is not
@@ -92,23 +95,27 @@ class Dispatcher:
         self, request_id: str, prompt: list[int], params: SamplingParams
     ) -> AsyncIterator[GenerateChunk]:
         """The request's output as chunks of new content only (offsets continue from 0 without
-        overlap), the last one with finish_reason. Raises OpenAIError."""
+        overlap, per sequence: GenerateChunk.index), each sequence's last one with its
+        finish_reason. Raises OpenAIError."""
         req = Request(request_id=request_id, prompt_token_ids=prompt, params=params)
         deadline = time.monotonic() + self.s.request_timeout
         source = self._source(req, prompt)
-        offsets, sent, migrations, attempt = _Offsets(), [], 0, 0
+        offsets: dict[int, _Offsets] = {}
+        sent, migrations, attempt = [], 0, 0
         failure: WorkerFailed | None = None  # the failure the request first met, when migrating
         while True:
             old = source
             try:
                 async for chunk in source:
-                    offsets.advance(chunk)
+                    offsets.setdefault(chunk.index, _Offsets()).advance(chunk)
                     sent += chunk.token_ids
                     yield chunk
                 return
             except OpenAIError as e:
                 first = failure or e  # what the client is told if the request cannot go on
                 if isinstance(e, WorkerFailed):
+                    if params.num_seqs > 1:
+                        raise _note(first, "not migrated: n > 1") from None
                     if migrations >= self.s.migration_limit:
                         raise _note(first, f"not migrated: migration_limit {self.s.migration_limit} reached") from None
                     migrations += 1
@@ -121,7 +128,7 @@ class Dispatcher:
                     raise _note(first, f"migration failed: {e.message}") from None
                 else:  # no worker took the migrated request: one may be restarting
                     await asyncio.sleep(MIGRATION_RETRY_S)
-                resume = Resume(token_ids=list(sent), text_offset=offsets.text) if sent else None
+                resume = Resume(token_ids=list(sent), text_offset=offsets[0].text) if sent else None
                 attempt += (
                     1  # a new id for the workers: nothing of an earlier attempt (a late hand-off) is taken for it
                 )
@@ -186,7 +193,12 @@ class Dispatcher:
                     role="prefill",
                     cause="worker_error",
                 )
-            if first is None or (first.finish_reason is None and first.kv_handle is None) or not first.token_ids:
+            forks = req.params.num_seqs > 1  # prefill hands off before any token (engine/forks.py)
+            if (
+                first is None
+                or (first.finish_reason is None and first.kv_handle is None)
+                or not (first.token_ids or forks)
+            ):
                 log.warning("%s: prefill worker %s ended without a first token", rid, pw.url)
                 raise WorkerFailed(
                     502,
@@ -195,9 +207,10 @@ class Dispatcher:
                     role="prefill",
                     cause="truncated",
                 )
-            if req.resume is None:  # a migrated request's first token is not its TTFT
+            if req.resume is None and not forks:  # a migrated request's first token is not its TTFT
                 self.metrics.observe_ttft(first.timing, t1 - t0)
-            yield first
+            if not forks:
+                yield first
             if first.finish_reason is not None:  # the first token already ended it: no KV is held
                 return
             dw, dresp = await opening

@@ -91,22 +91,31 @@ class Formatter:
         logprobs: int | None,
         return_token_ids: bool,
         include_usage: bool,
+        n: int = 1,
     ) -> None:
         self.rid = rid
         self.model = model
         self.created = int(time.time())
         self.tokenizer = tokenizer
-        self.choices = [ChoiceState(p) for p in prompts]
+        self.n = n  # choices a prompt: choice prompt * n + i (OpenAI's order)
+        self.choices = [ChoiceState(p) for p in prompts for _ in range(n)]
         self.top_n = logprobs
         self.return_token_ids = return_token_ids
         self.include_usage = include_usage
         self._token_bytes: TokenBytes | None = None  # made on first use: logprobs only
 
     def usage(self) -> UsageInfo:
-        p = sum(len(c.prompt_token_ids) for c in self.choices)
+        """Each prompt counted once, however many choices it had (n > 1: one prefill)."""
+        per_prompt = self.choices[:: self.n]
+        p = sum(len(c.prompt_token_ids) for c in per_prompt)
         n = sum(len(c.token_ids) for c in self.choices)
-        cached = PromptTokensDetails(cached_tokens=sum(c.cached_tokens for c in self.choices))
+        cached = PromptTokensDetails(
+            cached_tokens=sum(max(c.cached_tokens for c in self._of_prompt(i)) for i in range(len(per_prompt)))
+        )
         return UsageInfo(prompt_tokens=p, completion_tokens=n, total_tokens=p + n, prompt_tokens_details=cached)
+
+    def _of_prompt(self, i: int) -> list[ChoiceState]:
+        return self.choices[i * self.n : (i + 1) * self.n]
 
     def token_text(self, token_id: int, text: str | None) -> str:
         return text if text is not None else self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -4,7 +4,7 @@ response by the request's Formatter.
 
     Router.serve(fmt, prep, stream)
       admission (over --max-queued-requests: 429 with Retry-After)
-      -> one Dispatcher.generate a choice (dispatch.py), merged as they come (_merge)
+      -> one Dispatcher.generate a prompt (dispatch.py; n > 1: its n choices), merged as they come (_merge)
       -> the first token awaited before answering, so an upstream failure is an HTTP status
       -> _events (SSE, an error event on failure) or _collect (JSON) with a Formatter (responses.py,
          messages_format.py)
@@ -147,7 +147,7 @@ class Router:
             self.dispatcher.generate(f"{fmt.rid}-{i}", ids, fmt.worker_params(p))
             for i, (ids, p) in enumerate(zip(prep.prompts, prep.params))
         ]
-        merged = _merge(gens)
+        merged = _merge(gens, prep.n)
 
         async def close() -> None:
             self.admission.exit()
@@ -234,12 +234,13 @@ async def _anext(it: AsyncIterator):
     return await anext(it, None)
 
 
-async def _merge(gens: list[AsyncIterator[GenerateChunk]]) -> AsyncIterator[tuple[int, GenerateChunk]]:
-    """(choice index, chunk) from several generators as they come; the first error ends all."""
+async def _merge(gens: list[AsyncIterator[GenerateChunk]], n: int = 1) -> AsyncIterator[tuple[int, GenerateChunk]]:
+    """(choice index, chunk) from several generators (one a prompt, of n choices each: OpenAI's
+    index prompt * n + i) as they come; the first error ends all."""
     if len(gens) == 1:
         try:
             async for c in gens[0]:
-                yield 0, c
+                yield c.index, c
         finally:
             await gens[0].aclose()
         return
@@ -265,7 +266,7 @@ async def _merge(gens: list[AsyncIterator[GenerateChunk]]) -> AsyncIterator[tupl
             if c is None:
                 left -= 1
                 continue
-            yield i, c
+            yield i * n + c.index, c
     finally:
         for t in tasks:
             t.cancel()

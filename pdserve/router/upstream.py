@@ -206,11 +206,13 @@ class Upstream:
 
     async def post_handoff(self, dw: Worker, dresp: aiohttp.ClientResponse, first: GenerateChunk) -> None:
         """Give decode's waiting request its hand-off over HTTP (prefill did not notify dw itself)."""
-        first_token = FirstToken(
-            token_id=first.token_ids[-1],
-            logprobs=first.logprobs[-1] if first.logprobs else None,
-            text_offset=first.text_offset + len(first.text),  # a migrated request's first chunk starts past 0
-        )
+        first_token = None  # n > 1: prefill sampled none, decode samples each sequence's (engine/forks.py)
+        if first.token_ids:
+            first_token = FirstToken(
+                token_id=first.token_ids[-1],
+                logprobs=first.logprobs[-1] if first.logprobs else None,
+                text_offset=first.text_offset + len(first.text),  # a migrated request's first chunk starts past 0
+            )
         handoff = Handoff(request_id=first.request_id, kv_handle=first.kv_handle, first_token=first_token)
         failure: OpenAIError | None = None
         try:

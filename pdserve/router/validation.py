@@ -45,6 +45,7 @@ class Prepared:
     prompts: list[list[int]]
     params: list[SamplingParams]
     logprobs: int | None  # top-N alternatives requested, None for no logprobs
+    n: int = 1  # choices a prompt (engine/forks.py: one prefill, n sequences)
     thinking: bool = False  # chat: the prompt ends in <think> (the output starts with reasoning)
     tools: list[dict] | None = None  # chat: the request's tools (OpenAI form)
     tool_choice: str = "auto"  # chat: "auto", "none", or "required" (required or a named function: a grammar)
@@ -61,9 +62,13 @@ class RequestValidator:
 
     def completion(self, req: CompletionRequest, max_model_len: int) -> Prepared:
         self._common(req)
-        for flag, bad in (("echo", req.echo), ("suffix", req.suffix is not None), ("best_of", (req.best_of or 1) > 1)):
+        for flag, bad in (("echo", req.echo), ("suffix", req.suffix is not None)):
             if bad:
                 raise OpenAIError(400, f"{flag} is not supported by pdserve", param=flag, code="unsupported_parameter")
+        if req.best_of is not None and req.best_of < req.n:
+            raise OpenAIError(400, f"best_of ({req.best_of}) must be at least n ({req.n})", param="best_of")
+        if req.best_of is not None and req.best_of > req.n and req.stream:
+            raise OpenAIError(400, "best_of > n cannot be streamed: the best are known at the end", param="best_of")
         prompts = [self._prompt_ids(p, max_model_len) for p in req.prompts()]
         params = [self._params(req, len(ids), max_model_len, req.max_tokens, req.logprobs) for ids in prompts]
         spec = structured_outputs(req)
@@ -71,7 +76,7 @@ class RequestValidator:
             constraint = self._checked(spec, thinking=False)
             for p in params:
                 p.structured_outputs = constraint
-        return Prepared(prompts, params, req.logprobs)
+        return Prepared(prompts, params, req.logprobs, n=req.n)
 
     def set_chat_defaults(self, defaults: dict[str, Any]) -> None:
         """The server's default chat_template_kwargs; ValueError (at startup) if the template cannot use them."""
@@ -161,7 +166,9 @@ class RequestValidator:
             params.structured_outputs = self._tool_calls(tools, forced or None, req.parallel_tool_calls, thinking)
         elif spec is not None:
             params.structured_outputs = self._checked(spec, thinking)
-        return Prepared([list(ids)], [params], logprobs, thinking=thinking, tools=tools, tool_choice=tool_choice)
+        return Prepared(
+            [list(ids)], [params], logprobs, n=req.n, thinking=thinking, tools=tools, tool_choice=tool_choice
+        )
 
     def _tool_calls(
         self, tools: list[dict], name: str | None, parallel: bool | None, thinking: bool
@@ -225,13 +232,6 @@ class RequestValidator:
         self.check_model(req.model)
         if req.stream_options is not None and not req.stream:
             raise OpenAIError(400, "stream_options is only allowed when stream is true", param="stream_options")
-        if req.n != 1:
-            raise OpenAIError(
-                400,
-                f"n={req.n} is not supported: pdserve returns one choice per prompt (n=1)",
-                param="n",
-                code="unsupported_parameter",
-            )
         self._logit_bias(req)
         if req.stop_token_ids and any(not 0 <= t < self.vocab_size for t in req.stop_token_ids):
             raise OpenAIError(400, f"stop_token_ids must lie in [0, {self.vocab_size})", param="stop_token_ids")
@@ -312,6 +312,8 @@ class RequestValidator:
                 logprobs=logprobs,
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
+                n=req.n,
+                best_of=getattr(req, "best_of", None),
             )
         except ValidationError as e:  # rules across fields, e.g. min_tokens <= max_tokens
             first = e.errors()[0]

@@ -43,7 +43,7 @@ from pdserve.disagg.base import KVHandle, TransferFailure
 from pdserve.engine.request import REQUEST_ID_PATTERN, FirstToken, Request
 from pdserve.outputs import TokenLogprobs
 
-PROTOCOL_VERSION = 5  # 5: WorkerInfo.prefix_caching
+PROTOCOL_VERSION = 6  # 6: GenerateChunk.index (n > 1)
 SECRET_HEADER = "x-pdserve-cluster-secret"
 
 Role = Literal["prefill", "decode", "colocated"]
@@ -94,6 +94,7 @@ class RequestTiming(BaseModel):
 
 class GenerateChunk(_Message):
     request_id: str
+    index: int = 0  # the sequence it continues (n > 1: 0 .. n - 1; chunks of several interleave)
     token_offset: int  # index of token_ids[0] in the request's output
     token_ids: list[int]
     text_offset: int  # index of text[0] in the request's output text

@@ -26,7 +26,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from pdserve.engine.request import Handoff, Request
-from pdserve.outputs import RequestOutput, to_entries
+from pdserve.outputs import CompletionOutput, RequestOutput, to_entries
 from pdserve.wire.disconnect import GuardedStreamingResponse
 from pdserve.wire.errors import OpenAIError, install_error_handlers, too_busy
 from pdserve.wire.http import BodyLimit, TokenGuard
@@ -165,49 +165,61 @@ async def _ndjson(chunks: AsyncIterator[GenerateChunk]) -> AsyncIterator[bytes]:
 
 async def _chunks(state: WorkerState, req: Request, stream: RequestStream) -> AsyncIterator[GenerateChunk]:
     """The engine's deltas as chunks, from where the client's output stands (decode: the engine's
-    output begins with prefill's first token and its text, whose length comes with the hand-off)."""
+    output begins with prefill's first token and its text, whose length comes with the hand-off;
+    n > 1: a chunk per sequence that advanced, by index, each from its start)."""
     decode = req.role == "decode"
-    made = _Made()  # how much output the engine has made
+    single = req.params.num_seqs == 1
     resumed = len(req.resume.token_ids) if req.resume is not None else 0  # a migrated request's output so far
-    sent_tokens, sent_text = (resumed + 1, None) if decode else (resumed, req.resume.text_offset if resumed else 0)
+    if decode and single:
+        first = _Output(sent_tokens=resumed + 1, sent_text=None)
+    else:
+        first = _Output(sent_tokens=resumed, sent_text=req.resume.text_offset if resumed else 0)
+    outputs: dict[int, _Output] = {}
     metrics = state.metrics
-    timed = False
+    counted, timed = decode, False  # prompt tokens count where they were computed
     async for out in stream:
-        if sent_text is None:
-            sent_text = out.prefill_text_offset or 0  # None: it ended before its hand-off came
-        chunk = _chunk(out, req, made, sent_tokens, sent_text)
-        if not timed and chunk.token_ids:  # this worker's first new token: its timing goes with it
-            chunk.timing, timed = stream.timing, True
-        if not decode and sent_tokens == resumed and chunk.token_ids:
-            metrics.prompt_tokens.inc(len(req.prompt_token_ids))
-        metrics.generation_tokens.inc(len(chunk.token_ids))
-        sent_tokens = chunk.token_offset + len(chunk.token_ids)
-        sent_text = chunk.text_offset + len(chunk.text)
-        if chunk.token_ids or chunk.text or out.finished:
-            yield chunk
+        for comp in out.outputs:
+            pos = outputs.setdefault(comp.index, first if comp.index == 0 else _Output())
+            if pos.sent_text is None:
+                pos.sent_text = out.prefill_text_offset or 0  # None: it ended before its hand-off came
+            chunk = _chunk(out, comp, req, pos, single)
+            if not timed and chunk.token_ids:  # this worker's first new token: its timing goes with it
+                chunk.timing, timed = stream.timing, True
+            if not counted and (chunk.token_ids or chunk.kv_handle is not None):
+                metrics.prompt_tokens.inc(len(req.prompt_token_ids))
+                counted = True
+            metrics.generation_tokens.inc(len(chunk.token_ids))
+            pos.sent_tokens = chunk.token_offset + len(chunk.token_ids)
+            pos.sent_text = chunk.text_offset + len(chunk.text)
+            if chunk.token_ids or chunk.text or chunk.finish_reason or out.finished:
+                yield chunk
 
 
 @dataclass
-class _Made:
-    tokens: int = 0
-    text: int = 0
+class _Output:
+    """One sequence's output: how much of it the engine has made, and how much the client has."""
+
+    made_tokens: int = 0
+    made_text: int = 0
+    sent_tokens: int = 0
+    sent_text: int | None = 0  # None: decode, until the hand-off's text offset is known
 
 
-def _chunk(out: RequestOutput, req: Request, made: _Made, sent_tokens: int, sent_text: int) -> GenerateChunk:
-    """The part of a delta output (which starts at `made`) past what was sent; advances `made`."""
-    comp = out.outputs[0]
-    skip_tokens, skip_text = max(0, sent_tokens - made.tokens), max(0, sent_text - made.text)
-    made.tokens += len(comp.token_ids)
-    made.text += len(comp.text)
+def _chunk(out: RequestOutput, comp: CompletionOutput, req: Request, pos: _Output, single: bool) -> GenerateChunk:
+    """The part of a delta output (which starts at what was made) past what was sent; advances `made`."""
+    skip_tokens, skip_text = max(0, pos.sent_tokens - pos.made_tokens), max(0, pos.sent_text - pos.made_text)
+    pos.made_tokens += len(comp.token_ids)
+    pos.made_text += len(comp.text)
     logprobs = [to_entries(lp) for lp in comp.logprobs[skip_tokens:]] if comp.logprobs is not None else None
     return GenerateChunk(
         request_id=out.request_id,
-        token_offset=sent_tokens,
+        index=comp.index,
+        token_offset=pos.sent_tokens,
         token_ids=comp.token_ids[skip_tokens:],
-        text_offset=sent_text,
+        text_offset=pos.sent_text,
         text=comp.text[skip_text:],
         logprobs=logprobs,
-        finish_reason=comp.finish_reason if out.finished else None,
+        finish_reason=comp.finish_reason if out.finished or not single else None,
         stop_reason=comp.stop_reason,
         kv_handle=out.kv_handle,
         kv_handoff_sent=out.kv_handoff_sent,

@@ -160,7 +160,8 @@ class AsyncEngine:
         self._streams[rid] = stream
         if self._fault is not None:
             self._fault.see(request.role, request.prompt_token_ids)
-        self.timer.add(rid, time.monotonic(), 1 if request.role == "decode" else 0)  # decode: prefill's token first
+        prefilled = request.role == "decode" and request.params.num_seqs == 1  # prefill's token first
+        self.timer.add(rid, time.monotonic(), 1 if prefilled else 0)
         try:
             self.engine.add_request(request, peer)
         except BaseException:

@@ -50,15 +50,15 @@ class RequestTimer:
         clock = self._clocks.get(out.request_id)
         if clock is None:
             return None
-        if len(out.outputs[0].token_ids) <= clock.tokens_before:
+        if sum(len(c.token_ids) for c in out.outputs) <= clock.tokens_before:
             if out.finished:
                 del self._clocks[out.request_id]
             return None
         del self._clocks[out.request_id]
         arrived = clock.arrived
-        if transfers is not None and clock.tokens_before:  # decode: from the hand-off, if it came later
+        if transfers is not None:  # decode: from the hand-off, if it came later
             arrived = max(arrived, transfers.handoffs.pop(out.request_id, arrived))
-        load = transfers.load_of(out.request_id) if transfers is not None and clock.tokens_before else None
+        load = transfers.load_of(out.request_id) if transfers is not None else None
         if load is not None:  # posted after arrival, done before the step that ran it ended
             return RequestTiming(
                 queue_s=max(0.0, load.started - arrived),

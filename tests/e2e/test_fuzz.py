@@ -197,7 +197,7 @@ HOSTILE: list[tuple[str, str, bytes, dict[str, str], int]] = [
     ("top_p 0", "/v1/completions", b'{"prompt": "x", "top_p": 0}', {}, 400),
     ("presence_penalty -3", "/v1/completions", b'{"prompt": "x", "presence_penalty": -3}', {}, 400),
     ("unknown model", "/v1/completions", b'{"prompt": "x", "model": "gpt-4"}', {}, 404),
-    ("n = 2 (not served)", "/v1/completions", b'{"prompt": "x", "n": 2}', {}, 400),
+    ("best_of below n", "/v1/completions", b'{"prompt": "x", "n": 2, "best_of": 1}', {}, 400),
     (
         "stream_options without stream",
         "/v1/completions",

@@ -184,8 +184,8 @@ def test_logit_bias_through_pd(client):
 
 
 def test_error_objects(cluster, client):
-    with pytest.raises(openai.BadRequestError, match="n=2"):
-        client.completions.create(model="tiny", prompt="x", max_tokens=2, n=2)
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, n=2, best_of=1)
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny", prompt="x", max_tokens=100000)
     assert e.value.code == "context_length_exceeded"

@@ -135,8 +135,11 @@ def test_context_length_and_limits(validator):
 def test_refusals(validator):
     msgs = [{"role": "user", "content": "hi"}]
     assert _err(lambda: validator.chat(ChatCompletionRequest(model="gpt-4", messages=msgs), 64)).status == 404
-    e = _err(lambda: validator.chat(ChatCompletionRequest(messages=msgs, n=2), 64))
-    assert (e.status, e.param) == (400, "n") and "n=2" in e.message
+    e = _err(lambda: validator.completion(CompletionRequest(prompt="x", n=3, best_of=2), 64))
+    assert (e.status, e.param) == (400, "best_of") and "at least n" in e.message
+    e = _err(lambda: validator.completion(CompletionRequest(prompt="x", best_of=2, stream=True), 64))
+    assert (e.status, e.param) == (400, "best_of")
+    assert validator.chat(ChatCompletionRequest(messages=msgs, n=2), 64).n == 2
     assert (
         _err(lambda: validator.chat(ChatCompletionRequest(messages=msgs, top_logprobs=2), 64)).param == "top_logprobs"
     )

@@ -174,7 +174,9 @@ def test_processed_logprobs_see_temperature():
 
 def test_sampling_params_validation_and_round_trip():
     for bad in [
-        dict(n=2),
+        dict(n=0),
+        dict(n=2, best_of=1),
+        dict(best_of=129),
         dict(temperature=-1),
         dict(top_p=0),
         dict(top_k=-2),
@@ -190,8 +192,9 @@ def test_sampling_params_validation_and_round_trip():
     ]:
         with pytest.raises(ValueError):
             SamplingParams(**bad)
-    with pytest.raises(ValueError, match="n=2 is not supported"):
-        SamplingParams(n=2)
+    with pytest.raises(ValueError, match="best_of"):
+        SamplingParams(n=3, best_of=2)
+    assert SamplingParams(n=2, best_of=5).num_seqs == 5 and SamplingParams(n=3).num_seqs == 3
     p = SamplingParams(temperature=0.3, stop="x", seed=7, logprobs=2, stop_token_ids=[5], logit_bias={4: -1.0})
     assert p.stop == ["x"]
     assert SamplingParams.from_dict(p.to_dict()) == p

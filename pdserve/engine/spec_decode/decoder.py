@@ -118,7 +118,7 @@ class SpecDecoder:
             return
         wanted = []
         for seq in waiting:
-            if seq.num_uncomputed_tokens == 1 and seq.kv_handle is not None and not seq.spec_token_ids:
+            if seq.num_uncomputed_tokens == 1 and seq.first_token is not None and not seq.spec_token_ids:
                 limit = self._limit(seq)
                 if limit > 0:
                     wanted.append((seq, limit))
