@@ -5,8 +5,11 @@ within a quarter second) to send the process SIGTERM and start it again once it 
 drains (new requests go to the others, open ones finish within its drain_timeout; the router
 migrates what a drain cuts off), so a rolling restart of every worker of a role with two or more
 workers loses no request. The command waits for each process to be healthy again (a new pid,
-state healthy in status.json) before the next. `--all` restarts every worker, not the router,
-whose restart cuts its clients' connections (name it to restart it anyway).
+state healthy in status.json), then --settle seconds, before the next: the launcher's probe says
+healthy before the routers' does (they probe a worker that is down every second), and a worker
+drained before the routers have taken back the one restarted just now would leave its role with
+none for them. `--all` restarts every worker, not the router, whose restart cuts its clients'
+connections (name it to restart it anyway).
 
 Exit codes: 0 every named process restarted and healthy, 1 one did not come back in time (the
 rest are not touched), 2 no launch or an unknown name.
@@ -23,6 +26,7 @@ from pathlib import Path
 from pdserve.health_cli import default_status_file
 
 POLL_S = 0.25
+SETTLE_S = 3.0  # > the routers' probe of a down worker (every second), under load
 
 
 def add_restart_args(p: argparse.ArgumentParser) -> None:
@@ -32,6 +36,7 @@ def add_restart_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--timeout", type=float, default=600.0, help="seconds each process has to drain and be healthy again"
     )
+    p.add_argument("--settle", type=float, default=SETTLE_S, help="seconds from one healthy again to the next restart")
 
 
 def _processes(status_file: Path) -> dict[str, dict]:
@@ -51,7 +56,9 @@ def run_restart(args: argparse.Namespace, out=sys.stdout) -> int:
         known = ", ".join(procs)
         print(f"pdserve restart: {'unknown ' + ', '.join(unknown) if unknown else 'name a process or --all'} (this launch has {known})", file=sys.stderr)  # fmt: skip
         return 2
-    for name in names:
+    for i, name in enumerate(names):
+        if i:
+            time.sleep(args.settle)  # the routers take the last one back before this one drains
         t0 = time.monotonic()
         old = _processes(status_file)[name]["pid"]
         request = status_file.parent / "restart" / name

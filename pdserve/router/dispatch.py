@@ -23,17 +23,19 @@ where the output stands (a decode worker's first chunk starts after the first to
 on: nothing is joined or cut here.
 
 Migration: when a worker fails a request it had taken (a WorkerFailed: its stream broke, stopped
-or closed early, its connection dropped while it took the request, or it ended the request with
-an error of its own), the request goes on elsewhere under a new id for the workers (`<id>.<n>`),
-through the same choice of workers (a failed worker is marked down or counted by its breaker),
-with Request.resume = the tokens and text the client already has: the engine takes them as the
-request's first outputs (through prefill again in PD: the prompt's blocks hit its prefix cache),
-and the new worker's chunks start where the client's output stands. Greedy and seeded requests
-continue exactly (a seeded draw is indexed by output position). A request with n > 1 is not
-migrated (its sequences would each need their own continuation). At most `migration_limit` times a
-request; then the failure reaches the client, naming the limit. While no worker of a role takes
-the migrated request (its only worker restarting), the router asks again every MIGRATION_RETRY_S
-until the request's `request_timeout`; the client's stream just pauses. A KV transfer failure is not
+or closed early, its connection dropped while it took the request, it ended the request with an
+error of its own, or a decode worker did not take the hand-off the router posted), the request
+goes on elsewhere under a new id for the workers (`<id>.<n>`), through the same choice of workers
+(a failed worker is marked down or counted by its breaker), with Request.resume = the tokens and
+text the client already has: the engine takes them as the request's first outputs (through
+prefill again in PD: the prompt's blocks hit its prefix cache), and the new worker's chunks start
+where the client's output stands. Greedy and seeded requests continue exactly (a seeded draw is
+indexed by output position). A request with n > 1 is not migrated (its sequences would each
+need their own continuation). At most `migration_limit` times a request; then the failure reaches
+the client, naming the limit. While no worker of a role takes the migrated request (its only
+worker restarting), or a request whose first token is out (in PD: each decode worker draining or
+not yet taken back after a restart), the router asks again every MIGRATION_RETRY_S until the
+request's `request_timeout`; the client's stream just pauses. A KV transfer failure is not
 migrated (its own policy: kv_load_failure_policy).
 
 Every HTTP call to a worker goes through Upstream (upstream.py): retries on another worker before
@@ -122,11 +124,15 @@ class Dispatcher:
                     self.metrics.migrations.labels(e.role, e.cause).inc()
                     log.warning("%s: migrating after %d tokens (%s: %s)", request_id, len(sent), e.cause, e.message)
                     failure = first
-                elif failure is None:
-                    raise
-                elif e.status != 503 or time.monotonic() + MIGRATION_RETRY_S > deadline:
-                    raise _note(first, f"migration failed: {e.message}") from None
-                else:  # no worker took the migrated request: one may be restarting
+                elif (
+                    e.status != 503
+                    or not (failure or sent)
+                    or params.num_seqs > 1
+                    or time.monotonic() + MIGRATION_RETRY_S > deadline
+                ):
+                    raise (e if failure is None else _note(first, f"migration failed: {e.message}")) from None
+                else:  # under way (migrated, or its first token out), no worker takes it: one restarting or draining
+                    log.info("%s: no worker takes it after %d tokens (%s); asking again", request_id, len(sent), e)
                     await asyncio.sleep(MIGRATION_RETRY_S)
                 resume = Resume(token_ids=list(sent), text_offset=offsets[0].text) if sent else None
                 attempt += (

@@ -8,9 +8,11 @@ post a hand-off, tell a worker to abort. Dispatcher (dispatch.py) decides what t
 
 A worker that cannot be reached, answers 503, or is full (429) before anything streamed is retried
 on another worker of the role (at most `max_attempts` workers, with exponential backoff between
-tries); one that cannot be reached is marked down at once. Once a worker has taken the request, a
-failure is a WorkerFailed (502/504) raised into the stream; the Dispatcher may migrate the request
-(continue it on another worker after the output the client has), never replay what was sent.
+tries); one that cannot be reached is marked down at once. When none takes it, a 503 (draining,
+restarting) or 429 stays one, with Retry-After: the request may be sent again. Once a worker has
+taken the request, a failure is a WorkerFailed (502/504) raised into the stream; the Dispatcher
+may migrate the request (continue it on another worker after the output the client has), never
+replay what was sent.
 Each request's outcome feeds its worker's circuit breaker (breaker.py). What the client reads names
 the worker's role ("the decode worker failed mid-request"); the log keeps the worker's URL and the
 cause (an aiohttp exception's name) with the request id (`_failure`).
@@ -30,7 +32,7 @@ from pdserve.config import RouterConfig
 from pdserve.engine.request import FirstToken, Handoff, Request
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import Policy
-from pdserve.router.pool import PoolRole, Worker, WorkerPool
+from pdserve.router.pool import RETRY_AFTER_S, PoolRole, Worker, WorkerPool
 from pdserve.wire.errors import ErrorResponse, OpenAIError
 from pdserve.wire.protocol import GenerateChunk, RequestRef
 
@@ -160,10 +162,11 @@ class Upstream:
             msg, code = info.message, info.code
         except ValueError:
             msg, code = body[:200].decode(errors="replace"), None
-        if status == 503:
-            self.pool.mark_down(w, f"answered 503: {msg}")
         headers = {"Retry-After": resp.headers["retry-after"]} if "retry-after" in resp.headers else None
-        status = status if status in (400, 413, 422, 429) else 502
+        if status == 503:  # draining or restarting: another worker, or the same later, takes the request
+            self.pool.mark_down(w, f"answered 503: {msg}")
+            headers = headers or {"Retry-After": str(RETRY_AFTER_S)}
+        status = status if status in (400, 413, 422, 429, 503) else 502
         return OpenAIError(
             status,
             f"the {role} worker refused the request: {msg}",
@@ -205,7 +208,9 @@ class Upstream:
             raise WorkerFailed.of(failure, w, "truncated")
 
     async def post_handoff(self, dw: Worker, dresp: aiohttp.ClientResponse, first: GenerateChunk) -> None:
-        """Give decode's waiting request its hand-off over HTTP (prefill did not notify dw itself)."""
+        """Give decode's waiting request its hand-off over HTTP (prefill did not notify dw itself).
+        dw had taken the request: if it does not take the hand-off (it died, or restarted and has
+        no such request), that is a WorkerFailed, for the request to be migrated."""
         first_token = None  # n > 1: prefill sampled none, decode samples each sequence's (engine/forks.py)
         if first.token_ids:
             first_token = FirstToken(
@@ -215,6 +220,7 @@ class Upstream:
             )
         handoff = Handoff(request_id=first.request_id, kv_handle=first.kv_handle, first_token=first_token)
         failure: OpenAIError | None = None
+        cause = "worker_error"
         try:
             async with self.client.post(
                 f"{dw.url}/internal/handoff",
@@ -228,6 +234,7 @@ class Upstream:
                         502, dw, first.request_id, "refused the KV hand-off", f"{resp.status}: {text}", "upstream_error"
                     )
         except (aiohttp.ClientError, TimeoutError) as e:
+            cause = "dropped"
             failure = _failure(
                 502, dw, first.request_id, "did not take the KV hand-off", type(e).__name__, "upstream_error"
             )
@@ -235,7 +242,7 @@ class Upstream:
             self.count("decode", "handoff")
             dresp.close()
             self.pool.release(dw)
-            raise failure
+            raise WorkerFailed.of(failure, dw, cause)
 
     def abort(self, w: Worker, rid: str) -> None:
         """Tell w to abort rid, fire-and-forget: a failure only costs a lease's time."""
