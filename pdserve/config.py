@@ -70,7 +70,6 @@ class _Strict(BaseModel):
 
 WILDCARD = ("0.0.0.0", "::", "")
 
-
 ReasoningParser = Literal["auto", "none", "deepseek_v4", "deepseek_r1"]
 ToolCallParser = Literal["auto", "none", "deepseek_v4", "deepseek_v32", "deepseek_v31", "deepseek_v3"]
 
@@ -111,6 +110,7 @@ class RouterConfig(_Strict):
     restart: RestartPolicy = "on-failure"  # launch: restart the router when it dies
     reasoning_parser: ReasoningParser = "auto"  # reasoning_content apart; auto: by the model (chat/parsers)
     tool_call_parser: ToolCallParser = "auto"  # tool calls out of the model's markup; auto: by the model
+    chat_encoder_revision: Literal["auto", "original", "0731"] = "auto"  # V4's effort texts (chat/dsv4_revision.py)
 
 
 class WorkerConfig(_Strict):

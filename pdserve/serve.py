@@ -60,6 +60,7 @@ ROUTER_FLAGS = {
     "breaker_cooldown": "router.breaker_cooldown", "api_server_count": "router.api_server_count",
     "reasoning_parser": "router.reasoning_parser", "tool_call_parser": "router.tool_call_parser",
     "default_chat_template_kwargs": "router.default_chat_template_kwargs",
+    "chat_encoder_revision": "router.chat_encoder_revision",
 }  # fmt: skip
 COMMON_FLAGS = {
     "role": "role",
@@ -198,6 +199,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     r(
         "--tool-call-parser",
         help="auto (by the model) | none | deepseek_v4 | deepseek_v32 | deepseek_v31 | deepseek_v3",
+    )
+    r(
+        "--chat-encoder-revision",
+        help="DeepSeek-V4's built-in encoder: auto (by the checkpoint) | original | 0731 (its reasoning-effort texts)",
     )
     r(
         "--api-server-count",

@@ -27,7 +27,7 @@ from typing import Any
 from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as _Backend
 
-from pdserve.chat import dsv4
+from pdserve.chat import dsv4, dsv4_revision
 from pdserve.chat.jinja import (
     SPECIAL_TOKEN_NAMES,
     alias_reasoning,
@@ -45,7 +45,9 @@ REPLACEMENT_CHAR = "\ufffd"  # what a lossy UTF-8 decode writes for incomplete b
 class Tokenizer:
     """The tokenizer of one checkpoint folder."""
 
-    def __init__(self, model_dir: str | Path):
+    def __init__(self, model_dir: str | Path, encoder_revision: str = "auto"):
+        """`encoder_revision`: the built-in DeepSeek-V4 encoder's (chat/dsv4_revision.py; auto: the
+        checkpoint's); a revision named for a checkpoint without that encoder is a ValueError."""
         folder = Path(model_dir)
         path = folder / "tokenizer.json"
         if not path.is_file():
@@ -68,6 +70,14 @@ class Tokenizer:
         self.bos_token_id = self._special_id("bos_token")
         self.eos_token_id = self._special_id("eos_token")
         self.pad_token_id = self._special_id("pad_token")
+        self.encoder_revision: str | None = None  # the built-in V4 encoder's revision (None: not that encoder)
+        if self.builtin_chat_encoder:
+            self.encoder_revision = dsv4_revision.choose(encoder_revision, folder)
+        elif encoder_revision != "auto":
+            raise ValueError(
+                f"chat encoder revision {encoder_revision!r}: {folder} has no built-in DeepSeek-V4 encoder "
+                "(the revision is for a deepseek_v4 checkpoint without a chat template)"
+            )
 
     @property
     def backend(self) -> _Backend:
@@ -137,7 +147,9 @@ class Tokenizer:
         if self.builtin_chat_encoder and chat_template is None:
             if continue_final_message or documents:
                 raise ValueError("the DeepSeek-V4 encoder takes no continue_final_message or documents")
-            text = _encode_dsv4(plain(messages), plain(tools), add_generation_prompt, plain(kwargs))
+            text = _encode_dsv4(
+                plain(messages), plain(tools), add_generation_prompt, plain(kwargs), self.encoder_revision
+            )
             return self.encode(text, add_special_tokens=False) if tokenize else text
         template = self._pick_template(chat_template, tools)
         chat = alias_reasoning(plain([{k: v for k, v in m.items() if v is not None} for m in plain(messages)]))
@@ -319,7 +331,9 @@ def _load_chat_template(folder: Path, config: dict) -> str | dict[str, str] | No
     return template
 
 
-def _encode_dsv4(messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool, kwargs: dict) -> str:
+def _encode_dsv4(
+    messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool, kwargs: dict, revision: str
+) -> str:
     """OpenAI-style messages to the reference encoder's input: request-level tools and
     response_format on the first system message (one made at the start when there is none),
     developer messages as system ones, reasoning under reasoning_content, text parts joined."""
@@ -354,4 +368,5 @@ def _encode_dsv4(messages: list[dict], tools: list[dict] | None, add_generation_
         thinking=bool(thinking),
         reasoning_effort=kwargs.get("reasoning_effort"),
         add_generation_prompt=add_generation_prompt,
+        revision=revision,
     )

@@ -1,6 +1,7 @@
 """Chat prompts: how a conversation becomes the prompt text, per model family.
 
     dsv4.py      DeepSeek-V4's encoder (the release ships Python, not a Jinja template)
+    dsv4_revision.py  which revision of it (reasoning-effort texts) a checkpoint was trained with
     jinja.py     Jinja chat templates (DeepSeek-V3 / V3.1 / V3.2 / R1 ship one), rendered as transformers does
     controls.py  a request's thinking / reasoning-effort / chat_template_kwargs, checked against what the
                  template reads, with the server's defaults

@@ -6,9 +6,15 @@ disagree, or one the model's chat template never reads is a ControlError naming 
     thinking: request `thinking: {"type": "enabled" | "disabled"}` (DeepSeek's API),
               `chat_template_kwargs.thinking` or `.enable_thinking` (vLLM's, booleans);
               else the server default; else `reasoning_effort` turns it on; else the template's own
-    reasoning_effort: `reasoning_effort` or `chat_template_kwargs.reasoning_effort`; DeepSeek-V4 has
-              two levels, so OpenAI's low / medium / high are its "high" (no preamble) and
-              xhigh / max its "max"; it needs thinking on.
+    reasoning_effort: `reasoning_effort` or `chat_template_kwargs.reasoning_effort` (OpenAI's names);
+              it needs thinking on. The DeepSeek-V4 encoder's levels differ by revision
+              (chat/dsv4.py); OpenAI's names map onto them as vLLM's deepseek_v4 tokenizer maps them:
+
+                  OpenAI          minimal  low   medium  high   xhigh  max
+                  V4 original     high     high  high    high   max    max
+                  V4 0731         low      low   low     high   high   max
+
+              so minimal / low / medium get no text and xhigh the "Absolute maximum" text in both.
 """
 
 from __future__ import annotations
@@ -17,7 +23,11 @@ from typing import Any
 
 from pdserve.chat.jinja import SPECIAL_TOKEN_NAMES
 
-EFFORTS = {"low": "high", "medium": "high", "high": "high", "xhigh": "max", "max": "max"}
+EFFORTS = ("minimal", "low", "medium", "high", "xhigh", "max")
+V4_EFFORTS = {
+    "original": dict(zip(EFFORTS, ("high", "high", "high", "high", "max", "max"))),
+    "0731": dict(zip(EFFORTS, ("low", "low", "low", "high", "high", "max"))),
+}
 THINKING_KEYS = ("thinking", "enable_thinking")
 # Set by the request itself, never through chat_template_kwargs.
 RESERVED = frozenset(
@@ -37,14 +47,15 @@ class ControlError(ValueError):
 def resolve(
     *,
     variables: frozenset[str],
-    builtin_v4: bool,
+    v4_revision: str | None,
     thinking: str | None = None,
     reasoning_effort: str | None = None,
     kwargs: dict[str, Any] | None = None,
     defaults: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The apply_chat_template kwargs for these controls. `variables`: what the template reads;
-    `builtin_v4`: the DeepSeek-V4 encoder (efforts mapped to its two levels)."""
+    `v4_revision`: the built-in DeepSeek-V4 encoder's revision (efforts mapped to its levels), None
+    for a Jinja template (efforts passed as they are)."""
     kwargs, defaults = dict(kwargs or {}), dict(defaults or {})
     for source, given in (("chat_template_kwargs", kwargs), (DEFAULTS_FLAG, defaults)):
         for key in given:
@@ -67,7 +78,7 @@ def resolve(
             on, votes = True, [(param, True)]
         if "reasoning_effort" not in variables:
             raise ControlError(param, "this model's chat template has no reasoning effort")
-        out["reasoning_effort"] = EFFORTS[value] if builtin_v4 else value
+        out["reasoning_effort"] = V4_EFFORTS[v4_revision][value] if v4_revision is not None else value
     if on is not None:
         names = [k for k in THINKING_KEYS if k in variables]
         if not names:

@@ -13,8 +13,13 @@ reference's output on its own inputs and ours; tests/unit/test_chat_dsv4.py comp
 
 `tool` messages join the user turn that follows them as <tool_result> blocks, ordered as the
 assistant called them. In thinking mode, reasoning of turns before the last user turn is dropped
-unless some message carries tools. reasoning_effort "max" (thinking mode) starts the prompt with
-a fixed instruction; "high" and None add nothing.
+unless some message carries tools, and the reasoning effort's text (EFFORT_PROMPTS) starts the
+first message. The encoder has had two revisions, which differ only in those texts:
+
+    original  DeepSeek-V4-Flash / -Pro as first released: "high" (and None) no text, "max" ABSOLUTE_MAX
+    0731      DeepSeek-V4-Flash-0731 and later: "low" (and None) no text, "high" ABSOLUTE_MAX, "max" BEYOND_MAX
+
+(chat/dsv4_revision.py tells which one a checkpoint has.)
 """
 
 from __future__ import annotations
@@ -28,11 +33,10 @@ USER, ASSISTANT, REMINDER = "<｜User｜>", "<｜Assistant｜>", "<｜latest_rem
 THINK, END_THINK = "<think>", "</think>"
 DSML = "｜DSML｜"
 TASK_TOKENS = {t: f"<｜{t}｜>" for t in ("action", "query", "authority", "domain", "title", "read_url")}
-EFFORTS = (None, "high", "max")
 SPECIAL_TOKENS = (BOS, EOS, USER, ASSISTANT, REMINDER, THINK, END_THINK, DSML, *TASK_TOKENS.values())
 
 # The model was trained on these exact words: they are protocol, not prose to edit.
-MAX_EFFORT = (
+ABSOLUTE_MAX = (
     "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
     "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve the root "
     "cause, rigorously stress-testing your logic against all potential paths, edge cases, and adversarial "
@@ -40,6 +44,20 @@ MAX_EFFORT = (
     "Explicitly write out your entire deliberation process, documenting every intermediate step, considered "
     "alternative, and rejected hypothesis to ensure absolutely no assumption is left unchecked.\n\n"
 )
+BEYOND_MAX = (
+    "Reasoning Effort: Beyond maximum \u2014 exhaustive, relentless, and uncompromising.\n"
+    "You MUST reason with the utmost depth and rigor, leaving absolutely nothing to chance: exhaustively decompose "
+    "the problem into its most fundamental components, trace every causal chain to its root, and resolve the "
+    "underlying cause rather than any surface symptom.\n"
+    "Do not stop reasoning until you have independently verified the solution from multiple angles and are certain "
+    "that no assumption remains unchecked and no error remains undiscovered.\n\n"
+)
+# Each revision's effort levels -> the text before the first message in thinking mode (None: the default level).
+EFFORT_PROMPTS: dict[str, dict[str | None, str]] = {
+    "original": {None: "", "high": "", "max": ABSOLUTE_MAX},
+    "0731": {None: "", "low": "", "high": ABSOLUTE_MAX, "max": BEYOND_MAX},
+}
+REVISIONS = tuple(EFFORT_PROMPTS)
 _TOOLS_HEAD = (
     "## Tools\n\n"
     "You have access to a set of tools to help answer the user's question. You can invoke tools by writing a "
@@ -106,11 +124,18 @@ def encode(
     reasoning_effort: str | None = None,
     drop_thinking: bool = True,
     add_generation_prompt: bool = True,
+    revision: str = "original",
 ) -> str:
     """The prompt for `messages` (reference-encoder dicts: roles system, developer, user, assistant,
-    tool, latest_reminder; tools / response_format on a system or developer message)."""
-    if reasoning_effort not in EFFORTS:
-        raise ValueError(f"reasoning_effort must be one of {EFFORTS}, got {reasoning_effort!r}")
+    tool, latest_reminder; tools / response_format on a system or developer message), as the
+    encoder of `revision` writes it."""
+    if revision not in EFFORT_PROMPTS:
+        raise ValueError(f"revision must be one of {', '.join(REVISIONS)}, got {revision!r}")
+    efforts = EFFORT_PROMPTS[revision]
+    if reasoning_effort not in efforts:
+        raise ValueError(
+            f"reasoning_effort must be one of {tuple(efforts)} (revision {revision}), got {reasoning_effort!r}"
+        )
     chat = _order_tool_results(_merge_tool_results(messages))
     keep = not drop_thinking or any(m.get("tools") for m in chat)
     if thinking and not keep:
@@ -119,8 +144,8 @@ def encode(
     parts = [BOS]
     for i in range(len(chat)):
         parts.append(_message(i, chat, thinking, keep, last_user))
-        if i == 0 and thinking and reasoning_effort == "max":
-            parts[-1] = MAX_EFFORT + parts[-1]
+        if i == 0 and thinking:
+            parts[-1] = efforts[reasoning_effort] + parts[-1]
         last = i + 1 == len(chat)
         if last and not add_generation_prompt:
             continue

@@ -97,7 +97,8 @@ def build_router_app(config: RouterServeConfig) -> FastAPI:
         breaker_failures=settings.breaker_failures,
         breaker_cooldown_s=settings.breaker_cooldown,
     )
-    router = Router(config, _vocab_size(config.model), pool, Tokenizer(config.model), metrics)
+    tokenizer = Tokenizer(config.model, settings.chat_encoder_revision)
+    router = Router(config, _vocab_size(config.model), pool, tokenizer, metrics)
     router.validator.set_chat_defaults(settings.default_chat_template_kwargs)
     model_name = router.model_name
 

@@ -11,7 +11,8 @@ from pdserve.wire.protocol import GenerateChunk, TokenLogprobs
 @dataclass
 class ChoiceState:
     """Everything one choice has produced so far; with a parser (chat), its text read as
-    reasoning, content and tool calls as it comes (`parsed`: all of it, `last`: the last chunk's)."""
+    reasoning, content and tool calls as it comes (`parsed`: all of it, less its events; `last`: the
+    last chunk's, events and all)."""
 
     prompt_token_ids: list[int]
     text: str = ""
@@ -41,14 +42,14 @@ class ChoiceState:
         reasoning = p.in_reasoning
         new = p.feed(c.text)
         if c.finish_reason is not None:
-            end = p.finish(cut=c.finish_reason == "length")
-            new = Parsed(new.reasoning + end.reasoning, new.content + end.content, new.calls + end.calls)
+            new = new + p.finish(cut=c.finish_reason == "length")
         if reasoning or p.in_reasoning:
             self.reasoning_tokens += len(c.token_ids)
         self.last = new
         self.parsed.reasoning += new.reasoning
         self.parsed.content += new.content
         self.parsed.calls += new.calls
+        self.parsed.incomplete += new.incomplete
 
     def reason(self, finish_reason: str | None) -> str | None:
         """A natural end after tool calls is OpenAI's "tool_calls"."""

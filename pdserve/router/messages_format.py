@@ -8,15 +8,17 @@ whole response and the stream, so a stream's events add up to the response.
     event: message_start         the message with no content, its usage so far
     event: ping
     event: content_block_start   per block, then its deltas: thinking_delta, text_delta, or a
-    event: content_block_delta     call's input_json_delta pieces (a call is sent once it is whole,
-    event: content_block_stop      as on the chat path)
+    event: content_block_delta     call's input_json_delta pieces (its arguments as they are written,
+    event: content_block_stop      as on the chat path: each piece leaves the JSON a valid start)
     event: message_delta         stop_reason, stop_sequence, usage (output_tokens)
     event: message_stop
     event: error                 instead of the rest, when the request fails mid-stream
 
 Thinking blocks carry `signature: ""`: pdserve signs nothing (and checks nothing sent back).
 stop_reason: max_tokens (the length limit), stop_sequence (one of stop_sequences matched, named in
-`stop_sequence`), tool_use (the answer called tools), else end_turn. Usage: input_tokens are the
+`stop_sequence`), tool_use (the answer called tools), else end_turn. A call that ends incomplete (cut
+by the length limit, or the rest of it not parsing) keeps its block, its `input` what the arguments
+given out read as partial JSON (as the anthropic client reads the deltas). Usage: input_tokens are the
 prompt tokens the prefix cache did not serve, cache_read_input_tokens those it did.
 """
 
@@ -25,7 +27,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pdserve.chat.parsers import OutputSpec, Parsed, ToolCall
+from pydantic_core import from_json
+
+from pdserve.chat.parsers import CallEnd, CallPiece, OutputSpec, Parsed, ToolCall
 from pdserve.router.messages_errors import STATUS, error_of
 from pdserve.router.messages_protocol import AnthropicError, CountTokensResponse, MessageResponse
 from pdserve.router.responses import NAMED_EVENT, ChatFormatter, sse_event
@@ -49,7 +53,7 @@ def tool_use_id(call_id: str) -> str:
 class Blocks:
     """The answer's content blocks, built from the parser's output as it comes; `feed` returns the
     stream events of what it added. A text or thinking block stays open while more of its kind
-    follows; a tool_use block is whole when it starts."""
+    follows; a tool_use block from its call's head to its end."""
 
     def __init__(self, omit_thinking: bool = False) -> None:
         self.blocks: list[dict[str, Any]] = []
@@ -57,11 +61,15 @@ class Blocks:
         self.omit_thinking = omit_thinking  # thinking.display "omitted": the blocks, without their text
 
     def feed(self, new: Parsed) -> list[dict[str, Any]]:
-        events = self._write("thinking", new.reasoning) if new.reasoning else []
-        if new.content:
-            events += self._write("text", new.content)
-        for call in new.calls:
-            events += self._call(call)
+        events: list[dict[str, Any]] = []
+        for e in new.events:
+            if isinstance(e, tuple):
+                events += self._write("thinking" if e[0] == "reasoning" else "text", e[1])
+            elif isinstance(e, CallPiece):
+                events += self._call(e)
+            elif isinstance(e, CallEnd):
+                self.blocks[-1]["input"] = _input(e.call)
+                events += self.close()
         return events
 
     def close(self) -> list[dict[str, Any]]:
@@ -84,19 +92,26 @@ class Blocks:
         delta = {"type": f"{kind}_delta", kind: text}
         return [*events, {"type": "content_block_delta", "index": len(self.blocks) - 1, "delta": delta}]
 
-    def _call(self, t: ToolCall) -> list[dict[str, Any]]:
-        events = self.close()
-        i = len(self.blocks)
-        call = t.call
-        block = {"type": "tool_use", "id": tool_use_id(t.id), "name": call.name, "input": json.loads(call.arguments)}
-        self.blocks.append(block)
-        events.append({"type": "content_block_start", "index": i, "content_block": {**block, "input": {}}})
-        events += [
-            {"type": "content_block_delta", "index": i, "delta": {"type": "input_json_delta", "partial_json": p}}
-            for p in call.pieces
-        ]
-        events.append({"type": "content_block_stop", "index": i})
-        return events
+    def _call(self, piece: CallPiece) -> list[dict[str, Any]]:
+        if piece.id is not None:  # the head: a tool_use block, its input {} until the call ends
+            events = self.close()
+            block = {"type": "tool_use", "id": tool_use_id(piece.id), "name": piece.name, "input": {}}
+            self.blocks.append(block)
+            self.open = True
+            return [
+                *events,
+                {"type": "content_block_start", "index": len(self.blocks) - 1, "content_block": dict(block)},
+            ]
+        delta = {"type": "input_json_delta", "partial_json": piece.arguments}
+        return [{"type": "content_block_delta", "index": len(self.blocks) - 1, "delta": delta}]
+
+
+def _input(call: ToolCall) -> dict[str, Any]:
+    """A tool_use block's input: its arguments, or those given out of an incomplete call read as
+    the client reads the deltas (partial JSON, an unfinished string left out)."""
+    if call.reason is None:
+        return json.loads(call.arguments)
+    return from_json(call.arguments, allow_partial=True) if call.arguments else {}
 
 
 class MessagesFormatter(ChatFormatter):
@@ -119,7 +134,7 @@ class MessagesFormatter(ChatFormatter):
     def add(self, i: int, c: GenerateChunk) -> None:
         state = self.choices[i]
         state.add(c)
-        self._events += self.blocks.feed(state.last if state.parser is not None else Parsed(content=c.text))
+        self._events += self.blocks.feed(state.last if state.parser is not None else Parsed.of_text(c.text))
 
     def chunk(self, i: int, c: GenerateChunk) -> bytes | None:
         self.add(i, c)

@@ -287,11 +287,16 @@ class ResponseToolCall(BaseModel):
     function: ResponseFunction
 
 
+class IncompleteToolCall(ResponseToolCall):
+    reason: str  # cut_call (the length limit), or why the rest did not parse; arguments: as far as given out
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     reasoning_content: str | None = None  # with a reasoning parser: the answer's reasoning, apart
-    tool_calls: list[ResponseToolCall] | None = None
+    tool_calls: list[ResponseToolCall] | None = None  # complete calls only
+    incomplete_tool_calls: list[IncompleteToolCall] | None = None  # calls a stream began, not complete
 
 
 class ChatChoice(BaseModel):

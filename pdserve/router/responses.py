@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 
-from pdserve.chat.parsers import OutputSpec, Parsed
+from pdserve.chat.parsers import CallPiece, OutputSpec, Parsed
 from pdserve.router.choices import ChoiceState
 from pdserve.router.openai_protocol import (
     AssistantMessage,
@@ -30,6 +30,7 @@ from pdserve.router.openai_protocol import (
     DeltaFunction,
     DeltaMessage,
     DeltaToolCall,
+    IncompleteToolCall,
     PromptTokensDetails,
     ResponseFunction,
     ResponseToolCall,
@@ -221,8 +222,8 @@ class CompletionFormatter(Formatter):
 
 class ChatFormatter(Formatter):
     """With an OutputSpec (a reasoning or tool-call parser): reasoning_content, content and
-    tool_calls apart; a stream sends each tool call once it is whole: a delta with its id and name,
-    then one per argument piece."""
+    tool_calls apart; a stream sends each tool call as it is written: a delta with its index, id and
+    name (arguments ""), then its arguments' pieces (chat/parsers/output.py)."""
 
     def __init__(self, *args, output: OutputSpec | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -349,33 +350,44 @@ def _message(c: ChoiceState) -> AssistantMessage:
     if c.parser is None:
         return AssistantMessage(content=c.text)
     p = c.parsed
-    calls = [
-        ResponseToolCall(id=t.id, function=ResponseFunction(name=t.call.name, arguments=t.call.arguments))
-        for t in p.calls
+    calls = [ResponseToolCall(id=t.id, function=ResponseFunction(name=t.name, arguments=t.arguments)) for t in p.calls]
+    incomplete = [
+        IncompleteToolCall(id=t.id, function=ResponseFunction(name=t.name, arguments=t.arguments), reason=t.reason)
+        for t in p.incomplete
     ]
     return AssistantMessage(
         content=p.content if p.content or not calls else None,
         reasoning_content=p.reasoning if c.parser.reasoning_seen else None,
         tool_calls=calls or None,
+        incomplete_tool_calls=incomplete or None,
     )
 
 
 def _deltas(new: Parsed) -> list[DeltaMessage]:
-    """A chunk's parsed output as deltas: text first, then each call (id and name, then pieces)."""
-    out = (
-        [DeltaMessage(reasoning_content=new.reasoning or None, content=new.content or None)]
-        if new.reasoning or new.content
-        else []
-    )
-    for t in new.calls:
-        head = DeltaToolCall(
-            index=t.index, id=t.id, type="function", function=DeltaFunction(name=t.call.name, arguments="")
-        )
-        out.append(DeltaMessage(tool_calls=[head]))
-        out += [
-            DeltaMessage(tool_calls=[DeltaToolCall(index=t.index, function=DeltaFunction(arguments=p))])
-            for p in t.call.pieces
-        ]
+    """A chunk's parsed output as deltas, in order: text (reasoning and content in one delta), a
+    call's head (index, id, name, arguments ""), then its arguments' pieces (those in a row in one)."""
+    out: list[DeltaMessage] = []
+    for e in new.events:
+        last = out[-1] if out else None
+        if isinstance(e, tuple):
+            kind, text = e
+            name = "reasoning_content" if kind == "reasoning" else "content"
+            if last is not None and last.tool_calls is None and (name == "content" or last.content is None):
+                setattr(last, name, (getattr(last, name) or "") + text)
+            else:
+                out.append(DeltaMessage(**{name: text}))
+        elif isinstance(e, CallPiece) and e.id is not None:
+            head = DeltaToolCall(
+                index=e.index, id=e.id, type="function", function=DeltaFunction(name=e.name, arguments="")
+            )
+            out.append(DeltaMessage(tool_calls=[head]))
+        elif isinstance(e, CallPiece):
+            call = last.tool_calls[0] if last is not None and last.tool_calls else None
+            if call is not None and call.id is None and call.index == e.index:
+                call.function.arguments += e.arguments
+            else:
+                piece = DeltaToolCall(index=e.index, function=DeltaFunction(arguments=e.arguments))
+                out.append(DeltaMessage(tool_calls=[piece]))
     return out
 
 

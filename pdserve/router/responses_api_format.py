@@ -11,15 +11,16 @@ whole response and the stream, so a stream's events add up to the response.
                  response.content_part.done
       message:   response.content_part.added, response.output_text.delta ... .done,
                  response.content_part.done
-      function_call: response.function_call_arguments.delta (one per piece) ... .done (a call is
-                 sent once it is whole, as on the chat path)
+      function_call: response.function_call_arguments.delta (its arguments as they are written,
+                 as on the chat path) ... .done
     response.output_item.done
     response.completed, or response.incomplete       the whole response
     error                                            instead of the rest, when the request fails mid-stream
 
 Each event carries `sequence_number` (0, 1, ...). status: incomplete (incomplete_details.reason
 "max_output_tokens") when the length limit cut the answer, the item being written then marked
-incomplete too; else completed. Usage: input_tokens count every prompt token,
+incomplete too (a function_call with the arguments given out so far); else completed. A call whose
+rest does not parse is an incomplete function_call item too. Usage: input_tokens count every prompt token,
 input_tokens_details.cached_tokens those the prefix cache served (cache_write_tokens is 0: the
 prefix cache keeps every prompt's blocks unasked).
 """
@@ -29,7 +30,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from pdserve.chat.parsers import OutputSpec, Parsed, ToolCall
+from pdserve.chat.parsers import CallEnd, CallPiece, OutputSpec, Parsed
 from pdserve.router.responses import NAMED_EVENT, ChatFormatter, sse_event
 from pdserve.router.responses_api_protocol import ResponseObject
 from pdserve.tokenizer import Tokenizer
@@ -55,18 +56,21 @@ def _part(kind: str, text: str) -> dict[str, Any]:
 class Items:
     """The response's output items, built from the parser's output as it comes; `feed` returns the
     events of what it added (without sequence numbers). A reasoning or message item stays open
-    while more of its kind follows; a function_call item is whole when it is added."""
+    while more of its kind follows; a function_call item from its call's head to its end."""
 
     def __init__(self) -> None:
         self.items: list[dict[str, Any]] = []
         self.open = False
 
     def feed(self, new: Parsed) -> list[dict[str, Any]]:
-        events = self._write("reasoning", new.reasoning) if new.reasoning else []
-        if new.content:
-            events += self._write("message", new.content)
-        for call in new.calls:
-            events += self._call(call)
+        events: list[dict[str, Any]] = []
+        for e in new.events:
+            if isinstance(e, tuple):
+                events += self._write("reasoning" if e[0] == "reasoning" else "message", e[1])
+            elif isinstance(e, CallPiece):
+                events += self._call(e)
+            elif isinstance(e, CallEnd):
+                events += self.close("completed" if e.call.reason is None else "incomplete")
         return events
 
     def close(self, status: str = "completed") -> list[dict[str, Any]]:
@@ -76,6 +80,13 @@ class Items:
         self.open = False
         i, item = len(self.items) - 1, self.items[-1]
         item["status"] = status
+        if item["type"] == "function_call":
+            at = {"item_id": item["id"], "output_index": i}
+            done = {"type": "response.function_call_arguments.done", **at, "name": item["name"]}
+            return [
+                {**done, "arguments": item["arguments"]},
+                {"type": "response.output_item.done", "output_index": i, "item": dict(item)},
+            ]
         part = item["content"][0]
         at = {"item_id": item["id"], "output_index": i, "content_index": 0}
         done = {"type": f"response.{part['type']}.done", **at, "text": part["text"]}
@@ -106,18 +117,27 @@ class Items:
         delta = {"type": f"response.{_TEXT[kind]}.delta", **at, "delta": text}
         return [*events, {**delta, "logprobs": []} if kind == "message" else delta]
 
-    def _call(self, t: ToolCall) -> list[dict[str, Any]]:
-        events = self.close()
-        i, call = len(self.items), t.call
-        item = {"id": item_id("fc"), "type": "function_call", "status": "in_progress", "call_id": t.id}
-        item.update(name=call.name, arguments="")
-        events.append({"type": "response.output_item.added", "output_index": i, "item": dict(item)})
-        at = {"item_id": item["id"], "output_index": i}
-        events += [{"type": "response.function_call_arguments.delta", **at, "delta": p} for p in call.pieces]
-        item.update(arguments=call.arguments, status="completed")
-        self.items.append(item)
-        done = {"type": "response.function_call_arguments.done", **at, "name": call.name, "arguments": call.arguments}
-        return [*events, done, {"type": "response.output_item.done", "output_index": i, "item": dict(item)}]
+    def _call(self, piece: CallPiece) -> list[dict[str, Any]]:
+        if piece.id is not None:  # the head: a function_call item, its arguments "" so far
+            events = self.close()
+            item = {"id": item_id("fc"), "type": "function_call", "status": "in_progress", "call_id": piece.id}
+            item.update(name=piece.name, arguments="")
+            self.items.append(item)
+            self.open = True
+            return [
+                *events,
+                {"type": "response.output_item.added", "output_index": len(self.items) - 1, "item": dict(item)},
+            ]
+        i, item = len(self.items) - 1, self.items[-1]
+        item["arguments"] += piece.arguments
+        return [
+            {
+                "type": "response.function_call_arguments.delta",
+                "item_id": item["id"],
+                "output_index": i,
+                "delta": piece.arguments,
+            }
+        ]
 
 
 def _copy(item: dict[str, Any]) -> dict[str, Any]:
@@ -183,7 +203,7 @@ class ResponsesFormatter(ChatFormatter):
     def _feed(self, i: int, c: GenerateChunk) -> list[dict[str, Any]]:
         state = self.choices[i]
         state.add(c)
-        return self.items.feed(state.last if state.parser is not None else Parsed(content=c.text))
+        return self.items.feed(state.last if state.parser is not None else Parsed.of_text(c.text))
 
     def _close(self) -> list[dict[str, Any]]:
         return self.items.close("completed" if self._status() == "completed" else "incomplete")

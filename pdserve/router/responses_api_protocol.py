@@ -213,9 +213,9 @@ class TextConfig(_Closed):
 
 
 class ReasoningConfig(_Closed):
-    # none: chat mode (no reasoning); the others as the chat path's reasoning_effort (DeepSeek-V4
-    # has two levels, pdserve/chat/controls.py). OpenAI's "minimal" has no DeepSeek meaning.
-    effort: Literal["none", "low", "medium", "high", "xhigh", "max"] | None = None
+    # none: chat mode (no reasoning); the others as the chat path's reasoning_effort (mapped onto
+    # DeepSeek-V4's levels in pdserve/chat/controls.py)
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
 
 
 class ResponsesRequest(_Closed):

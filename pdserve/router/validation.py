@@ -84,7 +84,7 @@ class RequestValidator:
             variables = self.tokenizer.chat_template_variables()
         except ValueError:  # no chat template
             variables = frozenset()
-        controls.resolve(variables=variables, builtin_v4=self.tokenizer.builtin_chat_encoder, defaults=defaults)
+        controls.resolve(variables=variables, v4_revision=self.tokenizer.encoder_revision, defaults=defaults)
         self.chat_defaults = dict(defaults)
 
     def chat_prompt(
@@ -105,7 +105,7 @@ class RequestValidator:
             variables = tok.chat_template_variables(tools)
             kwargs = controls.resolve(
                 variables=variables,
-                builtin_v4=tok.builtin_chat_encoder,
+                v4_revision=tok.encoder_revision,
                 thinking=thinking,
                 reasoning_effort=reasoning_effort,
                 kwargs=template_kwargs,

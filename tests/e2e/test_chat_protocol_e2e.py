@@ -70,7 +70,7 @@ def read_here(tokenizer: Tokenizer, token_ids: list[int], thinking: bool, tools=
     spec = OutputSpec("deepseek_v4", "deepseek_v4" if names else None, names, thinking)
     p = spec.parser()
     outs = [p.feed(tokenizer.decode(token_ids, skip_special_tokens=False)), p.finish()]
-    calls = [(t.call.name, t.call.arguments) for o in outs for t in o.calls]
+    calls = [(t.name, t.arguments) for o in outs for t in o.calls]
     return "".join(o.reasoning for o in outs), "".join(o.content for o in outs), calls
 
 

@@ -13,8 +13,9 @@ import random
 import pytest
 
 from pdserve.chat.dsv4 import EOS, encode
-from pdserve.chat.parsers import OutputSpec, default_parsers, tool_names
-from pdserve.chat.parsers.calls import DIALECTS, parse_dsml
+from pdserve.chat.parsers import CallPiece, OutputSpec, default_parsers, tool_names
+from pdserve.chat.parsers.calls import parse_dsml
+from pdserve.chat.parsers.dialects import DIALECTS
 from pdserve.chat.parsers.scan import MarkerScanner
 
 pytestmark = pytest.mark.timeout(120)
@@ -56,16 +57,32 @@ def spec(tools=TOOLS, thinking=True, reasoning="deepseek_v4", tool_parser="deeps
 
 
 def parse(text: str, s: OutputSpec, pieces: list[str] | None = None, cut: bool = False):
-    """(reasoning, content, [(name, arguments)], failures) of text fed whole or in pieces (cut: the
-    output ends as one cut by the length limit)."""
+    """(reasoning, content, calls, failures) of text fed whole or in pieces (cut: the output ends as
+    one cut by the length limit). `calls`: every call given out, in order, as (name, arguments) when
+    complete, (name, the arguments given out, reason) when not. The events are checked on the way:
+    a call's head comes first, its pieces join into its arguments, each call ends once."""
     p = s.parser()
     outs = [p.feed(x) for x in (pieces if pieces is not None else [text])] + [p.finish(cut)]
-    calls = [(t.call.name, t.call.arguments) for o in outs for t in o.calls]
-    assert [t.index for o in outs for t in o.calls] == list(range(len(calls)))
-    for o in outs:
-        for t in o.calls:
-            assert "".join(t.call.pieces) == t.call.arguments
-    return "".join(o.reasoning for o in outs), "".join(o.content for o in outs), calls, p.failures
+    said, given, ended = {"reasoning": "", "content": ""}, {}, []
+    for e in (e for o in outs for e in o.events):
+        if isinstance(e, tuple):
+            said[e[0]] += e[1]
+        elif isinstance(e, CallPiece) and e.id is not None:
+            assert (e.index, e.arguments) == (len(given), "") and e.name and e.id.startswith("call_")
+            given[e.index] = [e.name, ""]
+        elif isinstance(e, CallPiece):
+            assert e.arguments and e.index in given and e.index not in {t.index for t in ended}
+            given[e.index][1] += e.arguments
+        else:
+            assert [e.call.name, e.call.arguments] == given[e.call.index]
+            ended.append(e.call)
+    assert [t.index for t in ended] == list(range(len(given)))  # every call given out ends, in order
+    assert [t for o in outs for t in o.calls] == [t for t in ended if t.reason is None]
+    assert [t for o in outs for t in o.incomplete] == [t for t in ended if t.reason is not None]
+    reasoning, content = "".join(o.reasoning for o in outs), "".join(o.content for o in outs)
+    assert (said["reasoning"], said["content"]) == (reasoning, content)
+    calls = [(t.name, t.arguments) if t.reason is None else (t.name, t.arguments, t.reason) for t in ended]
+    return reasoning, content, calls, p.failures
 
 
 def random_value(rng: random.Random, depth: int = 0):
@@ -158,20 +175,31 @@ def test_dsml_values_are_decoded_as_the_string_flag_says():
     )
     call = parse_dsml(body, {"f"})
     assert json.loads(call.arguments) == {"s": "[1, 2]", "n": [1, 2]}
-    assert call.pieces == ('{"s": "[1, 2]"', ', "n": [1, 2]', "}")
+    assert call.arguments == '{"s": "[1, 2]", "n": [1, 2]}'  # json.dumps' separators; JSON values as written
 
 
+# Markup that does not parse before a call is given out: it stays text, as the model wrote it.
 MALFORMED = {
-    "unclosed_call": f'Sure.\n\n<{D}tool_calls>\n<{D}invoke name="search">\n<{D}parameter name="q" string="true">x',
     "unknown_tool": f'<{D}tool_calls>\n<{D}invoke name="rm_rf">\n</{D}invoke>\n</{D}tool_calls>',
-    "bad_json": f'<{D}tool_calls>\n<{D}invoke name="search">\n<{D}parameter name="n" string="false">{{nope'
-    f"</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>",
-    "parameter_format": f'<{D}tool_calls>\n<{D}invoke name="search">\n<{D}parameter name="n">1</{D}parameter>\n'
-    f"</{D}invoke>\n</{D}tool_calls>",
+    "invoke_format": f'<{D}tool_calls>\n<{D}invoke nam="search">\n</{D}invoke>\n</{D}tool_calls>',
     "empty_block": f"<{D}tool_calls>\n</{D}tool_calls>",
     "stray_markup": f"oops </{D}invoke> here",
     "unclosed_block": f"text\n\n<{D}tool_calls>\n",
 }
+# ... and after: the call, given out from its head, ends incomplete with the arguments given so far;
+# its markup (and its block's) is never text. (the text, its content, the call)
+_SEARCH = f'<{D}tool_calls>\n<{D}invoke name="search">\n'
+BROKEN = {
+    "unclosed_call": (f'Sure.\n\n{_SEARCH}<{D}parameter name="q" string="true">x', "Sure.", '{"q": "x'),
+    "bad_json": (f'{_SEARCH}<{D}parameter name="n" string="false">{{nope</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>', "", '{"n": '),
+    "parameter_format": (f'{_SEARCH}<{D}parameter name="n">1</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>', "", ""),
+    "duplicate_parameter": (
+        f'A{_SEARCH}<{D}parameter name="q" string="true">a</{D}parameter>\n<{D}parameter name="q" string="true">b'
+        f"</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>",
+        "A",
+        '{"q": "a"',
+    ),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("reason", list(MALFORMED))
@@ -190,17 +218,28 @@ def test_malformed_markup_stays_text(reason):
         )
 
 
+@pytest.mark.parametrize("reason", list(BROKEN))
+def test_a_call_broken_after_its_head_ends_incomplete(reason):
+    text, content, arguments = BROKEN[reason]
+    got = parse("r</think>" + text, spec())
+    assert got == ("r", content, [("search", arguments, reason)], [reason])
+    rng = random.Random(8)
+    for _ in range(20):
+        assert parse("r</think>" + text, spec(), random_pieces(rng, "r</think>" + text)) == got
+
+
 @pytest.mark.parametrize("thinking", [True, False])
 def test_an_output_cut_anywhere_never_shows_markup(thinking):
     """The length limit cuts a turn at any character: reasoning and content are prefixes of the
-    turn's (no marker, no start of one), the calls are the complete ones before the cut, and a call
-    or block still being written is dropped ("cut_call"), fed whole or in any pieces."""
+    turn's (no marker, no start of one), the calls are the complete ones before the cut, then the
+    one being written if it was given out: its arguments so far the start of the whole call's
+    ("cut_call"); fed whole or in any pieces."""
     rng = random.Random(61 + thinking)
     markers = ("｜DSML｜", "<think>", "</think>")
     for _ in range(60):
         turn = random_turn(rng)
         text = completion(turn, thinking)
-        want = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in turn["tool_calls"] or []]
+        whole = parse(text, spec(thinking=thinking))[2]
         for k in sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, 12))):
             got = parse(text[:k], spec(thinking=thinking), cut=True)
             reasoning, content, calls, failures = got
@@ -208,12 +247,24 @@ def test_an_output_cut_anywhere_never_shows_markup(thinking):
             assert turn["content"].startswith(content) and (turn["reasoning_content"] if thinking else "").startswith(
                 reasoning
             ), text[:k]
-            assert [(n, json.loads(a)) for n, a in calls] == want[: len(calls)], text[:k]
+            complete = [c for c in calls if len(c) == 2]
+            assert complete == whole[: len(complete)], text[:k]
+            if len(calls) > len(complete):  # the call being written: its arguments so far
+                (name, arguments, reason), full = calls[-1], whole[len(complete)]
+                assert len(calls) == len(complete) + 1 and reason == "cut_call" and name == full[0]
+                assert full[1].startswith(arguments), (arguments, full)
             assert set(failures) <= {"cut_call"}, (failures, text[:k])
             assert parse(text[:k], spec(thinking=thinking), random_pieces(rng, text[:k]), cut=True) == got
-    cut = MALFORMED["unclosed_call"]
-    assert parse("r</think>" + cut, spec(), cut=True) == ("r", "Sure.", [], ["cut_call"])
-    assert parse("r</think>" + cut, spec()) == ("r", cut, [], ["unclosed_call"])  # ended, not cut: the text stands
+    cut = BROKEN["unclosed_call"][0]
+    assert parse("r</think>" + cut, spec(), cut=True) == (
+        "r",
+        "Sure.",
+        [("search", '{"q": "x', "cut_call")],
+        ["cut_call"],
+    )
+    before_head = cut[: cut.index("search")]
+    assert parse("r</think>" + before_head, spec(), cut=True) == ("r", "Sure.", [], ["cut_call"])
+    assert parse("r</think>" + before_head, spec()) == ("r", before_head, [], ["unclosed_call"])  # ended: text
 
 
 def test_repeated_markup_parses_the_good_calls_and_keeps_the_rest():
@@ -317,4 +368,4 @@ def test_any_markup_soup_parses_the_same_in_any_pieces(thinking):
 def test_json_nested_past_the_decoder_is_bad_json():
     deep = f'<{D}tool_calls>\n<{D}invoke name="search">\n<{D}parameter name="n" string="false">{"[" * 100000}'
     text = f"{deep}</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>"
-    assert parse(text, spec(thinking=False)) == ("", text, [], ["bad_json"])
+    assert parse(text, spec(thinking=False)) == ("", "", [("search", '{"n": ', "bad_json")], ["bad_json"])

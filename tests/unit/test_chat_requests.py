@@ -92,11 +92,14 @@ def test_each_thinking_control(v4, body, thinking):
     assert prep.thinking is thinking
 
 
-@pytest.mark.parametrize("effort, level", [("low", "high"), ("medium", "high"), ("high", "high"), ("max", "max")])
+@pytest.mark.parametrize(
+    "effort, level",
+    [("minimal", "high"), ("low", "high"), ("medium", "high"), ("high", "high"), ("xhigh", "max"), ("max", "max")],
+)
 def test_reasoning_effort_levels(v4, effort, level):
     got = _prompt(v4, reasoning_effort=effort, thinking={"type": "enabled"})
     assert got == dsv4.encode(USER, thinking=True, reasoning_effort=level)
-    assert got.startswith(dsv4.BOS + dsv4.MAX_EFFORT) is (level == "max")
+    assert got.startswith(dsv4.BOS + dsv4.ABSOLUTE_MAX) is (level == "max")
     assert _prompt(v4, chat_template_kwargs={"reasoning_effort": effort, "thinking": True}) == got
 
 

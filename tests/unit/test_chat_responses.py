@@ -22,7 +22,15 @@ from pdserve.tiny_model import make_tiny_model
 from pdserve.tokenizer import Tokenizer
 from pdserve.wire.protocol import GenerateChunk
 from tests.helpers.router_apis import worker_chunks
-from tests.unit.test_chat_parsers import DEEPSEEK_EXAMPLE, MALFORMED, TOOLS, completion, random_pieces, random_turn
+from tests.unit.test_chat_parsers import (
+    BROKEN,
+    DEEPSEEK_EXAMPLE,
+    MALFORMED,
+    TOOLS,
+    completion,
+    random_pieces,
+    random_turn,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -86,8 +94,14 @@ def test_deepseek_example_whole_and_streamed(tokenizer):
     deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
     assert deltas[0]["role"] == "assistant" and sum("role" in d for d in deltas) == 1
     calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
-    assert calls[0]["id"] and calls[0]["function"]["name"] == "get_weather" and calls[0]["index"] == 0
-    assert all("id" not in c for c in calls[1:]) and len(calls) == 4  # name, then 3 argument pieces
+    assert calls[0] == {
+        "index": 0,
+        "id": calls[0]["id"],
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": ""},
+    }
+    assert all(c.keys() == {"index", "function"} and c["function"].keys() == {"arguments"} for c in calls[1:])
+    assert len(calls) > 4 and "".join(c["function"]["arguments"] for c in calls) == call.function.arguments
     assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "tool_calls"
     usage = events[-1]["usage"]
     assert usage["completion_tokens_details"]["reasoning_tokens"] == DEEPSEEK_EXAMPLE.index("</think>") + len(
@@ -142,6 +156,44 @@ def test_length_cut_keeps_length_and_parsed_calls(tokenizer):
     body = whole(formatter(tokenizer, v4()), worker_chunks([cut], finish="length"))
     choice = body["choices"][0]
     assert choice["finish_reason"] == "length" and len(choice["message"]["tool_calls"]) == 1
+    assert "incomplete_tool_calls" not in choice["message"]
+
+
+def _streamed_calls(events: list[dict]) -> dict[int, list]:
+    """index -> [id, name, the arguments' pieces joined], from a stream's tool_calls deltas."""
+    calls: dict[int, list] = {}
+    for e in events:
+        for c in (e["choices"][0]["delta"].get("tool_calls") or []) if e["choices"] else []:
+            if "id" in c:
+                calls[c["index"]] = [c["id"], c["function"]["name"], c["function"]["arguments"]]
+            else:
+                calls[c["index"]][2] += c["function"]["arguments"]
+    return calls
+
+
+@pytest.mark.parametrize("end", ["cut", "broken"])
+def test_an_incomplete_call_streams_its_arguments_and_the_whole_message_names_it(tokenizer, end):
+    """Cut by the length limit, or its rest not parsing: the stream keeps the arguments given out
+    (finish_reason length, or stop); the whole message keeps tool_calls complete and lists the call
+    in incomplete_tool_calls with the same id, name and arguments. No DSML in content either way."""
+    if end == "cut":
+        text, finish, reason = DEEPSEEK_EXAMPLE[: DEEPSEEK_EXAMPLE.index("celsius") + 3], "length", "cut_call"
+    else:
+        text, finish, reason = "r</think>" + BROKEN["bad_json"][0], "stop", "bad_json"
+    events = streamed(formatter(tokenizer, v4()), worker_chunks(random_pieces(random.Random(5), text), finish))
+    assert "DSML" not in json.dumps([e["choices"][0]["delta"].get("content") for e in events if e["choices"]])
+    [(call_id, name, arguments)] = _streamed_calls(events).values()
+    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == finish
+    body = whole(formatter(tokenizer, v4()), worker_chunks([text], finish))
+    message = body["choices"][0]["message"]
+    assert "tool_calls" not in message and body["choices"][0]["finish_reason"] == finish
+    [incomplete] = message["incomplete_tool_calls"]
+    assert (incomplete["type"], incomplete["function"]["name"], incomplete["reason"]) == ("function", name, reason)
+    want = '{"location": "Beijing", "unit": "cel' if end == "cut" else '{"n": '
+    assert arguments == incomplete["function"]["arguments"] == want and incomplete["id"].startswith("call_")
+    if finish != "length":  # (its stream helper refuses a length finish)
+        got = assembled(events, TOOLS).choices[0]
+        assert got.message.tool_calls[0].function.arguments == want  # the openai client keeps what was streamed
 
 
 def test_router_picks_parsers_and_counts_failures(tmp_path, caplog):

@@ -97,7 +97,9 @@ def test_deepseek_example_whole_and_streamed(tokenizer):
     start = frames[0].json()["message"]
     assert start["content"] == [] and start["stop_reason"] is None and start["usage"]["cache_read_input_tokens"] == 2
     deltas = [f.json()["delta"]["type"] for f in frames if f.event == "content_block_delta"]
-    assert set(deltas) == {"thinking_delta", "input_json_delta"} and deltas.count("input_json_delta") == 3
+    assert set(deltas) == {"thinking_delta", "input_json_delta"}
+    pieces = [f.json()["delta"].get("partial_json", "") for f in frames if f.event == "content_block_delta"]
+    assert "".join(pieces) == '{"location": "Beijing", "unit": "celsius"}'  # the call's arguments as written
     assert [f.json()["index"] for f in frames if f.event == "content_block_start"] == [0, 1]
     assert [f.json()["index"] for f in frames if f.event == "content_block_stop"] == [0, 1]
     tool_start = [f.json() for f in frames if f.event == "content_block_start"][1]["content_block"]
@@ -156,9 +158,15 @@ def test_stop_reasons(tokenizer, finish, stop_reason, want):
 
 
 def test_a_length_cut_inside_a_call_is_max_tokens_with_no_markup(tokenizer):
-    cut = DEEPSEEK_EXAMPLE[: DEEPSEEK_EXAMPLE.index("celsius")]
+    """The call being written keeps its block, its input what the client makes of the pieces given
+    out (partial JSON: the unfinished string left out)."""
+    cut = DEEPSEEK_EXAMPLE[: DEEPSEEK_EXAMPLE.index("celsius") + 3]
     m = whole(formatter(tokenizer, v4()), worker_chunks([cut], "length"))
-    assert m.stop_reason == "max_tokens" and [b[0] for b in blocks(m)] == ["thinking"]
+    assert m.stop_reason == "max_tokens" and blocks(m)[1:] == [("tool_use", "get_weather", {"location": "Beijing"})]
+    frames = events(formatter(tokenizer, v4()), worker_chunks(list(cut), "length"))
+    assert "DSML" not in "".join(f.data for f in frames)
+    got = assembled(frames)
+    assert blocks(got) == blocks(m) and got.stop_reason == "max_tokens"
 
 
 def test_thinking_display_omitted_keeps_the_blocks_without_their_text(tokenizer):

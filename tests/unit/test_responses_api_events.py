@@ -112,7 +112,8 @@ def test_deepseek_example_whole_and_streamed(tokenizer):
     assert kinds[-1] == "response.completed"
     created = fs[0].json()["response"]
     assert (created["status"], created["output"], created["usage"]) == ("in_progress", [], None)
-    assert kinds.count("response.function_call_arguments.delta") == 3  # the call's pieces
+    pieces = [f.json()["delta"] for f in fs if f.event == "response.function_call_arguments.delta"]
+    assert len(pieces) > 3 and "".join(pieces) == '{"location": "Beijing", "unit": "celsius"}'  # as written
     assert {"response.reasoning_text.delta", "response.reasoning_text.done", "response.content_part.done"} <= set(kinds)
     assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 2
     call_added = [f.json()["item"] for f in fs if f.event == "response.output_item.added"][1]
@@ -162,10 +163,23 @@ def test_the_length_limit_is_incomplete(tokenizer):
         EVENT.validate_python(f.json())  # response.incomplete too
 
 
-def test_a_length_cut_inside_a_call_leaves_no_markup(tokenizer):
-    cut = DEEPSEEK_EXAMPLE[: DEEPSEEK_EXAMPLE.index("celsius")]
-    r = whole(formatter(tokenizer, v4()), worker_chunks([cut], "length"))
-    assert r.status == "incomplete" and [i[0] for i in items(r)] == ["reasoning"]
+def test_a_length_cut_inside_a_call_is_an_incomplete_function_call(tokenizer):
+    """The call being written stays, status incomplete, with the arguments given out so far; no markup."""
+    cut = DEEPSEEK_EXAMPLE[: DEEPSEEK_EXAMPLE.index("celsius") + 3]
+    cs = worker_chunks(list(cut), "length")
+    r = whole(formatter(tokenizer, v4()), cs)
+    assert r.status == "incomplete" and [(i.type, i.status) for i in r.output] == [
+        ("reasoning", "completed"),
+        ("function_call", "incomplete"),
+    ]
+    call = r.output[1]
+    assert (call.name, call.arguments) == ("get_weather", '{"location": "Beijing", "unit": "cel')
+    fs = frames(formatter(tokenizer, v4()), cs)
+    assert fs[-1].event == "response.incomplete" and "DSML" not in "".join(f.data for f in fs)
+    pieces = [f.json()["delta"] for f in fs if f.event == "response.function_call_arguments.delta"]
+    assert "".join(pieces) == call.arguments
+    done = [f.json()["item"] for f in fs if f.event == "response.output_item.done"][-1]
+    assert (done["arguments"], done["status"]) == (call.arguments, "incomplete")
 
 
 def test_without_parsers_the_text_is_one_message(tokenizer):

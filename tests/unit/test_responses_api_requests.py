@@ -153,6 +153,7 @@ def test_reasoning_effort(validator):
     off, on = responses(validator, reasoning={"effort": "none"}), responses(validator, reasoning={"effort": "low"})
     assert text_of(validator, off) == dsv4.encode(USER, thinking=False) and not off.thinking
     assert text_of(validator, on) == dsv4.encode(USER, thinking=True) and on.thinking
+    assert text_of(validator, responses(validator, reasoning={"effort": "minimal"})) == text_of(validator, on)
     top = responses(validator, reasoning={"effort": "max"})
     assert text_of(validator, top) == dsv4.encode(USER, thinking=True, reasoning_effort="max")
     assert text_of(validator, responses(validator)) == dsv4.encode(USER, thinking=False)  # the server default
@@ -209,7 +210,7 @@ REFUSED = [
     ("no input", {"input": None}, "input"),
     ("empty input", {"input": []}, "input"),
     ("reasoning.summary", {"reasoning": {"effort": "low", "summary": "auto"}}, "reasoning.summary"),
-    ("effort minimal", {"reasoning": {"effort": "minimal"}}, "reasoning.effort"),
+    ("effort extreme", {"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
     ("text.verbosity", {"text": {"verbosity": "low"}}, "text.verbosity"),
     ("a json_schema without a schema", {"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ("an image part", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content.0"),

@@ -224,7 +224,7 @@ def answers(llm, validator, bodies: list[dict]) -> list[tuple]:
         ids = o.token_ids[:-1] if o.finish_reason == "stop" else o.token_ids  # the EOS
         parser = OutputSpec("deepseek_v4", "deepseek_v4", tool_names(prep.tools), prep.thinking).parser()
         parts = [parser.feed(llm.get_tokenizer().decode(ids, skip_special_tokens=False)), parser.finish()]
-        calls = [(c.call.name, c.call.arguments) for p in parts for c in p.calls]
+        calls = [(c.name, c.arguments) for p in parts for c in p.calls]
         reasoning, content = "".join(p.reasoning for p in parts), "".join(p.content for p in parts)
         got.append((o.finish_reason, reasoning, content, calls, parser.failures))
     return got
@@ -293,7 +293,7 @@ def test_v32_function_calls_block(tok, validator):
     assert matches(tok, g, text) and not matches(tok, grammar(tok), text)
     parser = OutputSpec(None, "deepseek_v32", tool_names(TOOLS)).parser()
     parts = [parser.feed(text), parser.finish()]
-    assert [c.call.name for p in parts for c in p.calls] == ["get_weather", "ping"] and not parser.failures
+    assert [c.name for p in parts for c in p.calls] == ["get_weather", "ping"] and not parser.failures
     validator.tool_parser = "deepseek_v32"
     try:
         assert prepare(validator, tools=TOOLS, tool_choice="required").params[0].structured_outputs.grammar == g

@@ -92,7 +92,7 @@ def test_the_grammar_takes_what_the_template_writes(v3):
         # the format's parser reads it back: the same name and arguments
         parser = OutputSpec("deepseek_r1", dialect, tool_names(TOOLS)).parser()
         parts = [parser.feed(text), parser.finish()]
-        got = [(p.call.name, p.call.arguments) for part in parts for p in part.calls]
+        got = [(p.name, p.arguments) for part in parts for p in part.calls]
         assert got == [(c["function"]["name"], c["function"]["arguments"])] and not parser.failures
     end = tok.token_to_id("</think>")
     assert (end is not None) == (dialect == "deepseek_v31")  # V3's tokenizer: </think> is text
@@ -184,7 +184,7 @@ def test_required_and_named_calls_with_random_weights(v3):
         assert o.finish_reason == "stop"
         parser = OutputSpec("deepseek_r1", dialect, tool_names(prep.tools), prep.thinking).parser()
         parts = [parser.feed(tok.decode(o.token_ids[:-1], skip_special_tokens=False)), parser.finish()]
-        calls = [c.call for p in parts for c in p.calls]
+        calls = [c for p in parts for c in p.calls]
         assert calls and not parser.failures and "".join(p.content for p in parts) == ""
         for c in calls:
             assert_valid_call(c.name, c.arguments, body["tools"])

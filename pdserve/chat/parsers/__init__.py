@@ -8,9 +8,13 @@ whether an answer starts in its reasoning is the prompt's to say (the validator'
 prompt that ends with neither (R1's first template, V3) leaves it to the output: one that starts
 with `<think>` reasons first.
 
-    scan.py    streamed text -> text and markers, holding back a marker's possible start
-    calls.py   each family's tool-call markup; one call's body -> name + JSON arguments
-    output.py  OutputParser: one choice's text -> reasoning, content, tool calls
+    scan.py         streamed text -> text and markers, holding back a marker's possible start
+    dialects.py     each family's tool-call markup: its markers, and its two readers of a call's body
+    calls.py        one call's whole body -> name + JSON arguments
+    partial.py      one call's body as it streams -> its name, the start of its arguments
+    json_prefix.py  a JSON object's text as it streams -> the part sure to stand
+    output.py       OutputParser: one choice's text -> reasoning, content, tool calls (given out
+                    from their heads, arguments as they are written)
 """
 
 from __future__ import annotations
@@ -18,13 +22,22 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from pdserve.chat.parsers.calls import DIALECTS
-from pdserve.chat.parsers.output import OutputParser, Parsed, ToolCall
+from pdserve.chat.parsers.dialects import DIALECTS
+from pdserve.chat.parsers.output import CallEnd, CallPiece, OutputParser, Parsed, ToolCall
 
 REASONING_PARSERS = ("deepseek_v4", "deepseek_r1")
 TOOL_PARSERS = tuple(DIALECTS)
 
-__all__ = ["REASONING_PARSERS", "TOOL_PARSERS", "OutputParser", "OutputSpec", "Parsed", "ToolCall"]
+__all__ = [
+    "REASONING_PARSERS",
+    "TOOL_PARSERS",
+    "CallEnd",
+    "CallPiece",
+    "OutputParser",
+    "OutputSpec",
+    "Parsed",
+    "ToolCall",
+]
 
 
 def default_parsers(model_type: str | None, chat_template: str | None) -> tuple[str | None, str | None]:

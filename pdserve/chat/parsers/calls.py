@@ -1,6 +1,5 @@
-"""Tool-call markup of the DeepSeek families, one `Dialect` each: the block's and a call's markers,
-and how one call's body (the text between its open and close markers) becomes a name and
-OpenAI `function.arguments` (a JSON string).
+"""One tool call's body (the text between its open and close markers, dialects.py) -> its name and
+OpenAI `function.arguments` (a JSON string), for each of the DeepSeek families' call formats:
 
     deepseek_v4   <｜DSML｜tool_calls> <｜DSML｜invoke name="f"> <｜DSML｜parameter name="k"
                   string="true|false">v</｜DSML｜parameter> </｜DSML｜invoke> </｜DSML｜tool_calls>
@@ -16,15 +15,16 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from dataclasses import dataclass
 
 DSML = "｜DSML｜"
 PARAM_CLOSE = f"</{DSML}parameter>"
-_DSML_HEAD = re.compile(r'\s*name="([^"]*)"\s*>')
-_DSML_PARAM = re.compile(rf'<{DSML}parameter\s+name="([^"]*)"\s+string="(true|false)"\s*>')
+DSML_HEAD = re.compile(r'\s*name="([^"]*)"\s*>')
+DSML_PARAM = re.compile(rf'<{DSML}parameter\s+name="([^"]*)"\s+string="(true|false)"\s*>')
 TOOL_SEP = "<｜tool▁sep｜>"
-_V3_BODY = re.compile(rf"(.*?){re.escape(TOOL_SEP)}(.*?)\n```json\n(.*)\n```\s*", re.DOTALL)
+V3_FENCE = "\n```json\n"
+_V3_BODY = re.compile(rf"(.*?){re.escape(TOOL_SEP)}(.*?){re.escape(V3_FENCE)}(.*)\n```\s*", re.DOTALL)
 
 
 class CallError(ValueError):
@@ -35,19 +35,6 @@ class CallError(ValueError):
 class Call:
     name: str
     arguments: str  # a JSON object's text
-    pieces: tuple[str, ...]  # arguments cut where the markup gives a place (one per parameter); joined = arguments
-
-
-@dataclass(frozen=True)
-class Dialect:
-    block_open: tuple[str, ...]  # the first that matches at a place is the longest
-    call_open: str
-    call_close: str
-    block_close: str
-    parse: Callable[[str, Collection[str]], Call]
-
-    def markers(self) -> set[str]:
-        return {*self.block_open, self.call_open, self.call_close, self.block_close}
 
 
 def _known(name: str, names: Collection[str]) -> str:
@@ -60,7 +47,7 @@ def _no_constants(name: str) -> None:
     raise ValueError(f"{name} is not JSON")
 
 
-def _json_value(text: str) -> object:
+def json_value(text: str) -> object:
     try:
         return json.loads(text, parse_constant=_no_constants)
     except (ValueError, RecursionError):  # RecursionError: nested deeper than the decoder goes
@@ -70,14 +57,14 @@ def _json_value(text: str) -> object:
 def parse_dsml(body: str, names: Collection[str]) -> Call:
     """` name="f">\\n<｜DSML｜parameter ...>v</｜DSML｜parameter>\\n...`: string="true" values are
     taken as they are, the others must be JSON (kept as written, as DeepSeek's decoder does)."""
-    head = _DSML_HEAD.match(body)
+    head = DSML_HEAD.match(body)
     if head is None:
         raise CallError("invoke_format")
     name = _known(head.group(1), names)
     pos, seen, parts = head.end(), set(), []
     while body[pos:].strip():
         pos += len(body[pos:]) - len(body[pos:].lstrip())
-        param = _DSML_PARAM.match(body, pos)
+        param = DSML_PARAM.match(body, pos)
         if param is None:
             raise CallError("parameter_format")
         end = body.find(PARAM_CLOSE, param.end())
@@ -88,16 +75,15 @@ def parse_dsml(body: str, names: Collection[str]) -> Call:
             raise CallError("duplicate_parameter")
         seen.add(key)
         if not is_string:
-            _json_value(value)
+            json_value(value)
         text = json.dumps(value, ensure_ascii=False) if is_string else value
         parts.append(f"{json.dumps(key, ensure_ascii=False)}: {text}")
         pos = end + len(PARAM_CLOSE)
-    pieces = ["{" + parts[0]] + [", " + p for p in parts[1:]] + ["}"] if parts else ["{}"]
-    return Call(name, "".join(pieces), tuple(pieces))
+    return Call(name, "{" + ", ".join(parts) + "}")
 
 
 def _object(text: str) -> str:
-    if not isinstance(_json_value(text), dict):
+    if not isinstance(json_value(text), dict):
         raise CallError("arguments_not_object")
     return text
 
@@ -107,8 +93,7 @@ def parse_v31(body: str, names: Collection[str]) -> Call:
     name, sep, args = body.partition(TOOL_SEP)
     if not sep:
         raise CallError("call_format")
-    args = _object(args)
-    return Call(_known(name, names), args, (args,))
+    return Call(_known(name, names), _object(args))
 
 
 def parse_v3(body: str, names: Collection[str]) -> Call:
@@ -116,31 +101,4 @@ def parse_v3(body: str, names: Collection[str]) -> Call:
     m = _V3_BODY.fullmatch(body)
     if m is None or m.group(1) != "function":
         raise CallError("call_format")
-    args = _object(m.group(3))
-    return Call(_known(m.group(2), names), args, (args,))
-
-
-_V3_MARKERS = dict(
-    block_open=("<｜tool▁calls▁begin｜>",),
-    call_open="<｜tool▁call▁begin｜>",
-    call_close="<｜tool▁call▁end｜>",
-    block_close="<｜tool▁calls▁end｜>",
-)
-
-
-def _dsml(block: str) -> Dialect:
-    return Dialect(
-        block_open=(f"\n\n<{DSML}{block}>", f"<{DSML}{block}>"),
-        call_open=f"<{DSML}invoke",
-        call_close=f"</{DSML}invoke>",
-        block_close=f"</{DSML}{block}>",
-        parse=parse_dsml,
-    )
-
-
-DIALECTS: dict[str, Dialect] = {
-    "deepseek_v4": _dsml("tool_calls"),
-    "deepseek_v32": _dsml("function_calls"),
-    "deepseek_v31": Dialect(**_V3_MARKERS, parse=parse_v31),
-    "deepseek_v3": Dialect(**_V3_MARKERS, parse=parse_v3),
-}
+    return Call(_known(m.group(2), names), _object(m.group(3)))
