@@ -133,7 +133,7 @@ class WorkerConfig(_Strict):
     max_num_batched_tokens: int | None = Field(None, ge=1)
     max_model_len: int | None = Field(None, ge=2)
     enforce_eager: bool = False  # no CUDA graphs for decode steps
-    async_scheduling: bool = False  # the overlapped engine loop (engine/config.py)
+    async_scheduling: bool | None = None  # the overlapped engine loop (None: on CUDA; engine/config.py)
     enable_prefix_caching: bool = True  # reuse cached KV blocks of earlier prompts (docs/prefix-caching.md)
     kv_cache_dtype: KVCacheDType = "auto"  # fp8: FP8 latent records (V3 / V3.2); part of the KV compatibility hash
     quantization: Quantization | None = None  # weights: unset follows the checkpoint (FP8 kept FP8); none dequantizes

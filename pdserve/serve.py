@@ -107,7 +107,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     w(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
-        help="the overlapped engine loop: step n + 1 launched before step n's tokens are read (default off)",
+        help="the overlapped engine loop: step n + 1 launched before step n's tokens are read (default: on CUDA)",
     )
     w("--kv-cache-dtype", help="auto (the model dtype) | fp8 (FP8 latent records, V3 / V3.2)")
     w(

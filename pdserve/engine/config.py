@@ -75,8 +75,8 @@ class EngineConfig(BaseModel):
     # name), cuda_graph_max_bs is the largest batch captured (SGLang's; default min(max_num_seqs, 256))
     enforce_eager: bool = False
     # the overlapped loop (vLLM's async scheduling; llm_engine.py): step n + 1 launched before step
-    # n's tokens are read. Off by default until it has run on a GPU (it is exact on the CPU)
-    async_scheduling: bool = False
+    # n's tokens are read. None: on CUDA devices, off on the CPU (where nothing runs beside the host)
+    async_scheduling: bool | None = None
     cuda_graph_max_bs: int | None = Field(None, ge=1)
     # the KV records (vLLM's name): "auto" = the model dtype; "fp8" = FP8 e4m3 latent records with
     # per-128 scales (656 bytes a token-layer for V3 / V3.2, kernels/kv_fp8.py)

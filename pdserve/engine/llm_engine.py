@@ -113,7 +113,8 @@ class LLMEngine:
         self._arrival = itertools.count()
         self._inflight: _Launched | None = None  # the overlapped loop's step on the device
         self._unfreed: list[Sequence] = []  # finished, blocks kept until the steps writing them are read
-        self.async_scheduling = config.async_scheduling  # the overlapped loop (vLLM's async scheduling)
+        overlap = config.async_scheduling  # the overlapped loop (vLLM's async scheduling): on CUDA by default
+        self.async_scheduling = self.runner.device.type == "cuda" if overlap is None else overlap
 
     @property
     def kv_cache(self):

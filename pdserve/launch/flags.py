@@ -105,7 +105,7 @@ def add_launch_flags(p: argparse.ArgumentParser) -> None:
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help=f"{w} async_scheduling (the overlapped engine loop; off by default)",
+        help=f"{w} async_scheduling (the overlapped engine loop; default: on CUDA)",
     )
     p.add_argument(
         "--enable-prefix-caching",

@@ -190,3 +190,17 @@ def test_pd_prefill_hands_off_before_the_last_token_and_decode_forks(tiny):
     assert tokens_by_index(out) == want
     assert_empty(decode)
     assert prefill.get_stats().kv_blocks_used == 0
+
+
+def test_llm_generate_gives_n_outputs_a_prompt(tiny):
+    from pdserve import LLM
+
+    arch, model = tiny
+    llm = LLM(str(model), dtype="float32", device=DEVICE, num_kv_blocks=128)
+    prompts = [{"prompt_token_ids": prompt(10)}, {"prompt_token_ids": prompt(23)}]
+    outs = llm.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=6, ignore_eos=True))
+    ones = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    for out, one in zip(outs, ones):
+        assert [c.index for c in out.outputs] == [0, 1]
+        assert [c.token_ids for c in out.outputs] == [one.outputs[0].token_ids] * 2
+    assert_empty(llm.engine)
