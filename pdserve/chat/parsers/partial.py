@@ -15,6 +15,7 @@ at the close says why.
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 
 from pdserve.chat.parsers.calls import DSML_HEAD, DSML_PARAM, PARAM_CLOSE, TOOL_SEP, V3_FENCE, CallError, json_value
 from pdserve.chat.parsers.json_prefix import JsonPrefix
@@ -104,7 +105,7 @@ class DsmlArgs:
         return False
 
 
-class _V3Head:
+class _V3Head(ABC):
     """The V3 formats' head: the text before the JSON, read until `_head_of` finds it whole."""
 
     def __init__(self) -> None:
@@ -128,8 +129,10 @@ class _V3Head:
                 return ""
         return self._args(text)
 
+    @abstractmethod
     def _head_of(self, head: str) -> tuple[str | None, str] | None:
-        raise NotImplementedError
+        """(name, the arguments' text after the head) once the head is whole; (None, _): a head
+        the whole parse refuses; None: not whole yet."""
 
     def _args(self, text: str) -> str:
         return self._json.feed(text)
