@@ -173,15 +173,20 @@ def test_delta_outputs_fold_into_the_final_ones(tiny):
     assert {c.finish_reason for c in folded.outputs} == {"length"}
 
 
-def test_pd_prefill_hands_off_before_the_last_token_and_decode_forks(tiny):
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
+def test_pd_prefill_hands_off_before_the_last_token_and_decode_forks(tiny, overlap):
     arch, model = tiny
     fabric = FakeFabric()
     conns = [FakeConnector(e, model_id="tiny", fabric=fabric, lease_margin_s=0.0) for e in ("P", "D")]
-    prefill, decode = make(model, conns[0]), make(model, conns[1])
+    prefill, decode = make(model, conns[0], async_scheduling=overlap), make(model, conns[1], async_scheduling=overlap)
     p = prompt(29)
     params = sampled(n=3)
     held = run(prefill, [Request(request_id="r", prompt_token_ids=p, params=params, hold_kv=True)])["r"]
     assert held.outputs[0].token_ids == [] and held.kv_handle.num_tokens == len(p) - 1
+    if arch == "deepseek_v4":  # held for decode: only the window blocks of the last W - 1 positions
+        (seq,) = prefill.scheduler.held.values()
+        n, bs, keep = seq.num_computed_tokens, 8, prefill.runner.model.config.v4.sliding_window - 1
+        assert [i for i, b in enumerate(seq.window_table) if b >= 0] == list(range(max(0, n - keep) // bs, -(-n // bs)))
     with pytest.raises(ValueError, match="first_token"):
         Request(request_id="r", prompt_token_ids=p, params=sampled(n=1), kv_handle=held.kv_handle)
     out = run(decode, [Request(request_id="r", prompt_token_ids=p, params=params, kv_handle=held.kv_handle)])["r"]
