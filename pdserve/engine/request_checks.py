@@ -28,6 +28,8 @@ def check_request(req: Request, max_model_len: int, vocab: int, detokenizes: boo
         raise ValueError(f"logit_bias token ids must lie in [0, {vocab})")
     if req.params.stop and not (detokenizes and req.params.detokenize):
         raise ValueError("stop strings need detokenization (a tokenizer, and detokenize=True)")
+    if req.hold_kv and req.params.num_seqs > 1 and n < 2:  # forks.py: prefill hands off all but the last token
+        raise ValueError("n > 1 under PD needs a prompt of at least 2 tokens (prefill computes all but the last)")
     if req.role != "colocated" and remote_kv is None:
         raise ValueError("hold_kv / kv_handle / kv_from need an engine with a KV connector")
     if req.kv_handle is not None:

@@ -189,6 +189,8 @@ def test_pd_prefill_hands_off_before_the_last_token_and_decode_forks(tiny, overl
         assert [i for i, b in enumerate(seq.window_table) if b >= 0] == list(range(max(0, n - keep) // bs, -(-n // bs)))
     with pytest.raises(ValueError, match="first_token"):
         Request(request_id="r", prompt_token_ids=p, params=sampled(n=1), kv_handle=held.kv_handle)
+    with pytest.raises(ValueError, match="at least 2 tokens"):  # nothing to hand off but the last token
+        prefill.add_request(Request(request_id="one", prompt_token_ids=[5], params=params, hold_kv=True))
     out = run(decode, [Request(request_id="r", prompt_token_ids=p, params=params, kv_handle=held.kv_handle)])["r"]
     prefill.step()  # takes the release
     want = alone(model, p, [sampled(seed=SEED + i) for i in range(3)])
