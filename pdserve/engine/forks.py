@@ -25,12 +25,11 @@ for the ranking and given out only when the request asked for them.
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable
 
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.engine.sequence import Sequence
 from pdserve.sampling_params import SamplingParams
 
 
@@ -62,12 +61,10 @@ class Forker:
         scheduler: Scheduler,
         block_manager: BlockManager,
         new_child: Callable[[Sequence, int], Sequence],
-        max_num_batched_tokens: int,
     ) -> None:
         self.scheduler = scheduler
         self.block_manager = block_manager
         self.new_child = new_child  # (parent, index) -> the child, no blocks yet (new_sequence.py)
-        self.max_num_batched_tokens = max_num_batched_tokens
 
     def fork_scheduled(self, sched: SchedulerOutput) -> None:
         for s in list(sched.scheduled):
@@ -82,16 +79,7 @@ class Forker:
 
     def _place(self, parent: Sequence, child: Sequence, sched: SchedulerOutput) -> None:
         """child into this step where there is room, else at the front of waiting."""
-        sch, bm = self.scheduler, self.block_manager
-        if not bm.fork(parent, child):
-            sch.add(child)  # computes its prompt again when blocks free up
-            return
-        room = len(sch.running) < sch.max_num_seqs and sched.num_batched_tokens < self.max_num_batched_tokens
-        if room and bm.can_allocate(child, child.num_tokens):
-            bm.allocate(child, child.num_tokens)
-            child.status = SequenceStatus.RUNNING
-            bisect.insort(sch.running, child, key=lambda q: q.arrival)
-            sched.scheduled.append(ScheduledSeq.of(child, child.num_tokens - child.num_computed_tokens))
-        else:
-            child.status = SequenceStatus.WAITING
-            sch.waiting.appendleft(child)
+        if not self.block_manager.fork(parent, child):
+            self.scheduler.add(child)  # computes its prompt again when blocks free up
+        elif not self.scheduler.join_step(child, sched):
+            self.scheduler.add_front(child)  # holds its forked blocks meanwhile

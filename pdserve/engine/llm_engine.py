@@ -94,7 +94,7 @@ class LLMEngine:
         vocab_size = self.runner.model.config.vocab_size
         self.maker = SequenceMaker(self.tokenizer, vocab_size, self.eos_token_ids, self.max_model_len)
         new_child = lambda parent, index: self.maker.child(parent, index, next(self._arrival))  # noqa: E731
-        self.forker = Forker(self.scheduler, self.block_manager, new_child, config.max_num_batched_tokens)
+        self.forker = Forker(self.scheduler, self.block_manager, new_child)
         self.spec = SpecDecoder.for_engine(config, self.runner, self.block_manager)  # None: none
         self.connector = connector
         self.remote_kv: RemoteKV | None = None

@@ -86,6 +86,23 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
+    def add_front(self, seq: Sequence) -> None:
+        """A sequence that already holds its blocks (a fork's child with no room this step): first in line."""
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def join_step(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """A sequence holding its blocks (a fork's child) joins `out` for its uncomputed tokens
+        where max_num_seqs, the token budget and the pool allow; False if it does not."""
+        room = len(self.running) < self.max_num_seqs and out.num_batched_tokens < self.max_num_batched_tokens
+        if not room or not self.block_manager.can_allocate(seq, seq.num_tokens):
+            return False
+        self.block_manager.allocate(seq, seq.num_tokens)
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=lambda s: s.arrival)
+        out.scheduled.append(ScheduledSeq.of(seq, seq.num_uncomputed_tokens))
+        return True
+
     def add_remote(self, seq: Sequence) -> None:
         """A decode-role sequence whose prompt KV comes from a prefill worker."""
         seq.status = SequenceStatus.WAITING_FOR_REMOTE_KV
